@@ -1,0 +1,3 @@
+"""gradsvc: gradients, their numerical check, activation memory and timings, as a service."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,39 @@
+"""Every Redis key and queue name gradsvc uses comes from here; none is built inline."""
+
+from __future__ import annotations
+
+QUEUE_DEVICES = ("auto", "cpu", "cuda")
+
+
+def queue_name(prefix: str, device: str) -> str:
+    """`auto` jobs go to the shared queue every worker drains; cpu/cuda jobs to their own."""
+    return prefix if device == "auto" else f"{prefix}-{device}"
+
+
+def worker_queues(prefix: str, device: str) -> list[str]:
+    """A worker drains its own device's queue first, then the shared one."""
+    return [queue_name(prefix, device), queue_name(prefix, "auto")]
+
+
+def result_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:result:{job_id}"
+
+
+def owner_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:owner:{job_id}"
+
+
+def rate_key(prefix: str, key_id: str, window: int) -> str:
+    return f"{prefix}:rate:{key_id}:{window}"
+
+
+def rq_results_stream(job_id: str) -> str:
+    """RQ's own results stream for a job (rq.results.Result.get_key); the API blocks on it."""
+    from rq.results import Result
+
+    return Result.get_key(job_id)
+
+
+def cancel_key(prefix: str, job_id: str) -> str:
+    """Set by DELETE /jobs/{id} for a running job; the job checks it between steps and stops."""
+    return f"{prefix}:cancel:{job_id}"

@@ -1,0 +1,95 @@
+"""Settings: read once from GRADSVC_* environment variables at start-up and passed down."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+
+class SettingsError(ValueError):
+    """A GRADSVC_* variable holds a value that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str = ""
+    queue_prefix: str = "gradsvc"
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_parameters: int = 50_000_000
+    max_elements: int = 64_000_000
+    max_layers: int = 512
+    max_depth: int = 8
+    max_result_bytes: int = 512 * 1024 * 1024
+    default_wait_s: float = 30.0
+    max_wait_s: float = 300.0
+    job_timeout_s: int = 600
+    result_ttl_s: int = 3600
+    failure_ttl_s: int = 86400
+    numcheck_exact_max: int = 20_000
+    numcheck_directions: int = 16
+    numcheck_samples: int = 8
+    workers: int = 1
+    worker_metrics_port: int = 9101
+    worker_device: str = "auto"
+    worker_heartbeat_s: int = 10
+    rate_limit_per_minute: int = 0
+    redis_timeout_s: float = 2.0
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        for f in fields(cls):
+            var = f"GRADSVC_{f.name.upper()}"
+            if var not in env:
+                continue
+            raw = env[var]
+            try:
+                values[f.name] = _parse(f.type, raw)
+            except ValueError as exc:
+                raise SettingsError(f"{var}={raw!r}: {exc}") from None
+        values.update(overrides)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
+                    "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")
+        if self.default_wait_s < 0 or self.max_wait_s < self.default_wait_s:
+            raise SettingsError("GRADSVC_DEFAULT_WAIT_S must lie in [0, GRADSVC_MAX_WAIT_S]")
+        if self.worker_device not in ("auto", "cpu", "cuda"):
+            raise SettingsError(f"GRADSVC_WORKER_DEVICE={self.worker_device!r}: use auto, cpu or cuda")
+        if self.api_keys_file and not Path(self.api_keys_file).is_file():
+            raise SettingsError(f"GRADSVC_API_KEYS_FILE={self.api_keys_file!r}: no such file")
+
+    def all_api_keys(self) -> tuple[str, ...]:
+        keys = list(self.api_keys)
+        if self.api_keys_file:
+            keys += [line.strip() for line in Path(self.api_keys_file).read_text().splitlines()
+                     if line.strip() and not line.startswith("#")]
+        return tuple(keys)
+
+
+def _parse(kind, raw: str):
+    kind = str(kind)
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    if kind.startswith("tuple"):
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return raw
+
+
+

@@ -1,0 +1,206 @@
+"""The wire format: every request, result and error Struct, shared by the API, the workers and the SDK.
+
+No torch here: the SDK imports this module without PyTorch installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
+
+
+class Tensor(Struct, omit_defaults=True):
+    """A tensor on the wire: nested `data` lists or raw little-endian C-order bytes (`data` in
+    MessagePack, `b64` in JSON)."""
+
+    dtype: str
+    shape: list[int]
+    data: list | bytes | None = None
+    b64: str | None = None
+
+
+# A bare nested list (or a scalar) is accepted for inputs and targets.
+TensorLike = Tensor | list | float
+
+
+class ModelSpec(Struct, forbid_unknown_fields=True):
+    layers: list[dict[str, Any]]
+    dtype: str = "float32"
+    seed: int = 0
+    weights: dict[str, Tensor] | None = None
+
+
+class LossSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    type: str
+    reduction: str = "mean"
+    name: str | None = None
+    weight: float = 1.0
+    target: str | None = None
+
+
+class HvpOptions(Struct, forbid_unknown_fields=True):
+    vector: str | dict[str, Tensor] = "random"
+    seed: int = 0
+
+
+NumcheckMode = Literal["auto", "off", "exact", "sampled", "directional"]
+
+
+class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    numcheck: NumcheckMode = "auto"
+    numcheck_eps: float = 1e-6
+    numcheck_samples: int | None = None
+    numcheck_tolerance: float = 1e-6
+    memory: bool = True
+    timing_repeat: int = 1
+    micro_batch: int | None = None
+    checkpoint_segments: int | None = None
+    freeze: list[str] = []
+    input_grad: bool = False
+    hvp: HvpOptions | None = None
+    per_loss: bool | None = None
+    graph: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    per_sample: Literal["off", "norms", "full"] = "off"
+    encoding: Literal["auto", "list", "b64"] = "auto"
+
+
+class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    model: ModelSpec
+    inputs: TensorLike
+    # Tensor | nested list | {name: Tensor | nested list} (several losses); checked by the engine.
+    targets: Any = None
+    loss: str | LossSpec | None = None
+    losses: list[LossSpec] | None = None
+    options: Options = msgspec.field(default_factory=Options)
+
+
+class ParameterCheck(Struct):
+    max_abs_error: float
+    max_rel_error: float
+    checked: int
+
+
+class Numcheck(Struct):
+    mode: str
+    eps: float
+    dtype: str
+    evaluations: int
+    max_abs_error: float
+    max_rel_error: float
+    passed: bool
+    tolerance: float
+    per_parameter: dict[str, ParameterCheck]
+
+
+class LayerMemory(Struct):
+    name: str
+    type: str
+    saved_bytes: int
+    output_bytes: int
+    parameter_bytes: int
+
+
+class Memory(Struct):
+    layers: list[LayerMemory]
+    saved_bytes_total: int
+    device_peak_bytes: int | None = None
+
+
+class Timings(Struct):
+    queue_ms: float = 0.0
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    numcheck_ms: float = 0.0
+    total_ms: float = 0.0
+    memory_ms: float = 0.0
+
+
+class PerSample(Struct):
+    norms: Tensor | None = None
+    gradients: dict[str, Tensor] | None = None
+
+
+class GraphNode(Struct):
+    id: int
+    name: str
+    next: list[int]
+
+
+class GradientResult(Struct, omit_defaults=False):
+    device: str
+    dtype: str
+    parameter_count: int
+    torch_version: str
+    loss: float
+    gradients: dict[str, Tensor | None]
+    timings: Timings
+    job_id: str = ""
+    status: str = "finished"
+    micro_batches: int = 1
+    losses: dict[str, float] | None = None
+    per_loss_gradients: dict[str, dict[str, Tensor | None]] | None = None
+    gradient_cosine: dict[str, float] | None = None
+    per_sample: PerSample | None = None
+    input_gradient: Tensor | None = None
+    hvp: dict[str, Tensor | None] | None = None
+    graph: list[GraphNode] | None = None
+    numcheck: Numcheck | None = None
+    memory: Memory | None = None
+    checkpoint: dict[str, float] | None = None
+
+
+class Estimate(Struct):
+    parameter_count: int
+    memory: Memory
+
+
+class ErrorInfo(Struct):
+    code: str
+    message: str
+    detail: dict[str, Any] = {}
+
+
+class ErrorBody(Struct, omit_defaults=True):
+    error: ErrorInfo
+    job_id: str | None = None
+    status: str | None = None
+
+
+class Progress(Struct):
+    phase: str
+    done: int = 0
+    total: int = 0
+
+
+class JobInfo(Struct):
+    job_id: str
+    status: str
+    progress: Progress | None = None
+    error: ErrorInfo | None = None
+    result: GradientResult | None = None
+    enqueued_at: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+
+
+class JobAccepted(Struct):
+    job_id: str
+    status: str
+
+
+class LayerInfo(Struct):
+    type: str
+    arguments: dict[str, str]
+    required: list[str]
+    container: bool = False
+
+
+JSON_ENCODER = msgspec.json.Encoder()
+MSGPACK_ENCODER = msgspec.msgpack.Encoder()

@@ -1,0 +1,153 @@
+"""The Litestar app factory and its routes. Routes raise; service.errors renders every error."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
+import msgspec
+from litestar import Litestar, Request, Response, delete, get, post
+from litestar.di import Provide
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gradsvc.settings import Settings
+from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
+from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
+
+from . import openapi
+from .auth import Auth
+from .encoding import MSGPACK, is_msgpack_body, respond, wants_msgpack
+from .errors import ServiceError, error_response, handle_exception
+from .jobs import JobStore
+from .metrics import ApiMetrics
+
+log = logging.getLogger("gradsvc.api")
+_decoders = {"json": msgspec.json.Decoder(GradientRequest), "msgpack": msgspec.msgpack.Decoder(GradientRequest)}
+
+
+def _decode(body: bytes, fmt: str) -> GradientRequest:
+    if not body:
+        raise ServiceError("malformed_body", "the request body is empty; send the JSON object described at /schema")
+    try:
+        return _decoders[fmt].decode(body)
+    except msgspec.ValidationError as exc:
+        raise ServiceError("invalid_body", f"the body does not match the request schema: {exc} (see GET /schema)",
+                           reason=str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}", reason=str(exc)) from None
+
+
+def create_app(settings: Settings | None = None) -> Litestar:
+    settings = settings or Settings.from_env()
+    store = JobStore(settings)
+    auth = Auth(settings, store.redis)
+    metrics = ApiMetrics(store)
+    config = config_from_settings(settings)
+    schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s))
+    layers = [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]
+
+    async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
+        body = await request.body()
+        fmt = "msgpack" if is_msgpack_body(request) else "json"
+        return body, fmt, _decode(body, fmt)
+
+    @post("/gradients", status_code=200)
+    async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
+        body, fmt, req = await read_request(request)
+        # Validation on the meta device: an invalid spec never reaches the queue.
+        await anyio.to_thread.run_sync(prepare, req, config, "meta")
+
+        def enqueue() -> str:
+            auth.check_rate(owner)
+            return store.enqueue(body, fmt, req.options.device, owner)
+
+        job_id = await anyio.to_thread.run_sync(enqueue)
+        metrics.jobs_submitted.inc()
+        wait_s = settings.default_wait_s if wait is None else min(max(wait, 0.0), settings.max_wait_s)
+        if await store.wait(job_id, wait_s):
+            if wants_msgpack(request):
+                raw = await store.result_bytes(job_id)
+                if raw is not None:  # the stored MessagePack is the answer: no decode, no copy
+                    return Response(raw, media_type=MSGPACK)
+            info = await store.info(job_id, owner)
+            if info.status == "finished":
+                return respond(request, info.result, encoding=req.options.encoding)
+            if info.error is not None:
+                return error_response(request, info.error.code, info.error.message, info.error.detail,
+                                      job_id=job_id, status=info.status)
+        return respond(request, JobAccepted(job_id=job_id, status="queued"), status=202,
+                       headers={"Location": f"/jobs/{job_id}"})
+
+    @post("/estimate", status_code=200)
+    async def estimate_memory(request: Request, owner: str) -> Response:
+        _, _, req = await read_request(request)
+        result = await anyio.to_thread.run_sync(estimate, req, config)
+        return respond(request, result)
+
+    @get("/jobs/{job_id:str}")
+    async def get_job(request: Request, owner: str, job_id: str) -> Response:
+        return respond(request, await store.info(job_id, owner))
+
+    @delete("/jobs/{job_id:str}", status_code=200)
+    async def cancel_job(request: Request, owner: str, job_id: str) -> Response:
+        await store.info(job_id, owner, with_result=False)  # 404 unless it is this key's job
+        await anyio.to_thread.run_sync(store.cancel, job_id)
+        return respond(request, await store.info(job_id, owner))
+
+    @get("/layers")
+    async def list_layers(request: Request, owner: str) -> Response:
+        return respond(request, layers)
+
+    @get("/healthz")
+    async def healthz(request: Request) -> Response:
+        return respond(request, {"status": "ok"})
+
+    @get("/readyz")
+    async def readyz(request: Request, owner: str) -> Response:
+        def check() -> int:
+            store.ping()
+            return len(store.workers())
+
+        n = await anyio.to_thread.run_sync(check)
+        if n == 0:
+            raise ServiceError("not_ready", "Redis is reachable but no worker is alive; start `gradsvc worker`")
+        return respond(request, {"status": "ready", "workers": n})
+
+    @get("/metrics")
+    async def metrics_route(owner: str) -> Response:
+        text = await anyio.to_thread.run_sync(generate_latest, metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @get("/schema")
+    async def schema(owner: str) -> Response:
+        return Response(schema_doc, media_type="application/json")
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar):
+        if not auth.enabled:
+            log.warning("no API keys configured (GRADSVC_API_KEYS): every caller is trusted; bind to 127.0.0.1 only")
+        try:
+            yield
+        finally:
+            await store.close()
+
+    app = Litestar(
+        route_handlers=[submit_gradients, estimate_memory, get_job, cancel_job, list_layers, healthz, readyz,
+                        metrics_route, schema],
+        dependencies={"owner": Provide(auth.owner, sync_to_thread=False)},
+        exception_handlers={Exception: handle_exception},
+        lifespan=[lifespan],
+        middleware=[metrics.middleware],
+        openapi_config=None,
+        request_max_body_size=settings.max_body_bytes,
+        debug=False,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    return app
+
+
+def app_factory() -> Litestar:
+    """uvicorn entry (`--factory`): settings from the environment."""
+    return create_app(Settings.from_env())

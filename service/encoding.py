@@ -1,0 +1,75 @@
+"""Content negotiation: JSON (curl) or MessagePack (the SDK), and how result tensors are written in JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+
+from gradsvc.wire import GradientResult, PerSample, Tensor
+from workers.engine import tensors
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+LIST_MAX_ELEMENTS = 65_536  # `encoding: auto` writes larger tensors as base64 in JSON
+
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+
+
+def wants_msgpack(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return MSGPACK in accept or "application/x-msgpack" in accept
+
+
+def is_msgpack_body(request: Request) -> bool:
+    ctype = request.headers.get("content-type", "")
+    return ctype.startswith(MSGPACK) or ctype.startswith("application/x-msgpack")
+
+
+def respond(request: Request, body: Any, *, status: int = 200, headers: dict[str, str] | None = None,
+            encoding: str = "auto") -> Response:
+    if wants_msgpack(request):
+        return Response(_msgpack.encode(body), status_code=status, media_type=MSGPACK, headers=headers)
+    return Response(_json.encode(for_json(body, encoding)), status_code=status, media_type=JSON, headers=headers)
+
+
+def for_json(value: Any, encoding: str) -> Any:
+    """Rewrites raw-byte tensors inside a result as nested lists or base64, as `encoding` asks."""
+    if isinstance(value, GradientResult):
+        return _result_for_json(value, encoding)
+    if hasattr(value, "result") and isinstance(getattr(value, "result"), GradientResult):
+        return msgspec.structs.replace(value, result=_result_for_json(value.result, encoding))
+    return value
+
+
+def _tensor(t: Tensor | None, encoding: str) -> Tensor | None:
+    if t is None or not isinstance(t.data, bytes):
+        return t
+    listed = encoding == "list" or (encoding == "auto" and _numel(t) <= LIST_MAX_ELEMENTS)
+    return tensors.to_listed(t) if listed else tensors.to_b64(t)
+
+
+def _numel(t: Tensor) -> int:
+    n = 1
+    for s in t.shape:
+        n *= s
+    return n
+
+
+def _tensors(d: dict | None, encoding: str) -> dict | None:
+    return None if d is None else {k: _tensor(v, encoding) for k, v in d.items()}
+
+
+def _result_for_json(r: GradientResult, encoding: str) -> GradientResult:
+    return msgspec.structs.replace(
+        r,
+        gradients=_tensors(r.gradients, encoding),
+        per_loss_gradients=None if r.per_loss_gradients is None else
+        {k: _tensors(v, encoding) for k, v in r.per_loss_gradients.items()},
+        input_gradient=_tensor(r.input_gradient, encoding),
+        hvp=_tensors(r.hvp, encoding),
+        per_sample=None if r.per_sample is None else PerSample(
+            norms=_tensor(r.per_sample.norms, encoding), gradients=_tensors(r.per_sample.gradients, encoding)),
+    )

@@ -1,0 +1,98 @@
+"""Error codes, their HTTP statuses (one table), and the one renderer every error goes through.
+
+ServiceError            raised by routes; carries a code from STATUS
+ (engine errors, Litestar's HTTP exceptions and Redis outages are mapped onto the same codes)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gradsvc.wire import ErrorBody, ErrorInfo
+from workers.engine import EngineError
+
+from .encoding import respond
+
+log = logging.getLogger("gradsvc.api")
+
+STATUS: dict[str, int] = {
+    "malformed_body": 400,
+    "invalid_body": 400,
+    "bad_request": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "not_acceptable": 406,
+    "job_canceled": 409,
+    "body_too_large": 413,
+    "result_too_large": 413,
+    "unsupported_media_type": 415,
+    "unknown_layer": 422,
+    "shape_mismatch": 422,
+    "bad_weights": 422,
+    "bad_tensor": 422,
+    "bad_loss": 422,
+    "bad_target": 422,
+    "bad_option": 422,
+    "too_large": 422,
+    "non_finite": 422,
+    "device_unavailable": 422,
+    "canceled": 409,
+    "rate_limited": 429,
+    "internal_error": 500,
+    "queue_unavailable": 503,
+    "worker_lost": 503,
+    "not_ready": 503,
+    "timeout": 504,
+    "out_of_memory": 507,
+}
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+               413: "body_too_large", 415: "unsupported_media_type", 429: "rate_limited"}
+
+
+class ServiceError(Exception):
+    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None, **detail: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.detail = detail
+        self.headers = headers or {}
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.code]
+
+
+def status_for(code: str) -> int:
+    return STATUS.get(code, 500)
+
+
+def error_response(request: Request, code: str, message: str, detail: dict | None = None,
+                   headers: dict[str, str] | None = None, **extra: Any) -> Response:
+    body = ErrorBody(error=ErrorInfo(code=code, message=message, detail=detail or {}), **extra)
+    return respond(request, body, status=status_for(code), headers=headers)
+
+
+def handle_exception(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ServiceError):
+        return error_response(request, exc.code, exc.message, exc.detail, exc.headers)
+    if isinstance(exc, EngineError):
+        return error_response(request, exc.code, exc.message, exc.detail)
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return error_response(request, "queue_unavailable", f"the job queue (Redis) is unreachable: {exc}; "
+                              "retry shortly", headers={"Retry-After": "2"})
+    if isinstance(exc, ValidationException):
+        return error_response(request, "invalid_body", f"{exc.detail}: {exc.extra}" if exc.extra else str(exc.detail))
+    if isinstance(exc, HTTPException):
+        code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal_error")
+        response = error_response(request, code, str(exc.detail))
+        response.status_code = exc.status_code if exc.status_code != 500 else 500
+        return response
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(request, "internal_error", f"unexpected {type(exc).__name__}; this is a gradsvc bug")

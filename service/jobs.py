@@ -1,0 +1,152 @@
+"""The API's side of the queue: enqueue through RQ, wait on RQ's results stream, read job state."""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from datetime import datetime, timezone
+
+import msgspec
+import redis.asyncio as aioredis
+from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from rq import Queue, Worker
+from rq.job import Job
+
+from gradsvc import keys
+from gradsvc.settings import Settings
+from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
+from workers.serializer import MsgpackSerializer
+
+from .errors import ServiceError
+
+JOB_FUNCTION = "workers.jobs.gradient_job"
+_STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "queued": "queued",
+           "started": "started", "finished": "finished", "failed": "failed", "stopped": "canceled",
+           "canceled": "canceled"}
+_result_decoder = msgspec.msgpack.Decoder(GradientResult)
+_FIELDS = ("status", "meta", "enqueued_at", "started_at", "ended_at")
+
+
+def _iso(raw: bytes | None) -> str | None:
+    return raw.decode() if raw else None
+
+
+class JobStore:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.prefix = settings.queue_prefix
+        # No retries and short timeouts: with Redis down the API answers 503 in about a second.
+        no_retry = Retry(NoBackoff(), 0)
+        timeout = settings.redis_timeout_s
+        self.redis = Redis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
+                                    retry=no_retry)
+        # Blocking XREADs last up to max_wait_s: the socket timeout must outlast them.
+        self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
+                                        socket_timeout=settings.max_wait_s + 10, retry=Retry(NoBackoff(), 0))
+        self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer)
+                       for d in keys.QUEUE_DEVICES}
+
+    async def close(self) -> None:
+        await self.aredis.aclose()
+        self.redis.close()
+
+    def enqueue(self, body: bytes, fmt: str, device: str, owner: str) -> str:
+        job = self.queues[device].enqueue(
+            JOB_FUNCTION, body, fmt,
+            job_timeout=self.settings.job_timeout_s,
+            result_ttl=self.settings.result_ttl_s,
+            failure_ttl=self.settings.failure_ttl_s,
+            meta={"owner": owner},
+            description="gradients",
+        )
+        return job.id
+
+    async def wait(self, job_id: str, timeout_s: float) -> bool:
+        """True once the job has ended (RQ appended to its results stream) within timeout_s."""
+        if timeout_s <= 0:
+            return False
+        got = await self.aredis.xread({keys.rq_results_stream(job_id): "0-0"}, count=1,
+                                      block=max(1, int(timeout_s * 1000)))
+        return bool(got)
+
+    async def info(self, job_id: str, owner: str, *, with_result: bool = True) -> JobInfo:
+        pipe = self.aredis.pipeline(transaction=False)
+        pipe.hmget(Job.key_for(job_id), _FIELDS)
+        pipe.get(keys.result_key(self.prefix, job_id))
+        (status, meta_raw, enqueued, started, ended), result_raw = await pipe.execute()
+        meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
+        if status is None or meta.get("owner") != owner:
+            # Another key's job reads as unknown: its existence is not disclosed.
+            raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
+                               "expired (results are kept GRADSVC_RESULT_TTL_S seconds)", job_id=job_id)
+        state = _STATUS.get(status.decode(), "queued")
+        error = meta.get("error")
+        if error and error.get("code") == "canceled":
+            state = "canceled"
+        if state == "failed" and not error:
+            error = await self._failure_from_rq(job_id)
+        result = None
+        if state == "finished" and with_result:
+            if result_raw is None:
+                raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
+            result = _result_decoder.decode(result_raw)
+        progress = meta.get("progress")
+        return JobInfo(
+            job_id=job_id,
+            status=state,
+            progress=Progress(**progress) if progress else None,
+            error=ErrorInfo(**error) if error else None,
+            result=result,
+            enqueued_at=_iso(enqueued),
+            started_at=_iso(started),
+            ended_at=_iso(ended),
+        )
+
+    async def result_bytes(self, job_id: str) -> bytes | None:
+        return await self.aredis.get(keys.result_key(self.prefix, job_id))
+
+    async def _failure_from_rq(self, job_id: str) -> dict:
+        """A job that failed without writing its error (killed worker, abandoned, timed out outside the job)."""
+        entries = await self.aredis.xrevrange(keys.rq_results_stream(job_id), "+", "-", count=1)
+        exc = ""
+        if entries:
+            raw = entries[0][1].get(b"exc_string")
+            if raw:
+                exc = zlib.decompress(base64.b64decode(raw)).decode(errors="replace")
+        if "AbandonedJobError" in exc or "moved to FailedJobRegistry" in exc or not exc:
+            return {"code": "worker_lost", "message": "the worker running this job died (killed or lost) before it "
+                    "finished; submit it again", "detail": {}}
+        if "JobTimeoutException" in exc:
+            return {"code": "timeout", "message": "the job ran past GRADSVC_JOB_TIMEOUT_S", "detail": {}}
+        return {"code": "internal_error", "message": exc.strip().splitlines()[-1][:500], "detail": {}}
+
+    def cancel(self, job_id: str) -> None:
+        job = Job.fetch(job_id, connection=self.redis, serializer=MsgpackSerializer)
+        status = job.get_status(refresh=False)
+        status = status.value if status is not None else "queued"
+        if status in ("queued", "deferred", "scheduled", "created"):
+            job.cancel()
+            job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
+                                 "detail": {}}
+            job.save_meta()
+        elif status == "started":
+            self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.settings.job_timeout_s + 60)
+
+    # --- what /readyz and /metrics read from Redis -------------------------------------------------
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    def workers(self) -> list[Worker]:
+        return Worker.all(connection=self.redis)
+
+    def queue_depths(self) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        for q in self.queues.values():
+            pipe.llen(q.key)
+        return dict(zip((q.name for q in self.queues.values()), pipe.execute()))
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()

@@ -1,0 +1,75 @@
+"""The API's Prometheus metrics, declared once: requests by route template, jobs submitted, and
+queue depth / workers by state, read from Redis when /metrics is scraped (not per request)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .jobs import JobStore
+
+# API latencies: sub-millisecond validation answers up to long synchronous waits.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _RedisCollector:
+    def __init__(self, store: "JobStore") -> None:
+        self.store = store
+
+    def collect(self):
+        depth = GaugeMetricFamily("gradsvc_queue_depth", "Jobs waiting in each queue.", labels=["queue"])
+        workers = GaugeMetricFamily("gradsvc_workers", "Live workers by state.", labels=["state"])
+        try:
+            for name, n in self.store.queue_depths().items():
+                depth.add_metric([name], n)
+            counts = {"idle": 0, "busy": 0, "suspended": 0}
+            for w in self.store.workers():
+                state = w.get_state()
+                state = getattr(state, "value", state)
+                counts[state if state in counts else "busy" if state == "started" else "idle"] += 1
+            for state, n in counts.items():
+                workers.add_metric([state], n)
+        except Exception:  # Redis down: export nothing rather than fail the scrape
+            pass
+        yield depth
+        yield workers
+
+
+class ApiMetrics:
+    def __init__(self, store: "JobStore") -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("gradsvc_http_requests_total", "HTTP requests by route template and status.",
+                                ["method", "route", "status"], registry=self.registry)
+        self.latency = Histogram("gradsvc_http_request_duration_seconds", "HTTP request latency by route template.",
+                                 ["method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.jobs_submitted = Counter("gradsvc_jobs_submitted_total", "Jobs accepted onto the queue.",
+                                      registry=self.registry)
+        self.registry.register(_RedisCollector(store))
+
+    def middleware(self, app):
+        """ASGI middleware: times each HTTP request, labelled by Litestar's route template."""
+
+        async def wrapped(scope, receive, send):
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            start = time.perf_counter()
+            status = [500]
+
+            async def send_wrapper(message):
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, send_wrapper)
+            finally:
+                route = scope.get("path_template") or "unmatched"
+                self.requests.labels(scope["method"], route, str(status[0])).inc()
+                self.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+
+        return wrapped

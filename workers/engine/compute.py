@@ -1,0 +1,450 @@
+"""compute(request) -> GradientResult: forward, backward, the options around them, the numerical
+check, activation memory and per-phase timings. Pure PyTorch: no Redis, no HTTP, no environment."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from gradsvc.wire import Estimate, GradientRequest, GradientResult, GraphNode, PerSample, Timings
+
+from . import numcheck, tensors
+from .errors import ComputeError, SpecError
+from .memory import ActivationMeter
+from .prepare import EngineConfig, Prepared, batch_chunks, prepare
+from .spec import leaves
+
+Progress = Callable[[str, int, int], None]
+
+
+def resolve_device(option: str) -> torch.device:
+    if option == "cpu" or (option == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ComputeError("device_unavailable", "options.device='cuda' but this worker has no CUDA device; "
+                           "use device='auto' or 'cpu', or route the job to a GPU worker")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device):
+    """Same random numbers (dropout masks) for every evaluation, without touching the global RNG."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type
+                               if device.type == "cuda" else "cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass
+class _Pass:
+    loss: float = 0.0
+    losses: dict[str, float] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_loss: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    input_grad: list[torch.Tensor] = field(default_factory=list)
+    hvp: dict[str, torch.Tensor] = field(default_factory=dict)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    meter: ActivationMeter | None = None
+    graph: list[GraphNode] | None = None
+
+
+def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
+    acc[name] = g.detach() if name not in acc else acc[name] + g.detach()
+
+
+def _forward(prep: Prepared, xs: torch.Tensor, a: int, b: int, n: int):
+    """(output, {term: loss}, total) for rows a:b, each mean loss scaled by its share of the batch."""
+    opts = prep.options
+    if opts.checkpoint_segments:
+        out = checkpoint_sequential(prep.model, opts.checkpoint_segments, xs, use_reentrant=False)
+    else:
+        out = prep.model(xs)
+    losses = {}
+    for term in prep.terms:
+        value = term(out, prep.targets[term.name][a:b])
+        if term.reduction == "mean" and (b - a) != n:
+            value = value * ((b - a) / n)
+        losses[term.name] = value
+    if len(prep.terms) == 1 and prep.terms[0].weight == 1.0:
+        total = losses[prep.terms[0].name]
+    else:
+        total = sum(t.weight * losses[t.name] for t in prep.terms)
+    return out, losses, total
+
+
+def _graph(root) -> list[GraphNode]:
+    """The grad_fn chain from the loss: every node once, `next` as in next_functions (seed 004)."""
+    ids: dict[object, int] = {}
+    nodes: list[GraphNode] = []
+    order = [root]
+    ids[root] = 0
+    i = 0
+    while i < len(order):
+        fn = order[i]
+        nxt = []
+        for child, _ in fn.next_functions:
+            if child is None:
+                continue
+            if child not in ids:
+                ids[child] = len(order)
+                order.append(child)
+            nxt.append(ids[child])
+        nodes.append(GraphNode(id=ids[fn], name=type(fn).__name__, next=nxt))
+        i += 1
+    return nodes
+
+
+def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, *, record_memory: bool,
+              hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> _Pass:
+    opts = prep.options
+    n = prep.inputs.shape[0]
+    several = len(prep.terms) > 1
+    per_loss = several if opts.per_loss is None else (opts.per_loss and several)
+    need_hvp = hvp_vector is not None
+    names = list(params)
+    result = _Pass()
+    with _seeded(seed, device):
+        for k, (a, b) in enumerate(batch_chunks(n, opts.micro_batch)):
+            xs = prep.inputs[a:b]
+            if opts.input_grad:
+                xs = xs.detach().requires_grad_(True)
+            leaves_ = [*params.values(), *([xs] if opts.input_grad else [])]
+            _sync(device)
+            t0 = time.perf_counter()
+            if record_memory and k == 0:
+                result.meter = ActivationMeter(prep.model)
+                with result.meter.recording():
+                    out, losses, total = _forward(prep, xs, a, b, n)
+            else:
+                out, losses, total = _forward(prep, xs, a, b, n)
+            _sync(device)
+            t1 = time.perf_counter()
+            if not math.isfinite(float(total.detach())):
+                raise _non_finite(prep, float(total.detach()))
+            if opts.graph and k == 0:
+                result.graph = _graph(total.grad_fn)
+            if per_loss:
+                term_grads = {}
+                for i, term in enumerate(prep.terms):
+                    last = i == len(prep.terms) - 1
+                    term_grads[term.name] = torch.autograd.grad(
+                        losses[term.name], leaves_, retain_graph=not last or need_hvp, create_graph=need_hvp,
+                        materialize_grads=True)
+                grads = [sum(t.weight * term_grads[t.name][j] for t in prep.terms) for j in range(len(leaves_))]
+                for term in prep.terms:
+                    acc = result.per_loss.setdefault(term.name, {})
+                    for name, g in zip(names, term_grads[term.name]):
+                        _add(acc, name, g)
+            else:
+                grads = list(torch.autograd.grad(total, leaves_, create_graph=need_hvp, materialize_grads=True))
+            if need_hvp:
+                hv = torch.autograd.grad(grads[: len(names)], list(params.values()),
+                                         grad_outputs=[hvp_vector[nm] for nm in names], materialize_grads=True)
+                for name, h in zip(names, hv):
+                    _add(result.hvp, name, h)
+            _sync(device)
+            t2 = time.perf_counter()
+            for name, g in zip(names, grads):
+                _add(result.grads, name, g)
+            if opts.input_grad:
+                result.input_grad.append(grads[-1].detach())
+            result.loss += float(total.detach())
+            for name, value in losses.items():
+                result.losses[name] = result.losses.get(name, 0.0) + float(value.detach())
+            result.forward_s += t1 - t0
+            result.backward_s += t2 - t1
+            del out, losses, total, grads
+    return result
+
+
+def _non_finite(prep: Prepared, value: float) -> ComputeError:
+    """Names the first layer whose output is not finite (a second, diagnostic forward)."""
+    first = None
+    handles = []
+
+    def hook(name):
+        def fn(module, args, out):
+            nonlocal first
+            if first is None and isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+                first = (name, type(module).__name__)
+        return fn
+
+    for name, module in leaves(prep.model):
+        handles.append(module.register_forward_hook(hook(name)))
+    try:
+        with torch.no_grad():
+            prep.model(prep.inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    where = f"layer {first[0]} ({first[1]})" if first else "the loss"
+    return ComputeError("non_finite", f"the loss is {value}; the first non-finite values appear in the output of "
+                        f"{where}. Check the inputs' scale, the weights and the learning setup",
+                        layer=first[0] if first else None, value=str(value))
+
+
+def _trainable(prep: Prepared) -> dict[str, torch.Tensor]:
+    params = {}
+    for name, p in prep.model.named_parameters():
+        p.requires_grad_(name not in prep.frozen)
+        if name not in prep.frozen:
+            params[name] = p
+    return params
+
+
+def _hvp_vector(request: GradientRequest, params: dict[str, torch.Tensor], config: EngineConfig):
+    spec = request.options.hvp
+    if spec is None:
+        return None
+    if isinstance(spec.vector, str):
+        if spec.vector != "random":
+            raise SpecError("bad_option", "options.hvp.vector must be 'random' or an object {parameter: tensor}")
+        gen = torch.Generator().manual_seed(spec.seed)
+        return {n: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, p.dtype)
+                for n, p in params.items()}
+    out = {}
+    for name, p in params.items():
+        if name not in spec.vector:
+            raise SpecError("bad_option", f"options.hvp.vector: parameter {name!r} is missing; give a tensor for "
+                            "every trainable parameter", parameter=name)
+        t = tensors.decode(spec.vector[name], where=f"options.hvp.vector[{name!r}]",
+                           max_elements=config.limits.max_elements)
+        if list(t.shape) != list(p.shape):
+            raise SpecError("bad_option", f"options.hvp.vector[{name!r}] has shape {list(t.shape)}, expected "
+                            f"{list(p.shape)}", parameter=name)
+        out[name] = t.to(p.device, p.dtype)
+    extra = set(spec.vector) - set(params)
+    if extra:
+        raise SpecError("bad_option", f"options.hvp.vector: {sorted(extra)[0]!r} is not a trainable parameter")
+    return out
+
+
+def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, device: torch.device) -> PerSample:
+    from torch.func import functional_call, grad, vmap
+
+    consts = {n: p.detach() for n, p in prep.model.named_parameters() if n not in params}
+    consts.update(dict(prep.model.named_buffers()))
+    names = [t.name for t in prep.terms]
+
+    def loss_one(ps, x1, *tgts):
+        out = functional_call(prep.model, {**ps, **consts}, (x1.unsqueeze(0),))
+        return sum(t.weight * t(out, tg.unsqueeze(0)) for t, tg in zip(prep.terms, tgts))
+
+    detached = {n: p.detach() for n, p in params.items()}
+    with _seeded(seed, device):
+        grads = vmap(grad(loss_one), in_dims=(None, 0, *([0] * len(names))), randomness="different")(
+            detached, prep.inputs, *[prep.targets[n] for n in names])
+    norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
+    full = prep.options.per_sample == "full"
+    return PerSample(norms=tensors.encode(norms),
+                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None)
+
+
+def _check_per_sample(prep: Prepared) -> None:
+    for name, module in leaves(prep.model):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "
+                            "samples of a batch in training mode, so per-example gradients are undefined; remove "
+                            "it or set per_sample='off'", layer=name)
+
+
+def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
+              progress: Progress | None):
+    opts = prep.options
+    trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
+    count = sum(p.numel() for n, p in prep.model.named_parameters() if n in trainable)
+    mode = opts.numcheck
+    if mode == "off":
+        return None
+    if mode == "auto":
+        mode = "exact" if count <= config.numcheck_exact_max else "directional"
+    model64 = copy.deepcopy(prep.model).to(torch.float64)
+    x64 = prep.inputs.to(torch.float64) if prep.inputs.dtype.is_floating_point else prep.inputs
+    t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
+    params = {n: p for n, p in model64.named_parameters() if n in trainable}
+    for n, p in model64.named_parameters():
+        p.requires_grad_(n in params)
+    seed = request.model.seed
+
+    def loss_fn() -> torch.Tensor:
+        with _seeded(seed, device):
+            out = model64(x64)
+            return sum(t.weight * t(out, t64[t.name]) for t in prep.terms)
+
+    grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()), materialize_grads=True)))
+    return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
+                        samples=opts.numcheck_samples or config.numcheck_samples,
+                        directions=config.numcheck_directions, seed=seed, progress=progress)
+
+
+def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
+            device: torch.device | None = None) -> GradientResult:
+    """Everything POST /gradients answers, computed in this process."""
+    config = config or EngineConfig()
+    device = device or resolve_device(request.options.device)
+    try:
+        return _compute(request, config, progress, device)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise _oom(device, exc) from None
+    except MemoryError as exc:
+        raise _oom(device, exc) from None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _oom(device: torch.device, exc: BaseException) -> ComputeError:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ComputeError("out_of_memory", f"{device} ran out of memory ({str(exc).splitlines()[0][:200]}); set "
+                        "options.micro_batch to split the batch or options.checkpoint_segments to trade memory "
+                        "for recomputation, or use a smaller model", device=str(device))
+
+
+def _compute(request: GradientRequest, config: EngineConfig, progress: Progress | None,
+             device: torch.device) -> GradientResult:
+    started = time.perf_counter()
+    prep = prepare(request, config, device)
+    opts = prep.options
+    if opts.per_sample != "off":
+        _check_per_sample(prep)
+    params = _trainable(prep)
+    hvp_vector = _hvp_vector(request, params, config)
+    seed = request.model.seed
+    if progress:
+        progress("forward", 0, opts.timing_repeat)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs: list[_Pass] = []
+    for r in range(opts.timing_repeat + (1 if opts.timing_repeat > 1 else 0)):
+        last = r == opts.timing_repeat - (0 if opts.timing_repeat > 1 else 1)
+        runs.append(_run_pass(prep, params, device, record_memory=opts.memory and last, hvp_vector=hvp_vector,
+                              seed=seed))
+        if progress:
+            progress("backward", r + 1, opts.timing_repeat)
+    timed = runs[1:] if len(runs) > 1 else runs
+    final = runs[-1]
+    for name, g in final.grads.items():
+        if not bool(torch.isfinite(g).all()):
+            raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
+                               f"is {final.loss}; lower the inputs' scale or check the weights", parameter=name)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    memory_started = time.perf_counter()
+    memory = final.meter.report(peak) if final.meter else None
+    memory_s = (time.perf_counter() - memory_started) + (final.meter.hook_s if final.meter else 0.0)
+
+    checkpoint = None
+    if opts.checkpoint_segments:
+        checkpoint = _checkpoint_tradeoff(request, config, device, final, memory)
+
+    per_sample = None
+    if opts.per_sample != "off":
+        per_sample = _per_sample(prep, params, seed, device)
+
+    if progress:
+        progress("numcheck", 0, 1)
+    numcheck_started = time.perf_counter()
+    check = _numcheck(prep, request, config, device, progress)
+    numcheck_s = time.perf_counter() - numcheck_started
+
+    several = len(prep.terms) > 1
+    gradients = {n: (tensors.encode(final.grads[n]) if n in final.grads else None)
+                 for n, _ in prep.model.named_parameters()}
+    result = GradientResult(
+        device=str(device),
+        dtype=request.model.dtype,
+        parameter_count=prep.parameter_count,
+        torch_version=torch.__version__,
+        loss=final.loss,
+        gradients=gradients,
+        micro_batches=len(batch_chunks(prep.inputs.shape[0], opts.micro_batch)),
+        losses=dict(final.losses) if several else None,
+        per_loss_gradients=({t: {n: (tensors.encode(g[n]) if n in g else None) for n in gradients}
+                             for t, g in final.per_loss.items()} if final.per_loss else None),
+        gradient_cosine=_cosines(final.per_loss) if final.per_loss else None,
+        per_sample=per_sample,
+        input_gradient=tensors.encode(torch.cat(final.input_grad)) if opts.input_grad else None,
+        hvp={n: (tensors.encode(final.hvp[n]) if n in final.hvp else None) for n in gradients} if hvp_vector else None,
+        graph=final.graph,
+        numcheck=check,
+        memory=memory,
+        checkpoint=checkpoint,
+        timings=Timings(
+            forward_ms=1e3 * statistics.median(p.forward_s for p in timed),
+            backward_ms=1e3 * statistics.median(p.backward_s for p in timed),
+            numcheck_ms=1e3 * numcheck_s,
+            memory_ms=1e3 * memory_s,
+            total_ms=1e3 * (time.perf_counter() - started),
+        ),
+    )
+    return result
+
+
+def _cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    flat = {k: torch.cat([g.reshape(-1).to(torch.float64) for g in v.values()]) for k, v in per_loss.items()}
+    names = list(flat)
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            denom = float(flat[a].norm() * flat[b].norm())
+            out[f"{a}|{b}"] = float(flat[a] @ flat[b]) / denom if denom > 0 else 0.0
+    return out
+
+
+def _checkpoint_tradeoff(request: GradientRequest, config: EngineConfig, device: torch.device, with_ckpt: _Pass,
+                         memory) -> dict[str, float]:
+    """The same pass without checkpointing: what checkpointing saved in memory and cost in time."""
+    plain_request = copy.copy(request)
+    plain_request.options = copy.copy(request.options)
+    plain_request.options.checkpoint_segments = None
+    plain_request.options.per_sample = "off"
+    prep = prepare(plain_request, config, device)
+    params = _trainable(prep)
+    plain = _run_pass(prep, params, device, record_memory=True, hvp_vector=None, seed=request.model.seed)
+    saved_plain = plain.meter.report().saved_bytes_total if plain.meter else 0
+    saved_ckpt = memory.saved_bytes_total if memory else 0
+    t_plain = plain.forward_s + plain.backward_s
+    t_ckpt = with_ckpt.forward_s + with_ckpt.backward_s
+    return {
+        "segments": float(request.options.checkpoint_segments or 0),
+        "saved_bytes_without": float(saved_plain),
+        "saved_bytes_with": float(saved_ckpt),
+        "memory_saved_bytes": float(saved_plain - saved_ckpt),
+        "forward_backward_ms_without": 1e3 * t_plain,
+        "forward_backward_ms_with": 1e3 * t_ckpt,
+        "time_ratio": t_ckpt / t_plain if t_plain > 0 else 0.0,
+    }
+
+
+def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Estimate:
+    """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
+    config = config or EngineConfig()
+    prep = prepare(request, config, "meta")
+    opts = prep.options
+    _trainable(prep)
+    n = prep.inputs.shape[0]
+    a, b = batch_chunks(n, opts.micro_batch)[0]
+    xs = prep.inputs[a:b].to("meta")
+    if opts.input_grad:
+        xs = xs.requires_grad_(True)
+    prep.inputs = prep.inputs.to("meta")
+    prep.targets = {k: v.to("meta") for k, v in prep.targets.items()}
+    meter = ActivationMeter(prep.model)
+    with meter.recording():
+        _forward(prep, xs, a, b, n)
+    return Estimate(parameter_count=prep.parameter_count, memory=meter.report(None))

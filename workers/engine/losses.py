@@ -1,0 +1,86 @@
+"""Loss functions by name, and the checks that a target fits the model's output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import SpecError
+
+# name -> (function, target kind): "class" takes integer class indices (or probabilities for
+# cross_entropy), "same" a float tensor shaped like the output, "binary" the same in [0, 1].
+LOSSES = {
+    "cross_entropy": (F.cross_entropy, "class"),
+    "nll": (F.nll_loss, "class"),
+    "mse": (F.mse_loss, "same"),
+    "l1": (F.l1_loss, "same"),
+    "smooth_l1": (F.smooth_l1_loss, "same"),
+    "huber": (F.huber_loss, "same"),
+    "bce_with_logits": (F.binary_cross_entropy_with_logits, "binary"),
+    "bce": (F.binary_cross_entropy, "binary"),
+}
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    name: str
+    type: str
+    reduction: str
+    weight: float
+    target: str | None  # key in the targets object; None = the single targets tensor
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        fn, _ = LOSSES[self.type]
+        return fn(output, target, reduction=self.reduction)
+
+
+def make_term(name: str, type_: str, reduction: str, weight: float, target: str | None) -> LossTerm:
+    if type_ not in LOSSES:
+        raise SpecError("bad_loss", f"loss {name!r}: unknown type {type_!r}; use one of {', '.join(LOSSES)}",
+                        loss=name, type=type_)
+    if reduction not in REDUCTIONS:
+        raise SpecError("bad_loss", f"loss {name!r}: reduction {reduction!r} is not supported; use 'mean' or 'sum'",
+                        loss=name, reduction=reduction)
+    if not isinstance(weight, (int, float)) or weight != weight or abs(weight) == float("inf"):
+        raise SpecError("bad_loss", f"loss {name!r}: weight must be a finite number", loss=name)
+    return LossTerm(name, type_, reduction, float(weight), target)
+
+
+def prepare_target(term: LossTerm, output: torch.Tensor, target: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The target cast for `term`, after checking it fits `output` (which may live on meta)."""
+    _, kind = LOSSES[term.type]
+    out_shape, tgt_shape = list(output.shape), list(target.shape)
+    where = f"targets for loss {term.name!r} ({term.type})"
+
+    def fail(msg: str, **detail) -> None:
+        raise SpecError("bad_target", f"{where}: {msg}", loss=term.name, target_shape=tgt_shape,
+                        output_shape=out_shape, **detail)
+
+    if kind == "class" and not target.dtype.is_floating_point:
+        if target.dtype == torch.bool:
+            fail("class indices must be integers, got bool")
+        if output.dim() < 1:
+            fail("the model's output must have a class dimension")
+        want = ([out_shape[0]] + out_shape[2:]) if output.dim() >= 2 else []
+        if tgt_shape != want:
+            fail(f"expected class indices of shape {want} for output {out_shape}, got {tgt_shape}")
+        classes = out_shape[1] if output.dim() >= 2 else out_shape[0]
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= classes):
+            fail(f"class indices must lie in [0, {classes - 1}], got values in "
+                 f"[{int(target.min())}, {int(target.max())}]", classes=classes)
+        return target.to(torch.int64)
+    if kind == "class" and term.type == "nll":
+        fail(f"nll takes integer class indices, got {target.dtype}")
+    if tgt_shape != out_shape:
+        fail(f"expected shape {out_shape} (the model's output), got {tgt_shape}")
+    if target.dtype == torch.bool or not (target.dtype.is_floating_point or target.dtype in (torch.int32, torch.int64, torch.uint8)):
+        fail(f"expected numbers, got {target.dtype}")
+    target = target.to(dtype)
+    if kind == "binary" and target.numel() and (bool((target < 0).any()) or bool((target > 1).any())):
+        fail("binary targets must lie in [0, 1]")
+    if not bool(torch.isfinite(target).all()):
+        fail("targets must be finite")
+    return target

@@ -1,0 +1,214 @@
+"""Request -> checked, ready-to-run pieces (model, inputs, targets, loss terms), on meta or a device.
+
+The API runs this on the meta device to reject a bad request before it is queued; the worker runs
+it on its device. Both see the same checks, so a request that passes here does not fail later for
+a reason that could have been known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gradsvc.wire import GradientRequest, LossSpec, Options, Tensor
+
+from . import tensors
+from .errors import SpecError
+from .losses import LossTerm, make_term, prepare_target
+from .spec import Limits, build, check_shapes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    limits: Limits = field(default_factory=Limits)
+    numcheck_exact_max: int = 20_000
+    numcheck_samples: int = 8
+    numcheck_directions: int = 16
+    max_timing_repeat: int = 50
+
+
+@dataclass
+class Prepared:
+    model: nn.Sequential
+    dtype: torch.dtype
+    inputs: torch.Tensor
+    targets: dict[str, torch.Tensor]  # loss term name -> target
+    terms: list[LossTerm]
+    output_shape: list[int]
+    parameter_count: int
+    options: Options
+    frozen: set[str]
+
+
+def _terms(request: GradientRequest) -> list[LossTerm]:
+    if request.losses is not None:
+        if request.loss is not None:
+            raise SpecError("bad_loss", "give either 'loss' or 'losses', not both")
+        if not request.losses:
+            raise SpecError("bad_loss", "'losses' is empty; give at least one loss or use 'loss'")
+        terms = []
+        for i, spec in enumerate(request.losses):
+            name = spec.name or f"loss{i}"
+            if any(t.name == name for t in terms):
+                raise SpecError("bad_loss", f"two losses are named {name!r}; give each a distinct 'name'", loss=name)
+            terms.append(make_term(name, spec.type, spec.reduction, spec.weight, spec.target))
+        return terms
+    loss = request.loss if request.loss is not None else "cross_entropy"
+    if isinstance(loss, str):
+        return [make_term("loss", loss, "mean", 1.0, None)]
+    assert isinstance(loss, LossSpec)
+    return [make_term(loss.name or "loss", loss.type, loss.reduction, loss.weight, None)]
+
+
+def _target_for(term: LossTerm, targets, *, max_elements: int) -> torch.Tensor:
+    if isinstance(targets, dict) and not {"dtype", "shape"} <= set(targets):
+        key = term.target or term.name
+        if key not in targets:
+            raise SpecError("bad_target", f"loss {term.name!r} needs targets[{key!r}]; targets has "
+                            f"{sorted(targets)}. Name it in the loss's 'target' field", loss=term.name)
+        raw = targets[key]
+        where = f"targets.{key}"
+    else:
+        if term.target is not None:
+            raise SpecError("bad_target", f"loss {term.name!r} names target {term.target!r}, but 'targets' is a "
+                            "single tensor; send an object of named targets", loss=term.name)
+        raw, where = targets, "targets"
+    if raw is None:
+        raise SpecError("bad_target", f"loss {term.name!r} needs targets; add 'targets' to the request", loss=term.name)
+    if isinstance(raw, dict):
+        import msgspec
+
+        try:
+            raw = msgspec.convert(raw, Tensor)
+        except msgspec.ValidationError as exc:
+            raise SpecError("bad_tensor", f"{where}: {exc}", where=where) from None
+    return tensors.decode(raw, where=where, max_elements=max_elements)
+
+
+def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
+    def bad(msg: str, **detail) -> None:
+        raise SpecError("bad_option", msg, **detail)
+
+    if not (0 < opts.numcheck_eps < 1):
+        bad(f"options.numcheck_eps={opts.numcheck_eps} must lie in (0, 1); 1e-6 suits float64")
+    if opts.numcheck_samples is not None and opts.numcheck_samples < 1:
+        bad("options.numcheck_samples must be at least 1")
+    if not (opts.numcheck_tolerance > 0):
+        bad("options.numcheck_tolerance must be positive")
+    if not (1 <= opts.timing_repeat <= config.max_timing_repeat):
+        bad(f"options.timing_repeat must lie in [1, {config.max_timing_repeat}], got {opts.timing_repeat}")
+    if opts.micro_batch is not None and not (1 <= opts.micro_batch):
+        bad(f"options.micro_batch must be at least 1, got {opts.micro_batch}")
+    if opts.checkpoint_segments is not None and not (1 <= opts.checkpoint_segments <= top_layers):
+        bad(f"options.checkpoint_segments must lie in [1, {top_layers}] (the number of top-level layers), "
+            f"got {opts.checkpoint_segments}")
+    frozen = set()
+    for prefix in opts.freeze:
+        hit = [n for n in names if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
+        if not hit:
+            bad(f"options.freeze: prefix {prefix!r} matches no parameter; parameters are {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''}", prefix=prefix)
+        frozen.update(hit)
+    if names and len(frozen) == len(names):
+        bad("options.freeze freezes every parameter; leave at least one trainable")
+    del batch
+    return frozen
+
+
+def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max_elements: int) -> dict[str, torch.Tensor]:
+    given = request.model.weights or {}
+    state = model.state_dict()
+    params = {n for n, _ in model.named_parameters()}
+    for name in given:
+        if name not in state:
+            raise SpecError("bad_weights", f"weights: unknown parameter {name!r}; the model has "
+                            f"{sorted(state)[:12]}", parameter=name)
+    missing = [n for n in params if n not in given]
+    if given and missing:
+        raise SpecError("bad_weights", f"weights: parameter {missing[0]!r} is missing; when weights are given, "
+                        "every parameter must be (buffers are optional)", parameter=missing[0])
+    out = {}
+    for name, wire in given.items():
+        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
+        want = list(state[name].shape)
+        if list(t.shape) != want:
+            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the model needs {want}",
+                            parameter=name, shape=list(t.shape), expected=want)
+        if name in params:
+            t = t.to(dtype)
+            if not bool(torch.isfinite(t).all()):
+                raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
+        else:
+            t = t.to(state[name].dtype)
+        out[name] = t
+    return out
+
+
+def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta") -> Prepared:
+    limits = config.limits
+    dtype_name = request.model.dtype
+    if dtype_name not in tensors.FLOAT_DTYPES:
+        raise SpecError("bad_option", f"model.dtype {dtype_name!r} is not a floating-point dtype; use one of "
+                        f"{', '.join(tensors.FLOAT_DTYPES)}")
+    dtype = tensors.TORCH_DTYPES[dtype_name]
+    meta = build(request.model.layers, limits=limits, device="meta").to(dtype)
+    inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements)
+    first = next(m for _, m in meta.named_modules() if not list(m.children()))
+    if isinstance(first, nn.Embedding):
+        if inputs.dtype.is_floating_point or inputs.dtype == torch.bool:
+            raise SpecError("bad_tensor", "inputs: the first layer is Embedding, which takes integer indices; "
+                            f"got {inputs.dtype}")
+        inputs = inputs.to(torch.int64)
+        if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= first.num_embeddings):
+            raise SpecError("bad_tensor", f"inputs: indices must lie in [0, {first.num_embeddings - 1}] for layer 0 "
+                            "(Embedding)")
+    else:
+        inputs = inputs.to(dtype)
+        if not bool(torch.isfinite(inputs).all()):
+            raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
+    if inputs.dim() == 0 or inputs.shape[0] == 0:
+        raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
+    out = check_shapes(meta, inputs.to("meta"))
+    terms = _terms(request)
+    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements), dtype)
+               for t in terms}
+    for name, tgt in targets.items():
+        if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
+            raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
+                            f"differs from the inputs' {inputs.shape[0]}", loss=name)
+    names = [n for n, _ in meta.named_parameters()]
+    frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
+    weights = _weights(request, meta, dtype, limits.max_elements)
+    parameter_count = sum(p.numel() for p in meta.parameters())
+    if str(device) == "meta":
+        model = meta
+    else:
+        torch.manual_seed(request.model.seed)
+        model = build(request.model.layers, limits=limits, device="cpu").to(dtype)
+        if weights:
+            model.load_state_dict(weights, strict=False)
+        model = model.to(device)
+        inputs = inputs.to(device)
+        targets = {k: v.to(device) for k, v in targets.items()}
+    return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
+                    output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
+                    frozen=frozen)
+
+
+def batch_chunks(n: int, micro_batch: int | None) -> list[tuple[int, int]]:
+    size = n if not micro_batch else min(micro_batch, n)
+    return [(i, min(i + size, n)) for i in range(0, n, size)] if n else [(0, 0)]
+
+
+
+def config_from_settings(settings) -> EngineConfig:
+    """The engine's limits from the process's Settings (passed in; the engine reads no environment)."""
+    return EngineConfig(
+        limits=Limits(max_parameters=settings.max_parameters, max_layers=settings.max_layers,
+                      max_depth=settings.max_depth, max_elements=settings.max_elements),
+        numcheck_exact_max=settings.numcheck_exact_max,
+        numcheck_samples=settings.numcheck_samples,
+        numcheck_directions=settings.numcheck_directions,
+    )

@@ -1,0 +1,150 @@
+"""Wire tensors <-> torch tensors: dtype checks, byte/shape agreement, no pickle anywhere."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import warnings
+
+import torch
+
+from gradsvc.wire import DTYPES, ITEMSIZE, Tensor
+
+from .errors import SpecError
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def torch_dtype(name: str, *, where: str) -> torch.dtype:
+    if name not in TORCH_DTYPES:
+        raise SpecError(
+            "bad_tensor",
+            f"{where}: unknown dtype {name!r}; use one of {', '.join(DTYPES)}",
+            where=where,
+            dtype=name,
+        )
+    return TORCH_DTYPES[name]
+
+
+def decode(value: Tensor | list | float | int, *, where: str, max_elements: int) -> torch.Tensor:
+    """A wire tensor (or bare nested list/scalar) as a torch tensor; never copies raw bytes twice."""
+    if not isinstance(value, Tensor):
+        return _from_nested(value, None, where=where, max_elements=max_elements)
+    dtype = torch_dtype(value.dtype, where=where)
+    shape = value.shape
+    if any((not isinstance(n, int)) or n < 0 for n in shape) or len(shape) > 8:
+        raise SpecError(
+            "bad_tensor",
+            f"{where}: shape {shape} is invalid; give at most 8 non-negative integer sizes",
+            where=where,
+            shape=shape,
+        )
+    numel = math.prod(shape)
+    if numel > max_elements:
+        raise SpecError(
+            "too_large",
+            f"{where}: {numel} elements exceed the limit of {max_elements}; send a smaller tensor",
+            where=where,
+            elements=numel,
+            limit=max_elements,
+        )
+    raw = value.data if isinstance(value.data, bytes) else None
+    if value.b64 is not None:
+        if value.data is not None:
+            raise SpecError("bad_tensor", f"{where}: give either 'data' or 'b64', not both", where=where)
+        try:
+            raw = base64.b64decode(value.b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise SpecError("bad_tensor", f"{where}: 'b64' is not valid base64", where=where) from None
+    if raw is not None:
+        expected = numel * ITEMSIZE[value.dtype]
+        if len(raw) != expected:
+            raise SpecError(
+                "bad_tensor",
+                f"{where}: {len(raw)} bytes for shape {shape} of {value.dtype}; expected {expected} "
+                "(little-endian, C order)",
+                where=where,
+                got_bytes=len(raw),
+                expected_bytes=expected,
+            )
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # The buffer is read-only; the engine never writes into request tensors in place.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(raw, dtype=torch.uint8 if dtype == torch.bool else dtype)
+        return flat.view(torch.bool).reshape(shape) if dtype == torch.bool else flat.reshape(shape)
+    if value.data is None:
+        raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
+    tensor = _from_nested(value.data, dtype, where=where, max_elements=max_elements)
+    if list(tensor.shape) != list(shape):
+        raise SpecError(
+            "bad_tensor",
+            f"{where}: data has shape {list(tensor.shape)} but shape says {shape}; make them agree",
+            where=where,
+            data_shape=list(tensor.shape),
+            shape=shape,
+        )
+    return tensor
+
+
+def _from_nested(data, dtype: torch.dtype | None, *, where: str, max_elements: int) -> torch.Tensor:
+    if isinstance(data, bool) or not isinstance(data, (list, int, float)):
+        raise SpecError("bad_tensor", f"{where}: expected a number or nested list of numbers", where=where)
+    try:
+        tensor = torch.tensor(data, dtype=dtype)
+        if dtype is None and tensor.is_floating_point():
+            # JSON numbers are doubles: keep every digit, the model's dtype decides later.
+            tensor = torch.tensor(data, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise SpecError(
+            "bad_tensor",
+            f"{where}: nested lists must be rectangular and hold numbers only ({exc})",
+            where=where,
+        ) from None
+    if tensor.numel() > max_elements:
+        raise SpecError(
+            "too_large",
+            f"{where}: {tensor.numel()} elements exceed the limit of {max_elements}",
+            where=where,
+            limit=max_elements,
+        )
+    return tensor
+
+
+def encode(tensor: torch.Tensor) -> Tensor:
+    """A torch tensor as raw bytes on the wire (one copy: device -> host bytes)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    name = DTYPE_NAMES[t.dtype]
+    shape = list(t.shape)
+    flat = t.reshape(-1)
+    if t.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return Tensor(dtype=name, shape=shape, data=raw)
+
+
+def to_listed(value: Tensor) -> Tensor:
+    """Raw bytes -> nested lists, for JSON clients that asked for lists."""
+    t = decode(value, where="result", max_elements=1 << 62)
+    return Tensor(dtype=value.dtype, shape=value.shape, data=t.tolist())
+
+
+def to_b64(value: Tensor) -> Tensor:
+    raw = value.data if isinstance(value.data, bytes) else b""
+    return Tensor(dtype=value.dtype, shape=value.shape, b64=base64.b64encode(raw).decode("ascii"))

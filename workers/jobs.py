@@ -1,0 +1,136 @@
+"""The RQ job function: request bytes in, result bytes stored in Redis, failures as coded errors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from rq import get_current_job
+from rq.job import Job
+from rq.timeouts import JobTimeoutException
+
+from gradsvc import keys
+from gradsvc.settings import Settings
+from gradsvc.wire import GradientRequest, GradientResult
+
+from .engine import ComputeError, EngineConfig, EngineError, SpecError, compute, config_from_settings, resolve_device
+from .metrics import WorkerMetrics
+
+log = logging.getLogger("gradsvc.worker")
+_result_encoder = msgspec.msgpack.Encoder()
+_json_request = msgspec.json.Decoder(GradientRequest)
+_msgpack_request = msgspec.msgpack.Decoder(GradientRequest)
+
+
+class JobFailedError(Exception):
+    """Raised out of the job function so RQ records the failure; the code is in job.meta['error']."""
+
+
+class JobCanceledError(Exception):
+    """DELETE /jobs/{id} asked a running job to stop."""
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+    config: EngineConfig
+    device: torch.device
+    metrics: WorkerMetrics
+
+
+_context: WorkerContext | None = None
+
+
+def make_context(settings: Settings) -> WorkerContext:
+    return WorkerContext(settings=settings, config=config_from_settings(settings),
+                         device=resolve_device(settings.worker_device), metrics=WorkerMetrics())
+
+
+def set_context(ctx: WorkerContext) -> None:
+    global _context
+    _context = ctx
+
+
+def context() -> WorkerContext:
+    global _context
+    if _context is None:  # a plain `rq worker` started without `gradsvc worker`
+        _context = make_context(Settings.from_env())
+    return _context
+
+
+def decode_request(body: bytes, fmt: str) -> GradientRequest:
+    try:
+        return (_msgpack_request if fmt == "msgpack" else _json_request).decode(body)
+    except msgspec.ValidationError as exc:
+        raise SpecError("invalid_body", f"the request does not match the schema: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SpecError("malformed_body", f"the request body is not valid {fmt}: {exc}") from None
+
+
+class _Progress:
+    """Writes {phase, done, total} into job.meta and polls the cancel flag, each at most a few times a second."""
+
+    def __init__(self, job: Job, prefix: str) -> None:
+        self.job = job
+        self.cancel_key = keys.cancel_key(prefix, job.id)
+        self.last_save = 0.0
+        self.last_poll = 0.0
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last_poll > 0.2:
+            self.last_poll = now
+            if self.job.connection.exists(self.cancel_key):
+                raise JobCanceledError()
+        if now - self.last_save > 0.5 or done == total:
+            self.last_save = now
+            self.job.meta["progress"] = {"phase": phase, "done": done, "total": total}
+            self.job.save_meta()
+
+
+def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | None = None) -> JobFailedError:
+    job.meta["error"] = {"code": code, "message": message, "detail": detail or {}}
+    job.save_meta()
+    ctx.metrics.observe_failure(str(ctx.device), code)
+    return JobFailedError(f"{code}: {message}")
+
+
+def gradient_job(body: bytes, fmt: str) -> dict:
+    """Computes one POST /gradients request; the result goes to its own key as MessagePack."""
+    ctx = context()
+    job = get_current_job()
+    assert job is not None, "gradient_job runs inside an RQ worker"
+    settings = ctx.settings
+    queue_s = (job.started_at - job.enqueued_at).total_seconds() if job.started_at and job.enqueued_at else 0.0
+    ctx.metrics.busy.set(1)
+    try:
+        request = decode_request(body, fmt)
+        result: GradientResult = compute(request, ctx.config, progress=_Progress(job, settings.queue_prefix),
+                                         device=ctx.device)
+        result.job_id = job.id
+        result.timings.queue_ms = 1e3 * queue_s
+        data = _result_encoder.encode(result)
+        if len(data) > settings.max_result_bytes:
+            raise ComputeError("result_too_large", f"the result takes {len(data)} bytes, above the limit of "
+                               f"{settings.max_result_bytes}; ask for fewer outputs (per_sample='norms', "
+                               "no per_loss) or a smaller model", result_bytes=len(data),
+                               limit=settings.max_result_bytes)
+        job.connection.set(keys.result_key(settings.queue_prefix, job.id), data, ex=settings.result_ttl_s)
+    except EngineError as exc:
+        raise _fail(job, ctx, exc.code, exc.message, exc.detail) from None
+    except JobCanceledError:
+        raise _fail(job, ctx, "canceled", "the job was canceled by DELETE /jobs/{id} while running") from None
+    except JobTimeoutException:
+        raise _fail(job, ctx, "timeout", f"the job ran past its timeout of {job.timeout} s; use a smaller model, "
+                    "numcheck='directional' or 'off', or fewer timing repeats") from None
+    except Exception as exc:  # a bug, not the user's input: report it as such and keep the worker alive
+        log.exception("job %s failed unexpectedly", job.id)
+        raise _fail(job, ctx, "internal_error", f"the worker failed unexpectedly ({type(exc).__name__}); "
+                    "this is a gradsvc bug, please report it with the request") from None
+    finally:
+        ctx.metrics.busy.set(0)
+    ctx.metrics.observe_result(result.device, result.timings, result.memory, result.numcheck, queue_s)
+    return {"result_bytes": len(data)}

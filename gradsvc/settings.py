@@ -21,7 +21,7 @@ class Settings:
     api_keys_file: str = ""
     queue_prefix: str = "gradsvc"
     max_body_bytes: int = 256 * 1024 * 1024
-    max_parameters: int = 50_000_000
+    max_parameters: int = 100_000_000
     max_elements: int = 64_000_000
     max_layers: int = 512
     max_depth: int = 8

@@ -369,7 +369,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
         device=str(device),
         dtype=request.model.dtype,
         parameter_count=prep.parameter_count,
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),
         loss=final.loss,
         gradients=gradients,
         micro_batches=len(batch_chunks(prep.inputs.shape[0], opts.micro_batch)),

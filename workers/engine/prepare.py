@@ -120,7 +120,7 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
 def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max_elements: int) -> dict[str, torch.Tensor]:
     given = request.model.weights or {}
     state = model.state_dict()
-    params = {n for n, _ in model.named_parameters()}
+    params = [n for n, _ in model.named_parameters()]
     for name in given:
         if name not in state:
             raise SpecError("bad_weights", f"weights: unknown parameter {name!r}; the model has "

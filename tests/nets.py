@@ -1,0 +1,47 @@
+"""Reference nets from the seed articles, as specs and as local PyTorch modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SEED_A_LAYERS = [
+    {"type": "Linear", "in_features": 6, "out_features": 8},
+    {"type": "Tanh"},
+    {"type": "Linear", "in_features": 8, "out_features": 3},
+]
+
+
+def seed_a_module(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def seed_a_batch(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def wide_stack_layers(depth: int, width: int = 1024) -> list[dict]:
+    layers: list[dict] = []
+    for _ in range(depth):
+        layers += [{"type": "Linear", "in_features": width, "out_features": width}, {"type": "ReLU"}]
+    return layers
+
+
+def tensor_json(t: torch.Tensor) -> dict:
+    import base64
+
+    t = t.contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "b64": base64.b64encode(t.numpy().tobytes()).decode()}
+
+
+def from_wire(d: dict) -> torch.Tensor:
+    import base64
+
+    dtype = getattr(torch, d["dtype"])
+    if "b64" in d:
+        raw = base64.b64decode(d["b64"])
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(d["shape"]) if raw else torch.empty(d["shape"], dtype=dtype)
+    return torch.tensor(d["data"], dtype=dtype).reshape(d["shape"])

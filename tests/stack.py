@@ -1,0 +1,119 @@
+"""A real stack for tests: a private redis-server, the API (uvicorn) and workers as subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from gradsvc.launcher import free_port, redis_server_binary, wait_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--loglevel", "warning"], stdout=subprocess.DEVNULL)
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    env: dict[str, str]
+    api_port: int
+    metrics_port: int
+    api: subprocess.Popen | None = None
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gradsvc-test-")))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", "gradsvc", *args], env=self.env, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def start_api(self) -> None:
+        self.api = self._spawn("api", "serve")
+        wait_port(self.api_port, 30)
+
+    def start_worker(self, index: int | None = None) -> subprocess.Popen:
+        index = len(self.workers) if index is None else index
+        proc = self._spawn(f"worker-{index}", "worker", "--index", str(index))
+        self.workers.append(proc)
+        return proc
+
+    def wait_ready(self, workers: int = 1, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.base_url}/readyz", timeout=2, headers=self.auth_headers())
+                if r.status_code == 200 and r.json()["workers"] >= workers:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"stack not ready after {timeout_s} s; logs in {self.logdir}")
+
+    def auth_headers(self) -> dict[str, str]:
+        keys = self.env.get("GRADSVC_API_KEYS", "")
+        return {"Authorization": f"Bearer {keys.split(',')[0]}"} if keys else {}
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.logdir.glob("*.log"))
+
+    def stop(self) -> None:
+        procs = [p for p in [self.api, *self.workers] if p is not None and p.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.redis.stop()
+
+
+def start_stack(workers: int = 1, **env_overrides: str) -> Stack:
+    redis = RedisServer(free_port()).start()
+    api_port, metrics_port = free_port(), free_port()
+    env = {**os.environ, "GRADSVC_REDIS_URL": redis.url, "GRADSVC_PORT": str(api_port),
+           "GRADSVC_WORKER_METRICS_PORT": str(metrics_port), "GRADSVC_LOG_LEVEL": "warning",
+           "PYTHONUNBUFFERED": "1", **env_overrides}
+    stack = Stack(redis=redis, env=env, api_port=api_port, metrics_port=metrics_port)
+    try:
+        stack.start_api()
+        for _ in range(workers):
+            stack.start_worker()
+        stack.wait_ready(workers)
+    except Exception:
+        stack.stop()
+        raise
+    return stack

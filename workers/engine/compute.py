@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint
 
 from gradsvc.wire import Estimate, GradientRequest, GradientResult, GraphNode, PerSample, Timings
 
@@ -67,11 +67,32 @@ def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
     acc[name] = g.detach() if name not in acc else acc[name] + g.detach()
 
 
-def _forward(prep: Prepared, xs: torch.Tensor, a: int, b: int, n: int):
+def _checkpointed(model: nn.Sequential, segments: int, x: torch.Tensor, meter: ActivationMeter | None):
+    """checkpoint_sequential's split (the last segment runs plainly), with each checkpointed segment's
+    input counted as kept: it is what checkpointing holds instead of the segment's activations."""
+    modules = list(model)
+    size = len(modules) // segments
+    names = [str(i) for i in range(len(modules))]
+    end = 0
+    for start in range(0, size * (segments - 1), size):
+        end = start + size
+        if meter is not None:
+            meter.keep(x, owner=names[start])
+        x = checkpoint(lambda inp, seg=modules[start:end]: _run_modules(seg, inp), x, use_reentrant=False)
+    return _run_modules(modules[end:], x)
+
+
+def _run_modules(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def _forward(prep: Prepared, xs: torch.Tensor, a: int, b: int, n: int, meter: ActivationMeter | None = None):
     """(output, {term: loss}, total) for rows a:b, each mean loss scaled by its share of the batch."""
     opts = prep.options
     if opts.checkpoint_segments:
-        out = checkpoint_sequential(prep.model, opts.checkpoint_segments, xs, use_reentrant=False)
+        out = _checkpointed(prep.model, opts.checkpoint_segments, xs, meter)
     else:
         out = prep.model(xs)
     losses = {}
@@ -129,7 +150,7 @@ def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
             if record_memory and k == 0:
                 result.meter = ActivationMeter(prep.model)
                 with result.meter.recording():
-                    out, losses, total = _forward(prep, xs, a, b, n)
+                    out, losses, total = _forward(prep, xs, a, b, n, result.meter)
             else:
                 out, losses, total = _forward(prep, xs, a, b, n)
             _sync(device)
@@ -446,5 +467,5 @@ def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Es
     prep.targets = {k: v.to("meta") for k, v in prep.targets.items()}
     meter = ActivationMeter(prep.model)
     with meter.recording():
-        _forward(prep, xs, a, b, n)
+        _forward(prep, xs, a, b, n, meter)
     return Estimate(parameter_count=prep.parameter_count, memory=meter.report(None))

@@ -39,14 +39,17 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
+        self.keep(t, self.stack[-1] if self.stack else "")
+        self.hook_s += time.perf_counter() - start
+        return t
+
+    def keep(self, t: torch.Tensor, owner: str) -> None:
+        """Counts `t` as held for backward by `owner`, unless it is a parameter or already counted."""
         key = _storage_key(t)
         if key not in self.param_keys and key not in self.seen:
             self.seen.add(key)
-            owner = self.stack[-1] if self.stack else ""
             # The view first saved sets the size: a micro-batch slice of the inputs is not the whole batch.
             self.saved[owner] = self.saved.get(owner, 0) + t.numel() * t.element_size()
-        self.hook_s += time.perf_counter() - start
-        return t
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["ActivationMeter"]:

@@ -455,7 +455,7 @@ def _checkpoint_tradeoff(request: GradientRequest, config: EngineConfig, device:
 def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Estimate:
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
-    prep = prepare(request, config, "meta")
+    prep = prepare(request, config, "meta", shape_only=True)
     opts = prep.options
     _trainable(prep)
     n = prep.inputs.shape[0]

@@ -68,7 +68,7 @@ def prepare_target(term: LossTerm, output: torch.Tensor, target: torch.Tensor, d
         if tgt_shape != want:
             fail(f"expected class indices of shape {want} for output {out_shape}, got {tgt_shape}")
         classes = out_shape[1] if output.dim() >= 2 else out_shape[0]
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= classes):
+        if target.numel() and not target.is_meta and (int(target.min()) < 0 or int(target.max()) >= classes):
             fail(f"class indices must lie in [0, {classes - 1}], got values in "
                  f"[{int(target.min())}, {int(target.max())}]", classes=classes)
         return target.to(torch.int64)
@@ -79,6 +79,8 @@ def prepare_target(term: LossTerm, output: torch.Tensor, target: torch.Tensor, d
     if target.dtype == torch.bool or not (target.dtype.is_floating_point or target.dtype in (torch.int32, torch.int64, torch.uint8)):
         fail(f"expected numbers, got {target.dtype}")
     target = target.to(dtype)
+    if target.is_meta:
+        return target
     if kind == "binary" and target.numel() and (bool((target < 0).any()) or bool((target > 1).any())):
         fail("binary targets must lie in [0, 1]")
     if not bool(torch.isfinite(target).all()):

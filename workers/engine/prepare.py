@@ -62,7 +62,7 @@ def _terms(request: GradientRequest) -> list[LossTerm]:
     return [make_term(loss.name or "loss", loss.type, loss.reduction, loss.weight, None)]
 
 
-def _target_for(term: LossTerm, targets, *, max_elements: int) -> torch.Tensor:
+def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool) -> torch.Tensor:
     if isinstance(targets, dict) and not {"dtype", "shape"} <= set(targets):
         key = term.target or term.name
         if key not in targets:
@@ -84,7 +84,7 @@ def _target_for(term: LossTerm, targets, *, max_elements: int) -> torch.Tensor:
             raw = msgspec.convert(raw, Tensor)
         except msgspec.ValidationError as exc:
             raise SpecError("bad_tensor", f"{where}: {exc}", where=where) from None
-    return tensors.decode(raw, where=where, max_elements=max_elements)
+    return tensors.decode(raw, where=where, max_elements=max_elements, shape_only=shape_only)
 
 
 def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
@@ -146,7 +146,10 @@ def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max
     return out
 
 
-def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta") -> Prepared:
+def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta", *,
+            shape_only: bool = False) -> Prepared:
+    """Checks and builds everything; on "meta" nothing runs. `shape_only` (POST /estimate) accepts
+    inputs and targets given as dtype and shape alone."""
     limits = config.limits
     dtype_name = request.model.dtype
     if dtype_name not in tensors.FLOAT_DTYPES:
@@ -154,25 +157,26 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
                         f"{', '.join(tensors.FLOAT_DTYPES)}")
     dtype = tensors.TORCH_DTYPES[dtype_name]
     meta = build(request.model.layers, limits=limits, device="meta").to(dtype)
-    inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements)
+    inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
     first = next(m for _, m in meta.named_modules() if not list(m.children()))
     if isinstance(first, nn.Embedding):
         if inputs.dtype.is_floating_point or inputs.dtype == torch.bool:
             raise SpecError("bad_tensor", "inputs: the first layer is Embedding, which takes integer indices; "
                             f"got {inputs.dtype}")
         inputs = inputs.to(torch.int64)
-        if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= first.num_embeddings):
+        if inputs.numel() and not inputs.is_meta and (int(inputs.min()) < 0 or int(inputs.max()) >= first.num_embeddings):
             raise SpecError("bad_tensor", f"inputs: indices must lie in [0, {first.num_embeddings - 1}] for layer 0 "
                             "(Embedding)")
     else:
         inputs = inputs.to(dtype)
-        if not bool(torch.isfinite(inputs).all()):
+        if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
     out = check_shapes(meta, inputs.to("meta"))
     terms = _terms(request)
-    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements), dtype)
+    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
+                                                       shape_only=shape_only), dtype)
                for t in terms}
     for name, tgt in targets.items():
         if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:

@@ -38,8 +38,11 @@ def torch_dtype(name: str, *, where: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def decode(value: Tensor | list | float | int, *, where: str, max_elements: int) -> torch.Tensor:
-    """A wire tensor (or bare nested list/scalar) as a torch tensor; never copies raw bytes twice."""
+def decode(value: Tensor | list | float | int, *, where: str, max_elements: int, shape_only: bool = False) -> torch.Tensor:
+    """A wire tensor (or bare nested list/scalar) as a torch tensor; never copies raw bytes twice.
+
+    With `shape_only` (POST /estimate), a tensor given as dtype and shape alone becomes a meta tensor.
+    """
     if not isinstance(value, Tensor):
         return _from_nested(value, None, where=where, max_elements=max_elements)
     dtype = torch_dtype(value.dtype, where=where)
@@ -87,6 +90,8 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int)
             flat = torch.frombuffer(raw, dtype=torch.uint8 if dtype == torch.bool else dtype)
         return flat.view(torch.bool).reshape(shape) if dtype == torch.bool else flat.reshape(shape)
     if value.data is None:
+        if shape_only:
+            return torch.empty(shape, dtype=dtype, device="meta")
         raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
     tensor = _from_nested(value.data, dtype, where=where, max_elements=max_elements)
     if list(tensor.shape) != list(shape):

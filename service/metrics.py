@@ -30,7 +30,8 @@ class _RedisCollector:
             for w in self.store.workers():
                 state = w.get_state()
                 state = getattr(state, "value", state)
-                counts[state if state in counts else "busy" if state == "started" else "idle"] += 1
+                # RQ's "started" is a worker booting before its first dequeue: it runs no job, so idle.
+                counts[state if state in counts else "idle"] += 1
             for state, n in counts.items():
                 workers.add_metric([state], n)
         except Exception:  # Redis down: export nothing rather than fail the scrape

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-# From sub-millisecond forward passes of small nets to multi-minute numerical checks.
-PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# From the ~0.1 ms forward pass of a small net to a numerical check that runs into minutes
+# (GRADSVC_JOB_TIMEOUT_S defaults to 600 s, the last finite bucket).
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 PHASES = ("queue_wait", "forward", "backward", "numcheck", "memory", "total")
+# 256 B to 64 GiB in factors of 4: a toy net's few hundred bytes up to a GPU's whole memory.
+SAVED_BYTES_BUCKETS = tuple(4.0 ** k for k in range(4, 19))
+# 1e-16 (float64 round-off) to 1; the check's default tolerance 1e-6 is a bucket edge.
+REL_ERROR_BUCKETS = tuple(10.0 ** -k for k in range(16, -1, -1))
+
+
+def device_kind(device: str) -> str:
+    """The device label: `cuda:1` reads `cuda`, so it stays bounded however many GPUs a machine has."""
+    return device.split(":")[0]
 
 
 class WorkerMetrics:
@@ -14,23 +25,28 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.phase = Histogram("gradsvc_job_phase_duration_seconds", "Time spent in each phase of a gradient job.",
                                ["phase", "device"], buckets=PHASE_BUCKETS, registry=self.registry)
-        self.completed = Counter("gradsvc_jobs_completed_total", "Jobs this worker ended, by outcome and error code.",
+        self.completed = Counter("gradsvc_jobs_completed_total",
+                                 "Jobs this worker ended, by outcome and error code (empty when finished).",
                                  ["status", "device", "code"], registry=self.registry)
         self.saved_bytes = Histogram("gradsvc_activation_saved_bytes", "Activation bytes saved for backward per job.",
-                                     buckets=tuple(4.0 ** k for k in range(4, 19)), registry=self.registry)
+                                     buckets=SAVED_BYTES_BUCKETS, registry=self.registry)
         self.numcheck_error = Histogram("gradsvc_numcheck_max_rel_error",
                                         "Largest relative error of the numerical check per job.",
-                                        buckets=tuple(10.0 ** -k for k in range(16, -1, -1)), registry=self.registry)
+                                        buckets=REL_ERROR_BUCKETS, registry=self.registry)
         self.busy = Gauge("gradsvc_worker_busy", "1 while this worker runs a job.", registry=self.registry)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
     def observe_result(self, device: str, timings, memory, numcheck, queue_s: float) -> None:
-        kind = device.split(":")[0]
+        kind = device_kind(device)
         self.phase.labels("queue_wait", kind).observe(max(queue_s, 0.0))
-        for phase in ("forward", "backward", "numcheck", "memory", "total"):
-            self.phase.labels(phase, kind).observe(getattr(timings, f"{phase}_ms") / 1e3)
+        # A phase that did not run (numcheck off, memory off) is not observed: zeros would drag its percentiles.
+        ran = {"forward": True, "backward": True, "numcheck": numcheck is not None, "memory": memory is not None,
+               "total": True}
+        for phase, did_run in ran.items():
+            if did_run:
+                self.phase.labels(phase, kind).observe(getattr(timings, f"{phase}_ms") / 1e3)
         if memory is not None:
             self.saved_bytes.observe(memory.saved_bytes_total)
         if numcheck is not None:
@@ -38,4 +54,6 @@ class WorkerMetrics:
         self.completed.labels("finished", kind, "").inc()
 
     def observe_failure(self, device: str, code: str) -> None:
-        self.completed.labels("failed", device.split(":")[0], code).inc()
+        # The same status a client reads from GET /jobs/{id}: a canceled job is "canceled", not "failed".
+        status = "canceled" if code == "canceled" else "failed"
+        self.completed.labels(status, device_kind(device), code).inc()

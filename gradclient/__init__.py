@@ -1,0 +1,40 @@
+"""gradclient: gradients of a local nn.Module (or a spec) from a gradsvc service, in one call.
+
+    from gradclient import Client
+    with Client("http://127.0.0.1:8000") as client:
+        result = client.gradients(model, x, y, loss="cross_entropy", numcheck="off")
+    result.gradients["0.weight"]  # a torch tensor (numpy without torch)
+
+Knows only the wire format (gradsvc.wire); never imports the service or the workers. torch is optional:
+Residual and to_spec need it and are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsvc.wire import Estimate, LayerInfo, LayerMemory, Memory, Numcheck, ParameterCheck, Timings
+
+from . import errors
+from .client import AsyncClient, AsyncJob, Client, Job
+from .errors import *  # noqa: F403 - the exception tree is part of the package's surface
+from .errors import ERRORS, GradientClientError
+from .result import GradientResult, PerSample
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Residual", "to_spec"):
+        from . import convert
+
+        return getattr(convert, name)
+    raise AttributeError(f"module 'gradclient' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncClient", "AsyncJob", "Client", "Job", "GradientResult", "PerSample", "Estimate", "LayerInfo",
+    "LayerMemory", "Memory", "Numcheck", "ParameterCheck", "Timings", "GradientClientError", "ERRORS", "errors",
+    "Residual", "to_spec",
+    *(cls.__name__ for cls in GradientClientError.__subclasses__()),
+]

@@ -1,0 +1,534 @@
+"""Client and AsyncClient (the same methods, sync and async, over httpx), and the Job handles they return.
+
+Everything both share (building the body, decoding answers, mapping errors, the retry delay) lives in
+_BaseClient; the two subclasses only send and sleep, as httpx's Client and AsyncClient do.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from gradsvc import wire
+
+from .errors import (
+    BadOptionError,
+    CanceledError,
+    ConnectionFailedError,
+    GradientClientError,
+    WaitTimeoutError,
+    error_for,
+)
+from .result import GradientResult, build_result
+from .tensors import decode_type, to_wire
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+_OPTION_NAMES = frozenset(f.name for f in msgspec.structs.fields(wire.Options))
+# Errors before the request reached the server: safe to send again whatever the method.
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# Errors after it may have: retried only for GET and DELETE, which do not create jobs.
+_IDEMPOTENT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+
+
+class _Body:
+    """The answer's bytes in one writable buffer, sized from Content-Length: tensors are views into it."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        length = response.headers.get("content-length")
+        self.buf = bytearray(int(length)) if length and length.isdigit() else bytearray()
+        self.n = 0
+
+    def add(self, chunk: bytes) -> None:
+        end = self.n + len(chunk)
+        self.buf[self.n:end] = chunk  # grows the buffer only when the length was unknown or encoded
+        self.n = end
+
+    def done(self) -> bytearray:
+        if self.n < len(self.buf):
+            del self.buf[self.n:]
+        return self.buf
+
+
+class _Prepared(msgspec.Struct):
+    content: bytes
+    local_names: dict[str, str]
+
+
+class _BaseClient:
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
+                 retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
+                 headers: dict[str, str] | None = None) -> None:
+        if wire_format not in ("msgpack", "json"):
+            raise ValueError(f"wire_format must be 'msgpack' or 'json', got {wire_format!r}")
+        self.base_url = (base_url or os.environ.get("GRADSVC_URL") or DEFAULT_URL).rstrip("/")
+        api_key = api_key if api_key is not None else os.environ.get("GRADSVC_API_KEY")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.wire_format = wire_format
+        media = MSGPACK if wire_format == "msgpack" else JSON
+        self.headers = {"Accept": media, "Content-Type": media, **(headers or {})}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self._encode = msgspec.msgpack.Encoder().encode if wire_format == "msgpack" else msgspec.json.Encoder().encode
+        self._decoders: dict[tuple[Any, bool], Any] = {}
+
+    # --- requests ---------------------------------------------------------------------------------
+    def _prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
+                 seed: int, options: dict[str, Any]) -> _Prepared:
+        fmt = self.wire_format
+        options = dict(options)
+        local_names: dict[str, str] = {}
+        if isinstance(model, wire.ModelSpec):
+            model = msgspec.structs.asdict(model)
+        if isinstance(model, dict):
+            spec = dict(model)
+            weights = spec.pop("weights", None)
+            if weights:
+                spec["weights"] = {k: to_wire(v, fmt) for k, v in weights.items()}
+        else:
+            from .convert import convert  # needs torch; spec dicts do not
+
+            c = convert(model)
+            spec = {"layers": c.layers, "dtype": c.dtype}
+            if c.weights:
+                spec["weights"] = {k: to_wire(v, fmt) for k, v in c.weights.items()}
+            local_names = c.local_names
+            if "freeze" in options:
+                options["freeze"] = _service_prefixes(options["freeze"], local_names)
+            elif c.frozen:
+                options["freeze"] = c.frozen
+        if dtype is not None:
+            spec["dtype"] = dtype
+        spec.setdefault("seed", seed)
+        body: dict[str, Any] = {"model": spec, "inputs": to_wire(inputs, fmt), "options": self._options(options)}
+        if targets is not None:
+            body["targets"] = ({k: to_wire(v, fmt) for k, v in targets.items()} if isinstance(targets, dict)
+                               else to_wire(targets, fmt))
+        if losses is not None:
+            body["losses"] = losses
+        else:
+            body["loss"] = loss
+        return _Prepared(content=self._encode(body), local_names=local_names)
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            raise BadOptionError(f"unknown option(s) {unknown}; the options are {sorted(_OPTION_NAMES)}",
+                                 detail={"options": unknown})
+        hvp = options.get("hvp")
+        if isinstance(hvp, dict) and isinstance(hvp.get("vector"), dict):
+            options["hvp"] = {**hvp, "vector": {k: to_wire(v, self.wire_format) for k, v in hvp["vector"].items()}}
+        if self.wire_format == "json":
+            options.setdefault("encoding", "b64")  # never nested lists: b64 decodes straight to bytes
+        return options
+
+    def _request(self, method: str, path: str, *, content: bytes | None = None, params: dict | None = None,
+                 extra_s: float = 0.0) -> httpx.Request:
+        timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
+        return self._http.build_request(method, path, content=content, params=params, timeout=timeout)
+
+    # --- answers ----------------------------------------------------------------------------------
+    def _decode(self, tp: Any, response: httpx.Response, buf: bytearray) -> Any:
+        is_msgpack = response.headers.get("content-type", "").startswith(MSGPACK)
+        decoder = self._decoders.get((tp, is_msgpack))
+        if decoder is None:
+            kind = msgspec.msgpack if is_msgpack else msgspec.json
+            decoder = self._decoders[(tp, is_msgpack)] = kind.Decoder(decode_type(tp))
+        try:
+            return decoder.decode(buf)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise GradientClientError(f"could not read the answer to {response.request.method} "
+                                      f"{response.request.url.path}: {exc}", code="bad_response",
+                                      response=response) from None
+
+    def _error(self, response: httpx.Response, buf: bytearray) -> GradientClientError:
+        # Streamed responses keep no body; the exception's response carries it for the caller.
+        response = httpx.Response(response.status_code, headers=response.headers, content=bytes(buf),
+                                  request=response.request)
+        try:
+            body = self._decode(wire.ErrorBody, response, bytearray(buf))
+        except GradientClientError:
+            return GradientClientError(f"HTTP {response.status_code} from {response.request.url}: "
+                                       f"{response.text[:300]}", code=f"http_{response.status_code}",
+                                       response=response)
+        detail = dict(body.error.detail)
+        if body.job_id:
+            detail.setdefault("job_id", body.job_id)
+        return error_for(body.error.code, body.error.message, detail, response)
+
+    def _job_error(self, info: Any) -> GradientClientError:
+        if info.error is None:
+            return CanceledError(f"job {info.job_id} was canceled", detail={"job_id": info.job_id})
+        detail = {**info.error.detail, "job_id": info.job_id}
+        return error_for(info.error.code, info.error.message, detail)
+
+    def _delay(self, attempt: int, response: httpx.Response | None = None) -> float:
+        delay = min(self.backoff_s * 2**attempt, 8.0) * random.uniform(0.8, 1.2)
+        retry_after = response.headers.get("retry-after") if response is not None else None
+        if retry_after:
+            try:
+                delay = max(delay, float(retry_after))
+            except ValueError:
+                pass
+        return delay
+
+    def _may_retry(self, method: str, exc: Exception, attempt: int) -> bool:
+        if attempt >= self.retries:
+            return False
+        return isinstance(exc, _CONNECT_ERRORS) or (method != "POST" and isinstance(exc, _IDEMPOTENT_ERRORS))
+
+    def _connection_failed(self, method: str, path: str, exc: Exception) -> ConnectionFailedError:
+        return ConnectionFailedError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}",
+                                     detail={"attempts": self.retries + 1})
+
+
+def _service_prefixes(prefixes: list[str], local_names: dict[str, str]) -> list[str]:
+    """`freeze` prefixes given in the local model's names ("fc1") as the service's ("0")."""
+    out = []
+    for p in prefixes:
+        hits = [s for s, loc in local_names.items() if loc == p or loc.startswith(p.rstrip(".") + ".")]
+        out.extend(hits or [p])
+    return out
+
+
+class _Progress:
+    """A tqdm bar showing the job's phase and its done/total (plain lines on stderr without tqdm)."""
+
+    def __init__(self, enabled: bool, job_id: str) -> None:
+        self.bar = None
+        self.enabled = enabled
+        self.last = ""
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=0, desc=f"job {job_id[:8]} queued", unit="step", leave=False)
+            except ImportError:
+                pass
+
+    def update(self, info: Any) -> None:
+        if not self.enabled:
+            return
+        p = info.progress
+        phase = p.phase if p is not None and info.status == "started" else info.status
+        if self.bar is not None:
+            self.bar.set_description_str(phase, refresh=False)
+            if p is not None:
+                self.bar.total, self.bar.n = p.total, p.done
+            self.bar.refresh()
+        elif phase != self.last:
+            print(f"job {info.job_id}: {phase}", file=sys.stderr)
+        self.last = phase
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Poll:
+    """How long to wait between GET /jobs/{id}: 20 ms, growing to 0.5 s, capped by the caller's deadline."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.interval = 0.02
+
+    def next(self, job_id: str) -> float:
+        delay, self.interval = self.interval, min(self.interval * 1.5, 0.5)
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeoutError(f"job {job_id} did not end in time; it goes on: call result() again or "
+                                       "cancel() it", detail={"job_id": job_id})
+            delay = min(delay, left)
+        return delay
+
+
+def _outcome(client: _BaseClient, info: Any, local_names: dict[str, str]) -> GradientResult | None:
+    if info.status == "finished":
+        return build_result(info.result, local_names)
+    if info.status in ("failed", "canceled"):
+        raise client._job_error(info)
+    return None
+
+
+class Client(_BaseClient):
+    """The sync SDK client. `Client(base_url, api_key=None, timeout=30.0, retries=3)`; a context manager.
+
+    `wire_format="msgpack"` (raw tensor bytes, the default) or "json"; `transport` is an httpx transport
+    (e.g. httpx.MockTransport in tests). base_url and api_key default to $GRADSVC_URL and $GRADSVC_API_KEY.
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
+                 retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
+                 headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(base_url, api_key, timeout=timeout, retries=retries, backoff_s=backoff_s,
+                         wire_format=wire_format, headers=headers)
+        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, transport=transport)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray]:
+        attempt = 0
+        while True:
+            try:
+                response = self._http.send(self._request(method, path, **kw), stream=True)
+                try:
+                    body = _Body(response)
+                    for chunk in response.iter_bytes():
+                        body.add(chunk)
+                finally:
+                    response.close()
+            except httpx.TransportError as exc:
+                if not self._may_retry(method, exc, attempt):
+                    raise self._connection_failed(method, path, exc) from exc
+                time.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            if response.status_code == 503 and attempt < self.retries:
+                time.sleep(self._delay(attempt, response))
+                attempt += 1
+                continue
+            if response.status_code >= 400:
+                raise self._error(response, body.done())
+            return response, body.done()
+
+    def gradients(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                  losses: list | None = None, dtype: str | None = None, seed: int = 0, wait_s: float = 30.0,
+                  timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
+        """The gradients of `loss(model(inputs), targets)` for every parameter, computed by the service.
+
+        `model`: an nn.Module of allow-listed layers (its weights go with it) or a spec dict; `options`
+        are DESIGN.md's (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
+        (up to `timeout` seconds; None: as long as it takes).
+        """
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": wait_s},
+                                   extra_s=wait_s)
+        if response.status_code == 200:
+            return build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
+        accepted = self._decode(wire.JobAccepted, response, buf)
+        return Job(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+
+    def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+               losses: list | None = None, dtype: str | None = None, seed: int = 0, **options: Any) -> "Job":
+        """Queues the request and returns at once with its Job."""
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+        if response.status_code == 200:  # a server that answered anyway: keep the result in the handle
+            raw = self._decode(wire.GradientResult, response, buf)
+            return Job(self, raw.job_id, prepared.local_names, done=build_result(raw, prepared.local_names))
+        return Job(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names)
+
+    def job(self, job_id: str) -> "Job":
+        """A handle on a job submitted earlier (tensor names as the service gives them)."""
+        return Job(self, job_id)
+
+    def estimate(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                 losses: list | None = None, dtype: str | None = None, seed: int = 0,
+                 **options: Any) -> wire.Estimate:
+        """Parameter count and per-layer activation memory, predicted on the meta device; nothing is queued."""
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        response, buf = self._send("POST", "/estimate", content=prepared.content)
+        return self._decode(wire.Estimate, response, buf)
+
+    def layers(self) -> list[wire.LayerInfo]:
+        response, buf = self._send("GET", "/layers")
+        return self._decode(list[wire.LayerInfo], response, buf)
+
+    def health(self, ready: bool = False) -> dict[str, Any]:
+        """GET /healthz ({"status": "ok"}); with ready=True GET /readyz (Redis and a live worker)."""
+        response, buf = self._send("GET", "/readyz" if ready else "/healthz")
+        return self._decode(dict[str, Any], response, buf)
+
+
+class Job:
+    """A submitted request: status(), cancel(), result(timeout=None, progress=False)."""
+
+    def __init__(self, client: Client, job_id: str, local_names: dict[str, str] | None = None, *,
+                 done: GradientResult | None = None) -> None:
+        self.client = client
+        self.id = job_id
+        self.local_names = local_names or {}
+        self._done = done
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def info(self) -> Any:
+        """GET /jobs/{id}: status, progress {phase, done, total}, error, timestamps (and the raw result)."""
+        response, buf = self.client._send("GET", f"/jobs/{self.id}")
+        return self.client._decode(wire.JobInfo, response, buf)
+
+    def status(self) -> str:
+        """queued | started | finished | failed | canceled"""
+        return self.info().status
+
+    def cancel(self) -> str:
+        """DELETE /jobs/{id}: a queued job is canceled at once, a running one at its next step."""
+        response, buf = self.client._send("DELETE", f"/jobs/{self.id}")
+        return self.client._decode(wire.JobInfo, response, buf).status
+
+    def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:
+        """Waits for the job: the result, or the job's error raised as its exception class
+        (WaitTimeoutError past `timeout`; the job goes on). progress=True shows the job's phase."""
+        if self._done is not None:
+            return self._done
+        poll, bar = _Poll(timeout), _Progress(progress, self.id)
+        try:
+            while True:
+                info = self.info()
+                bar.update(info)
+                result = _outcome(self.client, info, self.local_names)
+                if result is not None:
+                    self._done = result
+                    return result
+                time.sleep(poll.next(self.id))
+        finally:
+            bar.close()
+
+
+class AsyncClient(_BaseClient):
+    """Client's methods as coroutines: `async with AsyncClient(url) as c: r = await c.gradients(...)`."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
+                 retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
+                 headers: dict[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(base_url, api_key, timeout=timeout, retries=retries, backoff_s=backoff_s,
+                         wire_format=wire_format, headers=headers)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, transport=transport)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray]:
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.send(self._request(method, path, **kw), stream=True)
+                try:
+                    body = _Body(response)
+                    async for chunk in response.aiter_bytes():
+                        body.add(chunk)
+                finally:
+                    await response.aclose()
+            except httpx.TransportError as exc:
+                if not self._may_retry(method, exc, attempt):
+                    raise self._connection_failed(method, path, exc) from exc
+                await anyio.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            if response.status_code == 503 and attempt < self.retries:
+                await anyio.sleep(self._delay(attempt, response))
+                attempt += 1
+                continue
+            if response.status_code >= 400:
+                raise self._error(response, body.done())
+            return response, body.done()
+
+    async def gradients(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                        losses: list | None = None, dtype: str | None = None, seed: int = 0, wait_s: float = 30.0,
+                        timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
+        """Client.gradients, awaited."""
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": wait_s},
+                                         extra_s=wait_s)
+        if response.status_code == 200:
+            return build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
+        accepted = self._decode(wire.JobAccepted, response, buf)
+        return await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+
+    async def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                     losses: list | None = None, dtype: str | None = None, seed: int = 0,
+                     **options: Any) -> "AsyncJob":
+        """Client.submit, awaited."""
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+        if response.status_code == 200:
+            raw = self._decode(wire.GradientResult, response, buf)
+            return AsyncJob(self, raw.job_id, prepared.local_names, done=build_result(raw, prepared.local_names))
+        return AsyncJob(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names)
+
+    def job(self, job_id: str) -> "AsyncJob":
+        return AsyncJob(self, job_id)
+
+    async def estimate(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                       losses: list | None = None, dtype: str | None = None, seed: int = 0,
+                       **options: Any) -> wire.Estimate:
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        response, buf = await self._send("POST", "/estimate", content=prepared.content)
+        return self._decode(wire.Estimate, response, buf)
+
+    async def layers(self) -> list[wire.LayerInfo]:
+        response, buf = await self._send("GET", "/layers")
+        return self._decode(list[wire.LayerInfo], response, buf)
+
+    async def health(self, ready: bool = False) -> dict[str, Any]:
+        response, buf = await self._send("GET", "/readyz" if ready else "/healthz")
+        return self._decode(dict[str, Any], response, buf)
+
+
+class AsyncJob:
+    """Job's methods as coroutines."""
+
+    def __init__(self, client: AsyncClient, job_id: str, local_names: dict[str, str] | None = None, *,
+                 done: GradientResult | None = None) -> None:
+        self.client = client
+        self.id = job_id
+        self.local_names = local_names or {}
+        self._done = done
+
+    def __repr__(self) -> str:
+        return f"AsyncJob({self.id!r})"
+
+    async def info(self) -> Any:
+        response, buf = await self.client._send("GET", f"/jobs/{self.id}")
+        return self.client._decode(wire.JobInfo, response, buf)
+
+    async def status(self) -> str:
+        return (await self.info()).status
+
+    async def cancel(self) -> str:
+        response, buf = await self.client._send("DELETE", f"/jobs/{self.id}")
+        return self.client._decode(wire.JobInfo, response, buf).status
+
+    async def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:
+        if self._done is not None:
+            return self._done
+        poll, bar = _Poll(timeout), _Progress(progress, self.id)
+        try:
+            while True:
+                info = await self.info()
+                bar.update(info)
+                result = _outcome(self.client, info, self.local_names)
+                if result is not None:
+                    self._done = result
+                    return result
+                await anyio.sleep(poll.next(self.id))
+        finally:
+            bar.close()
+
+
+__all__ = ["AsyncClient", "AsyncJob", "Client", "Job"]

@@ -1,0 +1,75 @@
+"""What gradients() returns: the wire result with its tensors as torch tensors (numpy without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gradsvc.wire import GraphNode, Memory, Numcheck, Timings
+
+from .tensors import from_wire
+
+
+@dataclass
+class PerSample:
+    norms: Any = None  # (batch,) per-example gradient norms
+    gradients: dict[str, Any] | None = None  # {param: (batch, *param.shape)}
+
+
+@dataclass
+class GradientResult:
+    """One computed request. Tensor fields hold torch tensors (numpy arrays when torch is absent), keyed
+    by the local model's state_dict names; numcheck, memory and timings are the wire Structs."""
+
+    loss: float
+    gradients: dict[str, Any]
+    timings: Timings
+    numcheck: Numcheck | None = None
+    memory: Memory | None = None
+    job_id: str = ""
+    status: str = "finished"
+    device: str = ""
+    dtype: str = ""
+    parameter_count: int = 0
+    micro_batches: int = 1
+    torch_version: str = ""
+    losses: dict[str, float] | None = None
+    per_loss_gradients: dict[str, dict[str, Any]] | None = None
+    gradient_cosine: dict[str, float] | None = None
+    per_sample: PerSample | None = None
+    input_gradient: Any = None
+    hvp: dict[str, Any] | None = None
+    graph: list[GraphNode] | None = None
+    checkpoint: dict[str, float] | None = None
+
+    def set_grads(self, model: Any) -> None:
+        """Writes the gradients into each parameter's `.grad` (as loss.backward() would), so an optimizer
+        can step. Frozen parameters (no gradient) are left alone."""
+        import torch
+
+        for name, p in model.named_parameters():
+            g = self.gradients.get(name)
+            if g is not None:
+                p.grad = g.to(device=p.device, dtype=p.dtype) if isinstance(g, torch.Tensor) else torch.as_tensor(g)
+
+
+def build_result(raw: Any, local_names: dict[str, str] | None = None) -> GradientResult:
+    """The SDK's result from a decoded wire result, parameter names mapped back to the local model's."""
+    names = local_names or {}
+
+    def tensors(d: dict | None) -> dict | None:
+        return None if d is None else {names.get(k, k): from_wire(v) for k, v in d.items()}
+
+    ps = raw.per_sample
+    return GradientResult(
+        loss=raw.loss, gradients=tensors(raw.gradients), timings=raw.timings, numcheck=raw.numcheck,
+        memory=raw.memory, job_id=raw.job_id, status=raw.status, device=raw.device, dtype=raw.dtype,
+        parameter_count=raw.parameter_count, micro_batches=raw.micro_batches, torch_version=raw.torch_version,
+        losses=raw.losses,
+        per_loss_gradients=None if raw.per_loss_gradients is None else
+        {k: tensors(v) for k, v in raw.per_loss_gradients.items()},
+        gradient_cosine=raw.gradient_cosine,
+        per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
+        input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
+        checkpoint=raw.checkpoint,
+    )

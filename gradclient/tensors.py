@@ -1,0 +1,150 @@
+"""Arrays <-> wire tensors (raw little-endian C-order bytes), with torch when installed and numpy otherwise.
+
+Sending: a tensor's bytes go to the encoder as a memoryview of the tensor itself, so the one copy is
+the encoder writing the body. Receiving: the body is read into one writable buffer, decoded with
+`memoryview` in place of `bytes` (`decode_type`), and each tensor is a view into that buffer; only
+a tensor whose offset does not suit its dtype's alignment is copied, once.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import sys
+import types
+import typing
+from typing import Any
+
+import msgspec
+
+from gradsvc import wire
+
+try:
+    import torch
+except ImportError:  # the SDK works without PyTorch: tensors come back as numpy arrays
+    torch = None
+try:
+    import numpy as np
+except ImportError:
+    np = None
+
+from .errors import BadTensorError
+
+_NUMPY_NAMES = {"float16": "float16", "float32": "float32", "float64": "float64", "int32": "int32",
+                "int64": "int64", "uint8": "uint8", "bool": "bool"}
+
+
+def is_tensor_like(x: Any) -> bool:
+    return (torch is not None and isinstance(x, torch.Tensor)) or (np is not None and isinstance(x, np.ndarray))
+
+
+def to_wire(x: Any, fmt: str = "msgpack") -> Any:
+    """A torch tensor or numpy array as a wire.Tensor (raw bytes in msgpack, base64 in JSON); numbers
+    and nested lists pass through, as the API accepts them for inputs and targets."""
+    if isinstance(x, wire.Tensor) or isinstance(x, (list, int, float)):
+        return x
+    if torch is not None and isinstance(x, torch.Tensor):
+        name, shape, raw = _torch_bytes(x)
+    elif np is not None and isinstance(x, np.ndarray):
+        name, shape, raw = _numpy_bytes(x)
+    else:
+        raise BadTensorError(f"cannot send a {type(x).__name__}; give a torch tensor, a numpy array or a nested list")
+    if fmt == "json":
+        return wire.Tensor(dtype=name, shape=shape, b64=base64.b64encode(raw).decode("ascii"))
+    return wire.Tensor(dtype=name, shape=shape, data=raw)  # a memoryview: msgspec writes it as bin
+
+
+def _torch_bytes(x: "torch.Tensor") -> tuple[str, list[int], memoryview]:
+    t = x.detach()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in wire.ITEMSIZE:
+        raise BadTensorError(f"dtype {t.dtype} cannot travel; use one of {', '.join(wire.DTYPES)}")
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()  # a no-op for the usual contiguous tensor
+    if sys.byteorder != "little" and name != "bfloat16":  # pragma: no cover - numpy swaps the bytes
+        return _numpy_bytes(t.numpy())
+    flat = t.reshape(-1).view(torch.uint8)  # (numel * itemsize,), the same memory
+    return name, list(t.shape), memoryview(flat.numpy())
+
+
+def _numpy_bytes(a: "np.ndarray") -> tuple[str, list[int], memoryview]:
+    name = a.dtype.name
+    if name not in _NUMPY_NAMES:
+        raise BadTensorError(f"numpy dtype {a.dtype} cannot travel; use one of {', '.join(_NUMPY_NAMES)}")
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder != "little"):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return name, list(a.shape), memoryview(a.reshape(-1).view(np.uint8))
+
+
+def from_wire(t: Any) -> Any:
+    """A decoded wire tensor (data a memoryview into the body, nested lists, or b64) as a torch tensor
+    (numpy array without torch). None stays None."""
+    if t is None:
+        return None
+    raw = t.data if isinstance(t.data, (memoryview, bytes, bytearray)) else None
+    if t.b64 is not None:
+        raw = memoryview(bytearray(base64.b64decode(t.b64)))
+    if raw is None:
+        return _from_list(t)
+    return _from_torch_bytes(t, raw) if torch is not None else _from_numpy_bytes(t, raw)
+
+
+def _from_list(t: Any) -> Any:
+    if torch is not None:
+        dtype = getattr(torch, t.dtype)
+        return torch.tensor(t.data, dtype=dtype).reshape(t.shape)
+    if t.dtype == "bfloat16":
+        return np.asarray(t.data, dtype=np.float32).reshape(t.shape)
+    return np.asarray(t.data, dtype=_NUMPY_NAMES[t.dtype]).reshape(t.shape)
+
+
+def _from_torch_bytes(t: Any, raw: memoryview | bytes) -> "torch.Tensor":
+    dtype = getattr(torch, t.dtype)
+    if len(raw) == 0:
+        return torch.empty(t.shape, dtype=dtype)
+    u8 = torch.frombuffer(raw, dtype=torch.uint8)  # a view of the body, no copy
+    if u8.data_ptr() % wire.ITEMSIZE[t.dtype] or getattr(raw, "readonly", True):
+        u8 = u8.clone()  # misaligned for its dtype, or read-only: one copy into a fresh, aligned tensor
+    return u8.view(dtype).reshape(t.shape)
+
+
+def _from_numpy_bytes(t: Any, raw: memoryview | bytes) -> "np.ndarray":
+    if t.dtype == "bfloat16":  # numpy has no bfloat16: widen to float32 exactly (the high 16 bits)
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+    a = np.frombuffer(raw, dtype=np.dtype(_NUMPY_NAMES[t.dtype]).newbyteorder("<"))
+    if not a.flags.aligned or not a.flags.writeable:
+        a = a.copy()
+    return a.reshape(t.shape)
+
+
+@functools.cache
+def decode_type(tp: Any) -> Any:
+    """The wire type `tp` with every `bytes` field decoded as a memoryview into the message buffer (the
+    same Structs, derived, so gradsvc.wire stays the one definition)."""
+    if tp is bytes:
+        return memoryview
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        fields = msgspec.structs.fields(tp)
+        new = [(f.name, decode_type(f.type)) for f in fields]
+        if all(n[1] == f.type for n, f in zip(new, fields)):
+            return tp
+        spec = []
+        for (name, ftype), f in zip(new, fields):
+            if f.default is not msgspec.NODEFAULT:
+                spec.append((name, ftype, f.default))
+            elif f.default_factory is not msgspec.NODEFAULT:
+                spec.append((name, ftype, msgspec.field(default_factory=f.default_factory)))
+            else:
+                spec.append((name, ftype))
+        return msgspec.defstruct(tp.__name__, spec, module=__name__)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is None or not args:
+        return tp
+    new_args = tuple(decode_type(a) for a in args)
+    if new_args == args:
+        return tp
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[new_args]
+    return origin[new_args]

@@ -189,11 +189,16 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     if str(device) == "meta":
         model = meta
     else:
-        torch.manual_seed(request.model.seed)
-        model = build(request.model.layers, limits=limits, device="cpu").to(dtype)
-        if weights:
-            model.load_state_dict(weights, strict=False)
-        model = model.to(device)
+        if set(weights) == set(meta.state_dict()):
+            # Every tensor is given: skip the default initialisation (seconds for large models).
+            model = meta.to_empty(device=device)
+            model.load_state_dict(weights)
+        else:
+            torch.manual_seed(request.model.seed)
+            model = build(request.model.layers, limits=limits, device="cpu").to(dtype)
+            if weights:
+                model.load_state_dict(weights, strict=False)
+            model = model.to(device)
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import httpx
 import pytest
@@ -222,10 +221,11 @@ def poll(base: str, query: str, ok, timeout_s: float = 30) -> list[dict]:
         time.sleep(0.5)
 
 
-@pytest.fixture()
-def prometheus(stack, http, tmp_path: Path):
+@pytest.fixture(scope="module")
+def prometheus(stack, http, tmp_path_factory):
     """A Prometheus on loopback scraping the stack every second; a job has run before its first scrape, so the
-    phase histogram's series already exist and the test's own job shows as their only increase."""
+    phase histogram's series already exist and the first test's own job shows as their only increase."""
+    tmp_path = tmp_path_factory.mktemp("prometheus")
     wait_until_idle(http)
     assert http.post("/gradients", json=seed_a_body(numcheck="off")).status_code == 200
     port = free_port()
@@ -263,3 +263,17 @@ def test_prometheus_scrapes_the_stack_and_answers_a_phase_duration_quantile(prom
     assert low <= quantile <= high, (quantile, total_s)
     depth = instant(prometheus, "gradsvc_queue_depth")
     assert {x["metric"]["queue"] for x in depth} == {"gradsvc", "gradsvc-cpu", "gradsvc-cuda"}
+
+
+@needs_prometheus
+def test_prometheus_evaluates_every_dashboard_query_and_the_phase_panels_show_data(prometheus, http):
+    from .test_dashboards import dashboard_exprs
+
+    poll(prometheus, "up", lambda r: len(r) == 2 and all(x["value"][1] == "1" for x in r))
+    assert http.post("/gradients", json=seed_a_body(numcheck="exact")).status_code == 200
+    phase_p50 = next(e for _, title, e in dashboard_exprs() if title == "Job phase p50 by device")
+    got = poll(prometheus, phase_p50, lambda r: {x["metric"].get("phase") for x in r} >= set(PHASES))
+    assert {x["metric"]["phase"] for x in got} >= set(PHASES), got
+    for dashboard, title, expr in dashboard_exprs():
+        r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "success", (dashboard, title, r.text)

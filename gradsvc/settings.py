@@ -39,6 +39,7 @@ class Settings:
     worker_device: str = "auto"
     worker_heartbeat_s: int = 10
     rate_limit_per_minute: int = 0
+    allow_unauthenticated: bool = False
     redis_timeout_s: float = 2.0
     log_level: str = "info"
 
@@ -62,7 +63,8 @@ class Settings:
 
     def validate(self) -> None:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
-                    "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s"]
+                    "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
+                    "worker_heartbeat_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")
@@ -72,6 +74,20 @@ class Settings:
             raise SettingsError(f"GRADSVC_WORKER_DEVICE={self.worker_device!r}: use auto, cpu or cuda")
         if self.api_keys_file and not Path(self.api_keys_file).is_file():
             raise SettingsError(f"GRADSVC_API_KEYS_FILE={self.api_keys_file!r}: no such file")
+        if self.rate_limit_per_minute < 0:
+            raise SettingsError(f"GRADSVC_RATE_LIMIT_PER_MINUTE={self.rate_limit_per_minute!r}: use 0 (off) or more")
+
+    @property
+    def is_loopback_host(self) -> bool:
+        return self.host in ("127.0.0.1", "::1", "localhost") or self.host.startswith("127.")
+
+    def unauthenticated_bind_error(self) -> str | None:
+        """Why the API must not start: no API keys yet bound beyond loopback (None when that is fine)."""
+        if self.all_api_keys() or self.is_loopback_host or self.allow_unauthenticated:
+            return None
+        return (f"GRADSVC_HOST={self.host!r} without API keys would let anyone on the network submit jobs; set "
+                "GRADSVC_API_KEYS (or GRADSVC_API_KEYS_FILE), bind GRADSVC_HOST=127.0.0.1, or set "
+                "GRADSVC_ALLOW_UNAUTHENTICATED=1 behind a trusted proxy")
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)
@@ -83,6 +99,11 @@ class Settings:
 
 def _parse(kind, raw: str):
     kind = str(kind)
+    if kind == "bool":
+        value = raw.strip().lower()
+        if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise ValueError("use 1/true/yes/on or 0/false/no/off")
+        return value in ("1", "true", "yes", "on")
     if kind == "int":
         return int(raw)
     if kind == "float":
@@ -90,6 +111,3 @@ def _parse(kind, raw: str):
     if kind.startswith("tuple"):
         return tuple(k.strip() for k in raw.split(",") if k.strip())
     return raw
-
-
-

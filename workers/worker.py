@@ -1,15 +1,30 @@
 """`gradsvc worker`: an RQ worker that runs jobs in its own process (no fork per job), so imported
-torch and the CUDA context stay warm; it serves its Prometheus metrics on its own port."""
+torch and the CUDA context stay warm; it serves its Prometheus metrics on its own port.
+
+RQ's SimpleWorker does not heartbeat while a job runs, so it registers each job for job_timeout + 60 s:
+a worker killed mid-job would leave its job "started" for that long. GradientWorker instead leases a
+job for 3 heartbeats and renews the lease from a thread every GRADSVC_WORKER_HEARTBEAT_S, so a long
+job stays alive while a dead worker's job expires within seconds; the same thread reaps expired
+leases (RQ fails them with AbandonedJobError, which the API reports as `worker_lost`). Losing Redis
+is waited out: the worker retries until it comes back instead of exiting.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import threading
+import time
 
 import torch
 from redis import Redis
-from rq import Queue
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import Queue, worker_registration
+from rq.executions import Execution
+from rq.job import Job
+from rq.utils import now, utcformat
 from rq.worker import SimpleWorker
 
 from gradsvc import keys
@@ -19,10 +34,130 @@ from .jobs import make_context, set_context
 from .serializer import MsgpackSerializer
 
 log = logging.getLogger("gradsvc.worker")
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 
 class GradientWorker(SimpleWorker):
     """SimpleWorker: a forking worker adds ~20 ms per job with torch loaded and cannot reuse a CUDA context."""
+
+    # Reconnect within a few seconds of Redis coming back (RQ's default backoff grows to 60 s).
+    exponential_backoff_factor = 1.5
+    max_connection_wait_time = 3.0
+
+    def __init__(self, *args, heartbeat_s: int = 10, **kwargs) -> None:
+        # worker_ttl sets the idle BLPOP to worker_ttl - 15 s; the heartbeat thread keeps the key alive.
+        kwargs.setdefault("worker_ttl", 30)
+        kwargs.setdefault("job_monitoring_interval", heartbeat_s)
+        super().__init__(*args, **kwargs)
+        self.heartbeat_s = heartbeat_s
+        self.lease_s = 3 * heartbeat_s  # a worker or job silent this long is lost
+        self._running: tuple[Job, Execution] | None = None
+        self._beating = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+
+    # --- leases -------------------------------------------------------------------------------------
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        return self.lease_s
+
+    def heartbeat(self, timeout: int | None = None, pipeline=None):
+        if pipeline is not None:
+            return super().heartbeat(timeout or self.lease_s, pipeline=pipeline)
+        try:
+            return super().heartbeat(timeout or self.lease_s)
+        except REDIS_ERRORS as exc:  # the dequeue loop that follows backs off until Redis returns
+            log.warning("worker %s: heartbeat failed, Redis unreachable (%s)", self.name, exc)
+
+    def set_state(self, state: str, pipeline=None):
+        if pipeline is not None:
+            return super().set_state(state, pipeline=pipeline)
+        try:
+            return super().set_state(state)
+        except REDIS_ERRORS:
+            self._state = state  # advisory only; the next heartbeat re-registers the worker
+
+    def prepare_execution(self, job: Job) -> Execution:
+        execution = super().prepare_execution(job)
+        self._running = (job, execution)
+        return execution
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            super().execute_job(job, queue)
+        except REDIS_ERRORS as exc:
+            # The job's outcome could not be recorded; its lease lapses and it is reaped as worker_lost.
+            log.error("worker %s: Redis lost while finishing job %s (%s); it will be reported as worker_lost",
+                      self.name, job.id, exc)
+            self._wait_a_moment()
+        finally:
+            self._running = None
+
+    def bootstrap(self, *args, **kwargs) -> None:
+        super().bootstrap(*args, **kwargs)
+        self._beating.set()
+        self._beat_thread = threading.Thread(target=self._beat_loop, name="gradsvc-heartbeat", daemon=True)
+        self._beat_thread.start()
+
+    def teardown(self) -> None:
+        self._beating.clear()
+        try:
+            super().teardown()
+        except REDIS_ERRORS as exc:
+            log.warning("worker %s: could not register its death, Redis unreachable (%s)", self.name, exc)
+
+    def _beat_loop(self) -> None:
+        while self._beating.is_set():
+            try:
+                self.beat()
+            except REDIS_ERRORS as exc:
+                log.warning("worker %s: heartbeat failed, Redis unreachable (%s); retrying", self.name, exc)
+            except Exception:  # the thread must outlive any surprise, or every job would be reaped
+                log.exception("worker %s: heartbeat failed", self.name)
+            time.sleep(self.heartbeat_s)
+
+    def beat(self) -> None:
+        """Renews this worker's lease and its running job's, then fails any job whose lease lapsed."""
+        running = self._running
+        if running is not None:
+            job, execution = running
+            self.maintain_heartbeats(job, execution)
+        with self.connection.pipeline() as pipe:
+            pipe.hset(self.key, "last_heartbeat", utcformat(now()))
+            pipe.expire(self.key, self.lease_s)
+            created, _ = pipe.execute()
+        if created:  # the hash had expired, or Redis came back empty: register again
+            self._register_again()
+        self.reap_abandoned()
+
+    def _register_again(self) -> None:
+        log.warning("worker %s: registering again (its key was gone from Redis)", self.name)
+        with self.connection.pipeline() as pipe:
+            pipe.hset(self.key, mapping={**self.serialize(), "state": self.get_state()})
+            worker_registration.register(self, pipe)
+            pipe.expire(self.key, self.lease_s)
+            pipe.execute()
+
+    def reap_abandoned(self) -> None:
+        """RQ fails a started job whose lease lapsed (AbandonedJobError): its worker died or lost Redis."""
+        for queue in self.queues:
+            queue.started_job_registry.cleanup()
+
+    # --- Redis outages in the work loop --------------------------------------------------------------
+    def check_for_suspension(self, burst: bool) -> None:
+        try:
+            super().check_for_suspension(burst)
+        except REDIS_ERRORS as exc:
+            log.warning("worker %s: Redis unreachable (%s); waiting for it", self.name, exc)
+            self._wait_a_moment()
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()
+        except REDIS_ERRORS as exc:
+            log.warning("worker %s: registry maintenance skipped, Redis unreachable (%s)", self.name, exc)
+            self.last_cleaned_at = now()
+
+    def _wait_a_moment(self) -> None:
+        time.sleep(1.0)
 
 
 def _warm_up(device: torch.device) -> None:
@@ -47,10 +182,28 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     queues = [Queue(name, connection=connection, serializer=MsgpackSerializer)
               for name in keys.worker_queues(settings.queue_prefix, kind)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
-    return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, name=name)
+    return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, name=name,
+                          heartbeat_s=settings.worker_heartbeat_s)
+
+
+def _wait_for_redis(settings: Settings) -> None:
+    """A worker started while Redis is down waits for it rather than exiting."""
+    connection = redis_connection(settings)
+    delay = 0.5
+    while True:
+        try:
+            connection.ping()
+            return
+        except REDIS_ERRORS as exc:
+            log.warning("Redis at %s unreachable (%s); retrying in %.1f s", settings.redis_url, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+        finally:
+            connection.close()
 
 
 def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
+    _wait_for_redis(settings)
     worker = build_worker(settings, index=index)
     from .jobs import context
 

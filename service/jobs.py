@@ -6,13 +6,20 @@ import base64
 import zlib
 from datetime import datetime, timezone
 
+import anyio
+import anyio.to_thread
 import msgspec
 import redis.asyncio as aioredis
 from redis import Redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from rq import Queue, Worker
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.registry import StartedJobRegistry
+from rq.utils import utcparse
 
 from gradsvc import keys
 from gradsvc.settings import Settings
@@ -26,7 +33,9 @@ _STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "qu
            "started": "started", "finished": "finished", "failed": "failed", "stopped": "canceled",
            "canceled": "canceled"}
 _result_decoder = msgspec.msgpack.Decoder(GradientResult)
-_FIELDS = ("status", "meta", "enqueued_at", "started_at", "ended_at")
+_FIELDS = ("status", "meta", "enqueued_at", "started_at", "ended_at", "origin", "last_heartbeat")
+_WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job was lost (killed, crashed, or cut off "
+                "from Redis) before it finished; submit it again", "detail": {}}
 
 
 def _iso(raw: bytes | None) -> str | None:
@@ -42,17 +51,27 @@ class JobStore:
         timeout = settings.redis_timeout_s
         self.redis = Redis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
                                     retry=no_retry)
-        # Blocking XREADs last up to max_wait_s: the socket timeout must outlast them.
-        self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
-                                        socket_timeout=settings.max_wait_s + 10, retry=Retry(NoBackoff(), 0))
+        self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
+                                        retry=Retry(NoBackoff(), 0))
+        # Blocking XREADs last up to max_wait_s, so they get their own pool whose socket timeout outlasts them;
+        # wait() bounds each one by its own deadline, so a hung Redis still answers 503 soon after it.
+        self.ablocking = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
+                                           socket_timeout=settings.max_wait_s + timeout + 5, retry=Retry(NoBackoff(), 0))
+        self.lease_s = 3 * settings.worker_heartbeat_s  # as workers.worker.GradientWorker
         self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer)
                        for d in keys.QUEUE_DEVICES}
 
     async def close(self) -> None:
         await self.aredis.aclose()
+        await self.ablocking.aclose()
         self.redis.close()
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str) -> str:
+        if device != "auto" and not Worker.all(queue=self.queues[device]):
+            # A job for a device no worker serves would stay queued forever.
+            raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
+                               f"{self.queues[device].name!r}); use options.device='auto' or start a {device} worker",
+                               device=device)
         job = self.queues[device].enqueue(
             JOB_FUNCTION, body, fmt,
             job_timeout=self.settings.job_timeout_s,
@@ -67,15 +86,26 @@ class JobStore:
         """True once the job has ended (RQ appended to its results stream) within timeout_s."""
         if timeout_s <= 0:
             return False
-        got = await self.aredis.xread({keys.rq_results_stream(job_id): "0-0"}, count=1,
-                                      block=max(1, int(timeout_s * 1000)))
+        try:
+            with anyio.fail_after(timeout_s + self.settings.redis_timeout_s):
+                got = await self.ablocking.xread({keys.rq_results_stream(job_id): "0-0"}, count=1,
+                                                 block=max(1, int(timeout_s * 1000)))
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
+            raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job "
+                               f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
+                               headers={"Retry-After": "2"}, job_id=job_id) from None
         return bool(got)
 
-    async def info(self, job_id: str, owner: str, *, with_result: bool = True) -> JobInfo:
+    async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
         pipe = self.aredis.pipeline(transaction=False)
         pipe.hmget(Job.key_for(job_id), _FIELDS)
         pipe.get(keys.result_key(self.prefix, job_id))
-        (status, meta_raw, enqueued, started, ended), result_raw = await pipe.execute()
+        (status, meta_raw, enqueued, started, ended, origin, beat), result_raw = await pipe.execute()
+        if status == b"started" and origin and not _reaped and self._lease_lapsed(beat):
+            # No worker renewed this job's lease: fail it now (AbandonedJobError -> worker_lost) rather than
+            # wait for a worker's reaper, so a job outlives no worker at all as "started".
+            await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
+            return await self.info(job_id, owner, with_result=with_result, _reaped=True)
         meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
         if status is None or meta.get("owner") != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
@@ -104,6 +134,19 @@ class JobStore:
             ended_at=_iso(ended),
         )
 
+    def _lease_lapsed(self, beat: bytes | None) -> bool:
+        if not beat:
+            return False
+        try:
+            age_s = (datetime.now(timezone.utc) - utcparse(beat.decode())).total_seconds()
+        except ValueError:
+            return False
+        return age_s > self.lease_s + 1
+
+    def reap_abandoned(self, queue_name: str) -> None:
+        """RQ fails every started job in the queue whose lease lapsed (its worker died or lost Redis)."""
+        StartedJobRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
+
     async def result_bytes(self, job_id: str) -> bytes | None:
         return await self.aredis.get(keys.result_key(self.prefix, job_id))
 
@@ -115,24 +158,28 @@ class JobStore:
             raw = entries[0][1].get(b"exc_string")
             if raw:
                 exc = zlib.decompress(base64.b64decode(raw)).decode(errors="replace")
-        if "AbandonedJobError" in exc or "moved to FailedJobRegistry" in exc or not exc:
-            return {"code": "worker_lost", "message": "the worker running this job died (killed or lost) before it "
-                    "finished; submit it again", "detail": {}}
+        if "AbandonedJobError" in exc or "moved to FailedJobRegistry" in exc.lower() or not exc:
+            return dict(_WORKER_LOST)
         if "JobTimeoutException" in exc:
             return {"code": "timeout", "message": "the job ran past GRADSVC_JOB_TIMEOUT_S", "detail": {}}
         return {"code": "internal_error", "message": exc.strip().splitlines()[-1][:500], "detail": {}}
 
     def cancel(self, job_id: str) -> None:
-        job = Job.fetch(job_id, connection=self.redis, serializer=MsgpackSerializer)
+        try:
+            job = Job.fetch(job_id, connection=self.redis, serializer=MsgpackSerializer)
+        except NoSuchJobError:
+            raise ServiceError("not_found", f"no job {job_id!r}; it expired", job_id=job_id) from None
         status = job.get_status(refresh=False)
         status = status.value if status is not None else "queued"
-        if status in ("queued", "deferred", "scheduled", "created"):
+        if status not in ("queued", "deferred", "scheduled", "created", "started"):
+            return  # already ended: nothing to cancel
+        # The flag also stops a job a worker took between the status read above and job.cancel() below.
+        self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.settings.job_timeout_s + 60)
+        if status != "started":
             job.cancel()
             job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
                                  "detail": {}}
             job.save_meta()
-        elif status == "started":
-            self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.settings.job_timeout_s + 60)
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

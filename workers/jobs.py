@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
@@ -81,14 +83,17 @@ class _Progress:
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         now = time.monotonic()
-        if now - self.last_poll > 0.2:
-            self.last_poll = now
-            if self.job.connection.exists(self.cancel_key):
-                raise JobCanceledError()
-        if now - self.last_save > 0.5 or done == total:
-            self.last_save = now
-            self.job.meta["progress"] = {"phase": phase, "done": done, "total": total}
-            self.job.save_meta()
+        try:
+            if now - self.last_poll > 0.2:
+                self.last_poll = now
+                if self.job.connection.exists(self.cancel_key):
+                    raise JobCanceledError()
+            if now - self.last_save > 0.5 or done == total:
+                self.last_save = now
+                self.job.meta["progress"] = {"phase": phase, "done": done, "total": total}
+                self.job.save_meta()
+        except (RedisConnectionError, RedisTimeoutError):
+            pass  # progress is advisory: a Redis blip must not fail the computation
 
 
 def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | None = None) -> JobFailedError:
@@ -126,6 +131,8 @@ def gradient_job(body: bytes, fmt: str) -> dict:
     except JobTimeoutException:
         raise _fail(job, ctx, "timeout", f"the job ran past its timeout of {job.timeout} s; use a smaller model, "
                     "numcheck='directional' or 'off', or fewer timing repeats") from None
+    except (RedisConnectionError, RedisTimeoutError):
+        raise  # Redis is gone: nothing can be recorded now; the lapsed lease reports the job as worker_lost
     except Exception as exc:  # a bug, not the user's input: report it as such and keep the worker alive
         log.exception("job %s failed unexpectedly", job.id)
         raise _fail(job, ctx, "internal_error", f"the worker failed unexpectedly ({type(exc).__name__}); "

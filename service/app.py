@@ -11,7 +11,7 @@ from litestar import Litestar, Request, Response, delete, get, post
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gradsvc.settings import Settings
+from gradsvc.settings import Settings, SettingsError
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
 
@@ -36,6 +36,9 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
                            reason=str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}", reason=str(exc)) from None
+    except RecursionError:  # msgspec's decoder recurses per nesting level
+        raise ServiceError("too_large", "the body nests too deep to decode; containers may nest at most "
+                           "GRADSVC_MAX_DEPTH levels (GET /layers lists Sequential and Residual)") from None
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -126,7 +129,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar):
         if not auth.enabled:
-            log.warning("no API keys configured (GRADSVC_API_KEYS): every caller is trusted; bind to 127.0.0.1 only")
+            problem = settings.unauthenticated_bind_error()
+            if problem:
+                raise SettingsError(problem)
+            log.warning("no API keys configured (GRADSVC_API_KEYS): every caller is trusted; serving on %s only",
+                        settings.host)
         try:
             yield
         finally:

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class RedisServer:
     port: int
     proc: subprocess.Popen | None = None
+    args: tuple[str, ...] = ()  # extra redis-server arguments, e.g. ("--appendonly", "yes", "--dir", d)
 
     @property
     def url(self) -> str:
@@ -30,7 +31,7 @@ class RedisServer:
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--loglevel", "warning"], stdout=subprocess.DEVNULL)
+             "--appendonly", "no", "--loglevel", "warning", *self.args], stdout=subprocess.DEVNULL)
         wait_port(self.port)
         return self
 
@@ -101,8 +102,8 @@ class Stack:
         self.redis.stop()
 
 
-def start_stack(workers: int = 1, **env_overrides: str) -> Stack:
-    redis = RedisServer(free_port()).start()
+def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), **env_overrides: str) -> Stack:
+    redis = RedisServer(free_port(), args=redis_args).start()
     api_port, metrics_port = free_port(), free_port()
     env = {**os.environ, "GRADSVC_REDIS_URL": redis.url, "GRADSVC_PORT": str(api_port),
            "GRADSVC_WORKER_METRICS_PORT": str(metrics_port), "GRADSVC_LOG_LEVEL": "warning",

@@ -1,0 +1,109 @@
+"""What every bench shares: the repo on sys.path, the reference specs, timing helpers and the table printer."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SEED_A_LAYERS = [
+    {"type": "Linear", "in_features": 6, "out_features": 8},
+    {"type": "Tanh"},
+    {"type": "Linear", "in_features": 8, "out_features": 3},
+]
+
+
+def seed_a_body(options: dict | None = None) -> dict:
+    """Seed 003 [A]'s 6-8-3 tanh float64 net on tests/nets.py's batch of 4, as a JSON request body."""
+    from tests.nets import seed_a_batch
+
+    x, y = seed_a_batch()
+    return {"model": {"layers": SEED_A_LAYERS, "dtype": "float64", "seed": 0}, "inputs": x.tolist(),
+            "targets": y.tolist(), "loss": "cross_entropy", "options": options or {}}
+
+
+def wide_layers(depth: int, width: int) -> list[dict]:
+    layers: list[dict] = []
+    for _ in range(depth):
+        layers += [{"type": "Linear", "in_features": width, "out_features": width}, {"type": "ReLU"}]
+    return layers
+
+
+def raw_tensor(t) -> dict:
+    """A torch tensor as a wire tensor with raw bytes (the MessagePack transport's form)."""
+    t = t.contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": t.numpy().tobytes()}
+
+
+def timed(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds per call, `warmup` untimed calls first."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def percentile(xs, q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} cores"
+
+
+def header(title: str, what: str) -> float:
+    print(f"\n## {title}\n")
+    print(what.strip())
+    print(f"\nstart: {load()}\n")
+    return time.perf_counter()
+
+
+def footer(started: float) -> None:
+    print(f"\nend: {load()}; took {time.perf_counter() - started:.1f} s")
+
+
+def table(head: list[str], rows: list[list]) -> None:
+    """A Markdown table; floats to 3 significant figures where that reads well."""
+
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            if v == 0:
+                return "0"
+            if abs(v) >= 100:
+                return f"{v:.0f}"
+            if abs(v) >= 1:
+                return f"{v:.2f}"
+            return f"{v:.3g}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def verdict(value: float, goal: float, *, at_most: bool = True) -> str:
+    ok = value <= goal if at_most else value >= goal
+    return "met" if ok else "NOT met"

@@ -1,0 +1,117 @@
+"""Medium job end to end: 8 x (Linear(1024, 1024) + ReLU), batch 256, float32, MSE, numcheck off,
+sent and answered in MessagePack (raw tensor bytes both ways; 8.4 M parameters, 33.6 MB of gradients).
+
+A private stack (tests/stack.py) on loopback; one httpx client, requests one after another.
+  e2e        client wall time: POST /gradients?wait=120 (MessagePack body, Accept MessagePack) until
+             the answer is decoded into torch tensors (torch.frombuffer over the received bytes).
+  plain f+b  plain PyTorch in this process, model already built, median warm step:
+             model(x) -> F.mse_loss -> torch.autograd.grad: the goal's "in-process forward+backward".
+  compute()  the engine in this process on the same request: the whole call (decode, build + init,
+             forward, backward, memory accounting, gradients to bytes).
+  worker     the worker's own timings.total_ms (compute() inside the worker) as answered.
+
+Run: .venv/bin/python bench/medium_job.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import common  # noqa: F401  (puts the repo on sys.path)
+import httpx
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common import footer, header, median, raw_tensor, table, timed, verdict, wide_layers
+from gradsvc.wire import GradientRequest
+from tests.stack import start_stack
+from workers.engine import EngineConfig, compute
+
+DEPTH, WIDTH, BATCH = 8, 1024, 256
+REQUESTS = 8
+
+
+def body() -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, WIDTH, generator=g)
+    y = torch.randn(BATCH, WIDTH, generator=g)
+    return {"model": {"layers": wide_layers(DEPTH, WIDTH), "dtype": "float32", "seed": 0},
+            "inputs": raw_tensor(x), "targets": raw_tensor(y), "loss": "mse", "options": {"numcheck": "off"}}
+
+
+def plain_step_ms(b: dict) -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(DEPTH) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+    params = list(model.parameters())
+    x = torch.frombuffer(bytearray(b["inputs"]["data"]), dtype=torch.float32).reshape(BATCH, WIDTH)
+    y = torch.frombuffer(bytearray(b["targets"]["data"]), dtype=torch.float32).reshape(BATCH, WIDTH)
+
+    def step():
+        torch.autograd.grad(F.mse_loss(model(x), y), params)
+
+    return 1e3 * median(timed(step, repeat=REQUESTS, warmup=2))
+
+
+def compute_ms(content: bytes) -> tuple[float, float]:
+    req = msgspec.msgpack.decode(content, type=GradientRequest)
+    config, cpu = EngineConfig(), torch.device("cpu")
+    phases = []
+
+    def call():
+        r = compute(req, config, device=cpu)
+        phases.append(r.timings.forward_ms + r.timings.backward_ms)
+
+    wall = median(timed(call, repeat=REQUESTS, warmup=2))
+    return 1e3 * wall, median(phases[2:])
+
+
+def decode_answer(raw: bytes) -> dict[str, torch.Tensor]:
+    answer = msgspec.msgpack.decode(raw)
+    return {name: torch.frombuffer(t["data"], dtype=torch.float32).reshape(t["shape"])
+            for name, t in answer["gradients"].items()}, answer
+
+
+def main() -> list[list]:
+    started = header("Medium job: 8 x Linear(1024,1024)+ReLU, batch 256, MessagePack both ways",
+                     __doc__.split("Run:")[0])
+    b = body()
+    content = msgspec.msgpack.encode(b)
+    plain = plain_step_ms(b)
+    call, phases = compute_ms(content)
+    stack = start_stack(workers=1)
+    e2e, worker, size = [], [], 0
+    try:
+        headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack",
+                   **stack.auth_headers()}
+        with httpx.Client(base_url=stack.base_url, timeout=300, headers=headers) as client:
+            for i in range(REQUESTS + 2):
+                t0 = time.perf_counter()
+                r = client.post("/gradients", params={"wait": 120}, content=content)
+                grads, answer = decode_answer(r.content)
+                dt = time.perf_counter() - t0
+                assert r.status_code == 200 and len(grads) == 2 * DEPTH, r.content[:300]
+                size = len(r.content)
+                if i >= 2:
+                    e2e.append(1e3 * dt)
+                    worker.append(answer["timings"]["total_ms"])
+    finally:
+        stack.stop()
+    p50 = median(e2e)
+    rows = [["plain PyTorch forward+backward (warm)", plain, 1.0],
+            ["engine phases in process (forward_ms + backward_ms)", phases, phases / plain],
+            ["engine compute() in process (whole call)", call, call / plain],
+            ["worker compute() (timings.total_ms, median)", median(worker), median(worker) / plain],
+            ["end to end, MessagePack (p50)", p50, p50 / plain]]
+    table(["what", "ms", "/ plain forward+backward"], rows)
+    print(f"\nrequest {len(content) / 1e6:.1f} MB, answer {size / 1e6:.1f} MB; e2e / compute() in process "
+          f"{p50 / call:.2f}; e2e - worker compute {p50 - median(worker):.1f} ms")
+    print(f"goal e2e / in-process forward+backward <= 1.3: {p50 / plain:.2f} ({verdict(p50 / plain, 1.3)}); "
+          f"{REQUESTS} requests after 2 warm-up")
+    footer(started)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

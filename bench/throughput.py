@@ -1,0 +1,96 @@
+"""Throughput of tiny jobs (seed [A]'s 83-parameter net, numcheck off) with 1 and 2 workers, jobs/s.
+
+A private stack (tests/stack.py); the second worker is started after the 1-worker rows.
+  queue -> result  the bench enqueues N jobs straight onto the RQ queue, as the API does
+                   (service.jobs.JobStore.enqueue), then blocks on each job's RQ results stream until
+                   the last one has ended: N / (last end - first enqueue).
+  via the API      C client threads, each POST /gradients?wait=30 one after another (sync wait):
+                   N / wall time, HTTP, validation and the API's own Redis calls included.
+
+Run: .venv/bin/python bench/throughput.py
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import common  # noqa: F401  (puts the repo on sys.path)
+import httpx
+import msgspec
+from redis import Redis
+
+from common import footer, header, seed_a_body, table
+from gradsvc import keys
+from gradsvc.settings import Settings
+from service.jobs import JobStore
+from tests.stack import Stack, start_stack
+
+JOBS = 400
+CLIENTS = 4
+
+
+def queue_to_result(stack: Stack, body: bytes, n: int) -> float:
+    store = JobStore(Settings(redis_url=stack.redis.url))
+    r = Redis.from_url(stack.redis.url)
+    try:
+        t0 = time.perf_counter()
+        ids = [store.enqueue(body, "json", "auto", "") for _ in range(n)]
+        for job_id in ids:
+            got = r.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=60_000)
+            assert got, f"job {job_id} did not end in 60 s"
+        return n / (time.perf_counter() - t0)
+    finally:
+        r.close()
+        store.redis.close()
+
+
+def via_api(stack: Stack, body: bytes, n: int, clients: int) -> float:
+    per = n // clients
+    errors: list[str] = []
+
+    def client():
+        headers = {"Content-Type": "application/json", **stack.auth_headers()}
+        with httpx.Client(base_url=stack.base_url, timeout=60, headers=headers) as c:
+            for _ in range(per):
+                r = c.post("/gradients", params={"wait": 30}, content=body)
+                if r.status_code != 200:
+                    errors.append(r.text[:200])
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    return per * clients / (time.perf_counter() - t0)
+
+
+def main() -> list[list]:
+    started = header("Throughput: tiny jobs, 1 and 2 workers", __doc__.split("Run:")[0])
+    body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
+    stack = start_stack(workers=1)
+    rows = []
+    try:
+        for workers in (1, 2):
+            if workers == 2:
+                stack.start_worker()
+                stack.wait_ready(2)
+            queue_to_result(stack, body, 40)  # warm-up
+            q = queue_to_result(stack, body, JOBS)
+            a = via_api(stack, body, JOBS, CLIENTS)
+            rows.append([workers, q, 1e3 / q, a, 1e3 / a])
+    finally:
+        stack.stop()
+    for r in rows:
+        r += [r[1] / rows[0][1], r[3] / rows[0][3]]
+    table(["workers", "queue->result jobs/s", "ms/job", f"via API ({CLIENTS} clients) jobs/s", "ms/job",
+           "queue x 1 worker", "API x 1 worker"], rows)
+    print(f"\n{JOBS} jobs per cell; 2 workers share the machine's 2 cores with Redis, the API and this bench")
+    footer(started)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""API keys, job ownership and rate limiting over real HTTP, a real Redis and a real worker."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+
+from ..nets import SEED_A_LAYERS
+from ..stack import Stack, start_stack
+
+KEYS = ("alpha-key-0123456789", "beta-key-0123456789", "gamma-key-0123456789")
+RATE_LIMIT = 5
+
+
+def body() -> dict:
+    return {"model": {"layers": copy.deepcopy(SEED_A_LAYERS), "dtype": "float64", "seed": 0},
+            "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], "targets": [1], "options": {"numcheck": "off"}}
+
+
+@pytest.fixture(scope="module")
+def secured() -> Stack:
+    s = start_stack(workers=1, GRADSVC_API_KEYS=",".join(KEYS), GRADSVC_RATE_LIMIT_PER_MINUTE=str(RATE_LIMIT))
+    yield s
+    s.stop()
+
+
+def client(stack: Stack, key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=stack.base_url, timeout=60, headers=headers)
+
+
+ROUTES = [("POST", "/gradients"), ("POST", "/estimate"), ("GET", "/jobs/some-id"), ("DELETE", "/jobs/some-id"),
+          ("GET", "/layers"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/schema")]
+
+
+@pytest.mark.parametrize("method, path", ROUTES)
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-key", "Basic YWxwaGE6eA==", "Bearer", f"bearer{KEYS[0]}", KEYS[0]])
+def test_every_route_but_healthz_needs_a_valid_bearer_key(secured, method, path, auth):
+    headers = {"Authorization": auth} if auth else {}
+    r = httpx.request(method, secured.base_url + path, headers=headers, json=body(), timeout=30)
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "unauthorized"
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert KEYS[0] not in r.text
+
+
+def test_healthz_needs_no_key(secured):
+    assert httpx.get(secured.base_url + "/healthz").status_code == 200
+
+
+def test_a_job_is_visible_only_to_the_key_that_submitted_it(secured):
+    alice, bob = client(secured, KEYS[0]), client(secured, KEYS[1])
+    r = alice.post("/gradients?wait=30", json=body())
+    assert r.status_code == 200, r.text
+    job_id = r.json()["job_id"]
+    assert alice.get(f"/jobs/{job_id}").json()["status"] == "finished"
+
+    unknown = bob.get("/jobs/no-such-job")
+    for r in (bob.get(f"/jobs/{job_id}"), bob.delete(f"/jobs/{job_id}")):
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        # Another key's job reads exactly as an unknown one: its existence is not disclosed.
+        assert r.json()["error"]["message"].replace(job_id, "X") == \
+            unknown.json()["error"]["message"].replace("no-such-job", "X")
+    assert alice.get(f"/jobs/{job_id}").json()["result"]["parameter_count"] == 83
+
+
+def test_the_job_stores_a_digest_of_the_key_never_the_key(secured):
+    import redis
+
+    alice = client(secured, KEYS[0])
+    job_id = alice.post("/gradients?wait=0", json=body()).json()["job_id"]
+    conn = redis.Redis.from_url(secured.redis.url)
+    dump = b"".join(conn.hvals(f"rq:job:{job_id}"))
+    assert KEYS[0].encode() not in dump
+    assert all(KEYS[0].encode() not in (conn.dump(k) or b"") for k in conn.keys("*"))
+
+
+def test_more_submissions_than_the_limit_get_429_with_retry_after_per_key(secured):
+    gamma, alice = client(secured, KEYS[2]), client(secured, KEYS[0])
+    statuses, limited = [], None
+    for _ in range(RATE_LIMIT + 3):
+        r = gamma.post("/gradients?wait=0", json=body())
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            limited = r
+    # The minute may roll over mid-loop; at most RATE_LIMIT pass in any one window.
+    assert statuses.count(202) <= 2 * RATE_LIMIT and 429 in statuses, statuses
+    assert limited.json()["error"]["code"] == "rate_limited"
+    retry = int(limited.headers["retry-after"])
+    assert 1 <= retry <= 60
+    assert limited.json()["error"]["detail"]["retry_after_s"] == retry
+    # Other keys are not affected, and reading jobs is not rate limited.
+    assert alice.post("/gradients?wait=0", json=body()).status_code == 202
+    assert gamma.get("/layers").status_code == 200
+
+
+def test_keys_are_compared_whole(secured):
+    for near in (KEYS[0][:-1], KEYS[0] + "x", KEYS[0].upper(), KEYS[0] + "," + KEYS[1]):
+        r = httpx.get(secured.base_url + "/layers", headers={"Authorization": f"Bearer {near}"})
+        assert r.status_code == 401, near
+    assert client(secured, KEYS[0]).get("/layers").status_code == 200

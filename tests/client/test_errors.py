@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import msgspec
 import pytest
@@ -13,8 +15,9 @@ from gradclient import Client, errors
 from gradsvc import wire
 from service.errors import STATUS
 
+from gradsvc.launcher import free_port
+
 from ..stack import RedisServer, Stack, start_stack
-from gradsvc.launcher import free_port, wait_port
 
 LINEAR = [{"type": "Linear", "in_features": 6, "out_features": 3}]
 X = [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]
@@ -159,8 +162,6 @@ def test_outages_raise_503_classes_after_retrying(tmp_path):
     """An API with no worker is not ready; with Redis gone the queue is unavailable. Both are retried."""
     redis = RedisServer(free_port()).start()
     port = free_port()
-    import os
-
     env = {**os.environ, "GRADSVC_REDIS_URL": redis.url, "GRADSVC_PORT": str(port), "GRADSVC_LOG_LEVEL": "warning",
            "GRADSVC_REDIS_TIMEOUT_S": "0.5"}
     bare = Stack(redis=redis, env=env, api_port=port, metrics_port=0, logdir=tmp_path)
@@ -171,7 +172,8 @@ def test_outages_raise_503_classes_after_retrying(tmp_path):
             with pytest.raises(errors.NotReadyError) as info:
                 client.health(ready=True)
             assert transport.requests == 3 and info.value.is_retryable
-            redis.stop()
+        redis.stop()
+        with Client(bare.base_url, retries=0) as client:  # its Retry-After is 2 s: no retry here
             with pytest.raises(errors.QueueUnavailableError):
                 client.submit(spec(), X, Y)
     finally:

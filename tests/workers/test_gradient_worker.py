@@ -1,0 +1,199 @@
+"""GradientWorker in this process on a private redis-server: job leases, out-of-memory, and the proof that
+no pickle crosses Redis and weights never go through torch.load."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pickle
+import re
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+import torch
+from rq import Queue
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+
+from gradsvc import keys
+from gradsvc.launcher import free_port
+from gradsvc.settings import Settings
+from gradsvc.wire import GradientRequest, GradientResult
+from service.jobs import JobStore
+from workers import jobs as worker_jobs
+from workers.serializer import MsgpackSerializer
+from workers.worker import GradientWorker
+
+from ..nets import SEED_A_LAYERS
+from ..stack import ROOT, RedisServer
+
+engine_compute = importlib.import_module("workers.engine.compute")
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def settings(redis_server) -> Settings:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return Settings(redis_url=redis_server.url, worker_heartbeat_s=1, worker_metrics_port=0,
+                    worker_device="cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def worker_context(redis_server):
+    worker_jobs.set_context(worker_jobs.make_context(Settings(redis_url=redis_server.url, worker_device="cpu")))
+    yield
+
+
+def seed_a_request(**options) -> dict:
+    return {"model": {"layers": copy.deepcopy(SEED_A_LAYERS), "dtype": "float64", "seed": 0},
+            "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]], "targets": [0, 2],
+            "loss": "cross_entropy", "options": {"numcheck": "off", **options}}
+
+
+def make_worker(settings: Settings, heartbeat_s: int = 1) -> tuple[GradientWorker, Queue]:
+    conn = redis.Redis.from_url(settings.redis_url)
+    queue = Queue(keys.queue_name(settings.queue_prefix, "auto"), connection=conn, serializer=MsgpackSerializer)
+    worker = GradientWorker([queue], connection=conn, serializer=MsgpackSerializer, heartbeat_s=heartbeat_s)
+    return worker, queue
+
+
+def enqueue_gradients(store: JobStore, body: dict) -> str:
+    return store.enqueue(msgspec.json.encode(body), "json", "auto", "owner-1")
+
+
+def test_a_job_running_longer_than_its_lease_is_renewed_not_reaped(settings):
+    worker, queue = make_worker(settings, heartbeat_s=1)  # lease: 3 s
+    job = queue.enqueue("time.sleep", 5.0, job_timeout=60)
+    reaped = threading.Event()
+    stop = threading.Event()
+
+    def reaper() -> None:  # another worker's (or the API's) reaper, running all the time
+        registry = StartedJobRegistry(queue.name, connection=queue.connection, serializer=MsgpackSerializer)
+        while not stop.is_set():
+            registry.cleanup()
+            if job.get_status(refresh=True) == "failed":
+                reaped.set()
+            time.sleep(0.2)
+
+    t = threading.Thread(target=reaper, daemon=True)
+    t.start()
+    try:
+        started = time.monotonic()
+        worker.work(burst=True, logging_level="WARNING")
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        t.join()
+    print(f"job ran {elapsed:.1f} s against a 3 s lease")
+    assert elapsed >= 5.0
+    assert not reaped.is_set()
+    assert job.get_status(refresh=True) == "finished"
+
+
+def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(settings):
+    import anyio
+
+    store = JobStore(settings)
+    worker, queue = make_worker(settings, heartbeat_s=1)
+    job_id = enqueue_gradients(store, seed_a_request())
+    job = Job.fetch(job_id, connection=queue.connection, serializer=MsgpackSerializer)
+    # What a worker killed mid-job leaves behind: the job started, leased for 3 s, never renewed.
+    worker.register_birth()
+    queue.connection.lpop(queue.key)
+    worker.prepare_execution(job)
+    worker.prepare_job_execution(job)
+    assert job.get_status(refresh=True) == "started"
+    time.sleep(3 + 1.5)  # the lease, and the API's one-second grace
+    info = anyio.run(lambda: store.info(job_id, "owner-1"))
+    assert info.status == "failed"
+    assert info.error.code == "worker_lost"
+    assert "submit it again" in info.error.message
+
+
+@pytest.mark.parametrize("exc", [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+                                 MemoryError("cannot allocate 20 GiB")])
+def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings, monkeypatch, exc):
+    real = engine_compute._compute
+    calls = []
+
+    def oom_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_compute, "_compute", oom_once)
+    store = JobStore(settings)
+    first = enqueue_gradients(store, seed_a_request())
+    second = enqueue_gradients(store, seed_a_request())
+    worker, queue = make_worker(settings)
+    worker.work(burst=True, logging_level="WARNING")
+
+    failed = Job.fetch(first, connection=queue.connection, serializer=MsgpackSerializer)
+    assert failed.get_status() == "failed"
+    error = failed.meta["error"]
+    assert error["code"] == "out_of_memory"
+    assert "micro_batch" in error["message"] and "checkpoint_segments" in error["message"]
+    assert Job.fetch(second, connection=queue.connection, serializer=MsgpackSerializer).get_status() == "finished"
+    result = msgspec.msgpack.decode(queue.connection.get(keys.result_key(settings.queue_prefix, second)),
+                                    type=GradientResult)
+    assert result.parameter_count == 83
+    assert len(calls) == 2
+
+
+def test_jobs_cross_redis_as_msgpack_never_pickle(settings):
+    store = JobStore(settings)
+    assert all(q.serializer is MsgpackSerializer for q in store.queues.values())
+    job_id = enqueue_gradients(store, seed_a_request())
+    worker, queue = make_worker(settings)
+    assert worker.serializer is MsgpackSerializer
+    worker.work(burst=True, logging_level="WARNING")
+
+    conn = queue.connection
+    fields = conn.hgetall(f"rq:job:{job_id}")
+    data = zlib.decompress(fields[b"data"])  # RQ compresses the call
+    for name, raw in ((b"data", data), (b"meta", fields[b"meta"])):
+        assert not raw.startswith(b"\x80"), f"{name} looks like a pickle"  # pickle protocol 2+ header
+        msgspec.msgpack.decode(raw)  # and it is MessagePack
+    func, _instance, args, _kwargs = msgspec.msgpack.decode(data)
+    assert func == "workers.jobs.gradient_job"
+    assert msgspec.json.decode(args[0], type=GradientRequest).model.layers[0]["type"] == "Linear"
+    # Anything stored under a job is readable without pickle: no key holds a pickle header.
+    for key in conn.keys("*"):
+        kind = conn.type(key)
+        values = ([conn.get(key)] if kind == b"string" else conn.hvals(key) if kind == b"hash" else
+                  [v for _, entry in conn.xrange(key) for v in entry.values()] if kind == b"stream" else [])
+        assert not any(v.startswith(b"\x80\x04") or v.startswith(b"\x80\x05") for v in values if v), key
+
+
+def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.load / pickle used on request data")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    body = seed_a_request()
+    body["model"]["weights"] = {name: {"dtype": "float64", "shape": list(p.shape), "data": p.tolist()}
+                                for name, p in model.state_dict().items()}
+    result = engine_compute.compute(msgspec.convert(body, GradientRequest))
+    assert result.parameter_count == 83
+    # And nothing in the service, the workers or the SDK calls them at all.
+    pattern = re.compile(r"\btorch\.load\(|\bimport pickle\b|\bpickle\.loads?\(|\bcloudpickle\b|\bdill\b")
+    offenders = [str(p.relative_to(ROOT)) for d in ("service", "workers", "gradsvc", "gradclient")
+                 for p in (ROOT / d).rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
+    assert Path(ROOT / "workers" / "serializer.py").read_text().count("msgspec.msgpack") >= 2

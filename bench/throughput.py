@@ -1,6 +1,8 @@
 """Throughput of tiny jobs (seed [A]'s 83-parameter net, numcheck off) with 1 and 2 workers, jobs/s.
 
-A private stack (tests/stack.py); the second worker is started after the 1-worker rows.
+A private stack (tests/stack.py) per row. "2 workers" runs with GRADSVC_WORKERS=2, as `gradsvc up`
+starts them: each CPU worker then takes cores / 2 intra-op threads; the last row leaves
+GRADSVC_WORKERS unset (each worker on all cores, as before that setting was honoured) to show why.
   queue -> result  the bench enqueues N jobs straight onto the RQ queue, as the API does
                    (service.jobs.JobStore.enqueue), then blocks on each job's RQ results stream until
                    the last one has ended: N / (last end - first enqueue).
@@ -26,7 +28,7 @@ from gradsvc.settings import Settings
 from service.jobs import JobStore
 from tests.stack import Stack, start_stack
 
-JOBS = 400
+JOBS = 300
 CLIENTS = 4
 
 
@@ -70,19 +72,17 @@ def via_api(stack: Stack, body: bytes, n: int, clients: int) -> float:
 def main() -> list[list]:
     started = header("Throughput: tiny jobs, 1 and 2 workers", __doc__.split("Run:")[0])
     body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
-    stack = start_stack(workers=1)
     rows = []
-    try:
-        for workers in (1, 2):
-            if workers == 2:
-                stack.start_worker()
-                stack.wait_ready(2)
+    for label, workers, env in [("1", 1, {}), ("2", 2, {"GRADSVC_WORKERS": "2"}),
+                                ("2, all cores each", 2, {"GRADSVC_WORKERS": "1"})]:
+        stack = start_stack(workers=workers, **env)
+        try:
             queue_to_result(stack, body, 40)  # warm-up
             q = queue_to_result(stack, body, JOBS)
             a = via_api(stack, body, JOBS, CLIENTS)
-            rows.append([workers, q, 1e3 / q, a, 1e3 / a])
-    finally:
-        stack.stop()
+            rows.append([label, q, 1e3 / q, a, 1e3 / a])
+        finally:
+            stack.stop()
     for r in rows:
         r += [r[1] / rows[0][1], r[3] / rows[0][3]]
     table(["workers", "queue->result jobs/s", "ms/job", f"via API ({CLIENTS} clients) jobs/s", "ms/job",

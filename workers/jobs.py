@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -47,8 +48,14 @@ _context: WorkerContext | None = None
 
 
 def make_context(settings: Settings) -> WorkerContext:
-    return WorkerContext(settings=settings, config=config_from_settings(settings),
-                         device=resolve_device(settings.worker_device), metrics=WorkerMetrics())
+    device = resolve_device(settings.worker_device)
+    if device.type == "cpu" and settings.workers > 1:
+        # N CPU workers on one machine share its cores: with every worker at the default (all cores),
+        # idle OpenMP threads spin on cores a sibling needs (bench/throughput.py: 2 workers ran slower
+        # than 1 on 2 cores).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
+    return WorkerContext(settings=settings, config=config_from_settings(settings), device=device,
+                         metrics=WorkerMetrics())
 
 
 def set_context(ctx: WorkerContext) -> None:

@@ -1,0 +1,93 @@
+"""Property-based tests from GET /schema (OpenAPI 3.1): a bounded number of examples per operation, no 5xx
+other than 503, every response valid against the schema. A dedicated stack keeps `wait` short
+(GRADSVC_MAX_WAIT_S=2), so generated wait values cannot hold a request for long."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import positive_data_acceptance
+
+from ..stack import start_stack
+
+MAX_EXAMPLES = 30
+OPERATIONS = ["POST /gradients", "POST /estimate", "GET /jobs/{job_id}", "DELETE /jobs/{job_id}", "GET /layers",
+              "GET /healthz", "GET /readyz", "GET /metrics"]
+
+
+@pytest.fixture(scope="module")
+def schema_stack():
+    s = start_stack(workers=1, GRADSVC_MAX_WAIT_S="2", GRADSVC_DEFAULT_WAIT_S="1", GRADSVC_JOB_TIMEOUT_S="20",
+                    GRADSVC_MAX_PARAMETERS="200000", GRADSVC_MAX_ELEMENTS="200000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(schema_stack):
+    return schemathesis.openapi.from_url(f"{schema_stack.base_url}/schema")
+
+
+def test_the_schema_lists_every_route(api_schema):
+    labels = {result.ok().label for result in api_schema.get_all_operations()}
+    assert labels == set(OPERATIONS)
+
+
+@pytest.mark.parametrize("label", OPERATIONS)
+def test_no_input_gets_a_5xx_other_than_503_or_breaks_the_schema(api_schema, schema_stack, label):
+    operation = api_schema.find_operation_by_label(label)
+    calls = []
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=True, database=None)
+    def check(case):
+        response = case.call(base_url=schema_stack.base_url, timeout=30)
+        calls.append(response.status_code)
+        assert response.status_code < 500 or response.status_code == 503, \
+            (case.method, case.path, case.body, response.status_code, response.text[:500])
+        # Every other check runs (server errors, status codes, content types, response schemas, headers,
+        # negative data rejected). Schema-valid but meaningless specs (no layers, mismatched shapes, an
+        # unknown layer type) are 422 by design: the schema gives structure, the engine checks meaning.
+        case.validate_response(response, excluded_checks=[positive_data_acceptance])
+
+    check()
+    print(f"{label}: {len(calls)} calls, statuses {sorted(set(calls))}")
+    for proc in schema_stack.workers:
+        assert proc.poll() is None, f"a worker exited; logs in {schema_stack.logdir}"
+
+
+def _valid_bodies() -> list[dict]:
+    base = {"model": {"layers": [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
+                                 {"type": "Linear", "in_features": 8, "out_features": 3}], "dtype": "float64",
+                      "seed": 0},
+            "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]], "targets": [0, 2],
+            "loss": "cross_entropy"}
+    options = [{}, {"numcheck": "exact"}, {"numcheck": "directional", "encoding": "b64"},
+               {"per_sample": "norms", "input_grad": True}, {"hvp": {"vector": "random", "seed": 1}, "graph": True},
+               {"micro_batch": 1, "memory": False, "per_sample": "full"}]
+    return [{**base, "options": o} for o in options]
+
+
+@pytest.mark.parametrize("wait", [2, 0])
+def test_real_results_jobs_and_estimates_match_the_schema(api_schema, schema_stack, wait):
+    gradients = api_schema.find_operation_by_label("POST /gradients")
+    estimate = api_schema.find_operation_by_label("POST /estimate")
+    get_job = api_schema.find_operation_by_label("GET /jobs/{job_id}")
+    cancel = api_schema.find_operation_by_label("DELETE /jobs/{job_id}")
+    for body in _valid_bodies():
+        case = gradients.Case(body=body, query={"wait": wait}, media_type="application/json")
+        response = case.call(base_url=schema_stack.base_url, timeout=30)
+        assert response.status_code in (200, 202), response.text[:500]
+        case.validate_response(response)
+        job_id = response.json()["job_id"]
+        for op in (get_job, cancel, get_job):
+            job_case = op.Case(path_parameters={"job_id": job_id})
+            r = job_case.call(base_url=schema_stack.base_url, timeout=30)
+            assert r.status_code == 200, r.text[:500]
+            job_case.validate_response(r)
+        est = estimate.Case(body=body, media_type="application/json")
+        r = est.call(base_url=schema_stack.base_url, timeout=30)
+        assert r.status_code == 200, r.text[:500]
+        est.validate_response(r)

@@ -39,7 +39,6 @@ class Settings:
     worker_device: str = "auto"
     worker_heartbeat_s: int = 10
     rate_limit_per_minute: int = 0
-    allow_unauthenticated: bool = False
     redis_timeout_s: float = 2.0
     log_level: str = "info"
 
@@ -81,13 +80,17 @@ class Settings:
     def is_loopback_host(self) -> bool:
         return self.host in ("127.0.0.1", "::1", "localhost") or self.host.startswith("127.")
 
-    def unauthenticated_bind_error(self) -> str | None:
-        """Why the API must not start: no API keys yet bound beyond loopback (None when that is fine)."""
-        if self.all_api_keys() or self.is_loopback_host or self.allow_unauthenticated:
+    def exposure_warning(self) -> str | None:
+        """What the API says at start-up when it trusts every caller (no API keys), else None."""
+        if self.all_api_keys():
             return None
-        return (f"GRADSVC_HOST={self.host!r} without API keys would let anyone on the network submit jobs; set "
-                "GRADSVC_API_KEYS (or GRADSVC_API_KEYS_FILE), bind GRADSVC_HOST=127.0.0.1, or set "
-                "GRADSVC_ALLOW_UNAUTHENTICATED=1 behind a trusted proxy")
+        if self.is_loopback_host:
+            return (f"no API keys configured (GRADSVC_API_KEYS): every caller is trusted; serving on {self.host} "
+                    "only, so only this machine can reach the API")
+        # Containers bind 0.0.0.0 and publish the port on the host's loopback; the API cannot see that.
+        return (f"no API keys configured (GRADSVC_API_KEYS) and GRADSVC_HOST={self.host!r}: anyone who can reach "
+                "this port can submit jobs and read every job; publish the port on loopback only, or set "
+                "GRADSVC_API_KEYS")
 
     def all_api_keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)
@@ -99,11 +102,6 @@ class Settings:
 
 def _parse(kind, raw: str):
     kind = str(kind)
-    if kind == "bool":
-        value = raw.strip().lower()
-        if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-            raise ValueError("use 1/true/yes/on or 0/false/no/off")
-        return value in ("1", "true", "yes", "on")
     if kind == "int":
         return int(raw)
     if kind == "float":

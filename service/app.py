@@ -11,7 +11,7 @@ from litestar import Litestar, Request, Response, delete, get, post
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gradsvc.settings import Settings, SettingsError
+from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
 
@@ -128,12 +128,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
-        if not auth.enabled:
-            problem = settings.unauthenticated_bind_error()
-            if problem:
-                raise SettingsError(problem)
-            log.warning("no API keys configured (GRADSVC_API_KEYS): every caller is trusted; serving on %s only",
-                        settings.host)
+        exposure = settings.exposure_warning()
+        if exposure:
+            log.warning(exposure)
         try:
             yield
         finally:

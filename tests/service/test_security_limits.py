@@ -96,8 +96,7 @@ def test_rate_limit_zero_is_off():
 # --- settings and bind policy ----------------------------------------------------------------------------
 @pytest.mark.parametrize("var, value", [("GRADSVC_MAX_BODY_BYTES", "0"), ("GRADSVC_MAX_PARAMETERS", "-1"),
                                         ("GRADSVC_MAX_LAYERS", "x"), ("GRADSVC_RATE_LIMIT_PER_MINUTE", "-5"),
-                                        ("GRADSVC_WORKER_HEARTBEAT_S", "0"),
-                                        ("GRADSVC_ALLOW_UNAUTHENTICATED", "maybe")])
+                                        ("GRADSVC_WORKER_HEARTBEAT_S", "0")])
 def test_a_bad_limit_fails_at_start_up_naming_the_variable(var, value):
     with pytest.raises(SettingsError, match=var):
         Settings.from_env({var: value})
@@ -107,36 +106,32 @@ def test_limits_default_as_documented():
     s = Settings.from_env({})
     assert (s.max_body_bytes, s.max_parameters, s.max_elements, s.max_layers, s.max_depth, s.max_result_bytes) == \
         (268435456, 100_000_000, 64_000_000, 512, 8, 536870912)
-    assert (s.host, s.api_keys, s.rate_limit_per_minute, s.allow_unauthenticated) == ("127.0.0.1", (), 0, False)
+    assert (s.host, s.api_keys, s.rate_limit_per_minute) == ("127.0.0.1", (), 0)
 
 
-def test_without_keys_the_api_refuses_to_serve_beyond_loopback():
-    settings = Settings(host="0.0.0.0", redis_url=dead_redis_url())
-    assert "GRADSVC_API_KEYS" in settings.unauthenticated_bind_error()
-    with pytest.raises(BaseException) as err:  # raised in the lifespan: the server never starts
-        with TestClient(create_app(settings)):
-            pass
-    exc = err.value
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, SettingsError) and "GRADSVC_HOST" in str(exc)
-    for ok in (Settings(host="0.0.0.0", api_keys=("k",)), Settings(host="0.0.0.0", allow_unauthenticated=True),
-               Settings(host="127.0.0.1"), Settings(host="::1")):
-        assert ok.unauthenticated_bind_error() is None
-
-
-def test_without_keys_the_start_up_log_says_so():
+def _startup_log(settings: Settings) -> list[str]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger("gradsvc.api")
     logger.addHandler(handler)
     try:
-        with TestClient(create_app(Settings(redis_url=dead_redis_url()))) as client:
+        with TestClient(create_app(settings)) as client:
             assert client.get("/healthz").status_code == 200
     finally:
         logger.removeHandler(handler)
-    assert any("no API keys" in r.getMessage() and "127.0.0.1" in r.getMessage() for r in records)
+    return [r.getMessage() for r in records]
+
+
+def test_without_keys_the_start_up_log_says_every_caller_is_trusted_on_loopback_only():
+    messages = _startup_log(Settings(redis_url=dead_redis_url()))
+    assert any("no API keys" in m and "127.0.0.1" in m and "only" in m for m in messages), messages
+
+
+def test_without_keys_beyond_loopback_the_start_up_log_warns_that_anyone_can_submit():
+    messages = _startup_log(Settings(redis_url=dead_redis_url(), host="0.0.0.0"))
+    assert any("GRADSVC_HOST='0.0.0.0'" in m and "anyone" in m and "GRADSVC_API_KEYS" in m for m in messages)
+    assert Settings(host="0.0.0.0", api_keys=("k",)).exposure_warning() is None
 
 
 # --- limits, each a clear 413/422, checked before anything touches Redis -----------------------------------

@@ -72,14 +72,17 @@ class JobStore:
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
                                f"{self.queues[device].name!r}); use options.device='auto' or start a {device} worker",
                                device=device)
-        job = self.queues[device].enqueue(
-            JOB_FUNCTION, body, fmt,
-            job_timeout=self.settings.job_timeout_s,
-            result_ttl=self.settings.result_ttl_s,
-            failure_ttl=self.settings.failure_ttl_s,
-            meta={"owner": owner},
-            description="gradients",
-        )
+        with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
+            job = self.queues[device].enqueue(
+                JOB_FUNCTION, body, fmt,
+                job_timeout=self.settings.job_timeout_s,
+                result_ttl=self.settings.result_ttl_s,
+                failure_ttl=self.settings.failure_ttl_s,
+                meta={"owner": owner},
+                description="gradients",
+                pipeline=pipe,
+            )
+            pipe.execute()
         return job.id
 
     async def wait(self, job_id: str, timeout_s: float) -> bool:

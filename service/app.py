@@ -24,6 +24,10 @@ from .metrics import ApiMetrics
 
 log = logging.getLogger("gradsvc.api")
 _decoders = {"json": msgspec.json.Decoder(GradientRequest), "msgpack": msgspec.msgpack.Decoder(GradientRequest)}
+# Past these sizes decoding a body or encoding a result takes milliseconds: it runs in a worker thread so
+# the event loop keeps serving other requests (bench/medium_job.py).
+_INLINE_BODY_BYTES = 1 << 20
+_INLINE_RESULT_PARAMETERS = 1 << 16
 
 
 def _decode(body: bytes, fmt: str) -> GradientRequest:
@@ -53,15 +57,22 @@ def create_app(settings: Settings | None = None) -> Litestar:
     async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
         body = await request.body()
         fmt = "msgpack" if is_msgpack_body(request) else "json"
+        if len(body) > _INLINE_BODY_BYTES:
+            return body, fmt, await anyio.to_thread.run_sync(_decode, body, fmt)
         return body, fmt, _decode(body, fmt)
+
+    async def respond_job(request: Request, body, result, encoding: str = "auto") -> Response:
+        if result is not None and result.parameter_count > _INLINE_RESULT_PARAMETERS:
+            return await anyio.to_thread.run_sync(lambda: respond(request, body, encoding=encoding))
+        return respond(request, body, encoding=encoding)
 
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
         body, fmt, req = await read_request(request)
-        # Validation on the meta device: an invalid spec never reaches the queue.
-        await anyio.to_thread.run_sync(prepare, req, config, "meta")
 
-        def enqueue() -> str:
+        def enqueue() -> str:  # one thread hop for both
+            # Validation on the meta device: an invalid spec never reaches the queue.
+            prepare(req, config, "meta")
             auth.check_rate(owner)
             return store.enqueue(body, fmt, req.options.device, owner)
 
@@ -75,7 +86,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
                     return Response(raw, media_type=MSGPACK)
             info = await store.info(job_id, owner)
             if info.status == "finished":
-                return respond(request, info.result, encoding=req.options.encoding)
+                return await respond_job(request, info.result, info.result, encoding=req.options.encoding)
             if info.error is not None:
                 return error_response(request, info.error.code, info.error.message, info.error.detail,
                                       job_id=job_id, status=info.status)
@@ -90,7 +101,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @get("/jobs/{job_id:str}")
     async def get_job(request: Request, owner: str, job_id: str) -> Response:
-        return respond(request, await store.info(job_id, owner))
+        info = await store.info(job_id, owner)
+        return await respond_job(request, info, info.result)
 
     @delete("/jobs/{job_id:str}", status_code=200)
     async def cancel_job(request: Request, owner: str, job_id: str) -> Response:

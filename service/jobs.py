@@ -10,6 +10,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -24,6 +25,7 @@ from rq.utils import utcparse
 from gradsvc import keys
 from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
+from workers.jobs import GradientJob
 from workers.serializer import MsgpackSerializer
 
 from .errors import ServiceError
@@ -46,19 +48,22 @@ class JobStore:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.prefix = settings.queue_prefix
-        # No retries and short timeouts: with Redis down the API answers 503 in about a second.
-        no_retry = Retry(NoBackoff(), 0)
+        # Short timeouts and one immediate retry on a connection error only (never on a timeout): a pooled
+        # connection that a Redis restart left dead is replaced at once, and with Redis down or hung the API
+        # still answers 503 within about GRADSVC_REDIS_TIMEOUT_S.
         timeout = settings.redis_timeout_s
         self.redis = Redis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
-                                    retry=no_retry)
+                                    retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
-                                        retry=Retry(NoBackoff(), 0))
+                                        retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         # Blocking XREADs last up to max_wait_s, so they get their own pool whose socket timeout outlasts them;
         # wait() bounds each one by its own deadline, so a hung Redis still answers 503 soon after it.
         self.ablocking = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
-                                           socket_timeout=settings.max_wait_s + timeout + 5, retry=Retry(NoBackoff(), 0))
+                                           socket_timeout=settings.max_wait_s + timeout + 5,
+                                           retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.lease_s = 3 * settings.worker_heartbeat_s  # as workers.worker.GradientWorker
-        self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer)
+        self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer,
+                                job_class=GradientJob)
                        for d in keys.QUEUE_DEVICES}
 
     async def close(self) -> None:

@@ -30,7 +30,7 @@ from rq.worker import SimpleWorker
 from gradsvc import keys
 from gradsvc.settings import Settings
 
-from .jobs import make_context, set_context
+from .jobs import GradientJob, make_context, set_context
 from .serializer import MsgpackSerializer
 
 log = logging.getLogger("gradsvc.worker")
@@ -179,11 +179,11 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     _warm_up(ctx.device)
     connection = redis_connection(settings)
     kind = ctx.device.type
-    queues = [Queue(name, connection=connection, serializer=MsgpackSerializer)
+    queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
               for name in keys.worker_queues(settings.queue_prefix, kind)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
-    return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, name=name,
-                          heartbeat_s=settings.worker_heartbeat_s)
+    return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
+                          name=name, heartbeat_s=settings.worker_heartbeat_s)
 
 
 def _wait_for_redis(settings: Settings) -> None:

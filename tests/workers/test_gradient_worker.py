@@ -162,7 +162,11 @@ def test_jobs_cross_redis_as_msgpack_never_pickle(settings):
 
     conn = queue.connection
     fields = conn.hgetall(f"rq:job:{job_id}")
-    data = zlib.decompress(fields[b"data"])  # RQ compresses the call
+    data = fields[b"data"]
+    try:
+        data = zlib.decompress(data)  # RQ's Job compresses the call; workers.jobs.GradientJob does not
+    except zlib.error:
+        pass
     for name, raw in ((b"data", data), (b"meta", fields[b"meta"])):
         assert not raw.startswith(b"\x80"), f"{name} looks like a pickle"  # pickle protocol 2+ header
         msgspec.msgpack.decode(raw)  # and it is MessagePack

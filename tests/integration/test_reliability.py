@@ -203,6 +203,8 @@ def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_res
     assert all(p.poll() is None for p in s.workers[1:]), f"a worker exited while Redis was down; logs in {s.logdir}"
 
     s.redis.start()
+    # The very first request after the restart succeeds: no pooled connection left dead answers 503.
+    assert http.get(f"/jobs/{jobs[0]}").status_code == 200
     t0 = time.monotonic()
     while http.get("/readyz").status_code != 200:
         assert time.monotonic() - t0 < 60, f"the stack did not recover; logs in {s.logdir}"

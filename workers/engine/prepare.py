@@ -117,6 +117,30 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
     return frozen
 
 
+def _check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
+    """The HVP vector's names and shapes, checked before the job is queued."""
+    if opts.hvp is None:
+        return
+    vector = opts.hvp.vector
+    if isinstance(vector, str):
+        if vector != "random":
+            raise SpecError("bad_option", f"options.hvp.vector={vector!r}: use 'random' or an object "
+                            "{parameter: tensor} with every trainable parameter")
+        return
+    trainable = {n: list(p.shape) for n, p in model.named_parameters() if n not in frozen}
+    for name in trainable:
+        if name not in vector:
+            raise SpecError("bad_option", f"options.hvp.vector: parameter {name!r} is missing; give a tensor for "
+                            "every trainable parameter", parameter=name)
+    for name, wire in vector.items():
+        if name not in trainable:
+            raise SpecError("bad_option", f"options.hvp.vector: {name!r} is not a trainable parameter; they are "
+                            f"{sorted(trainable)[:12]}", parameter=name)
+        if list(wire.shape) != trainable[name]:
+            raise SpecError("bad_option", f"options.hvp.vector[{name!r}] has shape {list(wire.shape)}, expected "
+                            f"{trainable[name]}", parameter=name)
+
+
 def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max_elements: int) -> dict[str, torch.Tensor]:
     given = request.model.weights or {}
     state = model.state_dict()
@@ -184,6 +208,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
                             f"differs from the inputs' {inputs.shape[0]}", loss=name)
     names = [n for n, _ in meta.named_parameters()]
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
+    _check_hvp(request.options, meta, frozen)
     weights = _weights(request, meta, dtype, limits.max_elements)
     parameter_count = sum(p.numel() for p in meta.parameters())
     if str(device) == "meta":

@@ -97,6 +97,8 @@ class Numcheck(Struct):
     passed: bool
     tolerance: float
     per_parameter: dict[str, ParameterCheck]
+    # Absolute errors below this (8 float64 roundings of the loss / eps) pass whatever their ratio.
+    rounding_floor: float = 0.0
 
 
 class LayerMemory(Struct):

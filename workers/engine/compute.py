@@ -148,16 +148,20 @@ def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
             if opts.input_grad:
                 xs = xs.detach().requires_grad_(True)
             leaves_ = [*params.values(), *([xs] if opts.input_grad else [])]
+            metered = record_memory and k == 0
+            if metered:  # hook set-up stays outside the timed forward
+                result.meter = ActivationMeter(prep.model)
+                recording = result.meter.recording()
+                recording.__enter__()
             _sync(device)
             t0 = time.perf_counter()
-            if record_memory and k == 0:
-                result.meter = ActivationMeter(prep.model)
-                with result.meter.recording():
-                    out, losses, total = _forward(prep, xs, a, b, n, result.meter)
-            else:
-                out, losses, total = _forward(prep, xs, a, b, n)
-            _sync(device)
-            t1 = time.perf_counter()
+            try:
+                out, losses, total = _forward(prep, xs, a, b, n, result.meter if metered else None)
+                _sync(device)
+                t1 = time.perf_counter()
+            finally:
+                if metered:
+                    recording.__exit__(None, None, None)
             if not math.isfinite(float(total.detach())):
                 raise _non_finite(prep, float(total.detach()))
             if opts.graph and k == 0:

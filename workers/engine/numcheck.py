@@ -22,6 +22,12 @@ def _rel(abs_err: float, fd: torch.Tensor, ad: torch.Tensor) -> float:
     return abs_err / scale
 
 
+# An error below this many float64 roundings of the loss, divided by the step, is the noise floor of
+# the difference quotient itself, not a wrong gradient (directional checks at large P sit near it).
+FLOOR_ROUNDINGS = 8
+F64_EPS = 2.220446049250313e-16
+
+
 def run(
     mode: str,
     params: dict[str, torch.Tensor],
@@ -36,25 +42,35 @@ def run(
     progress: Progress | None = None,
 ) -> Numcheck:
     """Checks `grads` (float64 autograd) against finite differences of `loss_fn` over `params`
-    (float64 leaves, perturbed in place and restored)."""
+    (float64 leaves, perturbed in place and restored). A tensor (or direction) passes when its
+    relative error is within `tolerance` or its absolute error is under the rounding floor."""
     gen = torch.Generator().manual_seed(seed)
     per: dict[str, ParameterCheck] = {}
     evaluations = 0
-    worst_abs = worst_rel = 0.0
+    worst_abs = worst_rel = worst_floor = 0.0
+    passed = True
 
     def loss_at() -> float:
         nonlocal evaluations
         evaluations += 1
         return float(loss_fn())
 
+    def judge(abs_err: float, rel: float, loss_scale: float) -> None:
+        nonlocal worst_abs, worst_rel, worst_floor, passed
+        floor = FLOOR_ROUNDINGS * F64_EPS * max(loss_scale, 1e-300) / eps
+        worst_abs, worst_rel, worst_floor = max(worst_abs, abs_err), max(worst_rel, rel), max(worst_floor, floor)
+        passed = passed and (rel <= tolerance or abs_err <= floor)
+
     with torch.no_grad():
         if mode == "directional":
             total = 2 * directions
+            count = sum(p.numel() for p in params.values())
+            scale = 1.0 / math.sqrt(max(count, 1))
             for k in range(directions):
-                us = {name: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device) for name, p in params.items()}
-                norm = math.sqrt(sum(float((u * u).sum()) for u in us.values())) or 1.0
-                for u in us.values():
-                    u /= norm
+                # Random signs over all parameters: a unit direction whose norm is known exactly, and
+                # ~7x cheaper to draw than a Gaussian one at a million parameters.
+                us = {name: (torch.randint(0, 2, p.shape, generator=gen, dtype=torch.int8).to(p.device, torch.float64)
+                             .mul_(2).sub_(1).mul_(scale)) for name, p in params.items()}
                 for name, p in params.items():
                     p.add_(us[name], alpha=eps)
                 plus = loss_at()
@@ -66,8 +82,7 @@ def run(
                 fd = (plus - minus) / (2 * eps)
                 ad = sum(float((grads[name] * us[name]).sum()) for name in params)
                 abs_err = abs(fd - ad)
-                rel = abs_err / max(abs(fd), abs(ad), 1e-12)
-                worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel)
+                judge(abs_err, abs_err / max(abs(fd), abs(ad), 1e-12), max(abs(plus), abs(minus)))
                 if progress:
                     progress("numcheck", 2 * (k + 1), total)
         else:
@@ -83,6 +98,7 @@ def run(
                 flat = p.view(-1)
                 idx = picks[name]
                 fd = torch.empty(len(idx), dtype=torch.float64)
+                loss_scale = 0.0
                 for j, i in enumerate(idx.tolist()):
                     orig = float(flat[i])
                     flat[i] = orig + eps
@@ -91,6 +107,7 @@ def run(
                     minus = loss_at()
                     flat[i] = orig
                     fd[j] = (plus - minus) / (2 * eps)
+                    loss_scale = max(loss_scale, abs(plus), abs(minus))
                     done += 2
                     if progress and done % 64 == 0:
                         progress("numcheck", done, total)
@@ -98,7 +115,7 @@ def run(
                 abs_err = float((fd - ad).abs().max()) if len(idx) else 0.0
                 rel = _rel(abs_err, fd, ad) if len(idx) else 0.0
                 per[name] = ParameterCheck(max_abs_error=abs_err, max_rel_error=rel, checked=len(idx))
-                worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel)
+                judge(abs_err, rel, loss_scale)
     return Numcheck(
         mode=mode,
         eps=eps,
@@ -106,7 +123,8 @@ def run(
         evaluations=evaluations,
         max_abs_error=worst_abs,
         max_rel_error=worst_rel,
-        passed=worst_rel <= tolerance,
+        passed=passed,
         tolerance=tolerance,
         per_parameter=per,
+        rounding_floor=worst_floor,
     )

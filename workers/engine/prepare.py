@@ -7,8 +7,10 @@ a reason that could have been known.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 from torch import nn
 
@@ -27,6 +29,7 @@ class EngineConfig:
     numcheck_samples: int = 8
     numcheck_directions: int = 16
     max_timing_repeat: int = 50
+    init_cache_bytes: int = 1 << 30
 
 
 @dataclass
@@ -78,8 +81,6 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     if raw is None:
         raise SpecError("bad_target", f"loss {term.name!r} needs targets; add 'targets' to the request", loss=term.name)
     if isinstance(raw, dict):
-        import msgspec
-
         try:
             raw = msgspec.convert(raw, Tensor)
         except msgspec.ValidationError as exc:
@@ -214,21 +215,38 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     if str(device) == "meta":
         model = meta
     else:
-        if set(weights) == set(meta.state_dict()):
-            # Every tensor is given: skip the default initialisation (seconds for large models).
-            model = meta.to_empty(device=device)
-            model.load_state_dict(weights)
-        else:
-            torch.manual_seed(request.model.seed)
-            model = build(request.model.layers, limits=limits, device="cpu").to(dtype)
-            if weights:
-                model.load_state_dict(weights, strict=False)
-            model = model.to(device)
+        # The meta model gets storage and its values: the request's weights over the seeded default
+        # initialisation, which is computed once per (layers, dtype, seed) and kept (seconds for large models).
+        state = {} if set(weights) == set(meta.state_dict()) else _initial_state(request, dtype, config)
+        model = meta.to_empty(device=device)
+        model.load_state_dict({**state, **weights})
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
                     frozen=frozen)
+
+
+_init_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+
+
+def _initial_state(request: GradientRequest, dtype: torch.dtype, config: EngineConfig) -> dict[str, torch.Tensor]:
+    """The state_dict of `torch.manual_seed(seed); nn.Sequential(...).to(dtype)`, from an LRU cache
+    bounded by config.init_cache_bytes. Callers copy it into their own model, never share it."""
+    key = (msgspec.json.encode(request.model.layers), str(dtype), request.model.seed)
+    state = _init_cache.get(key)
+    if state is not None:
+        _init_cache.move_to_end(key)
+        return state
+    torch.manual_seed(request.model.seed)
+    state = build(request.model.layers, limits=config.limits, device="cpu").to(dtype).state_dict()
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    if size <= config.init_cache_bytes // 2:
+        _init_cache[key] = state
+        while sum(t.numel() * t.element_size() for st in _init_cache.values() for t in st.values()) > \
+                config.init_cache_bytes:
+            _init_cache.popitem(last=False)
+    return state
 
 
 def batch_chunks(n: int, micro_batch: int | None) -> list[tuple[int, int]]:

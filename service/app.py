@@ -79,11 +79,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
         job_id = await anyio.to_thread.run_sync(enqueue)
         metrics.jobs_submitted.inc()
         wait_s = settings.default_wait_s if wait is None else min(max(wait, 0.0), settings.max_wait_s)
-        if await store.wait(job_id, wait_s):
-            if wants_msgpack(request):
-                raw = await store.result_bytes(job_id)
-                if raw is not None:  # the stored MessagePack is the answer: no decode, no copy
+        ended, raw = await store.wait(job_id, wait_s)
+        if ended:
+            if raw is not None:  # finished
+                if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy
                     return Response(raw, media_type=MSGPACK)
+                result = store.decode_result(raw)
+                return await respond_job(request, result, result, encoding=req.options.encoding)
             info = await store.info(job_id, owner)
             if info.status == "finished":
                 return await respond_job(request, info.result, info.result, encoding=req.options.encoding)

@@ -90,19 +90,23 @@ class JobStore:
             pipe.execute()
         return job.id
 
-    async def wait(self, job_id: str, timeout_s: float) -> bool:
-        """True once the job has ended (RQ appended to its results stream) within timeout_s."""
+    async def wait(self, job_id: str, timeout_s: float) -> tuple[bool, bytes | None]:
+        """(ended, stored result) once the job has ended (RQ appended to its results stream) within
+        timeout_s. The result GET rides in the same pipeline as the blocking XREAD: Redis runs it as soon
+        as the XREAD returns, so a finished job costs one round trip, not two."""
         if timeout_s <= 0:
-            return False
+            return False, None
         try:
             with anyio.fail_after(timeout_s + self.settings.redis_timeout_s):
-                got = await self.ablocking.xread({keys.rq_results_stream(job_id): "0-0"}, count=1,
-                                                 block=max(1, int(timeout_s * 1000)))
+                pipe = self.ablocking.pipeline(transaction=False)
+                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(timeout_s * 1000)))
+                pipe.get(keys.result_key(self.prefix, job_id))
+                got, raw = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
             raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job "
                                f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
                                headers={"Retry-After": "2"}, job_id=job_id) from None
-        return bool(got)
+        return bool(got), raw if got else None
 
     async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
         pipe = self.aredis.pipeline(transaction=False)
@@ -155,8 +159,9 @@ class JobStore:
         """RQ fails every started job in the queue whose lease lapsed (its worker died or lost Redis)."""
         StartedJobRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
 
-    async def result_bytes(self, job_id: str) -> bytes | None:
-        return await self.aredis.get(keys.result_key(self.prefix, job_id))
+    @staticmethod
+    def decode_result(raw: bytes) -> GradientResult:
+        return _result_decoder.decode(raw)
 
     async def _failure_from_rq(self, job_id: str) -> dict:
         """A job that failed without writing its error (killed worker, abandoned, timed out outside the job)."""

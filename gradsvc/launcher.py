@@ -125,6 +125,7 @@ class Launcher:
             env["GRADSVC_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
             log.info("embedded redis-server on 127.0.0.1:%d (pid %d)", port, self.redis.pid)
         env["GRADSVC_PORT"] = str(self.settings.port)
+        env["GRADSVC_WORKERS"] = str(self.settings.workers)  # workers split the CPU cores between them
         py = [sys.executable, "-m", "gradsvc"]
         self.children = [Child("api", [*py, "serve"])] + [
             Child(f"worker-{i}", [*py, "worker", "--index", str(i)]) for i in range(self.settings.workers)]

@@ -55,7 +55,7 @@ def test_several_losses_give_per_loss_gradients_the_weighted_sum_and_cosines():
         assert close(T(r.per_loss_gradients["distill"][n]), g2[i])
         assert close(T(r.gradients[n]), g1[i] + 0.5 * g2[i])
     assert r.losses == pytest.approx({"task": l1.item(), "distill": l2.item()}, abs=1e-12)
-    assert r.loss == pytest.approx(float(l1 + 0.5 * l2), abs=1e-12)
+    assert r.loss == pytest.approx((l1 + 0.5 * l2).item(), abs=1e-12)
     flat1, flat2 = torch.cat([g.reshape(-1) for g in g1]), torch.cat([g.reshape(-1) for g in g2])
     assert r.gradient_cosine["task|distill"] == pytest.approx(float(F.cosine_similarity(flat1, flat2, 0)), abs=1e-10)
 

@@ -102,9 +102,28 @@ class Stack:
         self.redis.stop()
 
 
+def _free_port_run(n: int, avoid: set[int]) -> int:
+    """A port p with p .. p+n-1 all free: worker i serves its metrics on GRADSVC_WORKER_METRICS_PORT + i."""
+    import socket
+
+    while True:
+        base = free_port()
+        ports = range(base, base + n)
+        if avoid.intersection(ports):
+            continue
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+
+
 def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), **env_overrides: str) -> Stack:
     redis = RedisServer(free_port(), args=redis_args).start()
-    api_port, metrics_port = free_port(), free_port()
+    api_port = free_port()
+    metrics_port = _free_port_run(4, avoid={api_port, redis.port})
     env = {**os.environ, "GRADSVC_REDIS_URL": redis.url, "GRADSVC_PORT": str(api_port),
            "GRADSVC_WORKER_METRICS_PORT": str(metrics_port), "GRADSVC_LOG_LEVEL": "warning",
            "PYTHONUNBUFFERED": "1", **env_overrides}

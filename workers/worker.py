@@ -209,7 +209,11 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
 
     port = settings.worker_metrics_port + index
     if settings.worker_metrics_port > 0:
-        context().metrics.serve(port, host=settings.host)
+        try:
+            context().metrics.serve(port, host=settings.host)
+        except OSError as exc:  # a taken port costs the metrics, not the worker (a restart would not help)
+            log.error("worker %s: cannot serve metrics on %s:%d (%s); running without them; set "
+                      "GRADSVC_WORKER_METRICS_PORT to a free range", worker.name, settings.host, port, exc)
     log.info("worker %s on %s, queues %s, metrics on :%d", worker.name, context().device,
              [q.name for q in worker.queues], port)
     worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)

@@ -62,6 +62,10 @@ class GradientWorker(SimpleWorker):
     def heartbeat(self, timeout: int | None = None, pipeline=None):
         if pipeline is not None:
             return super().heartbeat(timeout or self.lease_s, pipeline=pipeline)
+        if self._beating.is_set():
+            # The heartbeat thread keeps this worker's key alive; RQ's own calls around every dequeue
+            # would add three Redis round trips to each job.
+            return None
         try:
             return super().heartbeat(timeout or self.lease_s)
         except REDIS_ERRORS as exc:  # the dequeue loop that follows backs off until Redis returns

@@ -198,7 +198,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
-    out = check_shapes(meta, inputs.to("meta"))
+    out = _output_on_meta(request, meta, inputs)
     terms = _terms(request)
     targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
                                                        shape_only=shape_only), dtype)
@@ -225,6 +225,26 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
                     frozen=frozen)
+
+
+_shape_cache: OrderedDict[tuple, tuple[torch.Size, torch.dtype]] = OrderedDict()
+SHAPE_CACHE_ENTRIES = 512
+
+
+def _output_on_meta(request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
+    """The model's output for `inputs`, as a meta tensor, after check_shapes named any layer that cannot
+    take its input. A spec that passed once for an input shape passes again: the result is cached, since
+    the meta forward (torch's Python decompositions) costs ~2 ms even for a small net, on every request."""
+    key = (msgspec.json.encode(request.model.layers), request.model.dtype, tuple(inputs.shape), inputs.dtype)
+    hit = _shape_cache.get(key)
+    if hit is None:
+        out = check_shapes(meta, inputs.to("meta"))
+        _shape_cache[key] = hit = (out.shape, out.dtype)
+        if len(_shape_cache) > SHAPE_CACHE_ENTRIES:
+            _shape_cache.popitem(last=False)
+    else:
+        _shape_cache.move_to_end(key)
+    return torch.empty(hit[0], dtype=hit[1], device="meta")
 
 
 _init_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()

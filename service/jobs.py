@@ -206,7 +206,3 @@ class JobStore:
         for q in self.queues.values():
             pipe.llen(q.key)
         return dict(zip((q.name for q in self.queues.values()), pipe.execute()))
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()

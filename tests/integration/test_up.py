@@ -14,7 +14,6 @@ import psutil
 from gradsvc.launcher import free_port
 
 from ..nets import SEED_A_LAYERS
-from ..stack import ROOT
 
 
 def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl_c(tmp_path):

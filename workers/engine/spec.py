@@ -244,7 +244,6 @@ def check_shapes(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 
 
 def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str) -> torch.Tensor:
-    inp = x
     for i, module in enumerate(seq):
         here = f"{path}.{i}" if path else str(i)
         if isinstance(module, nn.Sequential):
@@ -264,7 +263,6 @@ def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str)
                 raise SpecError("shape_mismatch", f"layer {here} ({type(module).__name__}) cannot take input of shape "
                                 f"{list(x.shape)} from {source}: {exc}", path=here, input_shape=list(x.shape)) from None
         source = f"layer {here} ({type(module).__name__})"
-    del inp
     return x
 
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from .launcher import Launcher
 
-        sys.exit(Launcher(settings, redis_from_env="GRADSVC_REDIS_URL" in __import__("os").environ).run())
+        sys.exit(Launcher(settings, redis_from_env=settings.redis_url_given).run())
 
 
 if __name__ == "__main__":

@@ -41,14 +41,18 @@ class Settings:
     rate_limit_per_minute: int = 0
     redis_timeout_s: float = 2.0
     log_level: str = "info"
+    # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
+    # starts an embedded Redis when it was not).
+    redis_url_given: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
         env = os.environ if environ is None else environ
         values: dict = {}
+        values["redis_url_given"] = "GRADSVC_REDIS_URL" in env
         for f in fields(cls):
             var = f"GRADSVC_{f.name.upper()}"
-            if var not in env:
+            if var not in env or f.name == "redis_url_given":
                 continue
             raw = env[var]
             try:

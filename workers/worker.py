@@ -178,6 +178,9 @@ def redis_connection(settings: Settings) -> Redis:
 
 
 def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
+    if settings.worker_device != "cpu" and torch.cuda.is_available():
+        # One worker per GPU: worker i of `gradsvc up` (or `gradsvc worker --index i`) takes GPU i mod count.
+        torch.cuda.set_device(index % torch.cuda.device_count())
     ctx = make_context(settings)
     set_context(ctx)
     _warm_up(ctx.device)

@@ -318,6 +318,10 @@ def compute(request: GradientRequest, config: EngineConfig | None = None, *, pro
         raise _oom(device, exc) from None
     except MemoryError as exc:
         raise _oom(device, exc) from None
+    except RuntimeError as exc:  # cuBLAS/cuDNN report some allocation failures as plain RuntimeErrors
+        if "out of memory" in str(exc).lower():
+            raise _oom(device, exc) from None
+        raise
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -101,7 +101,6 @@ _BN_OPT = {"eps": _float(0, 1), "momentum": _float(0, 1), "affine": _bool(), "tr
 
 LAYERS: dict[str, LayerType] = {
     "Linear": LayerType(nn.Linear, {"in_features": _int(1), "out_features": _int(1)}, {"bias": _bool()}),
-    "Bilinear": LayerType(nn.Bilinear, {"in1_features": _int(1), "in2_features": _int(1), "out_features": _int(1)}, {"bias": _bool()}),
     "Conv1d": LayerType(nn.Conv1d, _CONV, _CONV_OPT),
     "Conv2d": LayerType(nn.Conv2d, _CONV, _CONV_OPT),
     "MaxPool1d": LayerType(nn.MaxPool1d, {"kernel_size": _ints(1)}, {**_POOL_OPT, "dilation": _ints(1)}),
@@ -259,7 +258,7 @@ def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str)
             _precheck(module, x, here, source)
             try:
                 x = module(x)
-            except (RuntimeError, ValueError, IndexError) as exc:
+            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
                 raise SpecError("shape_mismatch", f"layer {here} ({type(module).__name__}) cannot take input of shape "
                                 f"{list(x.shape)} from {source}: {exc}", path=here, input_shape=list(x.shape)) from None
         source = f"layer {here} ({type(module).__name__})"

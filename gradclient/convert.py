@@ -29,7 +29,6 @@ _BN = ("num_features", "eps", "momentum", "affine", "track_running_stats")
 # their default because the spec cannot say otherwise)
 _LEAVES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "Linear": (("in_features", "out_features"), {}),
-    "Bilinear": (("in1_features", "in2_features", "out_features"), {}),
     "Conv1d": (_CONV, {}),
     "Conv2d": (_CONV, {}),
     "MaxPool1d": (("kernel_size", "stride", "padding", "dilation", "ceil_mode"), {"return_indices": False}),
@@ -56,7 +55,7 @@ _LEAVES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "Embedding": (("num_embeddings", "embedding_dim", "padding_idx"),
                   {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}),
 }
-_WITH_BIAS = {"Linear", "Bilinear", "Conv1d", "Conv2d"}
+_WITH_BIAS = {"Linear", "Conv1d", "Conv2d"}
 
 
 @dataclass

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -40,11 +42,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _is_random(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+
+
 @contextlib.contextmanager
-def _seeded(seed: int, device: torch.device, model: nn.Module):
+def _seeded(seed: int, device: torch.device, random: bool):
     """Same random numbers (dropout masks) for every evaluation, without touching the global RNG.
-    Forking the RNG costs ~1 ms, so models without random layers skip it."""
-    random = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    Forking the RNG costs ~1 ms, so models without random layers (`random` False) skip it."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=random,
                                device_type="cuda"):
         if random:
@@ -142,7 +147,7 @@ def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
     need_hvp = hvp_vector is not None
     names = list(params)
     result = _Pass()
-    with _seeded(seed, device, prep.model):
+    with _seeded(seed, device, _is_random(prep.model)):
         for k, (a, b) in enumerate(batch_chunks(n, opts.micro_batch)):
             xs = prep.inputs[a:b]
             if opts.input_grad:
@@ -261,7 +266,7 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
         return sum(t.weight * t(out, tg.unsqueeze(0)) for t, tg in zip(prep.terms, tgts))
 
     detached = {n: p.detach() for n, p in params.items()}
-    with _seeded(seed, device, prep.model):
+    with _seeded(seed, device, _is_random(prep.model)):
         grads = vmap(grad(loss_one), in_dims=(None, 0, *([0] * len(names))), randomness="different")(
             detached, prep.inputs, *[prep.targets[n] for n in names])
     norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
@@ -296,8 +301,10 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
         p.requires_grad_(n in params)
     seed = request.model.seed
 
+    random = _is_random(model64)
+
     def loss_fn() -> torch.Tensor:
-        with _seeded(seed, device, model64):
+        with _seeded(seed, device, random):
             out = model64(x64)
             return sum(t.weight * t(out, t64[t.name]) for t in prep.terms)
 
@@ -369,7 +376,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
 
     checkpoint = None
     if opts.checkpoint_segments:
-        checkpoint = _checkpoint_tradeoff(request, config, device, final, memory)
+        checkpoint = _checkpoint_tradeoff(prep, params, device, seed, final, memory)
 
     per_sample = None
     if opts.per_sample != "off":
@@ -425,22 +432,17 @@ def _cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
     return out
 
 
-def _checkpoint_tradeoff(request: GradientRequest, config: EngineConfig, device: torch.device, with_ckpt: _Pass,
-                         memory) -> dict[str, float]:
+def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int,
+                         with_ckpt: _Pass, memory) -> dict[str, float]:
     """The same pass without checkpointing: what checkpointing saved in memory and cost in time."""
-    plain_request = copy.copy(request)
-    plain_request.options = copy.copy(request.options)
-    plain_request.options.checkpoint_segments = None
-    plain_request.options.per_sample = "off"
-    prep = prepare(plain_request, config, device)
-    params = _trainable(prep)
-    plain = _run_pass(prep, params, device, record_memory=True, hvp_vector=None, seed=request.model.seed)
+    plain_prep = dataclasses.replace(prep, options=msgspec.structs.replace(prep.options, checkpoint_segments=None))
+    plain = _run_pass(plain_prep, params, device, record_memory=True, hvp_vector=None, seed=seed)
     saved_plain = plain.meter.report().saved_bytes_total if plain.meter else 0
     saved_ckpt = memory.saved_bytes_total if memory else 0
     t_plain = plain.forward_s + plain.backward_s
     t_ckpt = with_ckpt.forward_s + with_ckpt.backward_s
     return {
-        "segments": float(request.options.checkpoint_segments or 0),
+        "segments": float(prep.options.checkpoint_segments or 0),
         "saved_bytes_without": float(saved_plain),
         "saved_bytes_with": float(saved_ckpt),
         "memory_saved_bytes": float(saved_plain - saved_ckpt),

@@ -198,7 +198,8 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
-    out = _output_on_meta(request, meta, inputs)
+    spec_key = msgspec.json.encode(request.model.layers)  # both caches below are keyed by the spec
+    out = _output_on_meta(spec_key, request, meta, inputs)
     terms = _terms(request)
     targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
                                                        shape_only=shape_only), dtype)
@@ -217,7 +218,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     else:
         # The meta model gets storage and its values: the request's weights over the seeded default
         # initialisation, which is computed once per (layers, dtype, seed) and kept (seconds for large models).
-        state = {} if set(weights) == set(meta.state_dict()) else _initial_state(request, dtype, config)
+        state = {} if set(weights) == set(meta.state_dict()) else _initial_state(spec_key, request, dtype, config)
         model = meta.to_empty(device=device)
         model.load_state_dict({**state, **weights})
         inputs = inputs.to(device)
@@ -231,11 +232,11 @@ _shape_cache: OrderedDict[tuple, tuple[torch.Size, torch.dtype]] = OrderedDict()
 SHAPE_CACHE_ENTRIES = 512
 
 
-def _output_on_meta(request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
+def _output_on_meta(spec_key: bytes, request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
     """The model's output for `inputs`, as a meta tensor, after check_shapes named any layer that cannot
     take its input. A spec that passed once for an input shape passes again: the result is cached, since
     the meta forward (torch's Python decompositions) costs ~2 ms even for a small net, on every request."""
-    key = (msgspec.json.encode(request.model.layers), request.model.dtype, tuple(inputs.shape), inputs.dtype)
+    key = (spec_key, request.model.dtype, tuple(inputs.shape), inputs.dtype)
     hit = _shape_cache.get(key)
     if hit is None:
         out = check_shapes(meta, inputs.to("meta"))
@@ -250,10 +251,10 @@ def _output_on_meta(request: GradientRequest, meta: nn.Sequential, inputs: torch
 _init_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
 
 
-def _initial_state(request: GradientRequest, dtype: torch.dtype, config: EngineConfig) -> dict[str, torch.Tensor]:
+def _initial_state(spec_key: bytes, request: GradientRequest, dtype: torch.dtype, config: EngineConfig) -> dict[str, torch.Tensor]:
     """The state_dict of `torch.manual_seed(seed); nn.Sequential(...).to(dtype)`, from an LRU cache
     bounded by config.init_cache_bytes. Callers copy it into their own model, never share it."""
-    key = (msgspec.json.encode(request.model.layers), str(dtype), request.model.seed)
+    key = (spec_key, str(dtype), request.model.seed)
     state = _init_cache.get(key)
     if state is not None:
         _init_cache.move_to_end(key)

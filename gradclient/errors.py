@@ -143,6 +143,14 @@ class BadOptionError(GradientClientError):
     code = "bad_option"
 
 
+class UnsupportedOpError(GradientClientError):
+    code = "unsupported_op"
+
+
+class GraphNotFoundError(GradientClientError):
+    code = "graph_not_found"
+
+
 class TooLargeError(GradientClientError):
     code = "too_large"
 
@@ -194,6 +202,7 @@ CODES: dict[str, int] = {
     "method_not_allowed": 405, "not_acceptable": 406, "job_canceled": 409, "body_too_large": 413,
     "result_too_large": 413, "unsupported_media_type": 415, "unknown_layer": 422, "shape_mismatch": 422,
     "bad_weights": 422, "bad_tensor": 422, "bad_loss": 422, "bad_target": 422, "bad_option": 422,
+    "unsupported_op": 422, "graph_not_found": 422,
     "too_large": 422, "non_finite": 422, "device_unavailable": 422, "canceled": 409, "rate_limited": 429,
     "internal_error": 500, "queue_unavailable": 503, "worker_lost": 503, "not_ready": 503, "timeout": 504,
     "out_of_memory": 507,

@@ -29,8 +29,55 @@ class Tensor(Struct, omit_defaults=True):
 TensorLike = Tensor | list | float
 
 
+class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One input of an exported graph (a placeholder of `torch.export`'s graph). `name` is what the
+    nodes refer to; `target` is the state_dict name (parameter, buffer) or the `constants` key."""
+
+    name: str
+    kind: Literal["input", "parameter", "buffer", "constant"]
+    target: str | None = None
+
+
+class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One call in an exported graph: `op` is an allow-listed ATen overload ("aten.linear.default") or
+    one of the few Python operators export emits ("operator.getitem", "operator.mul", ...).
+
+    Arguments are plain data: a JSON scalar (int, float, bool, null, string), a list of arguments,
+    `{"node": name}` (an input's or an earlier node's value), `{"float": "inf"|"-inf"|"nan"}`,
+    `{"dtype": "float32"}`, `{"device": "cpu"}`, `{"layout": "strided"}` or
+    `{"memory_format": "contiguous_format"}`. `module` is the module path the call ran in (from
+    `nn_module_stack`, "" for the root module) and `module_type` that module's class name."""
+
+    name: str
+    op: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    module: str = ""
+    module_type: str = ""
+
+
+class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A model captured by `torch.export` as plain data (format version 1). `outputs` are the user
+    outputs (arguments as in OpNode.args; the loss applies to the first); `buffer_mutations` maps a
+    buffer's state_dict name to the node whose value the buffer takes after the forward pass (batch
+    norm's running statistics); `dtype` is the floating dtype the graph was captured in."""
+
+    inputs: list[GraphInput]
+    nodes: list[OpNode]
+    outputs: list[Any]
+    dtype: str = "float32"
+    constants: dict[str, Tensor] = {}
+    buffer_mutations: dict[str, str] = {}
+    version: int = 1
+
+
 class ModelSpec(Struct, forbid_unknown_fields=True):
-    layers: list[dict[str, Any]]
+    """Exactly one of `layers` (a declarative stack), `graph` (an exported graph) or `graph_ref` (the
+    content hash of a graph this service validated before, as returned in a result's `graph_ref`)."""
+
+    layers: list[dict[str, Any]] | None = None
+    graph: GraphSpec | None = None
+    graph_ref: str | None = None
     dtype: str = "float32"
     seed: int = 0
     weights: dict[str, Tensor] | None = None
@@ -156,6 +203,9 @@ class GradientResult(Struct, omit_defaults=False):
     numcheck: Numcheck | None = None
     memory: Memory | None = None
     checkpoint: dict[str, float] | None = None
+    # Graph models: the content hash under which the service keeps the validated graph; send it as
+    # `model.graph_ref` (with weights and the batch) instead of the graph on the next request.
+    graph_ref: str | None = None
 
 
 class Estimate(Struct):

@@ -40,6 +40,8 @@ STATUS: dict[str, int] = {
     "bad_loss": 422,
     "bad_target": 422,
     "bad_option": 422,
+    "unsupported_op": 422,
+    "graph_not_found": 422,
     "too_large": 422,
     "non_finite": 422,
     "device_unavailable": 422,

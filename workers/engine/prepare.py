@@ -181,6 +181,12 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         raise SpecError("bad_option", f"model.dtype {dtype_name!r} is not a floating-point dtype; use one of "
                         f"{', '.join(tensors.FLOAT_DTYPES)}")
     dtype = tensors.TORCH_DTYPES[dtype_name]
+    given = [k for k in ("layers", "graph", "graph_ref") if getattr(request.model, k) is not None]
+    if len(given) != 1:
+        raise SpecError("bad_option", f"model: give exactly one of 'layers', 'graph' or 'graph_ref', got "
+                        f"{given or 'none'}", given=given)
+    if request.model.layers is None:
+        raise SpecError("unsupported_op", "model: graph specs are not accepted by this version; send 'layers'")
     meta = build(request.model.layers, limits=limits, device="meta").to(dtype)
     inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
     first = next(m for _, m in meta.named_modules() if not list(m.children()))

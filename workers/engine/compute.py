@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import msgspec
 import torch
@@ -59,6 +59,8 @@ def _seeded(seed: int, device: torch.device, random: bool):
 
 @dataclass
 class _Pass:
+    """One forward and backward over the whole batch: the sums over its micro-batches."""
+
     loss: float = 0.0
     losses: dict[str, float] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -70,9 +72,43 @@ class _Pass:
     meter: ActivationMeter | None = None
     graph: list[GraphNode] | None = None
 
+    def add(self, chunk: "_ChunkGrads", losses: dict[str, torch.Tensor], total: torch.Tensor) -> None:
+        for name, g in chunk.params.items():
+            _add(self.grads, name, g)
+        for term, grads in chunk.per_loss.items():
+            acc = self.per_loss.setdefault(term, {})
+            for name, g in grads.items():
+                _add(acc, name, g)
+        for name, h in chunk.hvp.items():
+            _add(self.hvp, name, h)
+        if chunk.input_grad is not None:
+            self.input_grad.append(chunk.input_grad.detach())
+        self.loss += float(total.detach())
+        for name, value in losses.items():
+            self.losses[name] = self.losses.get(name, 0.0) + float(value.detach())
+
 
 def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
     acc[name] = g.detach() if name not in acc else acc[name] + g.detach()
+
+
+# --- micro-batching: which rows each chunk holds, and its share of a mean loss ----------------------
+
+@dataclass
+class _Chunk:
+    a: int
+    b: int
+    inputs: torch.Tensor  # rows a:b of the batch (a leaf of its own when input_grad is asked for)
+    share: float  # (b - a) / n: a mean loss is scaled by it, so the chunks' gradients sum to the batch's
+
+
+def _chunks(prep: Prepared) -> Iterator[_Chunk]:
+    n = prep.inputs.shape[0]
+    for a, b in batch_chunks(n, prep.options.micro_batch):
+        xs = prep.inputs[a:b]
+        if prep.options.input_grad:
+            xs = xs.detach().requires_grad_(True)
+        yield _Chunk(a=a, b=b, inputs=xs, share=(b - a) / n if n else 1.0)
 
 
 def _checkpointed(model: nn.Sequential, segments: int, x: torch.Tensor, meter: ActivationMeter | None):
@@ -96,24 +132,112 @@ def _run_modules(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _forward(prep: Prepared, xs: torch.Tensor, a: int, b: int, n: int, meter: ActivationMeter | None = None):
-    """(output, {term: loss}, total) for rows a:b, each mean loss scaled by its share of the batch."""
+def _forward(prep: Prepared, chunk: _Chunk, meter: ActivationMeter | None = None):
+    """(output, {term: loss}, total) for one chunk, each mean loss scaled by the chunk's share."""
     opts = prep.options
     if opts.checkpoint_segments:
-        out = _checkpointed(prep.model, opts.checkpoint_segments, xs, meter)
+        out = _checkpointed(prep.model, opts.checkpoint_segments, chunk.inputs, meter)
     else:
-        out = prep.model(xs)
+        out = prep.model(chunk.inputs)
     losses = {}
     for term in prep.terms:
-        value = term(out, prep.targets[term.name][a:b])
-        if term.reduction == "mean" and (b - a) != n:
-            value = value * ((b - a) / n)
+        value = term(out, prep.targets[term.name][chunk.a:chunk.b])
+        if term.reduction == "mean" and chunk.share != 1.0:
+            value = value * chunk.share
         losses[term.name] = value
     if len(prep.terms) == 1 and prep.terms[0].weight == 1.0:
         total = losses[prep.terms[0].name]
     else:
         total = sum(t.weight * losses[t.name] for t in prep.terms)
     return out, losses, total
+
+
+# --- metering and timing ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _metered(model: nn.Module, on: bool) -> Iterator[ActivationMeter | None]:
+    """An ActivationMeter recording what the block's forward saves (None when off). Its hooks are set up
+    on entry, so a clock started inside the block does not count them."""
+    if not on:
+        yield None
+        return
+    meter = ActivationMeter(model)
+    with meter.recording():
+        yield meter
+
+
+class _Clock:
+    """Seconds spent inside `with clock:` blocks, the device synchronised at both ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "_Clock":
+        _sync(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync(self.device)
+        self.s += time.perf_counter() - self._t0
+
+
+# --- the extra outputs: per-loss gradients, HVP, input gradients, the grad_fn graph -----------------
+
+@dataclass
+class _ChunkGrads:
+    params: dict[str, torch.Tensor]
+    per_loss: dict[str, dict[str, torch.Tensor]]
+    hvp: dict[str, torch.Tensor]
+    input_grad: torch.Tensor | None
+
+
+def _wants_per_loss(prep: Prepared) -> bool:
+    several = len(prep.terms) > 1
+    return several if prep.options.per_loss is None else (prep.options.per_loss and several)
+
+
+def _per_loss_grads(prep: Prepared, losses: dict[str, torch.Tensor], leaves_: list[torch.Tensor],
+                    keep_graph: bool) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each loss term's gradients, one autograd.grad per term over the shared graph."""
+    out = {}
+    for i, term in enumerate(prep.terms):
+        last = i == len(prep.terms) - 1
+        out[term.name] = torch.autograd.grad(losses[term.name], leaves_, retain_graph=not last or keep_graph,
+                                             create_graph=keep_graph, materialize_grads=True)
+    return out
+
+
+def _hvp(grads: list[torch.Tensor], params: dict[str, torch.Tensor],
+         vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """H v by double backward through gradients taken with create_graph=True."""
+    names = list(params)
+    hv = torch.autograd.grad(grads, list(params.values()), grad_outputs=[vector[n] for n in names],
+                             materialize_grads=True)
+    return dict(zip(names, hv))
+
+
+def _gradients(prep: Prepared, chunk: _Chunk, params: dict[str, torch.Tensor], losses: dict[str, torch.Tensor],
+               total: torch.Tensor, hvp_vector: dict[str, torch.Tensor] | None) -> _ChunkGrads:
+    """The backward of one chunk: the parameters' gradients and whatever extra outputs were asked for."""
+    input_grad = prep.options.input_grad
+    leaves_ = [*params.values(), *([chunk.inputs] if input_grad else [])]
+    need_hvp = hvp_vector is not None
+    names = list(params)
+    per_term = {}
+    if _wants_per_loss(prep):
+        per_term = _per_loss_grads(prep, losses, leaves_, keep_graph=need_hvp)
+        grads = [sum(t.weight * per_term[t.name][j] for t in prep.terms) for j in range(len(leaves_))]
+    else:
+        grads = list(torch.autograd.grad(total, leaves_, create_graph=need_hvp, materialize_grads=True))
+    return _ChunkGrads(
+        params=dict(zip(names, grads)),
+        per_loss={term: dict(zip(names, g)) for term, g in per_term.items()},
+        hvp=_hvp(grads[: len(names)], params, hvp_vector) if need_hvp else {},
+        input_grad=grads[-1] if input_grad else None,
+    )
 
 
 def _graph(root) -> list[GraphNode]:
@@ -138,70 +262,29 @@ def _graph(root) -> list[GraphNode]:
     return nodes
 
 
+# --- one pass, composed ---------------------------------------------------------------------------
+
 def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, *, record_memory: bool,
               hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> _Pass:
-    opts = prep.options
-    n = prep.inputs.shape[0]
-    several = len(prep.terms) > 1
-    per_loss = several if opts.per_loss is None else (opts.per_loss and several)
-    need_hvp = hvp_vector is not None
-    names = list(params)
+    """Forward and backward over the batch, chunk by chunk: the first chunk metered, each one timed,
+    the extra outputs taken from its graph, everything summed into one _Pass."""
     result = _Pass()
+    forward, backward = _Clock(device), _Clock(device)
     with _seeded(seed, device, _is_random(prep.model)):
-        for k, (a, b) in enumerate(batch_chunks(n, opts.micro_batch)):
-            xs = prep.inputs[a:b]
-            if opts.input_grad:
-                xs = xs.detach().requires_grad_(True)
-            leaves_ = [*params.values(), *([xs] if opts.input_grad else [])]
-            metered = record_memory and k == 0
-            if metered:  # hook set-up stays outside the timed forward
-                result.meter = ActivationMeter(prep.model)
-                recording = result.meter.recording()
-                recording.__enter__()
-            _sync(device)
-            t0 = time.perf_counter()
-            try:
-                out, losses, total = _forward(prep, xs, a, b, n, result.meter if metered else None)
-                _sync(device)
-                t1 = time.perf_counter()
-            finally:
-                if metered:
-                    recording.__exit__(None, None, None)
+        for k, chunk in enumerate(_chunks(prep)):
+            with _metered(prep.model, on=record_memory and k == 0) as meter:
+                with forward:
+                    out, losses, total = _forward(prep, chunk, meter)
+            result.meter = meter or result.meter
             if not math.isfinite(float(total.detach())):
                 raise _non_finite(prep, float(total.detach()))
-            if opts.graph and k == 0:
+            if prep.options.graph and k == 0:
                 result.graph = _graph(total.grad_fn)
-            if per_loss:
-                term_grads = {}
-                for i, term in enumerate(prep.terms):
-                    last = i == len(prep.terms) - 1
-                    term_grads[term.name] = torch.autograd.grad(
-                        losses[term.name], leaves_, retain_graph=not last or need_hvp, create_graph=need_hvp,
-                        materialize_grads=True)
-                grads = [sum(t.weight * term_grads[t.name][j] for t in prep.terms) for j in range(len(leaves_))]
-                for term in prep.terms:
-                    acc = result.per_loss.setdefault(term.name, {})
-                    for name, g in zip(names, term_grads[term.name]):
-                        _add(acc, name, g)
-            else:
-                grads = list(torch.autograd.grad(total, leaves_, create_graph=need_hvp, materialize_grads=True))
-            if need_hvp:
-                hv = torch.autograd.grad(grads[: len(names)], list(params.values()),
-                                         grad_outputs=[hvp_vector[nm] for nm in names], materialize_grads=True)
-                for name, h in zip(names, hv):
-                    _add(result.hvp, name, h)
-            _sync(device)
-            t2 = time.perf_counter()
-            for name, g in zip(names, grads):
-                _add(result.grads, name, g)
-            if opts.input_grad:
-                result.input_grad.append(grads[-1].detach())
-            result.loss += float(total.detach())
-            for name, value in losses.items():
-                result.losses[name] = result.losses.get(name, 0.0) + float(value.detach())
-            result.forward_s += t1 - t0
-            result.backward_s += t2 - t1
+            with backward:
+                grads = _gradients(prep, chunk, params, losses, total, hvp_vector)
+            result.add(grads, losses, total)
             del out, losses, total, grads
+    result.forward_s, result.backward_s = forward.s, backward.s
     return result
 
 
@@ -352,23 +435,11 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
     seed = request.model.seed
-    if progress:
-        progress("forward", 0, opts.timing_repeat)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs: list[_Pass] = []
-    for r in range(opts.timing_repeat + (1 if opts.timing_repeat > 1 else 0)):
-        last = r == opts.timing_repeat - (0 if opts.timing_repeat > 1 else 1)
-        runs.append(_run_pass(prep, params, device, record_memory=opts.memory and last, hvp_vector=hvp_vector,
-                              seed=seed))
-        if progress:
-            progress("backward", r + 1, opts.timing_repeat)
-    timed = runs[1:] if len(runs) > 1 else runs
+    runs = _timed_passes(prep, params, device, hvp_vector, seed, progress)
     final = runs[-1]
-    for name, g in final.grads.items():
-        if not bool(torch.isfinite(g).all()):
-            raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
-                               f"is {final.loss}; lower the inputs' scale or check the weights", parameter=name)
+    _check_gradients(final)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     memory_started = time.perf_counter()
     memory = final.meter.report(peak) if final.meter else None
@@ -388,10 +459,49 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     check = _numcheck(prep, request, config, device, progress)
     numcheck_s = time.perf_counter() - numcheck_started
 
+    timed = runs[1:] if len(runs) > 1 else runs
+    timings = Timings(
+        forward_ms=1e3 * statistics.median(p.forward_s for p in timed),
+        backward_ms=1e3 * statistics.median(p.backward_s for p in timed),
+        numcheck_ms=1e3 * numcheck_s,
+        memory_ms=1e3 * memory_s,
+        total_ms=1e3 * (time.perf_counter() - started),
+    )
+    return _result(request, prep, device, final, per_sample=per_sample, hvp=hvp_vector is not None, check=check,
+                   memory=memory, checkpoint=checkpoint, timings=timings)
+
+
+def _timed_passes(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device,
+                  hvp_vector: dict[str, torch.Tensor] | None, seed: int, progress: Progress | None) -> list[_Pass]:
+    """timing_repeat passes (plus one warm-up pass, not timed, when repeating); the last one is metered."""
+    repeat = prep.options.timing_repeat
+    if progress:
+        progress("forward", 0, repeat)
+    runs: list[_Pass] = []
+    total = repeat + (1 if repeat > 1 else 0)
+    for r in range(total):
+        runs.append(_run_pass(prep, params, device, record_memory=prep.options.memory and r == total - 1,
+                              hvp_vector=hvp_vector, seed=seed))
+        if progress:
+            progress("backward", r + 1, repeat)
+    return runs
+
+
+def _check_gradients(final: _Pass) -> None:
+    for name, g in final.grads.items():
+        if not bool(torch.isfinite(g).all()):
+            raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
+                               f"is {final.loss}; lower the inputs' scale or check the weights", parameter=name)
+
+
+def _result(request: GradientRequest, prep: Prepared, device: torch.device, final: _Pass, *, per_sample, hvp: bool,
+            check, memory, checkpoint, timings: Timings) -> GradientResult:
+    """The wire result: every tensor encoded, a frozen parameter's gradient null."""
+    opts = prep.options
     several = len(prep.terms) > 1
     gradients = {n: (tensors.encode(final.grads[n]) if n in final.grads else None)
                  for n, _ in prep.model.named_parameters()}
-    result = GradientResult(
+    return GradientResult(
         device=str(device),
         dtype=request.model.dtype,
         parameter_count=prep.parameter_count,
@@ -405,20 +515,13 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
         gradient_cosine=_cosines(final.per_loss) if final.per_loss else None,
         per_sample=per_sample,
         input_gradient=tensors.encode(torch.cat(final.input_grad)) if opts.input_grad else None,
-        hvp={n: (tensors.encode(final.hvp[n]) if n in final.hvp else None) for n in gradients} if hvp_vector else None,
+        hvp={n: (tensors.encode(final.hvp[n]) if n in final.hvp else None) for n in gradients} if hvp else None,
         graph=final.graph,
         numcheck=check,
         memory=memory,
         checkpoint=checkpoint,
-        timings=Timings(
-            forward_ms=1e3 * statistics.median(p.forward_s for p in timed),
-            backward_ms=1e3 * statistics.median(p.backward_s for p in timed),
-            numcheck_ms=1e3 * numcheck_s,
-            memory_ms=1e3 * memory_s,
-            total_ms=1e3 * (time.perf_counter() - started),
-        ),
+        timings=timings,
     )
-    return result
 
 
 def _cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -456,16 +559,10 @@ def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Es
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
     prep = prepare(request, config, "meta", shape_only=True)
-    opts = prep.options
     _trainable(prep)
-    n = prep.inputs.shape[0]
-    a, b = batch_chunks(n, opts.micro_batch)[0]
-    xs = prep.inputs[a:b].to("meta")
-    if opts.input_grad:
-        xs = xs.requires_grad_(True)
     prep.inputs = prep.inputs.to("meta")
     prep.targets = {k: v.to("meta") for k, v in prep.targets.items()}
-    meter = ActivationMeter(prep.model)
-    with meter.recording():
-        _forward(prep, xs, a, b, n, meter)
+    chunk = next(_chunks(prep))
+    with _metered(prep.model, on=True) as meter:
+        _forward(prep, chunk, meter)
     return Estimate(parameter_count=prep.parameter_count, memory=meter.report(None))

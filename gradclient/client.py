@@ -23,6 +23,8 @@ from .errors import (
     CanceledError,
     ConnectionFailedError,
     GradientClientError,
+    GraphNotFoundError,
+    UnsupportedModuleError,
     WaitTimeoutError,
     error_for,
 )
@@ -61,6 +63,20 @@ class _Body:
 class _Prepared(msgspec.Struct):
     content: bytes
     local_names: dict[str, str]
+    graph_key: Any = None  # the export cache's key when the model went as a graph
+    by_ref: bool = False  # sent as graph_ref, without the graph
+
+
+class _Export(msgspec.Struct):
+    """One exported graph, cached per module structure and input signature (not per weights)."""
+
+    graph: wire.GraphSpec
+    names: list[str]  # its parameters' and buffers' state_dict names, in the graph's order
+    ref: str | None = None  # the service's graph_ref, once an answer gave it
+
+
+# Exports kept per client; each costs ~1 s of torch.export, so the cache is the point.
+_EXPORTS_KEPT = 32
 
 
 class _BaseClient:
@@ -81,6 +97,7 @@ class _BaseClient:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self._encode = msgspec.msgpack.Encoder().encode if wire_format == "msgpack" else msgspec.json.Encoder().encode
         self._decoders: dict[tuple[Any, bool], Any] = {}
+        self._exports: dict[Any, _Export] = {}
 
     # --- requests ---------------------------------------------------------------------------------
     def _prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
@@ -88,6 +105,7 @@ class _BaseClient:
         fmt = self.wire_format
         options = dict(options)
         local_names: dict[str, str] = {}
+        graph_key, by_ref = None, False
         if isinstance(model, wire.ModelSpec):
             model = msgspec.structs.asdict(model)
         if isinstance(model, dict):
@@ -98,15 +116,27 @@ class _BaseClient:
         else:
             from .convert import convert  # needs torch; spec dicts do not
 
-            c = convert(model)
-            spec = {"layers": c.layers, "dtype": c.dtype}
-            if c.weights:
-                spec["weights"] = {k: to_wire(v, fmt) for k, v in c.weights.items()}
-            local_names = c.local_names
-            if "freeze" in options:
-                options["freeze"] = _service_prefixes(options["freeze"], local_names)
-            elif c.frozen:
-                options["freeze"] = c.frozen
+            try:
+                c = convert(model)
+            except UnsupportedModuleError:
+                if not _is_module(model):
+                    raise
+                c = None
+            if c is None:  # any other nn.Module goes as an exported graph with its weights
+                spec, graph_key, by_ref = self._graph_spec(model, inputs)
+                if "freeze" not in options:
+                    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+                    if frozen:
+                        options["freeze"] = frozen
+            else:
+                spec = {"layers": c.layers, "dtype": c.dtype}
+                if c.weights:
+                    spec["weights"] = {k: to_wire(v, fmt) for k, v in c.weights.items()}
+                local_names = c.local_names
+                if "freeze" in options:
+                    options["freeze"] = _service_prefixes(options["freeze"], local_names)
+                elif c.frozen:
+                    options["freeze"] = c.frozen
         if dtype is not None:
             spec["dtype"] = dtype
         spec.setdefault("seed", seed)
@@ -118,7 +148,52 @@ class _BaseClient:
             body["losses"] = losses
         else:
             body["loss"] = loss
-        return _Prepared(content=self._encode(body), local_names=local_names)
+        return _Prepared(content=self._encode(body), local_names=local_names, graph_key=graph_key, by_ref=by_ref)
+
+    def _graph_spec(self, model: Any, inputs: Any) -> tuple[dict[str, Any], Any, bool]:
+        """The model spec of a module the layer spec cannot express: its exported graph (or, once the
+        service has answered for this structure, the graph's ref) and its current weights."""
+        import torch
+
+        from .export import export_graph
+
+        x = inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs)
+        key = _structure_key(model, x)
+        entry = self._exports.get(key)
+        if entry is None:  # a model export could not make batch-dynamic is kept per batch size
+            entry = self._exports.get((*key, x.shape[0]))
+            key = key if entry is None else (*key, x.shape[0])
+        if entry is None:
+            exported = export_graph(model, (x,))  # UnsupportedModuleError with torch's reason
+            entry = _Export(graph=exported.graph, names=list(exported.weights))
+            key = key if exported.dynamic_batch else (*key, x.shape[0])
+            if len(self._exports) >= _EXPORTS_KEPT:
+                self._exports.pop(next(iter(self._exports)))
+            self._exports[key] = entry
+        state = {**dict(model.named_parameters(remove_duplicate=False)),
+                 **dict(model.named_buffers(remove_duplicate=False))}
+        weights = {n: to_wire(state[n].detach(), self.wire_format) for n in entry.names}
+        spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
+        if entry.ref is not None:
+            spec["graph_ref"] = entry.ref
+        else:
+            spec["graph"] = entry.graph
+        return spec, key, entry.ref is not None
+
+    def _remember(self, prepared: _Prepared, graph_ref: str | None) -> None:
+        """After an answer: the next request for this structure sends graph_ref, not the graph."""
+        entry = self._exports.get(prepared.graph_key) if prepared.graph_key is not None else None
+        if entry is not None and graph_ref:
+            entry.ref = graph_ref
+
+    def _forget(self, prepared: _Prepared) -> bool:
+        """The service no longer knows the graph sent by ref: True when the request is worth one resend
+        with the whole graph."""
+        entry = self._exports.get(prepared.graph_key) if prepared.graph_key is not None else None
+        if entry is None or not prepared.by_ref:
+            return False
+        entry.ref = None
+        return True
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - _OPTION_NAMES)
@@ -199,6 +274,24 @@ def _service_prefixes(prefixes: list[str], local_names: dict[str, str]) -> list[
         hits = [s for s, loc in local_names.items() if loc == p or loc.startswith(p.rstrip(".") + ".")]
         out.extend(hits or [p])
     return out
+
+
+def _is_module(model: Any) -> bool:
+    try:
+        from torch import nn
+    except ImportError:
+        return False
+    return isinstance(model, nn.Module)
+
+
+def _structure_key(model: Any, x: Any) -> tuple:
+    """What an export depends on: the module's class and configuration, its tensors' names, shapes and
+    dtypes, train/eval mode, and the input's dtype and shape past the batch dimension (export makes the
+    batch dimension dynamic). Not the weights' values: those go with every request."""
+    tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
+                    [*model.named_parameters(), *model.named_buffers()])
+    modes = tuple(m.training for m in model.modules())
+    return (type(model), repr(model), tensors, modes, str(x.dtype), tuple(x.shape[1:]))
 
 
 class _Progress:
@@ -318,23 +411,44 @@ class Client(_BaseClient):
         are DESIGN.md's (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
         (up to `timeout` seconds; None: as long as it takes).
         """
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        prepared = self._prepare(*args)
+        try:
+            return self._gradients(prepared, wait_s, timeout, progress)
+        except GraphNotFoundError:
+            if not self._forget(prepared):
+                raise
+            return self._gradients(self._prepare(*args), wait_s, timeout, progress)  # once, with the graph
+
+    def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None, progress: bool) -> GradientResult:
         response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": wait_s},
                                    extra_s=wait_s)
         if response.status_code == 200:
-            return build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
-        accepted = self._decode(wire.JobAccepted, response, buf)
-        return Job(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+            result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
+        else:
+            accepted = self._decode(wire.JobAccepted, response, buf)
+            result = Job(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+        self._remember(prepared, result.graph_ref)
+        return result
 
     def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                losses: list | None = None, dtype: str | None = None, seed: int = 0, **options: Any) -> "Job":
         """Queues the request and returns at once with its Job."""
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
-        response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        prepared = self._prepare(*args)
+        try:
+            response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+        except GraphNotFoundError:
+            if not self._forget(prepared):
+                raise
+            prepared = self._prepare(*args)
+            response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
         if response.status_code == 200:  # a server that answered anyway: keep the result in the handle
             raw = self._decode(wire.GradientResult, response, buf)
+            self._remember(prepared, raw.graph_ref)
             return Job(self, raw.job_id, prepared.local_names, done=build_result(raw, prepared.local_names))
-        return Job(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names)
+        return Job(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names,
+                   prepared=prepared)
 
     def job(self, job_id: str) -> "Job":
         """A handle on a job submitted earlier (tensor names as the service gives them)."""
@@ -344,8 +458,14 @@ class Client(_BaseClient):
                  losses: list | None = None, dtype: str | None = None, seed: int = 0,
                  **options: Any) -> wire.Estimate:
         """Parameter count and per-layer activation memory, predicted on the meta device; nothing is queued."""
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
-        response, buf = self._send("POST", "/estimate", content=prepared.content)
+        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        prepared = self._prepare(*args)
+        try:
+            response, buf = self._send("POST", "/estimate", content=prepared.content)
+        except GraphNotFoundError:
+            if not self._forget(prepared):
+                raise
+            response, buf = self._send("POST", "/estimate", content=self._prepare(*args).content)
         return self._decode(wire.Estimate, response, buf)
 
     def layers(self) -> list[wire.LayerInfo]:
@@ -362,11 +482,12 @@ class Job:
     """A submitted request: status(), cancel(), result(timeout=None, progress=False)."""
 
     def __init__(self, client: Client, job_id: str, local_names: dict[str, str] | None = None, *,
-                 done: GradientResult | None = None) -> None:
+                 done: GradientResult | None = None, prepared: _Prepared | None = None) -> None:
         self.client = client
         self.id = job_id
         self.local_names = local_names or {}
         self._done = done
+        self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
@@ -398,6 +519,8 @@ class Job:
                 result = _outcome(self.client, info, self.local_names)
                 if result is not None:
                     self._done = result
+                    if self._prepared is not None:
+                        self.client._remember(self._prepared, result.graph_ref)
                     return result
                 time.sleep(poll.next(self.id))
         finally:
@@ -452,24 +575,47 @@ class AsyncClient(_BaseClient):
                         losses: list | None = None, dtype: str | None = None, seed: int = 0, wait_s: float = 30.0,
                         timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
         """Client.gradients, awaited."""
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        prepared = self._prepare(*args)
+        try:
+            return await self._gradients(prepared, wait_s, timeout, progress)
+        except GraphNotFoundError:
+            if not self._forget(prepared):
+                raise
+            return await self._gradients(self._prepare(*args), wait_s, timeout, progress)  # once, with the graph
+
+    async def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None,
+                         progress: bool) -> GradientResult:
         response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": wait_s},
                                          extra_s=wait_s)
         if response.status_code == 200:
-            return build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
-        accepted = self._decode(wire.JobAccepted, response, buf)
-        return await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+            result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
+        else:
+            accepted = self._decode(wire.JobAccepted, response, buf)
+            result = await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=timeout,
+                                                                                         progress=progress)
+        self._remember(prepared, result.graph_ref)
+        return result
 
     async def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                      losses: list | None = None, dtype: str | None = None, seed: int = 0,
                      **options: Any) -> "AsyncJob":
         """Client.submit, awaited."""
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
-        response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        prepared = self._prepare(*args)
+        try:
+            response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+        except GraphNotFoundError:
+            if not self._forget(prepared):
+                raise
+            prepared = self._prepare(*args)
+            response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
         if response.status_code == 200:
             raw = self._decode(wire.GradientResult, response, buf)
+            self._remember(prepared, raw.graph_ref)
             return AsyncJob(self, raw.job_id, prepared.local_names, done=build_result(raw, prepared.local_names))
-        return AsyncJob(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names)
+        return AsyncJob(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names,
+                        prepared=prepared)
 
     def job(self, job_id: str) -> "AsyncJob":
         return AsyncJob(self, job_id)
@@ -477,8 +623,14 @@ class AsyncClient(_BaseClient):
     async def estimate(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                        losses: list | None = None, dtype: str | None = None, seed: int = 0,
                        **options: Any) -> wire.Estimate:
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
-        response, buf = await self._send("POST", "/estimate", content=prepared.content)
+        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        prepared = self._prepare(*args)
+        try:
+            response, buf = await self._send("POST", "/estimate", content=prepared.content)
+        except GraphNotFoundError:
+            if not self._forget(prepared):
+                raise
+            response, buf = await self._send("POST", "/estimate", content=self._prepare(*args).content)
         return self._decode(wire.Estimate, response, buf)
 
     async def layers(self) -> list[wire.LayerInfo]:
@@ -494,11 +646,12 @@ class AsyncJob:
     """Job's methods as coroutines."""
 
     def __init__(self, client: AsyncClient, job_id: str, local_names: dict[str, str] | None = None, *,
-                 done: GradientResult | None = None) -> None:
+                 done: GradientResult | None = None, prepared: _Prepared | None = None) -> None:
         self.client = client
         self.id = job_id
         self.local_names = local_names or {}
         self._done = done
+        self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
 
     def __repr__(self) -> str:
         return f"AsyncJob({self.id!r})"
@@ -525,6 +678,8 @@ class AsyncJob:
                 result = _outcome(self.client, info, self.local_names)
                 if result is not None:
                     self._done = result
+                    if self._prepared is not None:
+                        self.client._remember(self._prepared, result.graph_ref)
                     return result
                 await anyio.sleep(poll.next(self.id))
         finally:

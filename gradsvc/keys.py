@@ -37,3 +37,8 @@ def rq_results_stream(job_id: str) -> str:
 def cancel_key(prefix: str, job_id: str) -> str:
     """Set by DELETE /jobs/{id} for a running job; the job checks it between steps and stops."""
     return f"{prefix}:cancel:{job_id}"
+
+
+def graph_key(prefix: str, digest: str) -> str:
+    """A validated graph's canonical MessagePack, kept under its content hash (`model.graph_ref`)."""
+    return f"{prefix}:graph:{digest}"

@@ -31,6 +31,8 @@ class Settings:
     job_timeout_s: int = 600
     result_ttl_s: int = 3600
     failure_ttl_s: int = 86400
+    # How long the API keeps a validated graph for `model.graph_ref` after its last use.
+    graph_ttl_s: int = 86400
     numcheck_exact_max: int = 20_000
     numcheck_directions: int = 16
     numcheck_samples: int = 8
@@ -67,7 +69,7 @@ class Settings:
     def validate(self) -> None:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
                     "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
-                    "worker_heartbeat_s"]
+                    "worker_heartbeat_s", "graph_ttl_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")

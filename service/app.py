@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
+from workers.graphs import GraphStore
 
 from . import openapi
 from .auth import Auth
@@ -48,6 +49,7 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
     store = JobStore(settings)
+    graphs = GraphStore(store.redis, settings.queue_prefix, settings.graph_ttl_s)
     auth = Auth(settings, store.redis)
     metrics = ApiMetrics(store)
     config = config_from_settings(settings)
@@ -71,9 +73,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
         body, fmt, req = await read_request(request)
 
         def enqueue() -> str:  # one thread hop for both
-            # Validation on the meta device: an invalid spec never reaches the queue.
-            prepare(req, config, "meta")
+            # Validation on the meta device: an invalid spec never reaches the queue. A graph_ref is looked
+            # up (and its TTL refreshed) here; a graph sent whole is kept under its ref for the next request.
+            prep = prepare(req, config, "meta", graphs=graphs.get)
             auth.check_rate(owner)
+            if prep.graph_data is not None:
+                graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
             return store.enqueue(body, fmt, req.options.device, owner)
 
         job_id = await anyio.to_thread.run_sync(enqueue)
@@ -98,7 +103,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     @post("/estimate", status_code=200)
     async def estimate_memory(request: Request, owner: str) -> Response:
         _, _, req = await read_request(request)
-        result = await anyio.to_thread.run_sync(estimate, req, config)
+        result = await anyio.to_thread.run_sync(lambda: estimate(req, config, graphs=graphs.get))
         return respond(request, result)
 
     @get("/jobs/{job_id:str}")

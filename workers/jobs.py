@@ -20,6 +20,7 @@ from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
 from .engine import ComputeError, EngineConfig, EngineError, SpecError, compute, config_from_settings, resolve_device
+from .graphs import GraphStore
 from .metrics import WorkerMetrics
 
 log = logging.getLogger("gradsvc.worker")
@@ -58,6 +59,13 @@ class WorkerContext:
     config: EngineConfig
     device: torch.device
     metrics: WorkerMetrics
+    graphs: GraphStore | None = None  # model.graph_ref look-ups, over the worker's Redis connection
+
+
+def _graphs(ctx: WorkerContext, job: Job) -> GraphStore:
+    if ctx.graphs is None:
+        ctx.graphs = GraphStore(job.connection, ctx.settings.queue_prefix, ctx.settings.graph_ttl_s)
+    return ctx.graphs
 
 
 _context: WorkerContext | None = None
@@ -138,7 +146,7 @@ def gradient_job(body: bytes, fmt: str) -> dict:
     try:
         request = decode_request(body, fmt)
         result: GradientResult = compute(request, ctx.config, progress=_Progress(job, settings.queue_prefix),
-                                         device=ctx.device)
+                                         device=ctx.device, graphs=_graphs(ctx, job).get)
         result.job_id = job.id
         result.timings.queue_ms = 1e3 * queue_s
         data = _result_encoder.encode(result)

@@ -22,7 +22,7 @@ from gradsvc.wire import Estimate, GradientRequest, GradientResult, GraphNode, P
 from . import numcheck, tensors
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
-from .prepare import EngineConfig, Prepared, batch_chunks, prepare
+from .prepare import EngineConfig, GraphResolver, Prepared, batch_chunks, prepare
 from .spec import leaves
 
 Progress = Callable[[str, int, int], None]
@@ -43,6 +43,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _is_random(model: nn.Module) -> bool:
+    if hasattr(model, "node_modules"):  # a GraphModel: dropout is a node, not a module
+        return any("dropout" in step.op.name for step in model._graph.steps)
     return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
 
 
@@ -137,6 +139,13 @@ def _forward(prep: Prepared, chunk: _Chunk, meter: ActivationMeter | None = None
     opts = prep.options
     if opts.checkpoint_segments:
         out = _checkpointed(prep.model, opts.checkpoint_segments, chunk.inputs, meter)
+    elif prep.graph is not None:
+        try:
+            out = prep.model(chunk.inputs)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            if _is_allocation_failure(exc):
+                raise
+            raise _graph_failure(prep, exc) from None
     else:
         out = prep.model(chunk.inputs)
     losses = {}
@@ -214,9 +223,25 @@ def _hvp(grads: list[torch.Tensor], params: dict[str, torch.Tensor],
          vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """H v by double backward through gradients taken with create_graph=True."""
     names = list(params)
-    hv = torch.autograd.grad(grads, list(params.values()), grad_outputs=[vector[n] for n in names],
-                             materialize_grads=True)
+    try:
+        hv = torch.autograd.grad(grads, list(params.values()), grad_outputs=[vector[n] for n in names],
+                                 materialize_grads=True)
+    except RuntimeError as exc:
+        if "not implemented" not in str(exc):
+            raise
+        raise SpecError("bad_option", f"options.hvp: torch cannot differentiate this model twice "
+                        f"({str(exc).splitlines()[0][:200]}), so H v is not available for it; remove options.hvp")
     return dict(zip(names, hv))
+
+
+def _twice_differentiable(on: bool):
+    """Attention through its math kernel when H v is asked for: the fused CPU/CUDA kernels have no
+    double backward, the math one is made of ops that do."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def _gradients(prep: Prepared, chunk: _Chunk, params: dict[str, torch.Tensor], losses: dict[str, torch.Tensor],
@@ -272,7 +297,8 @@ def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
     forward, backward = _Clock(device), _Clock(device)
     with _seeded(seed, device, _is_random(prep.model)):
         for k, chunk in enumerate(_chunks(prep)):
-            with _metered(prep.model, on=record_memory and k == 0) as meter:
+            with _metered(prep.model, on=record_memory and k == 0) as meter, \
+                    _twice_differentiable(hvp_vector is not None):
                 with forward:
                     out, losses, total = _forward(prep, chunk, meter)
             result.meter = meter or result.meter
@@ -300,18 +326,48 @@ def _non_finite(prep: Prepared, value: float) -> ComputeError:
                 first = (name, type(module).__name__)
         return fn
 
-    for name, module in leaves(prep.model):
-        handles.append(module.register_forward_hook(hook(name)))
-    try:
-        with torch.no_grad():
-            prep.model(prep.inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    if prep.graph is not None:
+        first = _first_non_finite_node(prep)
+    else:
+        for name, module in leaves(prep.model):
+            handles.append(module.register_forward_hook(hook(name)))
+        try:
+            with torch.no_grad():
+                prep.model(prep.inputs)
+        finally:
+            for h in handles:
+                h.remove()
     where = f"layer {first[0]} ({first[1]})" if first else "the loss"
     return ComputeError("non_finite", f"the loss is {value}; the first non-finite values appear in the output of "
                         f"{where}. Check the inputs' scale, the weights and the learning setup",
                         layer=first[0] if first else None, value=str(value))
+
+
+def _first_non_finite_node(prep: Prepared) -> tuple[str, str] | None:
+    """(module path, "node (op)") of the first graph node whose output is not finite."""
+    model = prep.model
+    first = None
+
+    def visit(i, out, args, kwargs):
+        nonlocal first
+        if first is None and isinstance(out, torch.Tensor) and out.is_floating_point() and \
+                not bool(torch.isfinite(out).all()):
+            name, path, _ = model.node_modules[i]
+            first = (path or "(root)", f"node {name}")
+    with torch.no_grad():
+        model.run(prep.inputs, visit=visit)
+    return first
+
+
+def _graph_failure(prep: Prepared, exc: Exception) -> SpecError:
+    """A graph node that failed on this batch's values (shapes were checked before the queue): an
+    index out of range, most often token ids beyond an embedding's rows."""
+    i = getattr(prep.model, "failed_node", None)
+    name, path, kind = prep.model.node_modules[i] if i is not None and i >= 0 else ("?", "", "")
+    where = f"node {name!r} in module {path!r} ({kind})" if path else f"node {name!r}"
+    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return SpecError("bad_tensor", f"the graph's {where} failed on these inputs: {reason}. Check the inputs' values "
+                     "(token ids must lie below the embedding's number of rows)", node=name, module=path)
 
 
 def _trainable(prep: Prepared) -> dict[str, torch.Tensor]:
@@ -398,23 +454,29 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
 
 
 def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
-            device: torch.device | None = None) -> GradientResult:
-    """Everything POST /gradients answers, computed in this process."""
+            device: torch.device | None = None, graphs: GraphResolver | None = None) -> GradientResult:
+    """Everything POST /gradients answers, computed in this process. `graphs` resolves model.graph_ref
+    (the workers pass their Redis-backed store)."""
     config = config or EngineConfig()
     device = device or resolve_device(request.options.device)
     try:
-        return _compute(request, config, progress, device)
+        return _compute(request, config, progress, device, graphs)
     except torch.cuda.OutOfMemoryError as exc:
         raise _oom(device, exc) from None
     except MemoryError as exc:
         raise _oom(device, exc) from None
     except RuntimeError as exc:  # cuBLAS/cuDNN report some allocation failures as plain RuntimeErrors
-        if "out of memory" in str(exc).lower():
+        if _is_allocation_failure(exc):
             raise _oom(device, exc) from None
         raise
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    message = str(exc).lower()
+    return "out of memory" in message or "can't allocate memory" in message  # CUDA/cuBLAS, CPU allocator
 
 
 def _oom(device: torch.device, exc: BaseException) -> ComputeError:
@@ -426,9 +488,9 @@ def _oom(device: torch.device, exc: BaseException) -> ComputeError:
 
 
 def _compute(request: GradientRequest, config: EngineConfig, progress: Progress | None,
-             device: torch.device) -> GradientResult:
+             device: torch.device, graphs: GraphResolver | None = None) -> GradientResult:
     started = time.perf_counter()
-    prep = prepare(request, config, device)
+    prep = prepare(request, config, device, graphs=graphs)
     opts = prep.options
     if opts.per_sample != "off":
         _check_per_sample(prep)
@@ -521,6 +583,7 @@ def _result(request: GradientRequest, prep: Prepared, device: torch.device, fina
         memory=memory,
         checkpoint=checkpoint,
         timings=timings,
+        graph_ref=prep.graph.ref if prep.graph is not None else None,
     )
 
 
@@ -555,10 +618,11 @@ def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device
     }
 
 
-def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Estimate:
+def estimate(request: GradientRequest, config: EngineConfig | None = None, *,
+             graphs: GraphResolver | None = None) -> Estimate:
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
-    prep = prepare(request, config, "meta", shape_only=True)
+    prep = prepare(request, config, "meta", shape_only=True, graphs=graphs)
     _trainable(prep)
     prep.inputs = prep.inputs.to("meta")
     prep.targets = {k: v.to("meta") for k, v in prep.targets.items()}

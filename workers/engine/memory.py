@@ -1,7 +1,8 @@
 """Per-layer activation memory: bytes autograd saves for backward while each layer runs.
 
 Each storage counts once (the first layer to save it owns it) and parameters are excluded, as in
-seed 003's table [C]. Storages are told apart by their StorageImpl (`_cdata`), not `data_ptr()`,
+seed 003's table [C]. A graph model (GraphModel) has one row per module path its nodes ran in: its
+submodules only hold tensors and are never called, so the running node's path says who saves. Storages are told apart by their StorageImpl (`_cdata`), not `data_ptr()`,
 which is 0 for every tensor on the meta device.
 """
 
@@ -23,12 +24,19 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+_OUTSIDE = "\0outside"  # saved after a graph's forward (the loss): counted once, shown in no row
+
+
 class ActivationMeter:
     """Installs module hooks and saved-tensor hooks; `report()` gives the per-layer table."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.names = {m: name for name, m in model.named_modules() if name}
+        # A GraphModel names the module path of each node it runs (graph.py); anything else has its modules.
+        self.graph = model if hasattr(model, "node_modules") and hasattr(model, "track_modules") else None
+        self.names = {m: name for name, m in model.named_modules() if name} if self.graph is None else {}
+        self.paths = {} if self.graph is None else _paths(self.graph.node_modules)
+        self.inside = False
         self.leaves = leaves(model)
         self.param_keys = {_storage_key(p) for p in model.parameters()}
         self.seen: set[int] = set()
@@ -39,7 +47,11 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        self.keep(t, self.stack[-1] if self.stack else "")
+        if self.graph is not None:
+            owner = self.graph.current_module if self.inside else _OUTSIDE
+        else:
+            owner = self.stack[-1] if self.stack else ""
+        self.keep(t, owner)
         self.hook_s += time.perf_counter() - start
         return t
 
@@ -53,6 +65,10 @@ class ActivationMeter:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["ActivationMeter"]:
+        if self.graph is not None:
+            with self._recording_graph():
+                yield self
+            return
         handles = []
         for module, name in self.names.items():
             handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self.stack.append(name)))
@@ -64,6 +80,30 @@ class ActivationMeter:
             for h in handles:
                 h.remove()
 
+    @contextlib.contextmanager
+    def _recording_graph(self) -> Iterator["ActivationMeter"]:
+        graph = self.graph
+
+        def forward(*inputs: torch.Tensor) -> torch.Tensor:  # run() with a visit for each node's output size
+            self.inside = True
+            try:
+                return graph.run(*inputs, visit=self._visit)[0]
+            finally:
+                self.inside = False
+
+        graph.track_modules = True
+        graph.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            graph.track_modules = False
+            del graph.forward
+
+    def _visit(self, i: int, out, args, kwargs) -> None:
+        if isinstance(out, torch.Tensor):  # the last node of a module path gives that module's output
+            self.output[self.graph.node_modules[i][1]] = out.numel() * out.element_size()
+
     def _leave(self, name: str, out) -> None:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
@@ -71,6 +111,8 @@ class ActivationMeter:
             self.output[name] = out.numel() * out.element_size()
 
     def report(self, device_peak_bytes: int | None = None) -> Memory:
+        if self.graph is not None:
+            return self._report_graph(device_peak_bytes)
         layers = []
         for module, name in self.names.items():
             is_leaf = not list(module.children())
@@ -82,3 +124,22 @@ class ActivationMeter:
                                       output_bytes=self.output.get(name, 0), parameter_bytes=params))
         return Memory(layers=layers, saved_bytes_total=sum(entry.saved_bytes for entry in layers),
                       device_peak_bytes=device_peak_bytes)
+
+    def _report_graph(self, device_peak_bytes: int | None) -> Memory:
+        owned: dict[str, int] = {}
+        for name, p in self.model.named_parameters():
+            path = name.rpartition(".")[0]
+            owned[path] = owned.get(path, 0) + p.numel() * p.element_size()
+        layers = [LayerMemory(name=path, type=kind, saved_bytes=self.saved.get(path, 0),
+                              output_bytes=self.output.get(path, 0), parameter_bytes=owned.get(path, 0))
+                  for path, kind in self.paths.items()]
+        return Memory(layers=layers, saved_bytes_total=sum(entry.saved_bytes for entry in layers),
+                      device_peak_bytes=device_peak_bytes)
+
+
+def _paths(node_modules: list[tuple[str, str, str]]) -> dict[str, str]:
+    """Module path -> class name, in the order the graph first runs a node in each ("" is the root)."""
+    paths: dict[str, str] = {}
+    for _, path, kind in node_modules:
+        paths.setdefault(path, kind or ("root" if not path else ""))
+    return paths

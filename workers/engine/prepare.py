@@ -7,16 +7,18 @@ a reason that could have been known.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import GradientRequest, LossSpec, Options, Tensor
+from gradsvc.wire import GradientRequest, GraphSpec, LossSpec, Options, Tensor
 
-from . import tensors
+from . import graphref, tensors
 from .errors import SpecError
 from .losses import LossTerm, make_term, prepare_target
 from .spec import Limits, build, check_shapes
@@ -43,6 +45,8 @@ class Prepared:
     parameter_count: int
     options: Options
     frozen: set[str]
+    graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, batch-mixing nodes)
+    graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
 
 
 def _terms(request: GradientRequest) -> list[LossTerm]:
@@ -171,10 +175,15 @@ def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max
     return out
 
 
+# graph_ref -> the stored graph (or None): the API's and the workers' Redis-backed store. The engine
+# itself keeps no store, only the validated graphs it has seen (GraphTemplate, below).
+GraphResolver = Callable[[str], "GraphSpec | None"]
+
+
 def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta", *,
-            shape_only: bool = False) -> Prepared:
+            shape_only: bool = False, graphs: GraphResolver | None = None) -> Prepared:
     """Checks and builds everything; on "meta" nothing runs. `shape_only` (POST /estimate) accepts
-    inputs and targets given as dtype and shape alone."""
+    inputs and targets given as dtype and shape alone. `graphs` resolves `model.graph_ref`."""
     limits = config.limits
     dtype_name = request.model.dtype
     if dtype_name not in tensors.FLOAT_DTYPES:
@@ -186,7 +195,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         raise SpecError("bad_option", f"model: give exactly one of 'layers', 'graph' or 'graph_ref', got "
                         f"{given or 'none'}", given=given)
     if request.model.layers is None:
-        raise SpecError("unsupported_op", "model: graph specs are not accepted by this version; send 'layers'")
+        return _prepare_graph(request, config, device, dtype, shape_only=shape_only, graphs=graphs)
     meta = build(request.model.layers, limits=limits, device="meta").to(dtype)
     inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
     first = next(m for _, m in meta.named_modules() if not list(m.children()))
@@ -291,3 +300,182 @@ def config_from_settings(settings) -> EngineConfig:
         numcheck_samples=settings.numcheck_samples,
         numcheck_directions=settings.numcheck_directions,
     )
+
+
+# --- graph models ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GraphTemplate:
+    """A graph validated once for a dtype: its meta GraphModel (shared: copied before anything mutates
+    it), the state it reads, and the nodes that mix the examples of a batch."""
+
+    ref: str
+    spec: GraphSpec
+    model: nn.Module
+    state: dict[str, torch.Tensor]  # state_dict name -> meta tensor (shape and dtype to expect)
+    parameters: frozenset[str]
+    input_dtype: str | None  # the captured user input's dtype ("int64": token ids)
+    mixing: list  # batch_mixing_nodes: (node, op, module path) of nodes that reduce over the batch
+
+
+# (ref, dtype) -> GraphTemplate and (ref, dtype, input shape, input dtype) -> (output shape, dtype).
+# Both are graphref.LRU: locked, since the API prepares requests from several threads at once.
+_templates: graphref.LRU[GraphTemplate] = graphref.LRU(64)
+_graph_shapes: graphref.LRU[tuple[torch.Size, torch.dtype]] = graphref.LRU(SHAPE_CACHE_ENTRIES)
+
+
+def _graph_spec(request: GradientRequest, dtype: torch.dtype,
+                graphs: GraphResolver | None) -> tuple[str, GraphSpec | None, bytes | None]:
+    """(ref, graph, canonical bytes) for model.graph, or model.graph_ref resolved through `graphs`."""
+    if request.model.graph is not None:
+        data = graphref.encode(request.model.graph)
+        return graphref.digest(data), request.model.graph, data
+    ref = request.model.graph_ref
+    spec = graphs(ref) if graphs is not None else None
+    if spec is None:
+        hit = _templates.get((ref, dtype))  # a library caller without a store: the graphs seen here
+        spec = hit.spec if hit is not None and graphs is None else None
+    if spec is None:
+        raise SpecError("graph_not_found", f"model.graph_ref {ref[:80]!r} is not a graph this service knows: it was "
+                        "never sent here, or went unused for longer than GRADSVC_GRAPH_TTL_S. Send the graph "
+                        "itself as model.graph (the answer carries its graph_ref again)", graph_ref=ref[:80])
+    return ref, spec, None
+
+
+def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: EngineConfig) -> GraphTemplate:
+    from .graph import batch_mixing_nodes, build_graph
+
+    key = (ref, dtype)
+    hit = _templates.get(key)
+    if hit is not None:
+        return hit
+    model = build_graph(spec, limits=config.limits, device="meta", dtype=dtype)
+    users = [inp for inp in spec.inputs if inp.kind == "input"]
+    if len(users) != 1:
+        raise SpecError("bad_option", f"model.graph takes {len(users)} inputs ({[u.name for u in users]}); a request "
+                        "sends one tensor as 'inputs': export a module whose forward takes one tensor (wrap the "
+                        "others as buffers or constants)", inputs=[u.name for u in users])
+    state = dict(model.state_dict(keep_vars=True))
+    template = GraphTemplate(ref=ref, spec=spec, model=model, state=state,
+                             parameters=frozenset(n for n, _ in model.named_parameters()),
+                             input_dtype=users[0].dtype, mixing=list(batch_mixing_nodes(model)))
+    _templates.put(key, template)
+    return template
+
+
+def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype, limits,
+                  shape_only: bool) -> torch.Tensor:
+    """Floating inputs in the model's dtype; integer inputs (token ids) kept as the graph captured them."""
+    inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
+    want = template.input_dtype
+    wants_ints = want is not None and not tensors.TORCH_DTYPES.get(want, torch.float32).is_floating_point
+    if wants_ints:
+        if inputs.dtype.is_floating_point:
+            raise SpecError("bad_tensor", f"inputs: the graph takes integer {want} inputs (token ids), got "
+                            f"{str(inputs.dtype).removeprefix('torch.')}; send integers")
+        inputs = inputs.to(tensors.TORCH_DTYPES[want])
+    else:
+        inputs = inputs.to(dtype)
+        if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
+            raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
+    if inputs.dim() == 0 or inputs.shape[0] == 0:
+        raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
+    return inputs
+
+
+def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor, limits) -> torch.Tensor:
+    """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
+    signature (on a private copy of the shared model: a run writes its program cache)."""
+    from .graph import check_graph_shapes
+
+    key = (template.ref, dtype, tuple(inputs.shape), inputs.dtype)
+    hit = _graph_shapes.get(key)
+    if hit is None:
+        out = check_graph_shapes(copy.deepcopy(template.model), inputs.to("meta"), limits=limits)
+        hit = (out.shape, out.dtype)
+        _graph_shapes.put(key, hit)
+    return torch.empty(hit[0], dtype=hit[1], device="meta")
+
+
+def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype,
+                   max_elements: int) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, by state_dict name: a graph has no initialiser to fill a gap."""
+    given = request.model.weights or {}
+    state = template.state
+    for name in given:
+        if name not in state:
+            raise SpecError("bad_weights", f"weights: {name!r} is not a parameter or buffer of the graph; it reads "
+                            f"{sorted(state)[:12]}{' ...' if len(state) > 12 else ''}", parameter=name)
+    for name in state:
+        if name not in given:
+            kind = "parameter" if name in template.parameters else "buffer"
+            raise SpecError("bad_weights", f"weights: {kind} {name!r} is missing. A graph model has no default "
+                            "initialisation (the seeded init exists for layer specs only): send every parameter and "
+                            "buffer under its state_dict name, as model.state_dict() gives them", parameter=name)
+    out = {}
+    for name, wire in given.items():
+        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
+        want = list(state[name].shape)
+        if list(t.shape) != want:
+            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the graph needs {want}",
+                            parameter=name, shape=list(t.shape), expected=want)
+        if name in template.parameters:
+            t = t.to(dtype)
+            if not bool(torch.isfinite(t).all()):
+                raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
+        else:
+            t = t.to(state[name].dtype)
+        out[name] = t
+    return out
+
+
+def _check_graph_options(opts: Options, template: GraphTemplate) -> None:
+    """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
+    if opts.checkpoint_segments is not None:
+        raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a graph "
+                        "model has none, so it cannot apply. Remove it (or checkpoint inside the module before "
+                        "export)")
+    if template.mixing and (opts.micro_batch is not None or opts.per_sample != "off"):
+        node, op, module = template.mixing[0]
+        option = "micro_batch" if opts.micro_batch is not None else "per_sample"
+        where = f"module {module!r}" if module else "the root module"
+        raise SpecError("bad_option", f"options.{option}: node {node!r} ({op}) in {where} combines the examples of "
+                        f"a batch (batch statistics), so a micro-batch's or one example's gradient is not its share "
+                        f"of the batch's; remove options.{option}, or put that module in eval mode before export",
+                        node=node, op=op, module=module)
+
+
+def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str | torch.device, dtype: torch.dtype,
+                   *, shape_only: bool, graphs: GraphResolver | None) -> Prepared:
+    """prepare() for model.graph / model.graph_ref: the same checks as a layer spec's, then the graph's own."""
+    limits = config.limits
+    ref, spec, data = _graph_spec(request, dtype, graphs)
+    template = _graph_template(ref, spec, dtype, config)
+    inputs = _graph_inputs(request, template, dtype, limits, shape_only)
+    out = _graph_output(template, dtype, inputs, limits)
+    terms = _terms(request)
+    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
+                                                       shape_only=shape_only), dtype)
+               for t in terms}
+    for name, tgt in targets.items():
+        if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
+            raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
+                            f"differs from the inputs' {inputs.shape[0]}", loss=name)
+    _check_graph_options(request.options, template)
+    names = [n for n in template.state if n in template.parameters]
+    frozen = _check_options(request.options, config, inputs.shape[0], 1, names)
+    _check_hvp(request.options, template.model, frozen)
+    weights = _graph_weights(request, template, dtype, limits.max_elements)
+    parameter_count = sum(template.state[n].numel() for n in names)
+    if str(device) == "meta" and not shape_only:
+        model = template.model  # read, never run or changed, on this path
+    else:
+        model = copy.deepcopy(template.model)
+        if str(device) != "meta":
+            model = model.to_empty(device=device)
+            model.load_state_dict(weights)
+            inputs = inputs.to(device)
+            targets = {k: v.to(device) for k, v in targets.items()}
+    return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
+                    output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
+                    frozen=frozen, graph=template, graph_data=data)

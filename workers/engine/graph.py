@@ -170,6 +170,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
                             module=node.module)
         ctx = _Context(node, slots, kinds, later)
         args, kwargs, bound = _bind(node, op, ctx)
+        if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):
+            kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
         slot = len(kinds)
         writes_buffer = False
         if op.inplace:
@@ -612,7 +614,7 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
                             "smaller batch or model", node=step.name, limit=limits.max_graph_intermediate_bytes)
 
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.device("meta"):
             outs = model.run(*x_meta, visit=visit)
     except SpecError:
         raise

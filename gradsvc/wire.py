@@ -31,11 +31,16 @@ TensorLike = Tensor | list | float
 
 class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One input of an exported graph (a placeholder of `torch.export`'s graph). `name` is what the
-    nodes refer to; `target` is the state_dict name (parameter, buffer) or the `constants` key."""
+    nodes refer to; `target` is the state_dict name (parameter, buffer) or the `constants` key.
+    `dtype` and `shape` are the captured tensor's: a parameter's or buffer's exactly (the graph model is
+    built on the meta device from them, before any weight is decoded), a user input's as in the example
+    it was exported with, -1 for a dynamic size (dim 0 is the batch; "int64" inputs are token ids)."""
 
     name: str
     kind: Literal["input", "parameter", "buffer", "constant"]
     target: str | None = None
+    dtype: str | None = None
+    shape: list[int] | None = None
 
 
 class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -146,6 +146,9 @@ class Limits:
     max_layers: int = 512
     max_depth: int = 8
     max_elements: int = 64_000_000
+    # Graph models: nodes in one graph, and the bytes of all its intermediates together (meta-checked).
+    max_graph_nodes: int = 20_000
+    max_graph_intermediate_bytes: int = 16 << 30
 
 
 def build(layers: list[dict[str, Any]], *, limits: Limits, device: str | torch.device = "cpu") -> nn.Sequential:

@@ -1,0 +1,214 @@
+"""nn.Module -> an exported graph as wire data (GraphSpec) plus its weights; torch is needed only here.
+
+`torch.export.export` captures the module in its current train/eval mode, default export IR (not
+`run_decompositions`, which breaks GPT-2-style views), with a dynamic batch dimension (dim 0 of every
+input) so that one export serves every batch size. When the dynamic export fails (a model that
+specialises on its batch size), a static export is tried and `ExportedGraph.dynamic_batch` is False:
+that graph then takes only the example's batch size. A model returning several tensors (a tuple, a
+Hugging Face ModelOutput) lists them all in `outputs`; the loss applies to the first.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradsvc import wire
+
+from .errors import UnsupportedModuleError
+from .tensors import to_wire
+
+_SCALAR_TYPES = (int, float, bool, str, type(None))
+
+
+@dataclass
+class ExportedGraph:
+    graph: wire.GraphSpec
+    weights: dict[str, torch.Tensor]  # every parameter and buffer the graph reads, by state_dict name
+    dynamic_batch: bool = True  # False: the static fallback, valid for the example's batch size only
+
+
+def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> ExportedGraph:
+    """`module` captured by torch.export and converted to the wire format; UnsupportedModuleError (with
+    torch's reason) when it cannot be."""
+    if not isinstance(module, nn.Module):
+        raise UnsupportedModuleError(f"expected an nn.Module, got {type(module).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    if not example_inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in example_inputs):
+        raise UnsupportedModuleError("example inputs must be one or more tensors with a batch dimension (dim 0)")
+    dynamic = True
+    try:
+        batch = torch.export.Dim("batch", min=1)
+        ep = torch.export.export(module, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
+    except Exception:
+        dynamic = False
+        try:
+            ep = torch.export.export(module, example_inputs)
+        except Exception as exc:
+            raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
+    graph, weights = _convert(ep, module)
+    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic)
+
+
+def _reason(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return " / ".join(lines[:4])[:800] or type(exc).__name__
+
+
+def _convert(ep: "torch.export.ExportedProgram", module: nn.Module) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]]:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    tensors = {**dict(module.named_parameters(remove_duplicate=False)),
+               **dict(module.named_buffers(remove_duplicate=False))}
+    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant",
+             InputKind.USER_INPUT: "input"}
+    specs = {s.arg.name: s for s in sig.input_specs}
+    inputs, weights, constants = [], {}, {}
+    param_dtypes = set()
+    # Tied weights (GPT-2's lm_head.weight is transformer.wte.weight) are one placeholder per name in the
+    # exported graph; here they become one input, as one parameter, so its gradient sums both uses.
+    first_by_tensor: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        s = specs[node.name]
+        if s.kind not in kinds:
+            raise UnsupportedModuleError(f"the exported graph has an input of kind {s.kind.name} ({node.name}); the "
+                                         "service takes parameters, buffers, tensor constants and tensor inputs")
+        kind = kinds[s.kind]
+        val = node.meta.get("val")
+        if kind == "input" and not isinstance(val, torch.Tensor):
+            raise UnsupportedModuleError(f"input {node.name!r} is not a tensor; only tensor inputs are supported")
+        entry = wire.GraphInput(name=node.name, kind=kind, target=s.target)
+        if kind in ("parameter", "buffer"):
+            t = tensors.get(s.target)
+            if t is None:
+                t = ep.constants.get(s.target)  # non-persistent buffers live among the constants
+            if t is None:
+                raise UnsupportedModuleError(f"{kind} {s.target!r} of the exported graph is not in the module")
+            if id(t) in first_by_tensor:
+                alias[node.name] = first_by_tensor[id(t)]
+                continue
+            first_by_tensor[id(t)] = node.name
+            weights[s.target] = t.detach()
+            entry.dtype, entry.shape = _dtype(t), list(t.shape)
+            if kind == "parameter":
+                param_dtypes.add(t.dtype)
+        elif kind == "constant":
+            c = ep.constants[s.target]
+            if not isinstance(c, torch.Tensor):
+                raise UnsupportedModuleError(f"constant {s.target!r} is a {type(c).__name__}, not a tensor")
+            const = to_wire(c.detach().cpu().contiguous())
+            constants[s.target] = wire.Tensor(dtype=const.dtype, shape=const.shape, data=bytes(const.data))
+            entry.dtype, entry.shape = _dtype(c), list(c.shape)
+        else:
+            entry.target = None
+            entry.dtype, entry.shape = _dtype(val), [int(n) if isinstance(n, int) else -1 for n in val.shape]
+        inputs.append(entry)
+    nodes = []
+    for node in ep.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op != "call_function":
+            raise UnsupportedModuleError(f"node {node.name!r} is a {node.op} ({node.target}); the service runs only "
+                                         "calls of ATen ops (no higher-order ops: cond, map, checkpoint, ...)")
+        _refuse_input_writes(node, specs, kinds)
+        nodes.append(wire.OpNode(name=node.name, op=_op_name(node), args=[_arg(a, node, alias) for a in node.args],
+                                 kwargs={k: _arg(v, node, alias) for k, v in node.kwargs.items()},
+                                 **_module_of(node)))
+    outputs, mutations = [], {}
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    for spec, value in zip(sig.output_specs, out_node.args[0]):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+                outputs.append({"node": alias.get(value.name, value.name)})
+            elif value is not None:
+                raise UnsupportedModuleError(f"the model returns a non-tensor value ({value!r}); return tensors only")
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations[spec.target] = value.name
+        else:
+            raise UnsupportedModuleError(f"the exported graph has an output of kind {spec.kind.name} ({spec.target}); "
+                                         "the service takes user outputs and buffer updates only (a forward must "
+                                         "not modify its inputs)")
+    if not outputs:
+        raise UnsupportedModuleError("the model returns no tensor; return the output the loss applies to")
+    floats = sorted({str(d).removeprefix("torch.") for d in param_dtypes if d.is_floating_point})
+    if len(floats) > 1:
+        raise UnsupportedModuleError(f"the model mixes parameter dtypes {floats}; convert it to one dtype first")
+    dtype = floats[0] if floats else str(torch.get_default_dtype()).removeprefix("torch.")
+    graph = wire.GraphSpec(inputs=inputs, nodes=nodes, outputs=outputs, dtype=dtype, constants=constants,
+                           buffer_mutations=mutations)
+    return graph, weights
+
+
+def _refuse_input_writes(node: "torch.fx.Node", specs: dict, kinds: dict) -> None:
+    """A forward that writes its input or a parameter in place cannot be replayed as a pure function of
+    the weights and the batch (the service refuses it too); say so before anything is sent."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return
+    for arg, value in zip(target._schema.arguments, node.args):
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        if written and isinstance(value, torch.fx.Node) and value.name in specs:
+            kind = kinds.get(specs[value.name].kind)
+            if kind in ("input", "parameter", "constant"):
+                raise UnsupportedModuleError(f"the model modifies its {kind} {value.name!r} in place ({target}); a "
+                                             "forward must not modify its inputs or parameters: work on a copy")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in wire.ITEMSIZE and name not in ("int8", "int16"):
+        raise UnsupportedModuleError(f"a tensor of dtype {t.dtype} cannot travel; use one of {', '.join(wire.DTYPES)}")
+    return name
+
+
+def _op_name(node: "torch.fx.Node") -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        raise UnsupportedModuleError(f"node {node.name!r} calls the higher-order op {target.name()}; the service runs "
+                                     "plain ATen ops only (no cond, map, checkpoint or custom autograd functions)")
+    if getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return f"operator.{target.__name__}"
+    return f"{getattr(target, '__module__', None) or '?'}.{getattr(target, '__name__', repr(target))}"
+
+
+def _arg(a, node: "torch.fx.Node", alias: dict[str, str]):
+    if isinstance(a, torch.fx.Node):
+        return {"node": alias.get(a.name, a.name)}
+    if isinstance(a, (list, tuple)):
+        return [_arg(x, node, alias) for x in a]
+    if isinstance(a, float) and not math.isfinite(a):
+        return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
+    if isinstance(a, _SCALAR_TYPES):
+        return a
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).removeprefix("torch.")}
+    raise UnsupportedModuleError(f"node {node.name!r} ({node.target}) has an argument of type {type(a).__name__} "
+                                 f"({a!r}), which the graph format cannot carry")
+
+
+def _module_of(node: "torch.fx.Node") -> dict[str, str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return {}
+    path, kind = list(stack.values())[-1]
+    if path.startswith("_empty_nn_module_stack"):
+        return {}
+    name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
+    return {"module": path, "module_type": name.rsplit(".", 1)[-1]}

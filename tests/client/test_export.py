@@ -1,0 +1,125 @@
+"""The SDK's exporter: nn.Module -> GraphSpec + weights, what it captures and what it refuses."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from torch import nn
+
+from gradclient.convert import UnsupportedModuleError
+from gradclient.export import export_graph
+from gradsvc import wire
+from workers.engine.graph import build_graph, load_weights
+from workers.engine.spec import Limits
+
+from .. import graph_nets
+
+
+def run_graph(eg, x: torch.Tensor) -> torch.Tensor:
+    model = build_graph(eg.graph, limits=Limits(), device="meta")
+    return load_weights(model, dict(eg.weights), device="cpu")(x)
+
+
+def test_one_dynamic_export_serves_batch_3_and_7():
+    model, _ = graph_nets.build("resnet_block")
+    model.eval()
+    eg = export_graph(model, (torch.randn(4, 4, 6, 6),))
+    assert eg.dynamic_batch
+    for batch in (3, 7):
+        x = torch.randn(batch, 4, 6, 6)
+        assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # control flow on a value: torch.export cannot capture it
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_unexportable_module_raises_unsupported_module_with_torchs_reason():
+    with pytest.raises(UnsupportedModuleError) as info:
+        export_graph(DataDependent(), (torch.randn(3, 4),))
+    message = str(info.value)
+    assert "torch.export cannot capture DataDependent" in message
+    assert "data-dependent" in message.lower() or "guard" in message.lower()
+
+
+def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
+    model, x = graph_nets.build("resnet_block")
+    eg = export_graph(model, (x,))
+    raw = msgspec.json.encode(eg.graph)
+    assert msgspec.json.decode(raw, type=wire.GraphSpec) == eg.graph
+    params = {i.target for i in eg.graph.inputs if i.kind == "parameter"}
+    buffers = {i.target for i in eg.graph.inputs if i.kind == "buffer"}
+    assert params == {n for n, _ in model.named_parameters()}
+    assert buffers == {n for n, _ in model.named_buffers()}
+    assert set(eg.weights) == params | buffers
+    assert eg.graph.dtype == "float32"
+    ops = {n.op for n in eg.graph.nodes}
+    assert {"aten.conv2d.default", "aten.batch_norm.default", "aten.add_.Tensor", "aten.relu.default"} <= ops
+    by_op = {n.op: n for n in eg.graph.nodes}
+    assert (by_op["aten.conv2d.default"].module, by_op["aten.conv2d.default"].module_type) in \
+        {("conv1", "Conv2d"), ("conv2", "Conv2d")}
+    # Training-mode batch norm: in the default export IR the running statistics are updated in place.
+    bn = next(n for n in eg.graph.nodes if n.op == "aten.batch_norm.default")
+    assert bn.args[5] is True
+    x_input = next(i for i in eg.graph.inputs if i.kind == "input")
+    assert x_input.dtype == "float32" and x_input.shape == [-1, 4, 6, 6]  # -1: the dynamic batch
+
+
+def test_tied_weights_are_one_parameter():
+    model, x = graph_nets.build("hf_gpt2")
+    eg = export_graph(model, (x,))
+    targets = [i.target for i in eg.graph.inputs if i.kind == "parameter"]
+    assert "transformer.wte.weight" in targets and "lm_head.weight" not in targets
+    assert set(targets) == {n for n, _ in model.named_parameters()}
+
+
+def test_lifted_tensor_constants_travel_as_wire_tensors():
+    class WithConstant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * torch.tensor([1.0, 2.0, 3.0])
+
+    model = WithConstant()
+    x = torch.randn(2, 3)
+    eg = export_graph(model, (x,))
+    assert len(eg.graph.constants) == 1
+    (const,) = eg.graph.constants.values()
+    assert const.dtype == "float32" and const.shape == [3]
+    assert torch.allclose(run_graph(eg, x), model(x))
+
+
+def test_modules_with_non_tensor_outputs_or_input_mutation_are_refused():
+    class MutatesInput(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.add_(1)
+            return x * 2
+
+    with pytest.raises(UnsupportedModuleError, match="USER_INPUT_MUTATION|must not modify"):
+        export_graph(MutatesInput(), (torch.randn(2, 3),))
+
+
+def test_what_export_gives_for_attention_transformer_encoder_dropout_and_train_mode_batch_norm():
+    """The ops the interpreter must cover, as the default export IR of torch 2.13 gives them."""
+    model, x = graph_nets.build("prenorm_block")
+    ops = {n.op for n in export_graph(model, (x,)).graph.nodes}
+    assert {"aten.scaled_dot_product_attention.default", "aten.linear.default", "aten.layer_norm.default",
+            "aten.sym_size.int", "operator.mul", "aten.expand.default", "aten.cat.default"} <= ops
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                enable_nested_tensor=False)
+    for mode in ("train", "eval"):
+        getattr(enc, mode)()
+        ops = {n.op for n in export_graph(enc, (torch.randn(3, 5, 8),)).graph.nodes}
+        # No fused fast path (_transformer_encoder_layer_fwd) in either mode: export traces the slow path.
+        assert not any("transformer_encoder_layer" in op for op in ops), ops
+        assert "aten.dropout.default" in ops

@@ -1,0 +1,636 @@
+"""Graph models: a GraphSpec checked before anything runs (validate_graph), built into an nn.Module whose
+parameters carry the exporting module's state_dict names (build_graph), and interpreted node by node.
+
+The checks, in order: format version, node count, names, inputs (state_dict targets, dtypes, shapes),
+then each node: an allow-listed op (ops.py), its arguments bound against the op's torch schema (arity,
+keywords, kinds), every `{"node": x}` naming an input or an EARLIER node (so no cycle, no forward or
+dangling reference), in-place writes only on intermediates or buffers. Shapes, dtypes and the bytes
+of every intermediate are checked by running on the meta device (check_graph_shapes).
+
+For the memory table, `GraphModel.node_modules[i]` is node i's (name, module path, module type) and,
+while `track_modules` is True, `current_module` / `current_module_type` hold the running node's
+module path and class name (a saved-tensors hook reads them to attribute saved bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from gradsvc.wire import GraphSpec
+
+from . import tensors
+from .errors import SpecError
+from .ops import ALLOWED_OPS_DOC, OPS, Op
+from .spec import Limits
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^[A-Za-z0-9_]{1,200}$")
+_DEVICE = re.compile(r"^(cpu|cuda|meta|mps)(:\d{1,3})?$")
+_DTYPES = {**tensors.TORCH_DTYPES, "int8": torch.int8, "int16": torch.int16, "complex64": torch.complex64}
+_LAYOUTS = {"strided": torch.strided}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
+                   "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
+_MAX_LIST = 100_000
+# Ops that write these arguments in place in training mode (running statistics): they must be buffers.
+_STAT_WRITES = {"aten.batch_norm.default": ("running_mean", "running_var"),
+                "aten.native_batch_norm.default": ("running_mean", "running_var"),
+                "aten.instance_norm.default": ("running_mean", "running_var")}
+
+
+class Ref:
+    """`{"node": name}`: the value in slot `i` (inputs first, then nodes in order)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"Ref({self.i})"
+
+
+class FloatDType:
+    """A floating dtype named in the graph; mapped to the run dtype when the program is compiled."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+class _Device:
+    """A device named in the graph: always the device the model runs on."""
+
+
+DEVICE = _Device()
+
+
+@dataclass(frozen=True)
+class Step:
+    slot: int
+    name: str
+    op: Op
+    args: tuple
+    kwargs: dict
+    module: str
+    module_type: str
+    writes_buffer: bool  # an in-place op on a buffer: runs under no_grad, as eager buffer updates do
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A validated graph: slots of inputs and steps, outputs as compiled values."""
+
+    inputs: list  # (slot, GraphInput)
+    steps: list[Step]
+    outputs: list
+    mutations: list  # (buffer target, slot)
+    constants: dict[str, torch.Tensor]
+    n_slots: int
+    dtype: torch.dtype
+
+    def __deepcopy__(self, memo: dict) -> "Compiled":
+        return self  # immutable
+
+
+def _bad(message: str, code: str = "bad_option", **detail: Any) -> SpecError:
+    return SpecError(code, f"model.graph: {message}", **detail)
+
+
+def _where(node: Any) -> str:
+    module = f" in module {node.module!r} ({node.module_type})" if node.module else ""
+    return f"node {node.name!r} ({node.op}){module}"
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+def validate_graph(spec: GraphSpec, *, limits: Limits) -> None:
+    """Raises SpecError for anything wrong in the graph's structure; runs nothing."""
+    compile_graph(spec, limits=limits)
+
+
+def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
+    if spec.version != FORMAT_VERSION:
+        raise _bad(f"format version {spec.version} is not supported; this service reads version {FORMAT_VERSION}")
+    if len(spec.nodes) > limits.max_graph_nodes:
+        raise _bad(f"{len(spec.nodes)} nodes, above the limit of {limits.max_graph_nodes}; export a smaller model",
+                   "too_large", nodes=len(spec.nodes), limit=limits.max_graph_nodes)
+    if spec.dtype not in tensors.FLOAT_DTYPES:
+        raise _bad(f"dtype {spec.dtype!r} is not a floating dtype; use one of {', '.join(tensors.FLOAT_DTYPES)}")
+    if not spec.outputs:
+        raise _bad("'outputs' is empty; a graph returns at least one tensor (the loss applies to the first)")
+    slots: dict[str, int] = {}
+    kinds: list[str] = []
+    roots: list[int] = []  # the slot whose storage a value shares (views, in-place results)
+    input_kind: dict[int, str] = {}
+    inputs = []
+    targets: dict[str, str] = {}
+    constants: dict[str, torch.Tensor] = {}
+    for i, inp in enumerate(spec.inputs):
+        where = f"inputs[{i}] ({inp.name!r})"
+        _check_name(inp.name, where, slots)
+        if inp.kind in ("parameter", "buffer"):
+            _check_target(inp.target, where, targets)
+            targets[inp.target] = inp.kind
+            if inp.dtype not in _DTYPES or inp.shape is None or len(inp.shape) > 8 or \
+                    any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in inp.shape):
+                raise _bad(f"{where}: a {inp.kind} needs 'dtype' (one of {', '.join(tensors.TORCH_DTYPES)}) and "
+                           f"'shape' (at most 8 sizes >= 0), got dtype={inp.dtype!r} shape={inp.shape!r}",
+                           input=inp.name)
+            if inp.kind == "parameter" and not _DTYPES[inp.dtype].is_floating_point:
+                raise _bad(f"{where}: parameter {inp.target!r} has dtype {inp.dtype}; parameters are floating-point",
+                           input=inp.name)
+        elif inp.kind == "constant":
+            if inp.target not in spec.constants:
+                raise _bad(f"{where}: constant {inp.target!r} is not in 'constants' (keys: "
+                           f"{sorted(spec.constants)[:8]})", input=inp.name)
+            constants[inp.target] = tensors.decode(spec.constants[inp.target], where=f"model.graph.constants"
+                                                   f"[{inp.target!r}]", max_elements=limits.max_elements)
+        slot = len(kinds)
+        slots[inp.name] = slot
+        kinds.append("tensor")
+        roots.append(slot)
+        input_kind[slot] = inp.kind
+        inputs.append((slot, inp))
+    if not any(inp.kind == "input" for inp in spec.inputs):
+        raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
+    later = {n.name for n in spec.nodes}
+    steps = []
+    for node in spec.nodes:
+        op = OPS.get(node.op)
+        if op is None:
+            raise SpecError("unsupported_op", f"model.graph: {_where(node)}: op {node.op!r} is not allowed; the "
+                            f"allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
+                            module=node.module)
+        ctx = _Context(node, slots, kinds, later)
+        args, kwargs, bound = _bind(node, op, ctx)
+        if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):
+            kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
+        slot = len(kinds)
+        writes_buffer = False
+        if op.inplace:
+            writes_buffer = _check_write(node, bound[op.params[0].name], roots, input_kind, "is written in place")
+        for arg in _STAT_WRITES.get(node.op, ()):
+            if isinstance(bound.get(arg), Ref):
+                _check_write(node, bound[arg], roots, input_kind, f"is written as {arg}", buffers_only=True)
+        _check_name(node.name, _where(node), slots)
+        slots[node.name] = slot
+        if op is OPS["operator.getitem"]:
+            kinds.append("tensor")
+            roots.append(roots[args[0].i])
+            _check_index(node, steps, args, slots)
+        else:
+            kinds.append(op.returns)
+            first = next((a for a in args if isinstance(a, Ref)), None)
+            roots.append(roots[first.i] if op.aliases_input and first is not None else slot)
+        steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
+                          writes_buffer))
+    out_ctx = _Context(None, slots, kinds, set())
+    outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
+    if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
+        raise _bad("outputs[0] must be {\"node\": name} of a tensor (the loss applies to it)")
+    mutations = []
+    for target, name in spec.buffer_mutations.items():
+        if targets.get(target) != "buffer":
+            raise _bad(f"buffer_mutations: {target!r} is not a buffer input of the graph", target=target)
+        if name not in slots or kinds[slots[name]] != "tensor":
+            raise _bad(f"buffer_mutations[{target!r}]: {name!r} is not a tensor node of the graph", target=target)
+        mutations.append((target, slots[name]))
+    return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
+                    n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype])
+
+
+def _module(path: str) -> str:
+    # torch.export labels nodes outside any module with a placeholder path; they belong to the root.
+    return "" if path.startswith("_empty_nn_module_stack") else path
+
+
+def _check_name(name: str, where: str, slots: dict[str, int]) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise _bad(f"{where}: name {name!r} must be 1-200 characters from [A-Za-z0-9_]", name=str(name)[:200])
+    if name in slots:
+        raise _bad(f"{where}: name {name!r} is used twice; every input and node needs its own name", name=name)
+
+
+def _check_target(target: str | None, where: str, targets: dict[str, str]) -> None:
+    parts = target.split(".") if isinstance(target, str) else []
+    if not parts or len(target) > 1000 or not all(_NAME.match(p) for p in parts):
+        raise _bad(f"{where}: target {target!r} must be a state_dict name (dot-separated parts of [A-Za-z0-9_])",
+                   target=target)
+    if target in targets:
+        raise _bad(f"{where}: target {target!r} appears twice; each parameter and buffer is one input",
+                   target=target)
+
+
+def _check_write(node: Any, ref: Ref, roots: list[int], input_kind: dict[int, str], how: str, *,
+                 buffers_only: bool = False) -> bool:
+    """Whether the write is on a buffer (True) or an intermediate (False); anything else is refused."""
+    root = roots[ref.i]
+    kind = input_kind.get(root)
+    if kind == "buffer" and root == ref.i:
+        return True
+    if kind is None and not buffers_only:
+        return False
+    what = f"a view of {kind} input" if kind and root != ref.i else (f"{kind} input" if kind else "an intermediate")
+    raise SpecError("unsupported_op", f"model.graph: {_where(node)}: its argument {how}, but it is {what}; "
+                    "in-place writes are allowed only on intermediates and on buffers (running statistics)",
+                    op=node.op, node=node.name, module=node.module)
+
+
+def _check_index(node: Any, steps: list[Step], args: list, slots: dict[str, int]) -> None:
+    index = args[1]
+    if not isinstance(index, int) or index < 0:
+        raise _bad(f"{_where(node)}: the index must be a literal integer >= 0", node=node.name)
+    source = next((s for s in reversed(steps) if s.slot == args[0].i), None)
+    count = source.op.n_outputs if source is not None else None
+    if count is not None and index >= count:
+        raise _bad(f"{_where(node)}: index {index} is out of range; {source.name!r} ({source.op.name}) has "
+                   f"{count} outputs", node=node.name)
+
+
+class _Context:
+    def __init__(self, node: Any, slots: dict[str, int], kinds: list[str], later: set[str]) -> None:
+        self.node, self.slots, self.kinds, self.later = node, slots, kinds, later
+
+    def where(self, arg: str) -> str:
+        return f"{_where(self.node)}, argument {arg!r}" if self.node is not None else arg
+
+
+def _bind(node: Any, op: Op, ctx: _Context) -> tuple[list, dict, dict]:
+    """Args and kwargs checked against the op's schema: arity, names, each value's kind."""
+    if not isinstance(node.args, list) or not isinstance(node.kwargs, dict):
+        raise _bad(f"{_where(node)}: 'args' must be a list and 'kwargs' an object", node=node.name)
+    positional = [p for p in op.params if not p.kwarg_only]
+    if len(node.args) > len(positional):
+        raise _bad(f"{_where(node)}: {len(node.args)} positional arguments, but {op.name} takes at most "
+                   f"{len(positional)} ({', '.join(p.name for p in positional)})", node=node.name, op=node.op)
+    by_name = {p.name: p for p in op.params}
+    bound: dict[str, Any] = {}
+    args = []
+    for p, a in zip(positional, node.args):
+        value = _value(a, p.type, ctx, p.name)
+        bound[p.name] = value
+        args.append(value)
+    kwargs = {}
+    for key, a in node.kwargs.items():
+        p = by_name.get(key)
+        if p is None or op.name.startswith("operator."):
+            raise _bad(f"{_where(node)}: unknown keyword argument {key!r}; {op.name} takes "
+                       f"{', '.join(by_name) or 'no keywords'}", node=node.name, op=node.op)
+        if key in bound:
+            raise _bad(f"{_where(node)}: argument {key!r} is given twice (positionally and by keyword)",
+                       node=node.name, op=node.op)
+        value = _value(a, p.type, ctx, key)
+        bound[key] = kwargs[key] = value
+    missing = [p.name for p in op.params if p.name not in bound and not p.has_default]
+    if missing:
+        raise _bad(f"{_where(node)}: missing required argument {missing[0]!r} of {op.name}", node=node.name,
+                   op=node.op)
+    return args, kwargs, bound
+
+
+_NUMBER_KINDS = {"int", "float", "bool", "number", "tensor"}
+
+
+def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
+    """A wire argument as the value passed to the op (Ref / FloatDType / DEVICE for the run-time parts)."""
+    kind = t[0]
+
+    def bad(expected: str) -> SpecError:
+        shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+        node = ctx.node.name if ctx.node is not None else None
+        return _bad(f"{ctx.where(arg)}: got {shown}, expected {expected}", node=node, argument=arg)
+
+    if kind == "optional":
+        return None if v is None else _value(v, t[1], ctx, arg)
+    if isinstance(v, dict):
+        if len(v) != 1:
+            raise bad('an object with one key ("node", "float", "dtype", "device", "layout" or "memory_format")')
+        (key, inner), = v.items()
+        if key == "node":
+            slot = ctx.slots.get(inner) if isinstance(inner, str) else None
+            if slot is None:
+                why = "is a LATER node (a forward reference or a cycle)" if inner in ctx.later else \
+                    "is neither an input nor a node"
+                raise bad(f"a reference to an input or an earlier node; {inner!r} {why}")
+            have = ctx.kinds[slot]
+            ok = {"tensor": {"tensor", "scalar"}, "int": {"scalar"}, "float": {"scalar"}, "bool": {"scalar"},
+                  "number": {"scalar"}, "tensors": {"tensors"}}.get(kind, set())
+            if have not in ok:
+                raise bad(f"a {kind}; {inner!r} holds a {have}")
+            return Ref(slot)
+        if key == "float" and inner in ("inf", "-inf", "nan") and kind in ("float", "number", "tensor"):
+            return float(inner)
+        if key == "dtype" and kind == "dtype" and inner in _DTYPES:
+            d = _DTYPES[inner]
+            return FloatDType(d) if d.is_floating_point else d
+        if key == "device" and kind == "device" and isinstance(inner, str) and _DEVICE.match(inner):
+            return DEVICE
+        if key == "layout" and kind == "layout" and inner in _LAYOUTS:
+            return _LAYOUTS[inner]
+        if key == "memory_format" and kind == "memory_format" and inner in _MEMORY_FORMATS:
+            return _MEMORY_FORMATS[inner]
+        raise bad(f"a {kind}" + {"dtype": f" as {{\"dtype\": one of {sorted(_DTYPES)}}}",
+                                 "device": ' as {"device": "cpu"}', "layout": ' as {"layout": "strided"}',
+                                 "memory_format": f" as {{\"memory_format\": one of {sorted(_MEMORY_FORMATS)}}}"
+                                 }.get(kind, ""))
+    if kind == "list":
+        if isinstance(v, int) and not isinstance(v, bool) and t[1][0] == "int":
+            return v  # an int for int[N], as torch accepts
+        if not isinstance(v, list) or len(v) > _MAX_LIST:
+            raise bad(f"a list of {t[1][0]} (at most {_MAX_LIST} items)")
+        return [_value(x, t[1], ctx, arg) for x in v]
+    if isinstance(v, bool):
+        if kind in ("bool", "number"):
+            return v
+    elif isinstance(v, int):
+        if kind in _NUMBER_KINDS - {"bool"}:
+            return v
+    elif isinstance(v, float):
+        if kind in ("float", "number", "tensor") and math.isfinite(v):
+            return v
+    elif isinstance(v, str):
+        if kind == "str" and len(v) <= 200:
+            return v
+    raise bad(f"a {kind}" + (' (non-finite floats as {"float": "inf"})' if isinstance(v, float) else ""))
+
+
+# ---- the module ------------------------------------------------------------------------------------
+
+class GraphModel(nn.Module):
+    """An exported graph as a module: parameters and buffers under their state_dict names, forward
+    interprets the nodes in order and returns the first user output (`run` returns them all)."""
+
+    def __init__(self, spec: GraphSpec, compiled: Compiled, *, device: str | torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._graph = compiled
+        self._dtype = dtype
+        self._programs: dict[tuple, tuple] = {}
+        self.track_modules = False
+        self.current_module = ""
+        self.current_module_type = ""
+        self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
+        self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
+        self._holders: list[tuple[int, str, nn.Module, str]] = []  # (slot, kind, owner module, attribute)
+        self._users: list[int] = []
+        self._consts: list[tuple[int, str]] = []
+        self._probe: tuple[nn.Module, str] | None = None
+        self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
+        self.failed_args: list = []
+        for slot, inp in compiled.inputs:
+            if inp.kind == "input":
+                self._users.append(slot)
+            elif inp.kind == "constant":
+                self._consts.append((slot, inp.target))
+            else:
+                owner, attr = self._owner(inp.target)
+                want = _DTYPES[inp.dtype]
+                if want.is_floating_point and (dtype == torch.float64 or want == compiled.dtype):
+                    want = dtype
+                make = torch.empty if str(device) == "meta" else torch.zeros  # never uninitialised memory
+                t = make(inp.shape, dtype=want, device=device)
+                try:
+                    if inp.kind == "parameter":
+                        owner.register_parameter(attr, nn.Parameter(t))
+                        self._probe = self._probe or (owner, attr)
+                    else:
+                        owner.register_buffer(attr, t)
+                except (KeyError, TypeError) as exc:
+                    raise _bad(f"{inp.kind} {inp.target!r} cannot be registered: {exc}", "bad_weights",
+                               parameter=inp.target) from None
+                self._holders.append((slot, inp.kind, owner, attr))
+
+    def _owner(self, target: str) -> tuple[nn.Module, str]:
+        *path, attr = target.split(".")
+        owner: nn.Module = self
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                if hasattr(owner, part):
+                    raise _bad(f"{target!r}: {part!r} clashes with an attribute of the graph model; rename the "
+                               "submodule", "bad_weights", parameter=target)
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if attr in owner._modules:
+            raise _bad(f"{target!r} is also a module prefix of other parameters", "bad_weights", parameter=target)
+        return owner, attr
+
+    @property
+    def run_dtype(self) -> torch.dtype:
+        if self._probe is not None:
+            owner, attr = self._probe
+            return owner._parameters[attr].dtype
+        return self._dtype
+
+    def _program(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        key = (dtype, device)
+        prog = self._programs.get(key)
+        if prog is None:
+            captured = self._graph.dtype
+
+            def fix(a: Any) -> Any:
+                if isinstance(a, FloatDType):
+                    d = a.dtype
+                    return torch.float64 if dtype == torch.float64 else (dtype if d == captured else d)
+                if a is DEVICE:
+                    return device
+                if isinstance(a, list):
+                    return [fix(x) for x in a]
+                return a
+
+            steps = []
+            for s in self._graph.steps:
+                args = tuple(fix(a) for a in s.args)
+                kwargs = {k: fix(v) for k, v in s.kwargs.items()}
+                refs = tuple(i for i, a in enumerate(args) if _has_ref(a))
+                krefs = tuple(k for k, v in kwargs.items() if _has_ref(v))
+                steps.append((s.slot, s.op.fn, args, kwargs, refs, krefs, s.writes_buffer, s.op.is_assert))
+            consts = []
+            for slot, target in self._consts:
+                c = self._graph.constants[target]
+                if c.is_floating_point() and (dtype == torch.float64 or c.dtype == captured):
+                    c = c.to(dtype)
+                consts.append((slot, c.to(device)))
+            prog = (steps, consts)
+            self._programs[key] = prog
+        return prog
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.run(*inputs)[0]
+
+    def run(self, *inputs: torch.Tensor, visit: Callable | None = None) -> list:
+        """Every user output; `visit(step_index, value, args)` is called after each node (meta checks)."""
+        if len(inputs) != len(self._users):
+            raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
+        steps, consts = self._program(self.run_dtype, inputs[0].device)
+        env: list[Any] = [None] * self._graph.n_slots
+        for slot, kind, owner, attr in self._holders:
+            env[slot] = owner._parameters[attr] if kind == "parameter" else owner._buffers[attr]
+        for slot, value in consts:
+            env[slot] = value
+        for slot, x in zip(self._users, inputs):
+            env[slot] = x
+        track = self.track_modules
+        node_modules = self.node_modules
+        i = -1
+        args: Any = ()
+        kwargs: Any = {}
+        self.failed_node = None
+        try:
+            for i, (slot, fn, args, kwargs, refs, krefs, writes_buffer, is_assert) in enumerate(steps):
+                if is_assert:
+                    continue
+                if refs:
+                    args = list(args)
+                    for j in refs:
+                        args[j] = _fill(args[j], env)
+                if krefs:
+                    kwargs = dict(kwargs)
+                    for k in krefs:
+                        kwargs[k] = _fill(kwargs[k], env)
+                if track:
+                    _, self.current_module, self.current_module_type = node_modules[i]
+                if writes_buffer:
+                    with torch.no_grad():
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
+                env[slot] = out
+                if visit is not None:
+                    visit(i, out, args, kwargs)
+        except Exception:
+            self.failed_node = i
+            self.failed_args = [*args, *kwargs.values()] if i >= 0 else []
+            raise
+        finally:
+            if track:
+                self.current_module = self.current_module_type = ""
+        for target, slot in self._graph.mutations:
+            owner, attr = self._owner(target)
+            buf = owner._buffers[attr]
+            if env[slot] is not buf:
+                with torch.no_grad():
+                    buf.copy_(env[slot])
+        return [_fill(o, env) for o in self._graph.outputs]
+
+
+def _has_ref(a: Any) -> bool:
+    return isinstance(a, Ref) or (isinstance(a, list) and any(_has_ref(x) for x in a))
+
+
+def _fill(a: Any, env: list) -> Any:
+    if type(a) is Ref:
+        return env[a.i]
+    if type(a) is list:
+        return [_fill(x, env) for x in a]
+    return a
+
+
+def build_graph(spec: GraphSpec, *, limits: Limits, device: str | torch.device = "meta",
+                dtype: torch.dtype = torch.float32) -> GraphModel:
+    """The checked graph as a GraphModel on `device` (meta for validation; elsewhere zero-filled until the
+    caller loads the weights: `to_empty` + `load_state_dict`, or load_weights below)."""
+    compiled = compile_graph(spec, limits=limits)
+    n = sum(math.prod(inp.shape) for _, inp in compiled.inputs if inp.kind == "parameter")
+    if n > limits.max_parameters:
+        raise _bad(f"the model has {n} parameters, above the limit of {limits.max_parameters}; use a smaller model",
+                   "too_large", parameter_count=n, limit=limits.max_parameters)
+    return GraphModel(spec, compiled, device=device, dtype=dtype)
+
+
+def load_weights(model: GraphModel, weights: dict[str, torch.Tensor], *, device: str | torch.device) -> GraphModel:
+    """Every parameter and buffer from `weights` (all required: a graph has no initialiser), checked by
+    name and shape, onto `device`."""
+    state = model.state_dict(keep_vars=True)
+    for name in weights:
+        if name not in state:
+            raise SpecError("bad_weights", f"weights: {name!r} is not a parameter or buffer of the graph; it has "
+                            f"{sorted(state)[:12]}", parameter=name)
+    for name, have in state.items():
+        if name not in weights:
+            kind = "parameter" if isinstance(have, nn.Parameter) else "buffer"
+            raise SpecError("bad_weights", f"weights: {kind} {name!r} is missing; a graph model needs every "
+                            "parameter and buffer it reads (export sends them all)", parameter=name)
+        t = weights[name]
+        if list(t.shape) != list(have.shape):
+            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the graph needs "
+                            f"{list(have.shape)}", parameter=name, shape=list(t.shape), expected=list(have.shape))
+        if isinstance(have, nn.Parameter) and not bool(torch.isfinite(t).all()):
+            raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
+    model = model.to_empty(device=device)
+    model.load_state_dict(weights)
+    return model
+
+
+# ---- meta-device checks ------------------------------------------------------------------------------
+
+def _shapes(args: Any) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(list(a.shape))
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            out.append([list(x.shape) if isinstance(x, torch.Tensor) else x for x in a])
+    return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits | None = None) -> torch.Tensor:
+    """Runs the graph on the meta device: any node that cannot take its inputs is a shape_mismatch naming
+    the node, op, module path and input shapes; intermediates beyond the limits are too_large."""
+    limits = limits or Limits()
+    steps = model._graph.steps
+    total = [0]
+
+    def visit(i: int, out: Any, args: list, kwargs: dict) -> None:
+        step = steps[i]
+        if step.op.aliases_input:
+            return  # a view or an in-place result: no new memory
+        for t in _tensors(out):
+            n = t.numel()
+            if n > limits.max_elements:
+                raise SpecError("too_large", f"model.graph: {_where_step(step)} makes a tensor of shape "
+                                f"{list(t.shape)} ({n} elements), above the limit of {limits.max_elements}; "
+                                "send a smaller batch or model", node=step.name, shape=list(t.shape),
+                                limit=limits.max_elements)
+            total[0] += n * t.element_size()
+        if total[0] > limits.max_graph_intermediate_bytes:
+            raise SpecError("too_large", f"model.graph: the intermediates up to {_where_step(step)} hold "
+                            f"{total[0]} bytes, above the limit of {limits.max_graph_intermediate_bytes}; send a "
+                            "smaller batch or model", node=step.name, limit=limits.max_graph_intermediate_bytes)
+
+    try:
+        with torch.no_grad(), torch.device("meta"):
+            outs = model.run(*x_meta, visit=visit)
+    except SpecError:
+        raise
+    except Exception as exc:
+        i = model.failed_node
+        if i is None or i < 0:
+            raise SpecError("shape_mismatch", f"model.graph: the inputs do not fit the graph: {exc}") from None
+        step = steps[i]
+        env_args = _shapes(model.failed_args)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise SpecError("shape_mismatch", f"model.graph: {_where_step(step)} cannot take inputs of shapes "
+                        f"{env_args}: {first}", node=step.name, op=step.op.name, module=step.module,
+                        input_shapes=env_args) from None
+    return outs[0]
+
+
+def _where_step(step: Step) -> str:
+    module = f" in module {step.module!r} ({step.module_type})" if step.module else ""
+    return f"node {step.name!r} ({step.op.name}){module}"

@@ -1,0 +1,264 @@
+"""The op allow-list for graph models: which ATen overloads a graph may call, how each one's arguments
+are checked (its own torch schema) and what runs in its place (zero-filled `empty*`, no-op asserts).
+
+Every entry is a name as `torch.export` prints it ("aten.linear.default") or one of the few Python
+operators export emits on sizes ("operator.mul"). Nothing here touches the host: no op with a file
+name, a pointer or a storage, no printing, no random op but dropout, and no op returning uninitialised
+memory (the `empty*` family runs as its `zeros*` twin). In-place ops run on intermediates, or on
+buffers (running statistics) under no_grad; on a parameter or an input they are refused.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+aten = torch.ops.aten
+
+# Argument types, as small tuples: ("tensor",) ("int",) ("float",) ("bool",) ("number",) ("str",)
+# ("dtype",) ("layout",) ("memory_format",) ("device",) ("optional", T) ("list", T) ("any",).
+ArgType = tuple
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: ArgType
+    kwarg_only: bool
+    has_default: bool
+    is_write: bool = False  # the op writes this argument in place (Tensor(a!))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One allowed op: `fn` runs it, `params` check its arguments, `returns` is what a node holds
+    ("tensor", "tensors", "scalar" or "none"), `aliases_input` whether the result is a view of (or the
+    same tensor as) its first argument."""
+
+    name: str
+    fn: Callable
+    params: tuple[Param, ...]
+    returns: str
+    aliases_input: bool = False
+    inplace: bool = False  # writes its first argument
+    is_assert: bool = False  # a metadata check: skipped (dtypes change from the graph's when run in float64)
+    along_dim: bool = False  # combines values along its `dim`/`dims` argument (the batch-mixing check)
+    reshapes: bool = False  # reinterprets the row-major order (view/reshape/flatten)
+    n_outputs: int | None = None  # a multi-output op's fixed count (None: a list of any length)
+
+
+_SPECIAL = re.compile(r"(ScalarType|Layout|MemoryFormat)\??(?:\[\])? (\w+)")
+
+
+def _arg_type(t: Any, special: str | None) -> ArgType:
+    kind = t.kind()
+    if kind == "OptionalType":
+        return ("optional", _arg_type(t.getElementType(), special))
+    if kind == "ListType":
+        return ("list", _arg_type(t.getElementType(), special))
+    if special is not None and kind == "IntType":
+        return ({"ScalarType": "dtype", "Layout": "layout", "MemoryFormat": "memory_format"}[special],)
+    simple = {"TensorType": "tensor", "IntType": "int", "SymIntType": "int", "FloatType": "float",
+              "BoolType": "bool", "SymBoolType": "bool", "NumberType": "number", "StringType": "str",
+              "DeviceObjType": "device"}
+    if kind not in simple:
+        raise TypeError(f"argument type {t} is not allowed in a graph")
+    return (simple[kind],)
+
+
+def _returns(schema: Any) -> str:
+    rets = schema.returns
+    if not rets:
+        return "none"
+    if len(rets) > 1 or rets[0].type.kind() == "ListType":
+        return "tensors"
+    return "tensor" if rets[0].type.kind() in ("TensorType", "OptionalType") else "scalar"
+
+
+def _from_schema(name: str, overload: Any, fn: Callable | None = None, **flags: Any) -> Op:
+    schema = overload._schema
+    special = {arg: kind for kind, arg in _SPECIAL.findall(str(schema))}
+    params = tuple(Param(a.name, _arg_type(a.type, special.get(a.name)), a.kwarg_only, a.has_default_value(),
+                         bool(a.alias_info is not None and a.alias_info.is_write)) for a in schema.arguments)
+    aliases = bool(schema.returns and schema.returns[0].alias_info is not None)
+    inplace = bool(params and params[0].is_write)
+    if any(p.is_write for p in params[1:]):
+        raise TypeError(f"{name} writes an argument other than its first")
+    n_outputs = len(schema.returns) if len(schema.returns) > 1 else None
+    return Op(name, fn or overload, params, _returns(schema), aliases_input=aliases, inplace=inplace,
+              n_outputs=n_outputs, **flags)
+
+
+# ---- The table ----------------------------------------------------------------------------------
+# "name.overload" under torch.ops.aten; grouped by what they do. An entry missing from the running
+# torch is skipped (the project pins 2.13; tests/engine/test_graph.py checks that every entry resolves).
+
+_MATMUL = """linear.default addmm.default mm.default bmm.default matmul.default baddbmm.default addmv.default
+mv.default dot.default outer.default einsum.default"""
+_CONV = """conv1d.default conv2d.default conv3d.default convolution.default conv_transpose1d.default
+conv_transpose2d.input conv_transpose3d.input conv1d.padding conv2d.padding conv3d.padding"""
+_NORM = """batch_norm.default layer_norm.default group_norm.default instance_norm.default rms_norm.default
+native_layer_norm.default native_group_norm.default native_batch_norm.default
+_native_batch_norm_legit_no_training.default"""
+_ATTENTION = "scaled_dot_product_attention.default embedding.default"
+_ACTIVATIONS = """relu.default relu_.default gelu.default gelu_.default silu.default silu_.default
+sigmoid.default sigmoid_.default tanh.default tanh_.default elu.default elu_.default leaky_relu.default
+leaky_relu_.default hardtanh.default hardtanh_.default hardswish.default hardswish_.default
+hardsigmoid.default mish.default softplus.default celu.default selu.default prelu.default glu.default
+log_sigmoid.default logit.default"""
+_ELEMENTWISE = """add.Tensor add.Scalar add_.Tensor add_.Scalar sub.Tensor sub.Scalar sub_.Tensor rsub.Scalar
+rsub.Tensor mul.Tensor mul.Scalar mul_.Tensor mul_.Scalar div.Tensor div.Scalar div.Tensor_mode div_.Tensor
+div_.Scalar neg.default abs.default exp.default exp2.default log.default log2.default log10.default
+log1p.default expm1.default sqrt.default rsqrt.default square.default pow.Tensor_Scalar pow.Tensor_Tensor
+pow.Scalar reciprocal.default sin.default cos.default tan.default asin.default acos.default atan.default
+atan2.default sinh.default cosh.default erf.default erfc.default erfinv.default clamp.default clamp.Tensor
+clamp_.default clamp_min.default clamp_max.default minimum.default maximum.default sign.default
+sgn.default floor.default ceil.default round.default round.decimals trunc.default frac.default
+fmod.Tensor fmod.Scalar remainder.Tensor remainder.Scalar floor_divide.default lerp.Scalar lerp.Tensor
+addcmul.default addcdiv.default where.self where.ScalarOther where.ScalarSelf where.Scalar nan_to_num.default
+eq.Tensor eq.Scalar ne.Tensor ne.Scalar lt.Tensor lt.Scalar le.Tensor le.Scalar gt.Tensor gt.Scalar
+ge.Tensor ge.Scalar logical_not.default logical_and.default logical_or.default logical_xor.default
+__and__.Tensor __or__.Tensor __xor__.Tensor bitwise_not.default bitwise_and.Tensor bitwise_or.Tensor
+isnan.default isinf.default isfinite.default masked_fill.Scalar masked_fill.Tensor masked_fill_.Scalar
+masked_fill_.Tensor fill_.Scalar zero_.default copy_.default"""
+_REDUCTIONS = """sum.dim_IntList sum.default mean.dim mean.default amax.default amin.default max.dim min.dim
+max.default min.default argmax.default argmin.default var.correction var.dim std.correction std.dim
+var_mean.correction std_mean.correction prod.default prod.dim_int logsumexp.default norm.ScalarOpt_dim
+norm.Scalar linalg_vector_norm.default cumsum.default cumprod.default any.dim any.default all.dim
+all.default softmax.int log_softmax.int _softmax.default _log_softmax.default sort.default topk.default
+diff.default"""
+_INDEXING = """cat.default stack.default split.Tensor split_with_sizes.default chunk.default unbind.int
+slice.Tensor select.int index.Tensor index_select.default gather.default narrow.default
+take_along_dim.default scatter.src scatter.value scatter_add.default flip.default roll.default
+tril.default triu.default repeat.default repeat_interleave.self_int tile.default constant_pad_nd.default
+pad.default"""
+_VIEWS = """view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int view_as.default
+reshape_as.default"""
+_LAYOUT = """permute.default transpose.int t.default expand.default expand_as.default squeeze.dim squeeze.dims
+squeeze.default unsqueeze.default contiguous.default clone.default alias.default detach.default
+detach_.default lift_fresh_copy.default movedim.int diagonal.default"""
+_POOLING = """max_pool1d.default max_pool2d.default max_pool3d.default max_pool2d_with_indices.default
+avg_pool1d.default avg_pool2d.default avg_pool3d.default adaptive_avg_pool1d.default
+adaptive_avg_pool2d.default adaptive_avg_pool3d.default adaptive_max_pool1d.default
+adaptive_max_pool2d.default upsample_nearest2d.vec upsample_bilinear2d.vec pixel_shuffle.default"""
+_RANDOM = "dropout.default dropout_.default native_dropout.default feature_dropout.default"
+_FACTORIES = """arange.default arange.start arange.start_step full.default full_like.default ones.default
+ones_like.default zeros.default zeros_like.default new_ones.default new_zeros.default new_full.default
+scalar_tensor.default"""
+_CASTS = """_to_copy.default to.dtype to.dtype_layout to.device to.other type_as.default"""
+_SIZES = "sym_size.int sym_numel.default sym_stride.int"
+_ASSERTS = """_assert_tensor_metadata.default _assert_scalar.default sym_constrain_range_for_size.default
+_assert_async.msg sym_constrain_range.default"""
+_LOSSES = """cross_entropy_loss.default nll_loss.default nll_loss_nd.default mse_loss.default
+binary_cross_entropy_with_logits.default"""
+
+# Combine values along `dim`/`dims` (the batch-mixing check looks at that argument).
+_ALONG_DIM = set("""sum.dim_IntList mean.dim amax.default amin.default max.dim min.dim argmax.default
+argmin.default var.correction var.dim std.correction std.dim var_mean.correction std_mean.correction
+prod.dim_int logsumexp.default norm.ScalarOpt_dim linalg_vector_norm.default cumsum.default cumprod.default
+any.dim all.dim softmax.int log_softmax.int _softmax.default _log_softmax.default sort.default topk.default
+diff.default index_select.default gather.default take_along_dim.default scatter.src scatter.value
+scatter_add.default flip.default roll.default""".split())
+
+
+def _zeros_like_empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
+def _zeros_empty_like(self, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return torch.zeros_like(self, dtype=dtype, layout=layout, device=device)
+
+
+def _zeros_new_empty(self, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return self.new_zeros(size, dtype=dtype, layout=layout, device=device)
+
+
+def _zeros_empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
+# The `empty*` family returns whatever the allocator hands back (on a shared GPU, another caller's
+# tensors); here each runs as its zero-filled twin, checked against the original's schema.
+_ZERO_FILLED = {
+    "empty.memory_format": _zeros_like_empty,
+    "empty_like.default": _zeros_empty_like,
+    "new_empty.default": _zeros_new_empty,
+    "empty_strided.default": _zeros_empty_strided,
+    "new_empty_strided.default": lambda self, size, stride, **kw: _zeros_new_empty(self, size, **kw),
+}
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_INT_LIMIT = 2**62
+
+
+def _checked(fn: Callable) -> Callable:
+    """A Python operator on sizes, refusing results beyond int64 (chained squaring would otherwise
+    build integers of gigabytes)."""
+
+    def run(*args: Any) -> Any:
+        out = fn(*args)
+        if isinstance(out, int) and not -_INT_LIMIT < out < _INT_LIMIT:
+            raise ValueError(f"integer result {str(out)[:20]}... is out of range")
+        return out
+
+    return run
+
+
+def _python_op(name: str, fn: Callable, arity: int, returns: str = "scalar") -> Op:
+    params = tuple(Param(f"arg{i}", ("number",), False, False) for i in range(arity))
+    return Op(f"operator.{name}", _checked(fn), params, returns)
+
+
+def _truediv(a: Any, b: Any) -> float:
+    return a / b
+
+
+PYTHON_OPS: dict[str, Op] = {
+    op.name: op for op in [
+        _python_op("add", operator.add, 2), _python_op("sub", operator.sub, 2), _python_op("mul", operator.mul, 2),
+        _python_op("floordiv", operator.floordiv, 2), _python_op("truediv", _truediv, 2),
+        _python_op("mod", operator.mod, 2), _python_op("neg", operator.neg, 1),
+        _python_op("eq", operator.eq, 2), _python_op("ne", operator.ne, 2), _python_op("lt", operator.lt, 2),
+        _python_op("le", operator.le, 2), _python_op("gt", operator.gt, 2), _python_op("ge", operator.ge, 2),
+    ]
+}
+# getitem picks one tensor out of a multi-output op (split, max.dim, native_batch_norm, ...).
+GETITEM = Op("operator.getitem", operator.getitem,
+             (Param("seq", ("tensors",), False, False), Param("index", ("int",), False, False)), "tensor")
+
+
+def _build_table() -> dict[str, Op]:
+    table: dict[str, Op] = {"operator.getitem": GETITEM, **PYTHON_OPS}
+    groups = [_MATMUL, _CONV, _NORM, _ATTENTION, _ACTIVATIONS, _ELEMENTWISE, _REDUCTIONS, _INDEXING, _VIEWS,
+              _LAYOUT, _POOLING, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
+    reshapes = set(_VIEWS.split())
+    asserts = set(_ASSERTS.split())
+    for entry in [e for g in groups for e in g.split()] + list(_ZERO_FILLED):
+        base, overload = entry.rsplit(".", 1)
+        packet = getattr(aten, base, None)
+        ovl = getattr(packet, overload, None) if packet is not None else None
+        if ovl is None:
+            continue
+        name = f"aten.{entry}"
+        table[name] = _from_schema(name, ovl, fn=_no_op if entry in asserts else _ZERO_FILLED.get(entry),
+                                   is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
+                                   reshapes=entry in reshapes)
+    return table
+
+
+OPS: dict[str, Op] = _build_table()
+
+ALLOWED_OPS_DOC = "README.md, section 'Any model' (the list: GET /schema, or workers/engine/ops.py)"
+
+
+def op_catalogue() -> list[str]:
+    """Every allowed op name, sorted (for GET /schema and the README)."""
+    return sorted(OPS)

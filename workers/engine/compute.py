@@ -433,6 +433,8 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     if mode == "auto":
         mode = "exact" if count <= config.numcheck_exact_max else "directional"
     model64 = copy.deepcopy(prep.model).to(torch.float64)
+    if prep.graph is not None:
+        model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
     x64 = prep.inputs.to(torch.float64) if prep.inputs.dtype.is_floating_point else prep.inputs
     t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
     params = {n: p for n, p in model64.named_parameters() if n in trainable}

@@ -343,7 +343,7 @@ def _graph_spec(request: GradientRequest, dtype: torch.dtype,
 
 
 def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: EngineConfig) -> GraphTemplate:
-    from .graph import batch_mixing_nodes, build_graph
+    from .graph import build_graph
 
     key = (ref, dtype)
     hit = _templates.get(key)
@@ -358,9 +358,21 @@ def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: Engin
     state = dict(model.state_dict(keep_vars=True))
     template = GraphTemplate(ref=ref, spec=spec, model=model, state=state,
                              parameters=frozenset(n for n, _ in model.named_parameters()),
-                             input_dtype=users[0].dtype, mixing=list(batch_mixing_nodes(model)))
+                             input_dtype=users[0].dtype, mixing=_batch_mixing(model))
     _templates.put(key, template)
     return template
+
+
+def _batch_mixing(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(node, op, module path) of the nodes that combine the examples of a batch."""
+    from . import graph
+
+    finder = getattr(graph, "batch_mixing_nodes", None)
+    if finder is not None:
+        return [tuple(x) for x in finder(model)]
+    # Until graph.py names them all: batch norm in training mode (its `training` argument is the 6th).
+    return [(s.name, s.op.name, s.module) for s in model._graph.steps
+            if s.op.name == "aten.batch_norm.default" and len(s.args) > 5 and s.args[5] is True]
 
 
 def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype, limits,

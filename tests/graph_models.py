@@ -1,0 +1,153 @@
+"""Models with their own forward, of several families, tiny enough for an exact float64 check.
+
+Each entry builds (model, inputs, targets, loss): the model seeded, in training mode unless it says
+otherwise. Shared by tests/integration/test_any_model.py and bench/graph_overhead.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class ResNetBlock(nn.Module):
+    """A ResNet basic block (conv, batch norm, relu(x + f(x))) and a linear head; BatchNorm trains."""
+
+    def __init__(self, c: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.head = nn.Linear(c * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return self.head(torch.relu(x + h).flatten(1))  # (batch, 3)
+
+
+class UNetSkip(nn.Module):
+    """A U-Net step: down, up, and the skip joined by concatenation along channels."""
+
+    def __init__(self, c: int = 2) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(c, 3, 3, padding=1)
+        self.down = nn.Conv2d(3, 3, 2, stride=2)
+        self.up = nn.ConvTranspose2d(3, 3, 2, stride=2)
+        self.dec = nn.Conv2d(6, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = torch.relu(self.enc(x))  # (batch, 3, 4, 4)
+        h = self.up(torch.tanh(self.down(skip)))  # (batch, 3, 4, 4)
+        return self.dec(torch.cat([skip, h], dim=1))  # (batch, 2, 4, 4)
+
+
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block with nn.MultiheadAttention and a learned class token."""
+
+    def __init__(self, d: int = 8, heads: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, d) * 0.1)
+        self.norm1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # (batch, 1 + seq, d)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x[:, 0])  # (batch, classes)
+
+
+class Encoder(nn.Module):
+    """torch's nn.TransformerEncoder (two layers, dropout off) and a mean-pooled head."""
+
+    def __init__(self, d: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))  # (batch, classes)
+
+
+class TinyLlama(nn.Module):
+    """Hugging Face Llama from a config (nothing downloaded): the last position's next-token logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1,
+                                               max_position_embeddings=16))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits[:, -1, :]  # (batch, vocab)
+
+
+class TinyBert(nn.Module):
+    """Hugging Face BERT for sequence classification from a config, dropout off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        self.bert = BertForSequenceClassification(BertConfig(
+            vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids).logits  # (batch, 3)
+
+
+Case = tuple[nn.Module, torch.Tensor, torch.Tensor, str]
+
+
+def _case(cls: type[nn.Module], inputs: Callable[[torch.Generator], torch.Tensor],
+          targets: Callable[[torch.Generator], torch.Tensor], loss: str) -> Callable[[torch.dtype], Case]:
+    def make(dtype: torch.dtype = torch.float32) -> Case:
+        torch.manual_seed(0)
+        model = cls().to(dtype)
+        gen = torch.Generator().manual_seed(1)
+        x = inputs(gen)
+        x = x.to(dtype) if x.dtype.is_floating_point else x
+        y = targets(gen)
+        return model, x, (y.to(dtype) if y.dtype.is_floating_point else y), loss
+    return make
+
+
+CASES: dict[str, Callable[[torch.dtype], Case]] = {
+    "resnet_block": _case(ResNetBlock, lambda g: torch.randn(4, 3, 4, 4, generator=g),
+                          lambda g: torch.randint(0, 3, (4,), generator=g), "cross_entropy"),
+    "unet_skip": _case(UNetSkip, lambda g: torch.randn(2, 2, 4, 4, generator=g),
+                       lambda g: torch.randn(2, 2, 4, 4, generator=g), "mse"),
+    "prenorm_block": _case(PreNormBlock, lambda g: torch.randn(2, 3, 8, generator=g),
+                           lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
+    "transformer_encoder": _case(Encoder, lambda g: torch.randn(2, 3, 8, generator=g),
+                                 lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
+    "hf_llama": _case(TinyLlama, lambda g: torch.randint(0, 16, (2, 4), generator=g),
+                      lambda g: torch.randint(0, 16, (2,), generator=g), "cross_entropy"),
+    "hf_bert": _case(TinyBert, lambda g: torch.randint(0, 16, (2, 4), generator=g),
+                     lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
+}
+
+
+def local_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str) -> dict[str, torch.Tensor]:
+    """The answer key: eager autograd on a copy (running statistics of the original are left alone)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    m = copy.deepcopy(model)
+    out = m(x)
+    value = {"cross_entropy": F.cross_entropy, "mse": F.mse_loss}[loss](out, y)
+    params = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    return dict(zip(params, torch.autograd.grad(value, list(params.values()))))

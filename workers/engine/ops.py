@@ -258,7 +258,7 @@ def _build_table() -> dict[str, Op]:
 
 OPS: dict[str, Op] = _build_table()
 
-ALLOWED_OPS_DOC = "README.md, section 'Any model' (the list: GET /schema, or workers/engine/ops.py)"
+ALLOWED_OPS_DOC = "README.md, section 'Graph format (exported models)' (the list: workers/engine/ops.py)"
 
 
 def op_catalogue() -> list[str]:

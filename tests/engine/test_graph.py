@@ -15,7 +15,8 @@ from gradclient.tensors import to_wire
 from gradsvc import wire
 from workers.engine import SpecError
 from workers.engine import tensors as engine_tensors
-from workers.engine.graph import GraphModel, build_graph, check_graph_shapes, load_weights, validate_graph
+from workers.engine.graph import (GraphModel, batch_mixing_nodes, build_graph, check_graph_shapes, load_weights,
+                                  validate_graph)
 from workers.engine.ops import OPS
 from workers.engine.spec import Limits
 
@@ -195,6 +196,86 @@ def test_the_allow_list_has_no_host_random_or_uninitialised_ops():
             assert not isinstance(op.fn, torch._ops.OpOverload), name
     assert {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
             "aten.empty_strided.default"} <= set(OPS)
+
+
+# ---- batch mixing ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_per_example_models_mix_nothing_in_eval_mode(name):
+    model, x, _ = exported(name)
+    model.eval()
+    gm = build_graph(export_graph(model, (x,)).graph, limits=LIMITS, device="meta")
+    assert batch_mixing_nodes(gm, list(x.shape)) == []
+
+
+def test_batch_norm_in_training_mode_mixes_the_batch():
+    _, x, eg = exported("resnet_block")
+    gm = build_graph(eg.graph, limits=LIMITS, device="meta")
+    assert batch_mixing_nodes(gm, list(x.shape)) == [("batch_norm", "aten.batch_norm.default", "bn1"),
+                                                     ("batch_norm_1", "aten.batch_norm.default", "bn2")]
+
+
+class Mixer(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)  # (batch, 6)
+        if self.how == "centre":
+            return y - y.mean(0, keepdim=True)
+        if self.how == "gram":
+            return y @ y.T  # (batch, batch)
+        if self.how == "flip":
+            return y + y.flip(0)
+        if self.how == "softmax":
+            return torch.softmax(y, dim=0)
+        if self.how == "total":
+            return y.sum().expand(x.shape[0], 1)
+        if self.how == "roll":
+            return torch.roll(y, 1, 0)
+        if self.how == "heads":  # (batch, 2, 3) -> (2, batch, 3) -> (2 * batch, 3): rows stay per example
+            return y.view(-1, 2, 3).transpose(0, 1).reshape(-1, 3).relu().reshape(2, -1, 3).transpose(0, 1).flatten(1)
+        raise ValueError(self.how)
+
+
+@pytest.mark.parametrize("how, op", [("centre", "aten.mean.dim"), ("gram", None), ("flip", "aten.flip.default"),
+                                     ("softmax", "aten.softmax.int"), ("total", "aten.sum.default"),
+                                     ("roll", "aten.roll.default")])
+def test_nodes_mixing_examples_are_found(how, op):
+    x = torch.randn(4, 6)
+    eg = export_graph(Mixer(how), (x,))
+    assert eg.dynamic_batch
+    found = batch_mixing_nodes(build_graph(eg.graph, limits=LIMITS, device="meta"), [4, 6])
+    assert found, how
+    if op is not None:
+        assert found[0][1] == op
+    assert all(module == "" for _, _, module in found)
+
+
+def test_reshapes_that_keep_rows_per_example_mix_nothing():
+    x = torch.randn(4, 6)
+    model = Mixer("heads")
+    eg = export_graph(model, (x,))
+    gm = load_weights(build_graph(eg.graph, limits=LIMITS, device="meta"), dict(eg.weights), device="cpu")
+    assert torch.allclose(gm(x), model(x))
+    assert batch_mixing_nodes(build_graph(eg.graph, limits=LIMITS, device="meta"), [4, 6]) == []
+
+
+def test_a_graph_with_its_batch_size_baked_in_is_reported_where_it_fails():
+    class Static(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).view(4, 4)
+
+    eg = export_graph(Static(), (torch.randn(4, 4),))
+    assert not eg.dynamic_batch
+    found = batch_mixing_nodes(build_graph(eg.graph, limits=LIMITS, device="meta"), [4, 4])
+    assert found == [("view", "aten.view.default", "")]
 
 
 # ---- hostile graphs, at the engine level -------------------------------------------------------------

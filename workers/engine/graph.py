@@ -649,3 +649,153 @@ def _shares_storage(out: Any, args: Any) -> bool:
 def _where_step(step: Step) -> str:
     module = f" in module {step.module!r} ({step.module_type})" if step.module else ""
     return f"node {step.name!r} ({step.op.name}){module}"
+
+
+# ---- batch mixing ---------------------------------------------------------------------------------------
+
+_TRAINING_ARG = {"aten.batch_norm.default": "training", "aten.native_batch_norm.default": "training"}
+_NORMALIZED = {"aten.layer_norm.default", "aten.native_layer_norm.default", "aten.rms_norm.default"}
+
+
+def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ...]) -> list[tuple[str, str, str]]:
+    """(node, op, module path) of every node that mixes the examples of a batch, so that micro-batches,
+    per-sample gradients and shards would not add up to the whole batch's gradient.
+
+    The graph runs on meta at the batch size of `input_shape` and at one more; a dimension whose size
+    changes between the two carries the batch. Each tensor's batch is tracked as (dim, inner): dim q of
+    size outer * batch * inner, whose example index is (position // inner) % batch. A node mixes when it
+    reduces or reorders along that dim (sum, softmax, sort, gather, ...), normalises over it (batch norm
+    in training mode, layer norm over it), loses it (a full reduction, a matmul contracting it), changes
+    its size in a way no example owns (a slice or concatenation of the batch), or reshapes across it. A
+    graph whose second run fails (a static export: its batch size is baked into the graph) is reported
+    at the node that failed."""
+    b1 = int(input_shape[0])
+    runs = []
+    for batch in (b1, b1 + 1):
+        shape = [batch, *input_shape[1:]]
+        xs = [torch.empty(shape, dtype=_DTYPES.get(spec.dtype or "", model.run_dtype), device="meta")
+              for spec in model.input_specs]
+        shapes: dict[int, Any] = {slot: tuple(x.shape) for slot, x in zip(model._users, xs)}
+        for slot, kind, owner, attr in model._holders:
+            shapes[slot] = tuple((owner._parameters if kind == "parameter" else owner._buffers)[attr].shape)
+        for slot, target in model._consts:
+            shapes[slot] = tuple(model._graph.constants[target].shape)
+        steps = model._graph.steps
+        try:
+            with torch.no_grad(), torch.device("meta"):
+                model.run(*xs, visit=lambda i, out, a, k: shapes.__setitem__(steps[i].slot, _shape_of(out)))
+        except Exception:
+            failed = model.failed_node if model.failed_node is not None and model.failed_node >= 0 else 0
+            step = steps[failed]
+            return [(step.name, step.op.name, step.module)]
+        runs.append(shapes)
+    flow = _BatchFlow(runs[0], runs[1], b1, model._users)
+    return [(s.name, s.op.name, s.module) for s in model._graph.steps if not s.op.is_assert and flow.mixes(s)]
+
+
+def _shape_of(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return tuple(out.shape)
+    if isinstance(out, (list, tuple)):
+        return [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in out]
+    return None
+
+
+def _arg(step: Step, name: str) -> Any:
+    positional = [p for p in step.op.params if not p.kwarg_only]
+    for idx, p in enumerate(positional):
+        if p.name == name and idx < len(step.args):
+            return step.args[idx]
+    if name in step.kwargs:
+        return step.kwargs[name]
+    return next((p.default for p in step.op.params if p.name == name), None)
+
+
+class _BatchFlow:
+    """Where the batch sits in each value (slot -> (dim, inner), a list of them for several outputs,
+    or None), node after node, from the shapes of two meta runs at batch sizes b and b + 1."""
+
+    def __init__(self, shapes1: dict, shapes2: dict, b1: int, inputs: list[int]) -> None:
+        self.s1, self.s2, self.b1 = shapes1, shapes2, b1
+        self.info: dict[int, Any] = {slot: (0, 1) for slot in inputs}
+        self.tainted: set[int] = set(inputs)
+
+    def mixes(self, step: Step) -> bool:
+        refs = [a for a in step.args if isinstance(a, Ref)] + \
+            [x for a in step.args if isinstance(a, list) for x in a if isinstance(x, Ref)] + \
+            [v for v in step.kwargs.values() if isinstance(v, Ref)]
+        # Only values computed from the inputs' data can carry one example into another; an index
+        # built from sizes (arange over the batch, position ids expanded to it) carries none.
+        if step.op.returns != "scalar" and any(r.i in self.tainted for r in refs):
+            self.tainted.add(step.slot)
+        if step.op.name == "operator.getitem":
+            src = self.info.get(step.args[0].i)
+            self.info[step.slot] = src[step.args[1]] if isinstance(src, list) and step.args[1] < len(src) else None
+            return False
+        s1, s2 = self.s1.get(step.slot), self.s2.get(step.slot)
+        if s1 is None:
+            return False  # a size or a bool, not data
+        batched = [(r, self.info[r.i]) for r in refs if isinstance(self.info.get(r.i), tuple)]
+        data = [(r, where) for r, where in batched if r.i in self.tainted]
+        if isinstance(s1, list):
+            outs = [self._output(step, a, b, batched, data) for a, b in zip(s1, s2)]
+            self.info[step.slot] = [o for o, _ in outs]
+            return any(m for _, m in outs) or self._along(step, data)
+        out, mixes = self._output(step, s1, s2, batched, data)
+        self.info[step.slot] = out
+        return mixes or self._along(step, data)
+
+    def _output(self, step: Step, s1: Any, s2: Any, batched: list, data: list) -> tuple[Any, bool]:
+        b1 = self.b1
+        if s1 is None:
+            return None, False
+        if len(s1) != len(s2):
+            return None, bool(data)
+        dims = [d for d in range(len(s1)) if s1[d] != s2[d]]
+        if not dims:
+            return None, bool(data)  # the batch is gone: reduced, contracted or sliced away
+        if len(dims) > 1:
+            return None, bool(data)  # (batch, batch): every example against every other
+        q = dims[0]
+        if step.op.reshapes and batched:
+            ref, (p, k) = batched[0]
+            stride = k * math.prod(self.s1[ref.i][p + 1:])  # flat distance between examples' blocks
+            after = math.prod(s1[q + 1:])
+            if after == 0 or stride % after:
+                return None, bool(data)
+            inner = stride // after
+            if s1[q] % (b1 * inner) or s1[q] // (b1 * inner) != s2[q] // ((b1 + 1) * inner):
+                return None, bool(data)
+            return (q, inner), False
+        for ref, (p, k) in batched:
+            shape_in = self.s1.get(ref.i)
+            if isinstance(shape_in, tuple) and p < len(shape_in) and shape_in[p] == s1[q]:
+                return (q, k), False
+        if s1[q] == b1 and s2[q] == b1 + 1:
+            return (q, 1), False
+        return None, bool(data)  # the batch dim changed size: a slice or concatenation of the batch
+
+    def _along(self, step: Step, batched: list) -> bool:
+        if not batched:
+            return False
+        op = step.op
+        if op.name in _TRAINING_ARG:
+            return bool(_arg(step, _TRAINING_ARG[op.name]))
+        ref, (p, _) = batched[0]
+        rank = len(self.s1[ref.i]) if isinstance(self.s1.get(ref.i), tuple) else None
+        if op.name in _NORMALIZED:
+            shape = _arg(step, "normalized_shape")
+            n = len(shape) if isinstance(shape, list) else 1
+            return rank is not None and p >= rank - n
+        if op.name == "aten.index.Tensor":
+            indices = _arg(step, "indices") or []
+            return p < len(indices) and indices[p] is not None
+        if not op.along_dim:
+            return False
+        dim = _arg(step, "dims") if any(q.name == "dims" for q in op.params) else _arg(step, "dim")
+        if dim is None or dim == []:
+            return True
+        dims = dim if isinstance(dim, list) else [dim]
+        if rank is None or any(not isinstance(d, int) for d in dims):
+            return True
+        return any(d % max(rank, 1) == p for d in dims)

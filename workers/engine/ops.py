@@ -31,6 +31,7 @@ class Param:
     kwarg_only: bool
     has_default: bool
     is_write: bool = False  # the op writes this argument in place (Tensor(a!))
+    default: Any = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ def _from_schema(name: str, overload: Any, fn: Callable | None = None, **flags: 
     schema = overload._schema
     special = {arg: kind for kind, arg in _SPECIAL.findall(str(schema))}
     params = tuple(Param(a.name, _arg_type(a.type, special.get(a.name)), a.kwarg_only, a.has_default_value(),
-                         bool(a.alias_info is not None and a.alias_info.is_write)) for a in schema.arguments)
+                         bool(a.alias_info is not None and a.alias_info.is_write),
+                         a.default_value if a.has_default_value() else None) for a in schema.arguments)
     aliases = bool(schema.returns and schema.returns[0].alias_info is not None)
     inplace = bool(params and params[0].is_write)
     if any(p.is_write for p in params[1:]):
@@ -138,7 +140,7 @@ tril.default triu.default repeat.default repeat_interleave.self_int tile.default
 pad.default"""
 _VIEWS = """view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int view_as.default
 reshape_as.default"""
-_LAYOUT = """permute.default transpose.int t.default expand.default expand_as.default squeeze.dim squeeze.dims
+_LAYOUT = """permute.default transpose.int t.default numpy_T.default mT.default expand.default expand_as.default squeeze.dim squeeze.dims
 squeeze.default unsqueeze.default contiguous.default clone.default alias.default detach.default
 detach_.default lift_fresh_copy.default movedim.int diagonal.default"""
 _POOLING = """max_pool1d.default max_pool2d.default max_pool3d.default max_pool2d_with_indices.default
@@ -256,7 +258,7 @@ def _build_table() -> dict[str, Op]:
 
 OPS: dict[str, Op] = _build_table()
 
-ALLOWED_OPS_DOC = "README.md, section 'Any model' (the list: GET /schema, or workers/engine/ops.py)"
+ALLOWED_OPS_DOC = "README.md, section 'Graph format (exported models)' (the list: workers/engine/ops.py)"
 
 
 def op_catalogue() -> list[str]:

@@ -406,8 +406,14 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
 
     detached = {n: p.detach() for n, p in params.items()}
     with _seeded(seed, device, _is_random(prep.model)):
-        grads = vmap(grad(loss_one), in_dims=(None, 0, *([0] * len(names))), randomness="different")(
-            detached, prep.inputs, *[prep.targets[n] for n in names])
+        try:
+            grads = vmap(grad(loss_one), in_dims=(None, 0, *([0] * len(names))), randomness="different")(
+                detached, prep.inputs, *[prep.targets[n] for n in names])
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if prep.graph is None or _is_allocation_failure(exc):
+                raise
+            raise SpecError("bad_option", f"options.per_sample: torch.func cannot vectorise this graph over its "
+                            f"examples ({str(exc).strip().splitlines()[0][:200]}); set per_sample='off'") from None
     norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
     full = prep.options.per_sample == "full"
     return PerSample(norms=tensors.encode(norms),

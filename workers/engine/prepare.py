@@ -45,7 +45,7 @@ class Prepared:
     parameter_count: int
     options: Options
     frozen: set[str]
-    graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, batch-mixing nodes)
+    graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, state, input dtype)
     graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
 
 
@@ -315,7 +315,6 @@ class GraphTemplate:
     state: dict[str, torch.Tensor]  # state_dict name -> meta tensor (shape and dtype to expect)
     parameters: frozenset[str]
     input_dtype: str | None  # the captured user input's dtype ("int64": token ids)
-    mixing: list  # batch_mixing_nodes: (node, op, module path) of nodes that reduce over the batch
 
 
 # (ref, dtype) -> GraphTemplate and (ref, dtype, input shape, input dtype) -> (output shape, dtype).
@@ -358,21 +357,25 @@ def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: Engin
     state = dict(model.state_dict(keep_vars=True))
     template = GraphTemplate(ref=ref, spec=spec, model=model, state=state,
                              parameters=frozenset(n for n, _ in model.named_parameters()),
-                             input_dtype=users[0].dtype, mixing=_batch_mixing(model))
+                             input_dtype=users[0].dtype)
     _templates.put(key, template)
     return template
 
 
-def _batch_mixing(model: nn.Module) -> list[tuple[str, str, str]]:
-    """(node, op, module path) of the nodes that combine the examples of a batch."""
-    from . import graph
+_mixing: graphref.LRU[list] = graphref.LRU(SHAPE_CACHE_ENTRIES)
 
-    finder = getattr(graph, "batch_mixing_nodes", None)
-    if finder is not None:
-        return [tuple(x) for x in finder(model)]
-    # Until graph.py names them all: batch norm in training mode (its `training` argument is the 6th).
-    return [(s.name, s.op.name, s.module) for s in model._graph.steps
-            if s.op.name == "aten.batch_norm.default" and len(s.args) > 5 and s.args[5] is True]
+
+def _batch_mixing(template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor) -> list[tuple[str, str, str]]:
+    """(node, op, module path) of the nodes that combine the examples of a batch: two meta runs of a
+    private copy, once per input signature."""
+    from .graph import batch_mixing_nodes
+
+    key = (template.ref, dtype, tuple(inputs.shape), inputs.dtype)
+    hit = _mixing.get(key)
+    if hit is None:
+        hit = [tuple(x) for x in batch_mixing_nodes(copy.deepcopy(template.model), list(inputs.shape))]
+        _mixing.put(key, hit)
+    return hit
 
 
 def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype, limits,
@@ -441,14 +444,17 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
     return out
 
 
-def _check_graph_options(opts: Options, template: GraphTemplate) -> None:
+def _check_graph_options(opts: Options, template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor) -> None:
     """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
     if opts.checkpoint_segments is not None:
         raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a graph "
                         "model has none, so it cannot apply. Remove it (or checkpoint inside the module before "
                         "export)")
-    if template.mixing and (opts.micro_batch is not None or opts.per_sample != "off"):
-        node, op, module = template.mixing[0]
+    if opts.micro_batch is None and opts.per_sample == "off":
+        return
+    mixing = _batch_mixing(template, dtype, inputs)
+    if mixing:
+        node, op, module = mixing[0]
         option = "micro_batch" if opts.micro_batch is not None else "per_sample"
         where = f"module {module!r}" if module else "the root module"
         raise SpecError("bad_option", f"options.{option}: node {node!r} ({op}) in {where} combines the examples of "
@@ -473,7 +479,7 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
         if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
             raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
                             f"differs from the inputs' {inputs.shape[0]}", loss=name)
-    _check_graph_options(request.options, template)
+    _check_graph_options(request.options, template, dtype, inputs)
     names = [n for n in template.state if n in template.parameters]
     frozen = _check_options(request.options, config, inputs.shape[0], 1, names)
     _check_hvp(request.options, template.model, frozen)

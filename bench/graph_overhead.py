@@ -1,0 +1,146 @@
+"""Graph models through the engine: compute() on an exported small transformer against in-process
+`torch.export` `ep.module()` forward + backward, and what step two of a training loop costs the API.
+
+Compared in interleaved rounds (each ratio is the median of per-round ratios, so load from other
+processes hits both sides alike):
+  ep.module  the same exported program run by torch itself: out = ep.module()(x);
+             loss = F.cross_entropy(out, y); torch.autograd.grad(loss, params), in a warm loop.
+  phases     the engine's own timed phases, timings.forward_ms + timings.backward_ms of one compute()
+             call (numcheck off, memory off): the graph interpreter, micro-batching and timing pieces.
+             The goal (issue 10: <= 1.10x in-process ep.module()) is read on phases/ep.module.
+  call       the whole compute() wall time (decode, graph look-up, weights checked and loaded,
+             forward, backward, gradients encoded), over ep.module's step.
+Then the API's side of step two, prepare() on the meta device as POST /gradients runs it: the graph
+sent whole the first time (validated, shape-checked), the same graph sent again (hashed, then found),
+and model.graph_ref (found by its hash: no hashing, no validation); and the request bytes of step one
+(graph + weights + batch) against step two (graph_ref + weights + batch).
+
+Run: .venv/bin/python bench/graph_overhead.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import common  # noqa: F401  (puts the repo on sys.path)
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common import footer, header, median, raw_tensor, table, verdict
+from gradclient.export import export_graph
+from gradsvc.wire import GradientRequest
+from workers.engine import EngineConfig, compute, prepare
+
+prepare_module = importlib.import_module("workers.engine.prepare")  # the package's `prepare` is the function
+
+CONFIG = EngineConfig()
+
+
+class SmallTransformer(nn.Module):
+    """Token ids -> class logits: embedding, a learned position table, 2 pre-norm encoder layers."""
+
+    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 100, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, 32, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(self.embed(ids) + self.pos[:, : ids.shape[1]])  # (batch, seq, dim)
+        return self.head(h.mean(1))  # (batch, classes)
+
+
+def body(graph_or_ref, weights: dict, x: torch.Tensor, y: torch.Tensor, **options) -> bytes:
+    key = "graph_ref" if isinstance(graph_or_ref, str) else "graph"
+    return msgspec.msgpack.encode({
+        "model": {key: graph_or_ref, "weights": {k: raw_tensor(v) for k, v in weights.items()}},
+        "inputs": raw_tensor(x), "targets": raw_tensor(y), "loss": "cross_entropy",
+        "options": {"numcheck": "off", "memory": False, **options}})
+
+
+def decode(raw: bytes) -> GradientRequest:
+    return msgspec.msgpack.decode(raw, type=GradientRequest)
+
+
+def ep_step(module: nn.Module, params: list, x: torch.Tensor, y: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    torch.autograd.grad(F.cross_entropy(module(x), y), params)
+    return time.perf_counter() - t0
+
+
+def clear_graph_caches() -> None:
+    for cache in (prepare_module._templates, prepare_module._graph_shapes, prepare_module._mixing):
+        with cache._lock:
+            cache._items.clear()
+
+
+def per_call_ms(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    started = header("Graph models: engine path against ep.module(); step two at the API", __doc__.split("Run:")[0])
+    torch.manual_seed(0)
+    model = SmallTransformer().train()
+    x, y = torch.randint(0, 100, (16, 32)), torch.randint(0, 10, (16,))
+    exported = export_graph(model, (x,))
+    epm = torch.export.export(model, (x,)).module()
+    ep_params = [p for p in epm.parameters() if p.requires_grad]
+    first = body(exported.graph, exported.weights, x, y)
+    ep_step(epm, ep_params, x, y)
+    compute(decode(first), CONFIG)  # warm: the validated graph is cached from here on
+
+    phases, calls, steps = [], [], []
+    for _ in range(12):
+        step_s = ep_step(epm, ep_params, x, y)
+        t0 = time.perf_counter()
+        result = compute(decode(first), CONFIG)
+        call_s = time.perf_counter() - t0
+        phase_s = (result.timings.forward_ms + result.timings.backward_ms) / 1e3
+        phases.append(phase_s / step_s)
+        calls.append(call_s / step_s)
+        steps.append(step_s)
+    table(["ep.module fwd+bwd ms", "phases / ep.module", "call / ep.module"],
+          [[1e3 * median(steps), median(phases), median(calls)]])
+    ratio = median(phases)
+    print(f"\nsmall transformer ({len(exported.graph.nodes)} nodes, {sum(p.numel() for p in model.parameters())} "
+          f"parameters, batch 16 x 32 tokens): phases/ep.module = {ratio:.3f} (goal <= 1.10x: {verdict(ratio, 1.10)})")
+
+    ref = result.graph_ref
+    second = body(ref, exported.weights, x, y)
+    reqs = {"graph, first time": decode(first), "graph, seen before": decode(first), "graph_ref": decode(second)}
+    rows = []
+    clear_graph_caches()
+    t0 = time.perf_counter()
+    prepare(reqs["graph, first time"], CONFIG, "meta")
+    rows.append(["graph, first time (validate + meta shape check)", 1e3 * (time.perf_counter() - t0)])
+    rows.append(["graph, seen before (hash + look-up)",
+                 per_call_ms(lambda: prepare(reqs["graph, seen before"], CONFIG, "meta"), 50)])
+    graphs = {ref: exported.graph}.get  # the API's GraphStore hit: its LRU (the Redis EXPIRE aside)
+    rows.append(["graph_ref (look-up)", per_call_ms(lambda: prepare(reqs["graph_ref"], CONFIG, "meta",
+                                                                    graphs=graphs), 200)])
+    nodes_only = decode(msgspec.msgpack.encode({"model": {"graph_ref": ref, "weights": {}}, "inputs": [[0]],
+                                                "targets": [0]}))
+    template = prepare_module._graph_template(ref, exported.graph, torch.float32, CONFIG)
+    rows.append(["  of which the graph part (resolve + template + shape cache)",
+                 per_call_ms(lambda: (prepare_module._graph_spec(nodes_only, torch.float32, graphs),
+                                      prepare_module._graph_template(ref, exported.graph, torch.float32, CONFIG),
+                                      prepare_module._graph_output(template, torch.float32, x, CONFIG.limits)),
+                             2000)])
+    table(["API prepare() on meta", "ms"], rows)
+    graph_bytes = len(msgspec.msgpack.encode(exported.graph))
+    print(f"\nrequest bytes: step one {len(first)} (graph {graph_bytes}), step two {len(second)} "
+          f"({len(second) / len(first):.3f}x; the weights and the batch)")
+    footer(started)
+
+
+if __name__ == "__main__":
+    main()

@@ -141,5 +141,6 @@ def _paths(node_modules: list[tuple[str, str, str]]) -> dict[str, str]:
     """Module path -> class name, in the order the graph first runs a node in each ("" is the root)."""
     paths: dict[str, str] = {}
     for _, path, kind in node_modules:
-        paths.setdefault(path, kind or ("root" if not path else ""))
-    return paths
+        if kind or path not in paths:  # the first node that names its module's class decides
+            paths[path] = paths.get(path) or kind
+    return {path: kind or ("root" if not path else "") for path, kind in paths.items()}

@@ -145,6 +145,32 @@ def test_dropout_masks_follow_the_seed_as_in_eager():
     assert not torch.equal(gm(x), a)
 
 
+def test_a_deep_copy_converted_to_float64_runs_the_float64_graph():
+    """What the numerical check does with a model: copy it, convert the copy, run both."""
+    model, x, eg = exported("hf_gpt2")
+    gm = graph_model(*over_the_wire(eg, "msgpack"))
+    copy64 = copy.deepcopy(gm).double()
+    built64 = graph_model(*over_the_wire(eg, "msgpack"), dtype=torch.float64)
+    assert gm.run_dtype == torch.float32 and copy64.run_dtype == torch.float64
+    assert torch.equal(copy64(x), built64(x))
+    assert gm(x).dtype == torch.float32
+
+
+def test_functional_call_and_vmap_give_per_sample_gradients():
+    model, x, eg = exported("prenorm_block")
+    gm = graph_model(*over_the_wire(eg, "json"))
+    params = {k: v.detach() for k, v in gm.named_parameters()}
+
+    def loss(p, xi):
+        return torch.func.functional_call(gm, p, (xi.unsqueeze(0),)).square().sum()
+
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    gm.zero_grad()
+    gm(x).square().sum().backward()
+    whole = {n: p.grad for n, p in gm.named_parameters()}
+    assert_grads_close({k: v.sum(0) for k, v in per.items()}, whole, 1e-5)
+
+
 def test_one_export_serves_other_batch_sizes():
     model, _, eg = exported("prenorm_block")
     gm = graph_model(*over_the_wire(eg, "msgpack"))

@@ -426,7 +426,7 @@ class GraphModel(nn.Module):
     def run_dtype(self) -> torch.dtype:
         if self._probe is not None:
             owner, attr = self._probe
-            return owner._parameters[attr].dtype
+            return getattr(owner, attr).dtype
         return self._dtype
 
     def _program(self, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -471,8 +471,8 @@ class GraphModel(nn.Module):
             raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
         steps, consts = self._program(self.run_dtype, inputs[0].device)
         env: list[Any] = [None] * self._graph.n_slots
-        for slot, kind, owner, attr in self._holders:
-            env[slot] = owner._parameters[attr] if kind == "parameter" else owner._buffers[attr]
+        for slot, _, owner, attr in self._holders:
+            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
         for slot, value in consts:
             env[slot] = value
         for slot, x in zip(self._users, inputs):

@@ -514,3 +514,57 @@ def test_parameter_count_limit_applies_before_allocation():
     with pytest.raises(SpecError) as info:
         build_graph(spec([linear()], inputs=[X, huge]), limits=LIMITS, device="meta")
     assert info.value.code == "too_large"
+
+
+_JUNK = [None, True, 0, -1, 3, 2**40, 1.5, "x", "", [], [1, 2], [[1]], {"node": "x"}, {"node": "nope"},
+         {"dtype": "float64"}, {"dtype": "bogus"}, {"device": "cuda:1"}, {"float": "inf"}, {"layout": "strided"},
+         {"memory_format": "channels_last"}, {}, {"a": 1, "b": 2}, [None], [{"node": "x"}]]
+
+
+def _mutate(body: dict, rnd) -> None:
+    nodes = body["nodes"]
+    node = rnd.choice(nodes)
+    names = [i["name"] for i in body["inputs"]] + [n["name"] for n in nodes]
+    how = rnd.randrange(6)
+    if how == 0 and node["args"]:
+        node["args"][rnd.randrange(len(node["args"]))] = copy.deepcopy(rnd.choice(_JUNK + [{"node": rnd.choice(names)}]))
+    elif how == 1:
+        node["op"] = rnd.choice(sorted(OPS))
+    elif how == 2:
+        node["args"].append(copy.deepcopy(rnd.choice(_JUNK)))
+    elif how == 3 and node["args"]:
+        node["args"].pop()
+    elif how == 4:
+        key = rnd.choice(["dim", "dtype", "device", "keepdim", "inplace", "alpha"])
+        node.setdefault("kwargs", {})[key] = copy.deepcopy(rnd.choice(_JUNK))
+    else:
+        node["args"] = [{"node": rnd.choice(names)} if isinstance(a, dict) and "node" in a else a for a in node["args"]]
+
+
+@pytest.mark.parametrize("name", ["resnet_block", "prenorm_block"])
+def test_mutated_graphs_fail_only_with_spec_errors(name):
+    """Random damage to real graphs (arguments, ops, arity, keywords, references): every outcome is a
+    pass or a coded SpecError from validation or the meta run, never another exception (a 500)."""
+    import random
+
+    _, x, eg = exported(name)
+    base = msgspec.to_builtins(eg.graph)
+    small = Limits(max_elements=1_000_000, max_graph_intermediate_bytes=100_000_000)
+    rnd = random.Random(1234)
+    outcomes = {"passed": 0, "refused": 0}
+    for _ in range(150):
+        body = copy.deepcopy(base)
+        for _ in range(rnd.randint(1, 3)):
+            _mutate(body, rnd)
+        try:
+            graph = msgspec.convert(body, wire.GraphSpec)
+        except msgspec.ValidationError:
+            continue
+        try:
+            gm = build_graph(graph, limits=small, device="meta")
+            check_graph_shapes(gm, x.to("meta"), limits=small)
+            batch_mixing_nodes(gm, list(x.shape))
+            outcomes["passed"] += 1
+        except SpecError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 50 and outcomes["passed"] > 0, outcomes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +38,8 @@ _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
                    "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
 _MAX_LIST = 100_000
+_SHOW = reprlib.Repr()  # short, depth-limited reprs of request values in messages
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother = 3, 6, 3, 60, 60
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
 _STAT_WRITES = {"aten.batch_norm.default": ("running_mean", "running_var"),
                 "aten.native_batch_norm.default": ("running_mean", "running_var"),
@@ -161,7 +164,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if not any(inp.kind == "input" for inp in spec.inputs):
         raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
     later = {n.name for n in spec.nodes}
-    steps = []
+    steps: list[Step] = []
+    step_of: dict[int, Step] = {}
     for node in spec.nodes:
         op = OPS.get(node.op)
         if op is None:
@@ -175,7 +179,11 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         slot = len(kinds)
         writes_buffer = False
         if op.inplace:
-            writes_buffer = _check_write(node, bound[op.params[0].name], roots, input_kind, "is written in place")
+            target = bound[op.params[0].name]
+            if not isinstance(target, Ref):
+                raise _bad(f"{_where(node)}: an in-place op needs a tensor to write, got {_SHOW.repr(target)}",
+                           node=node.name, op=node.op)
+            writes_buffer = _check_write(node, target, roots, input_kind, "is written in place")
         for arg in _STAT_WRITES.get(node.op, ()):
             if isinstance(bound.get(arg), Ref):
                 _check_write(node, bound[arg], roots, input_kind, f"is written as {arg}", buffers_only=True)
@@ -184,13 +192,14 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         if op is OPS["operator.getitem"]:
             kinds.append("tensor")
             roots.append(roots[args[0].i])
-            _check_index(node, steps, args, slots)
+            _check_index(node, step_of.get(args[0].i), args)
         else:
             kinds.append(op.returns)
             first = next((a for a in args if isinstance(a, Ref)), None)
             roots.append(roots[first.i] if op.aliases_input and first is not None else slot)
         steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
                           writes_buffer))
+        step_of[slot] = steps[-1]
     out_ctx = _Context(None, slots, kinds, set())
     outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
     if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
@@ -243,11 +252,10 @@ def _check_write(node: Any, ref: Ref, roots: list[int], input_kind: dict[int, st
                     op=node.op, node=node.name, module=node.module)
 
 
-def _check_index(node: Any, steps: list[Step], args: list, slots: dict[str, int]) -> None:
+def _check_index(node: Any, source: Step | None, args: list) -> None:
     index = args[1]
     if not isinstance(index, int) or index < 0:
         raise _bad(f"{_where(node)}: the index must be a literal integer >= 0", node=node.name)
-    source = next((s for s in reversed(steps) if s.slot == args[0].i), None)
     count = source.op.n_outputs if source is not None else None
     if count is not None and index >= count:
         raise _bad(f"{_where(node)}: index {index} is out of range; {source.name!r} ({source.op.name}) has "
@@ -303,7 +311,7 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
     kind = t[0]
 
     def bad(expected: str) -> SpecError:
-        shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+        shown = _SHOW.repr(v)
         node = ctx.node.name if ctx.node is not None else None
         return _bad(f"{ctx.where(arg)}: got {shown}, expected {expected}", node=node, argument=arg)
 

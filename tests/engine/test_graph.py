@@ -188,6 +188,14 @@ def test_state_dict_names_nest_like_the_exported_module():
     assert "bert.encoder.layer.0.attention.self" in modules or "bert.encoder.layer.0.attention" in modules
 
 
+def test_token_id_bounds_come_from_the_embedding_tables_the_input_indexes():
+    _, x, eg = exported("hf_bert")
+    gm = build_graph(eg.graph, limits=LIMITS, device="meta")
+    assert gm.index_bounds == {"input_ids": 50}
+    assert [(i.name, i.dtype) for i in gm.input_specs] == [("input_ids", "int64")]
+    assert build_graph(exported("resnet_block")[2].graph, limits=LIMITS).index_bounds == {}
+
+
 def test_current_module_names_the_running_node_for_saved_tensor_hooks():
     model, x, eg = exported("resnet_block")
     gm = graph_model(*over_the_wire(eg, "json"))

@@ -97,6 +97,7 @@ class Compiled:
     constants: dict[str, torch.Tensor]
     n_slots: int
     dtype: torch.dtype
+    index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table it indexes
 
     def __deepcopy__(self, memo: dict) -> "Compiled":
         return self  # immutable
@@ -164,6 +165,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if not any(inp.kind == "input" for inp in spec.inputs):
         raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
     later = {n.name for n in spec.nodes}
+    inputs_by_slot = dict(inputs)
+    index_bounds: dict[str, int] = {}
     steps: list[Step] = []
     step_of: dict[int, Step] = {}
     for node in spec.nodes:
@@ -200,6 +203,12 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
                           writes_buffer))
         step_of[slot] = steps[-1]
+        if node.op == "aten.embedding.default" and isinstance(bound.get("indices"), Ref) and \
+                isinstance(bound.get("weight"), Ref):
+            source = inputs_by_slot.get(roots[bound["indices"].i])
+            table = inputs_by_slot.get(bound["weight"].i)
+            if source is not None and source.kind == "input" and table is not None and table.shape:
+                index_bounds[source.name] = min(index_bounds.get(source.name, table.shape[0]), table.shape[0])
     out_ctx = _Context(None, slots, kinds, set())
     outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
     if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
@@ -212,7 +221,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             raise _bad(f"buffer_mutations[{target!r}]: {name!r} is not a tensor node of the graph", target=target)
         mutations.append((target, slots[name]))
     return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
-                    n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype])
+                    n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype], index_bounds=index_bounds)
 
 
 def _module(path: str) -> str:
@@ -385,6 +394,9 @@ class GraphModel(nn.Module):
         self.current_module_type = ""
         self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
         self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
+        # Integer inputs that index an embedding table: name -> exclusive bound, for checking token ids
+        # before the run (an id past the table is an IndexError in the worker, not a shape error).
+        self.index_bounds = dict(compiled.index_bounds)
         self._holders: list[tuple[int, str, nn.Module, str]] = []  # (slot, kind, owner module, attribute)
         self._users: list[int] = []
         self._consts: list[tuple[int, str]] = []

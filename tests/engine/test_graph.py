@@ -145,6 +145,32 @@ def test_dropout_masks_follow_the_seed_as_in_eager():
     assert not torch.equal(gm(x), a)
 
 
+def test_a_deep_copy_converted_to_float64_runs_the_float64_graph():
+    """What the numerical check does with a model: copy it, convert the copy, run both."""
+    model, x, eg = exported("hf_gpt2")
+    gm = graph_model(*over_the_wire(eg, "msgpack"))
+    copy64 = copy.deepcopy(gm).double()
+    built64 = graph_model(*over_the_wire(eg, "msgpack"), dtype=torch.float64)
+    assert gm.run_dtype == torch.float32 and copy64.run_dtype == torch.float64
+    assert torch.equal(copy64(x), built64(x))
+    assert gm(x).dtype == torch.float32
+
+
+def test_functional_call_and_vmap_give_per_sample_gradients():
+    model, x, eg = exported("prenorm_block")
+    gm = graph_model(*over_the_wire(eg, "json"))
+    params = {k: v.detach() for k, v in gm.named_parameters()}
+
+    def loss(p, xi):
+        return torch.func.functional_call(gm, p, (xi.unsqueeze(0),)).square().sum()
+
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    gm.zero_grad()
+    gm(x).square().sum().backward()
+    whole = {n: p.grad for n, p in gm.named_parameters()}
+    assert_grads_close({k: v.sum(0) for k, v in per.items()}, whole, 1e-5)
+
+
 def test_one_export_serves_other_batch_sizes():
     model, _, eg = exported("prenorm_block")
     gm = graph_model(*over_the_wire(eg, "msgpack"))
@@ -160,6 +186,14 @@ def test_state_dict_names_nest_like_the_exported_module():
     assert "bert.encoder.layer.0.attention.self.query.weight" in dict(gm.named_parameters())
     modules = {path for _, path, _ in gm.node_modules}
     assert "bert.encoder.layer.0.attention.self" in modules or "bert.encoder.layer.0.attention" in modules
+
+
+def test_token_id_bounds_come_from_the_embedding_tables_the_input_indexes():
+    _, x, eg = exported("hf_bert")
+    gm = build_graph(eg.graph, limits=LIMITS, device="meta")
+    assert gm.index_bounds == {"input_ids": 50}
+    assert [(i.name, i.dtype) for i in gm.input_specs] == [("input_ids", "int64")]
+    assert build_graph(exported("resnet_block")[2].graph, limits=LIMITS).index_bounds == {}
 
 
 def test_current_module_names_the_running_node_for_saved_tensor_hooks():
@@ -488,3 +522,57 @@ def test_parameter_count_limit_applies_before_allocation():
     with pytest.raises(SpecError) as info:
         build_graph(spec([linear()], inputs=[X, huge]), limits=LIMITS, device="meta")
     assert info.value.code == "too_large"
+
+
+_JUNK = [None, True, 0, -1, 3, 2**40, 1.5, "x", "", [], [1, 2], [[1]], {"node": "x"}, {"node": "nope"},
+         {"dtype": "float64"}, {"dtype": "bogus"}, {"device": "cuda:1"}, {"float": "inf"}, {"layout": "strided"},
+         {"memory_format": "channels_last"}, {}, {"a": 1, "b": 2}, [None], [{"node": "x"}]]
+
+
+def _mutate(body: dict, rnd) -> None:
+    nodes = body["nodes"]
+    node = rnd.choice(nodes)
+    names = [i["name"] for i in body["inputs"]] + [n["name"] for n in nodes]
+    how = rnd.randrange(6)
+    if how == 0 and node["args"]:
+        node["args"][rnd.randrange(len(node["args"]))] = copy.deepcopy(rnd.choice(_JUNK + [{"node": rnd.choice(names)}]))
+    elif how == 1:
+        node["op"] = rnd.choice(sorted(OPS))
+    elif how == 2:
+        node["args"].append(copy.deepcopy(rnd.choice(_JUNK)))
+    elif how == 3 and node["args"]:
+        node["args"].pop()
+    elif how == 4:
+        key = rnd.choice(["dim", "dtype", "device", "keepdim", "inplace", "alpha"])
+        node.setdefault("kwargs", {})[key] = copy.deepcopy(rnd.choice(_JUNK))
+    else:
+        node["args"] = [{"node": rnd.choice(names)} if isinstance(a, dict) and "node" in a else a for a in node["args"]]
+
+
+@pytest.mark.parametrize("name", ["resnet_block", "prenorm_block"])
+def test_mutated_graphs_fail_only_with_spec_errors(name):
+    """Random damage to real graphs (arguments, ops, arity, keywords, references): every outcome is a
+    pass or a coded SpecError from validation or the meta run, never another exception (a 500)."""
+    import random
+
+    _, x, eg = exported(name)
+    base = msgspec.to_builtins(eg.graph)
+    small = Limits(max_elements=1_000_000, max_graph_intermediate_bytes=100_000_000)
+    rnd = random.Random(1234)
+    outcomes = {"passed": 0, "refused": 0}
+    for _ in range(150):
+        body = copy.deepcopy(base)
+        for _ in range(rnd.randint(1, 3)):
+            _mutate(body, rnd)
+        try:
+            graph = msgspec.convert(body, wire.GraphSpec)
+        except msgspec.ValidationError:
+            continue
+        try:
+            gm = build_graph(graph, limits=small, device="meta")
+            check_graph_shapes(gm, x.to("meta"), limits=small)
+            batch_mixing_nodes(gm, list(x.shape))
+            outcomes["passed"] += 1
+        except SpecError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 50 and outcomes["passed"] > 0, outcomes

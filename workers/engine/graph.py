@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +38,8 @@ _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
                    "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
 _MAX_LIST = 100_000
+_SHOW = reprlib.Repr()  # short, depth-limited reprs of request values in messages
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother = 3, 6, 3, 60, 60
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
 _STAT_WRITES = {"aten.batch_norm.default": ("running_mean", "running_var"),
                 "aten.native_batch_norm.default": ("running_mean", "running_var"),
@@ -94,6 +97,7 @@ class Compiled:
     constants: dict[str, torch.Tensor]
     n_slots: int
     dtype: torch.dtype
+    index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table it indexes
 
     def __deepcopy__(self, memo: dict) -> "Compiled":
         return self  # immutable
@@ -161,7 +165,10 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if not any(inp.kind == "input" for inp in spec.inputs):
         raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
     later = {n.name for n in spec.nodes}
-    steps = []
+    inputs_by_slot = dict(inputs)
+    index_bounds: dict[str, int] = {}
+    steps: list[Step] = []
+    step_of: dict[int, Step] = {}
     for node in spec.nodes:
         op = OPS.get(node.op)
         if op is None:
@@ -175,7 +182,11 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         slot = len(kinds)
         writes_buffer = False
         if op.inplace:
-            writes_buffer = _check_write(node, bound[op.params[0].name], roots, input_kind, "is written in place")
+            target = bound[op.params[0].name]
+            if not isinstance(target, Ref):
+                raise _bad(f"{_where(node)}: an in-place op needs a tensor to write, got {_SHOW.repr(target)}",
+                           node=node.name, op=node.op)
+            writes_buffer = _check_write(node, target, roots, input_kind, "is written in place")
         for arg in _STAT_WRITES.get(node.op, ()):
             if isinstance(bound.get(arg), Ref):
                 _check_write(node, bound[arg], roots, input_kind, f"is written as {arg}", buffers_only=True)
@@ -184,13 +195,20 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         if op is OPS["operator.getitem"]:
             kinds.append("tensor")
             roots.append(roots[args[0].i])
-            _check_index(node, steps, args, slots)
+            _check_index(node, step_of.get(args[0].i), args)
         else:
             kinds.append(op.returns)
             first = next((a for a in args if isinstance(a, Ref)), None)
             roots.append(roots[first.i] if op.aliases_input and first is not None else slot)
         steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
                           writes_buffer))
+        step_of[slot] = steps[-1]
+        if node.op == "aten.embedding.default" and isinstance(bound.get("indices"), Ref) and \
+                isinstance(bound.get("weight"), Ref):
+            source = inputs_by_slot.get(roots[bound["indices"].i])
+            table = inputs_by_slot.get(bound["weight"].i)
+            if source is not None and source.kind == "input" and table is not None and table.shape:
+                index_bounds[source.name] = min(index_bounds.get(source.name, table.shape[0]), table.shape[0])
     out_ctx = _Context(None, slots, kinds, set())
     outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
     if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
@@ -203,7 +221,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             raise _bad(f"buffer_mutations[{target!r}]: {name!r} is not a tensor node of the graph", target=target)
         mutations.append((target, slots[name]))
     return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
-                    n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype])
+                    n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype], index_bounds=index_bounds)
 
 
 def _module(path: str) -> str:
@@ -243,11 +261,10 @@ def _check_write(node: Any, ref: Ref, roots: list[int], input_kind: dict[int, st
                     op=node.op, node=node.name, module=node.module)
 
 
-def _check_index(node: Any, steps: list[Step], args: list, slots: dict[str, int]) -> None:
+def _check_index(node: Any, source: Step | None, args: list) -> None:
     index = args[1]
     if not isinstance(index, int) or index < 0:
         raise _bad(f"{_where(node)}: the index must be a literal integer >= 0", node=node.name)
-    source = next((s for s in reversed(steps) if s.slot == args[0].i), None)
     count = source.op.n_outputs if source is not None else None
     if count is not None and index >= count:
         raise _bad(f"{_where(node)}: index {index} is out of range; {source.name!r} ({source.op.name}) has "
@@ -303,7 +320,7 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
     kind = t[0]
 
     def bad(expected: str) -> SpecError:
-        shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+        shown = _SHOW.repr(v)
         node = ctx.node.name if ctx.node is not None else None
         return _bad(f"{ctx.where(arg)}: got {shown}, expected {expected}", node=node, argument=arg)
 
@@ -380,6 +397,9 @@ class GraphModel(nn.Module):
         self.current_module_type = ""
         self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
         self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
+        # Integer inputs that index an embedding table: name -> exclusive bound, for checking token ids
+        # before the run (an id past the table is an IndexError in the worker, not a shape error).
+        self.index_bounds = dict(compiled.index_bounds)
         self._holders: list[tuple[int, str, nn.Module, str]] = []  # (slot, kind, owner module, attribute)
         self._users: list[int] = []
         self._consts: list[tuple[int, str]] = []
@@ -429,7 +449,7 @@ class GraphModel(nn.Module):
     def run_dtype(self) -> torch.dtype:
         if self._probe is not None:
             owner, attr = self._probe
-            return owner._parameters[attr].dtype
+            return getattr(owner, attr).dtype
         return self._dtype
 
     def _program(self, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -476,8 +496,8 @@ class GraphModel(nn.Module):
             raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
         steps, consts = self._program(self.run_dtype, inputs[0].device)
         env: list[Any] = [None] * self._graph.n_slots
-        for slot, kind, owner, attr in self._holders:
-            env[slot] = owner._parameters[attr] if kind == "parameter" else owner._buffers[attr]
+        for slot, _, owner, attr in self._holders:
+            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
         for slot, value in consts:
             env[slot] = value
         for slot, x in zip(self._users, inputs):

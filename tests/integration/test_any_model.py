@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradclient import Client
-from gradclient.errors import GraphNotFoundError, UnsupportedModuleError
+from gradclient.errors import BadTensorError, UnsupportedModuleError
 from gradclient.export import export_graph
 
 from ..graph_models import CASES, local_gradients
@@ -166,6 +166,15 @@ def test_an_option_that_cannot_apply_is_refused_before_the_queue(client, stack):
     with pytest.raises(Exception) as err:
         client.gradients(model, x, y, loss=loss, numcheck="off", checkpoint_segments=2)
     assert err.value.code == "bad_option"
+    assert rq_jobs(stack) == jobs
+
+
+def test_token_ids_beyond_the_embedding_are_a_422_before_the_queue(client, stack):
+    model, x, y, loss = CASES["hf_llama"](torch.float32)
+    jobs = rq_jobs(stack)
+    with pytest.raises(BadTensorError) as err:
+        client.gradients(model, x + 16, y, loss=loss, numcheck="off")
+    assert "[0, 15]" in str(err.value)
     assert rq_jobs(stack) == jobs
 
 

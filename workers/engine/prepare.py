@@ -315,6 +315,7 @@ class GraphTemplate:
     state: dict[str, torch.Tensor]  # state_dict name -> meta tensor (shape and dtype to expect)
     parameters: frozenset[str]
     input_dtype: str | None  # the captured user input's dtype ("int64": token ids)
+    index_bound: int | None  # token ids index embedding tables of this many rows (the smallest)
 
 
 # (ref, dtype) -> GraphTemplate and (ref, dtype, input shape, input dtype) -> (output shape, dtype).
@@ -357,7 +358,8 @@ def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: Engin
     state = dict(model.state_dict(keep_vars=True))
     template = GraphTemplate(ref=ref, spec=spec, model=model, state=state,
                              parameters=frozenset(n for n, _ in model.named_parameters()),
-                             input_dtype=users[0].dtype)
+                             input_dtype=users[0].dtype,
+                             index_bound=getattr(model, "index_bounds", {}).get(users[0].name))
     _templates.put(key, template)
     return template
 
@@ -389,6 +391,12 @@ def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torc
             raise SpecError("bad_tensor", f"inputs: the graph takes integer {want} inputs (token ids), got "
                             f"{str(inputs.dtype).removeprefix('torch.')}; send integers")
         inputs = inputs.to(tensors.TORCH_DTYPES[want])
+        rows = template.index_bound
+        if rows is not None and inputs.numel() and not inputs.is_meta and \
+                (int(inputs.min()) < 0 or int(inputs.max()) >= rows):
+            raise SpecError("bad_tensor", f"inputs: token ids must lie in [0, {rows - 1}] (the rows of the embedding "
+                            f"table they index), got values in [{int(inputs.min())}, {int(inputs.max())}]",
+                            rows=rows)
     else:
         inputs = inputs.to(dtype)
         if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):

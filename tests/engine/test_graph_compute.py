@@ -1,0 +1,204 @@
+"""Graph models through prepare() and compute(), in process: weights, graph_ref, options, memory,
+training semantics, thread safety. (The graph format itself is tests/engine/test_graph.py's.)"""
+
+from __future__ import annotations
+
+import threading
+
+import fakeredis
+import msgspec
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gradclient.export import export_graph
+from gradclient.tensors import from_wire, to_wire
+from gradsvc import keys
+from gradsvc.wire import GradientRequest
+from workers.engine import EngineConfig, SpecError, compute, estimate, graphref, prepare
+from workers.graphs import GraphStore
+
+from ..graph_models import CASES, local_gradients
+
+CONFIG = EngineConfig()
+
+
+def request(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str = "cross_entropy", *, graph=None,
+            weights: dict | None = None, **options) -> GradientRequest:
+    exported = export_graph(model, (x,))
+    weights = exported.weights if weights is None else weights
+    spec = {"graph_ref": graph} if isinstance(graph, str) else {"graph": exported.graph}
+    body = {"model": {**spec, "dtype": str(x.dtype).removeprefix("torch.") if x.is_floating_point() else "float32",
+                      "weights": {k: to_wire(v, "msgpack") for k, v in weights.items()}},
+            "inputs": to_wire(x, "msgpack"), "targets": to_wire(y, "msgpack"), "loss": loss,
+            "options": {"numcheck": "off", **options}}
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest)
+
+
+def grads(result) -> dict[str, torch.Tensor]:
+    return {n: from_wire(t) for n, t in result.gradients.items() if t is not None}
+
+
+def close(got: dict, want: dict, tol: float) -> bool:
+    return set(got) == set(want) and all(
+        float((got[n] - w).abs().max()) <= tol * max(float(w.abs().max()), 1e-30) for n, w in want.items())
+
+
+@pytest.fixture(scope="module")
+def unet():
+    model, x, y, loss = CASES["unet_skip"](torch.float64)
+    return model, x, y, loss, request(model, x, y, loss)
+
+
+def test_graph_gradients_come_back_under_state_dict_names_with_a_ref(unet):
+    model, x, y, loss, req = unet
+    result = compute(req, CONFIG)
+    assert close(grads(result), local_gradients(model, x, y, loss), 1e-12)
+    assert result.graph_ref == graphref.digest(graphref.encode(req.model.graph))
+
+
+def test_missing_weights_are_refused_saying_there_is_no_default_init(unet):
+    model, x, y, loss, _ = unet
+    weights = dict(export_graph(model, (x,)).weights)
+    weights.pop("dec.bias")
+    with pytest.raises(SpecError) as err:
+        prepare(request(model, x, y, loss, weights=weights), CONFIG)
+    assert err.value.code == "bad_weights" and err.value.detail["parameter"] == "dec.bias"
+    assert "no default initialisation" in err.value.message
+
+
+def test_unknown_and_misshapen_weights_name_the_tensor(unet):
+    model, x, y, loss, _ = unet
+    weights = dict(export_graph(model, (x,)).weights)
+    for bad, name in (({**weights, "dec.scale": torch.ones(2)}, "dec.scale"),
+                      ({**weights, "enc.bias": torch.ones(7)}, "enc.bias")):
+        with pytest.raises(SpecError) as err:
+            prepare(request(model, x, y, loss, weights=bad), CONFIG)
+        assert err.value.code == "bad_weights" and name in err.value.message
+
+
+def test_a_graph_ref_resolves_through_the_store_or_is_graph_not_found(unet):
+    model, x, y, loss, req = unet
+    ref = compute(req, CONFIG).graph_ref
+    by_ref = request(model, x, y, loss, graph=ref)
+    seen = []
+    result = compute(by_ref, CONFIG, graphs=lambda r: seen.append(r) or req.model.graph)
+    assert seen == [ref] and close(grads(result), local_gradients(model, x, y, loss), 1e-12)
+    with pytest.raises(SpecError) as err:
+        prepare(request(model, x, y, loss, graph="f" * 64), CONFIG, graphs=lambda r: None)
+    assert err.value.code == "graph_not_found" and "model.graph" in err.value.message
+
+
+def test_checkpoint_segments_and_batch_statistics_options_are_refused_on_meta():
+    model, x, y, loss = CASES["resnet_block"](torch.float32)
+    with pytest.raises(SpecError) as err:
+        prepare(request(model, x, y, loss, checkpoint_segments=2), CONFIG)
+    assert err.value.code == "bad_option" and "checkpoint_segments" in err.value.message
+    for option in ({"micro_batch": 2}, {"per_sample": "norms"}):
+        with pytest.raises(SpecError) as err:
+            prepare(request(model, x, y, loss, **option), CONFIG)
+        assert err.value.code == "bad_option" and err.value.detail["module"] == "bn1", err.value.message
+    model.eval()  # running statistics instead of batch statistics: nothing mixes the batch
+    prepare(request(model, x, y, loss, micro_batch=2), CONFIG)
+
+
+def test_memory_rows_are_module_paths_and_add_up(unet):
+    model, x, y, loss, req = unet
+    memory = compute(req, CONFIG).memory
+    names = [row.name for row in memory.layers]
+    assert len(names) == len(set(names)) and set(names) <= {n for n, _ in model.named_modules()}
+    assert {"enc", "dec"} <= set(names)
+    assert sum(row.saved_bytes for row in memory.layers) == memory.saved_bytes_total > 0
+    dec = next(row for row in memory.layers if row.name == "dec")
+    assert dec.type == "Conv2d" and dec.parameter_bytes == 8 * sum(p.numel() for p in model.dec.parameters())
+    predicted = estimate(req, CONFIG).memory
+    assert [(r.name, r.saved_bytes) for r in predicted.layers] == [(r.name, r.saved_bytes) for r in memory.layers]
+
+
+class Dropping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def test_dropout_masks_are_seeded_and_fixed_across_the_numerical_check():
+    torch.manual_seed(0)
+    model = Dropping().double().train()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    req = request(model, x, y, numcheck="exact")
+    first, second = compute(req, CONFIG), compute(req, CONFIG)
+    assert first.numcheck.passed and first.numcheck.max_rel_error < 1e-6
+    assert close(grads(first), grads(second), 0.0)
+    assert not close(grads(first), local_gradients(model.eval(), x, y, "cross_entropy"), 1e-3)  # dropout ran
+
+
+def test_hvp_through_attention_equals_double_backward_with_the_math_kernel():
+    model, x, y, loss = CASES["prenorm_block"](torch.float64)
+    result = compute(request(model, x, y, loss, hvp={"vector": "random", "seed": 3}), CONFIG)
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(3)
+    v = {n: torch.randn(p.shape, generator=gen, dtype=torch.float64) for n, p in params.items()}
+    with sdpa_kernel([SDPBackend.MATH]):
+        value = nn.functional.cross_entropy(model(x), y)
+        g = torch.autograd.grad(value, list(params.values()), create_graph=True)
+        hv = torch.autograd.grad(g, list(params.values()), grad_outputs=[v[n] for n in params])
+    assert close({n: from_wire(t) for n, t in result.hvp.items()}, dict(zip(params, hv)), 1e-10)
+
+
+def test_token_ids_beyond_the_embedding_are_refused_before_the_queue():
+    model, x, y, loss = CASES["hf_bert"](torch.float32)
+    with pytest.raises(SpecError) as err:
+        prepare(request(model, x + 16, y, loss), CONFIG)
+    assert err.value.code == "bad_tensor" and "[0, 15]" in err.value.message
+
+
+def test_prepare_from_eight_threads_sees_no_error_and_the_right_shapes():
+    cases = []
+    for name in ("unet_skip", "prenorm_block"):
+        model, x, y, loss = CASES[name](torch.float32)
+        req = request(model, x, y, loss)
+        ref = compute(req, CONFIG).graph_ref
+        cases += [(req, None, list(model(x).shape)), (request(model, x, y, loss, graph=ref), req.model.graph,
+                                                      list(model(x).shape))]
+    errors, shapes = [], []
+
+    def hammer(k: int) -> None:
+        try:
+            for i in range(12):
+                req, graph, want = cases[(k + i) % len(cases)]
+                prep = prepare(req, CONFIG, "meta", graphs=lambda r, g=graph: g)
+                shapes.append(prep.output_shape == want)
+        except Exception as exc:  # noqa: BLE001 - any exception is the failure this test looks for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(shapes) == 96 and all(shapes)
+
+
+def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(unet):
+    *_, req = unet
+    redis = fakeredis.FakeRedis()
+    store = GraphStore(redis, "t", ttl_s=100)
+    data = graphref.encode(req.model.graph)
+    ref = graphref.digest(data)
+    store.put(ref, req.model.graph, data)
+    key = keys.graph_key("t", ref)
+    assert redis.get(key) == data and 0 < redis.ttl(key) <= 100
+    redis.expire(key, 5)
+    assert store.get(ref) is req.model.graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
+    other = GraphStore(redis, "t", ttl_s=100)  # another process: read from Redis, decoded, checked
+    assert other.get(ref) == req.model.graph
+    redis.delete(key)
+    assert GraphStore(redis, "t", ttl_s=100).get(ref) is None
+    assert store.get(ref) is req.model.graph and redis.get(key) == data  # still held here: stored again
+    redis.set(keys.graph_key("t", "0" * 64), data)  # bytes that do not hash to their key are not a graph
+    assert GraphStore(redis, "t", ttl_s=100).get("0" * 64) is None

@@ -122,6 +122,34 @@ def test_step_two_sends_no_graph_and_uses_the_new_weights(client, recorder, stac
     print(f"\nstep one {len(body1)} B (graph {graph_bytes} B), step two {len(body2)} B")
 
 
+async def test_the_async_client_sends_graph_then_ref(stack):
+    from gradclient import AsyncClient
+
+    recorder = Recorder()
+    model, x, y, loss = CASES["unet_skip"](torch.float32)
+    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None
+    async with AsyncClient(stack.base_url, api_key=key, timeout=300,
+                           transport=AsyncRecorder(recorder)) as client:
+        first = await client.gradients(model, x, y, loss=loss, numcheck="off")
+        job = await client.submit(model, x, y, loss=loss, numcheck="off")
+        second = await job.result(timeout=300)
+    sent = [msgspec.msgpack.decode(b)["model"] for _, b in recorder.posts]
+    assert [("graph" in s, "graph_ref" in s) for s in sent] == [(True, False), (False, True)]
+    assert second.graph_ref == first.graph_ref
+    assert_close(second.gradients, local_gradients(model, x, y, loss), 1e-4)
+
+
+class AsyncRecorder(httpx.AsyncHTTPTransport):
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            self.recorder.posts.append((request.url.path, await request.aread()))
+        return await super().handle_async_request(request)
+
+
 def test_a_batch_of_another_size_reuses_the_export(client, recorder):
     model, x, y, loss = CASES["unet_skip"](torch.float32)
     client.gradients(model, x, y, loss=loss, numcheck="off")

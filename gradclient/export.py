@@ -165,7 +165,7 @@ def _refuse_input_writes(node: "torch.fx.Node", specs: dict, kinds: dict) -> Non
 
 def _dtype(t: torch.Tensor) -> str:
     name = str(t.dtype).removeprefix("torch.")
-    if name not in wire.ITEMSIZE and name not in ("int8", "int16"):
+    if name not in wire.ITEMSIZE:
         raise UnsupportedModuleError(f"a tensor of dtype {t.dtype} cannot travel; use one of {', '.join(wire.DTYPES)}")
     return name
 

@@ -212,6 +212,20 @@ def test_current_module_names_the_running_node_for_saved_tensor_hooks():
     assert gm.current_module == ""
 
 
+def test_values_are_dropped_after_their_last_use():
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(8, 8), torch.nn.ReLU())])
+    x = torch.randn(3, 8)
+    gm = graph_model(*over_the_wire(export_graph(model, (x,)), "json"))
+    made: list = []
+    with torch.no_grad():
+        out = gm.run(x, visit=lambda i, value, a, k: made.append(weakref.ref(value)))[0]
+    alive = [r() for r in made if r() is not None]
+    assert len(made) == 8 and len(alive) == 1 and alive[0] is out
+
+
 def test_check_graph_shapes_gives_the_output_on_meta():
     _, x, eg = exported("unet_skip")
     gm = build_graph(eg.graph, limits=LIMITS, device="meta")

@@ -33,7 +33,7 @@ from .spec import Limits
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,200}$")
 _DEVICE = re.compile(r"^(cpu|cuda|meta|mps)(:\d{1,3})?$")
-_DTYPES = {**tensors.TORCH_DTYPES, "int8": torch.int8, "int16": torch.int16, "complex64": torch.complex64}
+_DTYPES = {**tensors.TORCH_DTYPES, "int8": torch.int8, "int16": torch.int16}  # dtype arguments
 _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
                    "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
@@ -142,7 +142,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         if inp.kind in ("parameter", "buffer"):
             _check_target(inp.target, where, targets)
             targets[inp.target] = inp.kind
-            if inp.dtype not in _DTYPES or inp.shape is None or len(inp.shape) > 8 or \
+            if inp.dtype not in tensors.TORCH_DTYPES or inp.shape is None or len(inp.shape) > 8 or \
                     any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in inp.shape):
                 raise _bad(f"{where}: a {inp.kind} needs 'dtype' (one of {', '.join(tensors.TORCH_DTYPES)}) and "
                            f"'shape' (at most 8 sizes >= 0), got dtype={inp.dtype!r} shape={inp.shape!r}",
@@ -384,7 +384,7 @@ class GraphModel(nn.Module):
     """An exported graph as a module: parameters and buffers under their state_dict names, forward
     interprets the nodes in order and returns the first user output (`run` returns them all)."""
 
-    def __init__(self, spec: GraphSpec, compiled: Compiled, *, device: str | torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, compiled: Compiled, *, device: str | torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self._graph = compiled
         self._dtype = dtype
@@ -404,6 +404,7 @@ class GraphModel(nn.Module):
         self._users: list[int] = []
         self._consts: list[tuple[int, str]] = []
         self._probe: tuple[nn.Module, str] | None = None
+        holder: dict[str, tuple[nn.Module, str]] = {}
         self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
         self.failed_args: list = []
         for slot, inp in compiled.inputs:
@@ -428,6 +429,8 @@ class GraphModel(nn.Module):
                     raise _bad(f"{inp.kind} {inp.target!r} cannot be registered: {exc}", "bad_weights",
                                parameter=inp.target) from None
                 self._holders.append((slot, inp.kind, owner, attr))
+                holder[inp.target] = (owner, attr)
+        self._mutations = [(*holder[target], slot) for target, slot in compiled.mutations]
 
     def _owner(self, target: str) -> tuple[nn.Module, str]:
         *path, attr = target.split(".")
@@ -471,12 +474,13 @@ class GraphModel(nn.Module):
                 return a
 
             steps = []
-            for s in self._graph.steps:
+            frees = _last_uses(self._graph)
+            for i, s in enumerate(self._graph.steps):
                 args = tuple(fix(a) for a in s.args)
                 kwargs = {k: fix(v) for k, v in s.kwargs.items()}
                 refs = tuple(i for i, a in enumerate(args) if _has_ref(a))
                 krefs = tuple(k for k, v in kwargs.items() if _has_ref(v))
-                steps.append((s.slot, s.op.fn, args, kwargs, refs, krefs, s.writes_buffer, s.op.is_assert))
+                steps.append((s.slot, s.op.fn, args, kwargs, refs, krefs, s.writes_buffer, s.op.is_assert, frees[i]))
             consts = []
             for slot, target in self._consts:
                 c = self._graph.constants[target]
@@ -509,7 +513,7 @@ class GraphModel(nn.Module):
         kwargs: Any = {}
         self.failed_node = None
         try:
-            for i, (slot, fn, args, kwargs, refs, krefs, writes_buffer, is_assert) in enumerate(steps):
+            for i, (slot, fn, args, kwargs, refs, krefs, writes_buffer, is_assert, free) in enumerate(steps):
                 if is_assert:
                     continue
                 if refs:
@@ -530,6 +534,8 @@ class GraphModel(nn.Module):
                 env[slot] = out
                 if visit is not None:
                     visit(i, out, args, kwargs)
+                for j in free:  # as eager Python drops a value after its last use (peak memory)
+                    env[j] = None
         except Exception:
             self.failed_node = i
             self.failed_args = [*args, *kwargs.values()] if i >= 0 else []
@@ -537,13 +543,38 @@ class GraphModel(nn.Module):
         finally:
             if track:
                 self.current_module = self.current_module_type = ""
-        for target, slot in self._graph.mutations:
-            owner, attr = self._owner(target)
-            buf = owner._buffers[attr]
+        for owner, attr, slot in self._mutations:
+            buf = getattr(owner, attr)
             if env[slot] is not buf:
                 with torch.no_grad():
                     buf.copy_(env[slot])
         return [_fill(o, env) for o in self._graph.outputs]
+
+
+def _last_uses(graph: Compiled) -> list[tuple[int, ...]]:
+    """For each step, the node slots read for the last time there (never outputs or buffer updates)."""
+    last: dict[int, int] = {}
+    first_node = graph.steps[0].slot if graph.steps else graph.n_slots
+    for i, s in enumerate(graph.steps):
+        for r in _refs([*s.args, *s.kwargs.values()]):
+            if r.i >= first_node:
+                last[r.i] = i
+    keep = {r.i for r in _refs(graph.outputs)} | {slot for _, slot in graph.mutations}
+    frees: list[list[int]] = [[] for _ in graph.steps]
+    for i, s in enumerate(graph.steps):
+        if s.slot not in keep:
+            frees[last.get(s.slot, i)].append(s.slot)  # an unused value goes at once
+    return [tuple(f) for f in frees]
+
+
+def _refs(values: list) -> list[Ref]:
+    out = []
+    for a in values:
+        if isinstance(a, Ref):
+            out.append(a)
+        elif isinstance(a, list):
+            out.extend(_refs(a))
+    return out
 
 
 def _has_ref(a: Any) -> bool:
@@ -567,7 +598,7 @@ def build_graph(spec: GraphSpec, *, limits: Limits, device: str | torch.device =
     if n > limits.max_parameters:
         raise _bad(f"the model has {n} parameters, above the limit of {limits.max_parameters}; use a smaller model",
                    "too_large", parameter_count=n, limit=limits.max_parameters)
-    return GraphModel(spec, compiled, device=device, dtype=dtype)
+    return GraphModel(compiled, device=device, dtype=dtype)
 
 
 def load_weights(model: GraphModel, weights: dict[str, torch.Tensor], *, device: str | torch.device) -> GraphModel:

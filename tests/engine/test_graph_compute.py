@@ -88,6 +88,9 @@ def test_a_graph_ref_resolves_through_the_store_or_is_graph_not_found(unet):
     with pytest.raises(SpecError) as err:
         prepare(request(model, x, y, loss, graph="f" * 64), CONFIG, graphs=lambda r: None)
     assert err.value.code == "graph_not_found" and "model.graph" in err.value.message
+    with pytest.raises(SpecError) as err:  # never a Redis key of the caller's making
+        prepare(request(model, x, y, loss, graph="x" * 100_000), CONFIG, graphs=lambda r: pytest.fail(r[:20]))
+    assert err.value.code == "graph_not_found" and "64 hex digits" in err.value.message
 
 
 def test_checkpoint_segments_and_batch_statistics_options_are_refused_on_meta():

@@ -8,6 +8,7 @@ a reason that could have been known.
 from __future__ import annotations
 
 import copy
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -324,6 +325,9 @@ _templates: graphref.LRU[GraphTemplate] = graphref.LRU(64)
 _graph_shapes: graphref.LRU[tuple[torch.Size, torch.dtype]] = graphref.LRU(SHAPE_CACHE_ENTRIES)
 
 
+_REF = re.compile(r"[0-9a-f]{64}")
+
+
 def _graph_spec(request: GradientRequest, dtype: torch.dtype,
                 graphs: GraphResolver | None) -> tuple[str, GraphSpec | None, bytes | None]:
     """(ref, graph, canonical bytes) for model.graph, or model.graph_ref resolved through `graphs`."""
@@ -331,6 +335,9 @@ def _graph_spec(request: GradientRequest, dtype: torch.dtype,
         data = graphref.encode(request.model.graph)
         return graphref.digest(data), request.model.graph, data
     ref = request.model.graph_ref
+    if not _REF.fullmatch(ref):
+        raise SpecError("graph_not_found", f"model.graph_ref {ref[:80]!r} is not a graph_ref (64 hex digits, as a "
+                        "result's graph_ref gives it); send the graph itself as model.graph", graph_ref=ref[:80])
     spec = graphs(ref) if graphs is not None else None
     if spec is None:
         hit = _templates.get((ref, dtype))  # a library caller without a store: the graphs seen here

@@ -104,8 +104,17 @@ def test_an_unknown_option_is_refused_before_sending():
     with Client("http://127.0.0.1:9", retries=0) as client:
         with pytest.raises(errors.BadOptionError, match="numchek"):
             client.gradients(spec(), X, Y, numchek="off")
-        with pytest.raises(errors.UnsupportedModuleError):
-            client.gradients(nn.Sequential(nn.Linear(6, 3), nn.Hardswish()), X, Y)
+        with pytest.raises(errors.UnsupportedModuleError):  # neither a layer spec nor exportable
+            client.gradients(_DataDependent(), X, Y)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)  # control flow on values: torch.export refuses it
 
 
 class CountingTransport(httpx.HTTPTransport):

@@ -441,7 +441,8 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
             kind = "parameter" if name in template.parameters else "buffer"
             raise SpecError("bad_weights", f"weights: {kind} {name!r} is missing. A graph model has no default "
                             "initialisation (the seeded init exists for layer specs only): send every parameter and "
-                            "buffer under its state_dict name, as model.state_dict() gives them", parameter=name)
+                            "buffer the graph's inputs name, under that name (named_parameters() and named_buffers(), "
+                            "non-persistent buffers included)", parameter=name)
     out = {}
     for name, wire in given.items():
         t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)

@@ -97,6 +97,9 @@ def test_lifted_tensor_constants_travel_as_wire_tensors():
     (const,) = eg.graph.constants.values()
     assert const.dtype == "float32" and const.shape == [3]
     assert torch.allclose(run_graph(eg, x), model(x))
+    for codec in (msgspec.json, msgspec.msgpack):  # raw bytes: base64 in JSON, bin in MessagePack
+        eg.graph = codec.decode(codec.encode(eg.graph), type=wire.GraphSpec)
+        assert torch.allclose(run_graph(eg, x), model(x))
 
 
 def test_modules_with_non_tensor_outputs_or_input_mutation_are_refused():

@@ -210,6 +210,7 @@ def test_current_module_names_the_running_node_for_saved_tensor_hooks():
         loss_of(gm(x)).backward()
     assert {"conv1", "bn1", "conv2", "bn2", "head"} <= set(saved)
     assert gm.current_module == ""
+    assert gm.module_types["bn1"] == "BatchNorm2d" and gm.module_types["conv1"] == "Conv2d"
 
 
 def test_values_are_dropped_after_their_last_use():
@@ -590,3 +591,38 @@ def test_mutated_graphs_fail_only_with_spec_errors(name):
         except SpecError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 50 and outcomes["passed"] > 0, outcomes
+
+
+# ---- CUDA (skipped without a GPU) ------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["resnet_block", "hf_llama"])
+def test_graph_on_cuda_matches_eager_on_cuda(name):
+    model, x, eg = exported(name)
+    graph, weights = over_the_wire(eg, "msgpack")
+    gm = load_weights(build_graph(graph, limits=LIMITS, device="meta"), weights, device="cuda")
+    model, x = model.cuda(), x.cuda()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # full float32 on both sides
+        out, got = grads(gm, x)  # factories and device arguments follow the model onto the GPU
+        _, want = grads(model, x)
+    assert out.device.type == "cuda"
+    assert_grads_close(got, want, 1e-4)
+
+
+@cuda
+def test_empty_on_cuda_never_hands_back_another_callers_memory():
+    graph = spec([{"name": "e", "op": "aten.empty.memory_format", "args": [[1024, 1024]],
+                   "kwargs": {"dtype": {"dtype": "float32"}, "device": {"device": "cuda"}}},
+                  {"name": "l", "op": "aten.empty_like.default", "args": [{"node": "x"}]},
+                  {"name": "s", "op": "aten.sum.default", "args": [{"node": "l"}]},
+                  {"name": "a", "op": "aten.add.Tensor", "args": [{"node": "e"}, {"node": "s"}]}])
+    gm = load_weights(build_graph(graph, limits=LIMITS, device="meta"), {"fc.weight": torch.ones(2, 3)},
+                      device="cuda")
+    for _ in range(3):
+        secret = torch.full((1024, 1024), 7.0, device="cuda")
+        del secret  # the caching allocator keeps the block and hands it to the next request of this size
+        out = gm(torch.full((1024, 1024), 7.0, device="cuda")[:4, :3])
+        assert int(torch.count_nonzero(out)) == 0

@@ -393,6 +393,7 @@ class GraphModel(nn.Module):
         self.current_module = ""
         self.current_module_type = ""
         self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
+        self.module_types = {s.module: s.module_type for s in compiled.steps}  # module path -> class name
         self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
         # Integer inputs that index an embedding table: name -> exclusive bound, for checking token ids
         # before the run (an id past the table is an IndexError in the worker, not a shape error).

@@ -824,7 +824,7 @@ class _BatchFlow:
             shape = _arg(step, "normalized_shape")
             n = len(shape) if isinstance(shape, list) else 1
             return rank is not None and p >= rank - n
-        if op.name == "aten.index.Tensor":
+        if op.name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
             indices = _arg(step, "indices") or []
             return p < len(indices) and indices[p] is not None
         if not op.along_dim:

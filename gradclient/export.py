@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ class ExportedGraph:
     graph: wire.GraphSpec
     weights: dict[str, torch.Tensor]  # every parameter and buffer the graph reads, by state_dict name
     dynamic_batch: bool = True  # False: the static fallback, valid for the example's batch size only
+    frozen: list[str] = field(default_factory=list)  # parameters with requires_grad=False (options.freeze)
 
 
 def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> ExportedGraph:
@@ -53,7 +54,9 @@ def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
         except Exception as exc:
             raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
     graph, weights = _convert(ep, module)
-    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic)
+    params = dict(module.named_parameters())
+    frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
+    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic, frozen=frozen)
 
 
 def _reason(exc: Exception) -> str:

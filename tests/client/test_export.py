@@ -73,6 +73,13 @@ def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
     assert x_input.dtype == "float32" and x_input.shape == [-1, 4, 6, 6]  # -1: the dynamic batch
 
 
+def test_frozen_parameters_are_listed():
+    model, x = graph_nets.build("prenorm_block")
+    model.ln1.requires_grad_(False)
+    assert export_graph(model, (x,)).frozen == ["ln1.weight", "ln1.bias"]
+    assert export_graph(graph_nets.build("prenorm_block")[0], (x,)).frozen == []
+
+
 def test_tied_weights_are_one_parameter():
     model, x = graph_nets.build("hf_gpt2")
     eg = export_graph(model, (x,))

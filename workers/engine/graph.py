@@ -390,6 +390,9 @@ class GraphModel(nn.Module):
         self._dtype = dtype
         self._programs: dict[tuple, tuple] = {}
         self.track_modules = False
+        # False: run as captured (its own casts to other float dtypes stay, as in eager). True: every float
+        # in float64 when running in float64, for the numerical check (HF's RMSNorm casts to float32).
+        self.upcast_all = False
         self.current_module = ""
         self.current_module_type = ""
         self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
@@ -454,7 +457,7 @@ class GraphModel(nn.Module):
         return self._dtype
 
     def _program(self, dtype: torch.dtype, device: torch.device) -> tuple:
-        key = (dtype, device)
+        key = (dtype, device, self.upcast_all)
         prog = self._programs.get(key)
         if prog is None:
             captured = self._graph.dtype
@@ -462,6 +465,8 @@ class GraphModel(nn.Module):
             def fix(a: Any) -> Any:
                 if isinstance(a, FloatDType):
                     d = a.dtype
+                    if dtype == captured and not self.upcast_all:
+                        return d  # the model as captured: its own casts (float32 RMSNorm, rotary) stay
                     return torch.float64 if dtype == torch.float64 else (dtype if d == captured else d)
                 if a is DEVICE:
                     return device
@@ -650,8 +655,8 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
 
     def visit(i: int, out: Any, args: list, kwargs: dict) -> None:
         step = steps[i]
-        if step.op.aliases_input:
-            return  # a view or an in-place result: no new memory
+        if step.op.aliases_input and _shares_storage(out, args):
+            return  # a view or an in-place result: no new memory (contiguous/reshape/to may copy instead)
         for t in _tensors(out):
             n = t.numel()
             if n > limits.max_elements:
@@ -681,6 +686,16 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
                         f"{env_args}: {first}", node=step.name, op=step.op.name, module=step.module,
                         input_shapes=env_args) from None
     return outs[0]
+
+
+def _shares_storage(out: Any, args: Any) -> bool:
+    """Whether `out` is (a view of) the op's first tensor argument: on meta too, storages are objects."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    outs = _tensors(out)
+    if first is None or not outs:
+        return False
+    key = first.untyped_storage()._cdata
+    return all(t.untyped_storage()._cdata == key for t in outs)
 
 
 def _where_step(step: Step) -> str:

@@ -451,6 +451,10 @@ def test_names_targets_and_inputs_are_checked():
     refused(spec([linear()], outputs=[]), "bad_option")
     refused(spec([linear()], version=2), "bad_option")
     refused(spec([linear()], inputs=[X, W, {"name": "c", "kind": "constant", "target": "nowhere"}]), "bad_option")
+    refused(spec([linear(module="m" * 5000)]), "bad_option")
+    many = [X, W] + [{"name": f"b{i}", "kind": "buffer", "target": f"b{i}", "dtype": "float32", "shape": [1]}
+                     for i in range(LIMITS.max_graph_nodes)]
+    refused(spec([linear()], inputs=many), "too_large")
 
 
 def test_in_place_writes_on_parameters_or_inputs_are_refused_on_buffers_allowed():

@@ -125,6 +125,9 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if len(spec.nodes) > limits.max_graph_nodes:
         raise _bad(f"{len(spec.nodes)} nodes, above the limit of {limits.max_graph_nodes}; export a smaller model",
                    "too_large", nodes=len(spec.nodes), limit=limits.max_graph_nodes)
+    if len(spec.inputs) > limits.max_graph_nodes:
+        raise _bad(f"{len(spec.inputs)} inputs, above the limit of {limits.max_graph_nodes}; export a smaller model",
+                   "too_large", inputs=len(spec.inputs), limit=limits.max_graph_nodes)
     if spec.dtype not in tensors.FLOAT_DTYPES:
         raise _bad(f"dtype {spec.dtype!r} is not a floating dtype; use one of {', '.join(tensors.FLOAT_DTYPES)}")
     if not spec.outputs:
@@ -175,6 +178,9 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             raise SpecError("unsupported_op", f"model.graph: {_where(node)}: op {node.op!r} is not allowed; the "
                             f"allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
                             module=node.module)
+        if len(node.module) > 1000 or len(node.module_type) > 200:
+            raise _bad(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",
+                       node=node.name[:200])
         ctx = _Context(node, slots, kinds, later)
         args, kwargs, bound = _bind(node, op, ctx)
         if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):

@@ -482,6 +482,13 @@ def test_100000_nodes_are_refused_before_any_node_is_examined():
     assert err.detail["limit"] == LIMITS.max_graph_nodes and "100000 nodes" in err.message
 
 
+def test_argument_lists_are_bounded_per_argument_and_per_graph():
+    long = {"name": "v", "op": "aten.view.default", "args": [{"node": "x"}, [1] * 100_001]}
+    refused(spec([long]), "bad_option")
+    wide = [{"name": f"v{i}", "op": "aten.view.default", "args": [{"node": "x"}, [1] * 90_000]} for i in range(25)]
+    refused(spec(wide), "too_large")
+
+
 def test_intermediates_over_the_limits_are_too_large_on_meta():
     big = spec([{"name": "o", "op": "aten.ones.default", "args": [[100_000, 100_000]],
                  "kwargs": {"dtype": {"dtype": "float32"}}},

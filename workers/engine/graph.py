@@ -38,6 +38,7 @@ _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
                    "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
 _MAX_LIST = 100_000
+_MAX_VALUES = 2_000_000  # argument values in one graph (a size list counts each item)
 _SHOW = reprlib.Repr()  # short, depth-limited reprs of request values in messages
 _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother = 3, 6, 3, 60, 60
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
@@ -168,6 +169,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if not any(inp.kind == "input" for inp in spec.inputs):
         raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
     later = {n.name for n in spec.nodes}
+    budget = [_MAX_VALUES]
     inputs_by_slot = dict(inputs)
     index_bounds: dict[str, int] = {}
     steps: list[Step] = []
@@ -181,7 +183,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         if len(node.module) > 1000 or len(node.module_type) > 200:
             raise _bad(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",
                        node=node.name[:200])
-        ctx = _Context(node, slots, kinds, later)
+        ctx = _Context(node, slots, kinds, later, budget)
         args, kwargs, bound = _bind(node, op, ctx)
         if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):
             kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
@@ -215,7 +217,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             table = inputs_by_slot.get(bound["weight"].i)
             if source is not None and source.kind == "input" and table is not None and table.shape:
                 index_bounds[source.name] = min(index_bounds.get(source.name, table.shape[0]), table.shape[0])
-    out_ctx = _Context(None, slots, kinds, set())
+    out_ctx = _Context(None, slots, kinds, set(), budget)
     outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
     if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
         raise _bad("outputs[0] must be {\"node\": name} of a tensor (the loss applies to it)")
@@ -278,8 +280,15 @@ def _check_index(node: Any, source: Step | None, args: list) -> None:
 
 
 class _Context:
-    def __init__(self, node: Any, slots: dict[str, int], kinds: list[str], later: set[str]) -> None:
+    def __init__(self, node: Any, slots: dict[str, int], kinds: list[str], later: set[str], budget: list[int]) -> None:
         self.node, self.slots, self.kinds, self.later = node, slots, kinds, later
+        self.budget = budget  # argument values the whole graph may still hold (one shared counter)
+
+    def spend(self, n: int) -> None:
+        self.budget[0] -= n
+        if self.budget[0] < 0:
+            raise _bad(f"the graph's arguments hold more than {_MAX_VALUES} values; export a smaller model",
+                       "too_large", limit=_MAX_VALUES)
 
     def where(self, arg: str) -> str:
         return f"{_where(self.node)}, argument {arg!r}" if self.node is not None else arg
@@ -368,6 +377,7 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
             return v  # an int for int[N], as torch accepts
         if not isinstance(v, list) or len(v) > _MAX_LIST:
             raise bad(f"a list of {t[1][0]} (at most {_MAX_LIST} items)")
+        ctx.spend(len(v))
         return [_value(x, t[1], ctx, arg) for x in v]
     if isinstance(v, bool):
         if kind in ("bool", "number"):

@@ -44,9 +44,12 @@ def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
     if not example_inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in example_inputs):
         raise UnsupportedModuleError("example inputs must be one or more tensors with a batch dimension (dim 0)")
     dynamic = True
+    # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
+    # one is traced as two (the example repeated) and the graph still takes any batch size.
+    traced = tuple(torch.cat([x, x]) if x.shape[0] == 1 else x for x in example_inputs)
     try:
         batch = torch.export.Dim("batch", min=1)
-        ep = torch.export.export(module, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
+        ep = torch.export.export(module, traced, dynamic_shapes=tuple({0: batch} for _ in traced))
     except Exception:
         dynamic = False
         try:

@@ -31,6 +31,15 @@ def test_one_dynamic_export_serves_batch_3_and_7():
         assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
 
 
+def test_a_batch_of_one_still_exports_a_dynamic_batch():
+    model, x = graph_nets.build("prenorm_block")
+    eg = export_graph(model, (x[:1],))
+    assert eg.dynamic_batch
+    for batch in (1, 5):
+        xb = torch.randn(batch, 5, 8)
+        assert torch.allclose(run_graph(eg, xb), model(xb), atol=1e-6)
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -465,6 +465,8 @@ def test_in_place_writes_on_parameters_or_inputs_are_refused_on_buffers_allowed(
     bn = {"name": "a", "op": "aten.batch_norm.default",
           "args": [{"node": "x"}, None, None, {"node": "w"}, None, True, 0.1, 1e-5, False]}
     refused(spec([bn]), "unsupported_op")  # a parameter as running_mean would be written
+    bn_eval = {**bn, "args": [{"node": "x"}, None, None, {"node": "w"}, {"node": "w"}, False, 0.1, 1e-5, False]}
+    validate_graph(spec([bn_eval]), limits=LIMITS)  # in eval mode nothing is written
     buf = {"name": "b", "kind": "buffer", "target": "count", "dtype": "int64", "shape": []}
     graph = spec([{"name": "a", "op": "aten.add_.Tensor", "args": [{"node": "b"}, 1]}, linear()], inputs=[X, W, buf])
     gm = graph_model(graph, {"fc.weight": torch.ones(2, 3), "count": torch.tensor(5)})

@@ -195,7 +195,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
                 raise _bad(f"{_where(node)}: an in-place op needs a tensor to write, got {_SHOW.repr(target)}",
                            node=node.name, op=node.op)
             writes_buffer = _check_write(node, target, roots, input_kind, "is written in place")
-        for arg in _STAT_WRITES.get(node.op, ()):
+        training = bound.get("use_input_stats" if node.op == "aten.instance_norm.default" else "training")
+        for arg in _STAT_WRITES.get(node.op, ()) if training is not False else ():
             if isinstance(bound.get(arg), Ref):
                 _check_write(node, bound[arg], roots, input_kind, f"is written as {arg}", buffers_only=True)
         _check_name(node.name, _where(node), slots)

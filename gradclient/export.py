@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -209,6 +210,14 @@ def _arg(a, node: "torch.fx.Node", alias: dict[str, str]):
                                  f"({a!r}), which the graph format cannot carry")
 
 
+def _state_dict_path(path: str) -> str:
+    """"layer1.0.conv1" as it is; the Dynamo spelling "L['self'].layer1[0].conv1" (older torch) made so."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    return path.strip(".")
+
+
 def _module_of(node: "torch.fx.Node") -> dict[str, str]:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -216,5 +225,6 @@ def _module_of(node: "torch.fx.Node") -> dict[str, str]:
     path, kind = list(stack.values())[-1]
     if path.startswith("_empty_nn_module_stack"):
         return {}
+    path = _state_dict_path(path)
     name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
     return {"module": path, "module_type": name.rsplit(".", 1)[-1]}

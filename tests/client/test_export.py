@@ -142,3 +142,14 @@ def test_what_export_gives_for_attention_transformer_encoder_dropout_and_train_m
         # No fused fast path (_transformer_encoder_layer_fwd) in either mode: export traces the slow path.
         assert not any("transformer_encoder_layer" in op for op in ops), ops
         assert "aten.dropout.default" in ops
+
+
+def test_module_paths_are_state_dict_prefixes():
+    from gradclient.export import _state_dict_path
+
+    assert _state_dict_path("layer1.0.conv1") == "layer1.0.conv1"
+    assert _state_dict_path("L['self'].layer1[0].conv1") == "layer1.0.conv1"  # older torch's spelling
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), nn.Linear(3, 2)))
+    eg = export_graph(model, (torch.randn(2, 3),))
+    assert [(n.module, n.module_type) for n in eg.graph.nodes] == \
+        [("0", "Linear"), ("1.0", "ReLU"), ("1.1", "Linear")]

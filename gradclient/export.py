@@ -58,7 +58,7 @@ def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
         except Exception as exc:
             raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
     graph, weights = _convert(ep, module)
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters(remove_duplicate=False))
     frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
     return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic, frozen=frozen)
 

@@ -640,3 +640,21 @@ def test_empty_on_cuda_never_hands_back_another_callers_memory():
         del secret  # the caching allocator keeps the block and hands it to the next request of this size
         out = gm(torch.full((1024, 1024), 7.0, device="cuda")[:4, :3])
         assert int(torch.count_nonzero(out)) == 0
+
+
+def test_a_graph_of_two_inputs_runs_and_is_scanned():
+    class Pair(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * self.b(z)
+
+    model = Pair()
+    x, z = torch.randn(5, 3), torch.randn(5, 4)
+    eg = export_graph(model, (x, z))
+    assert [i.name for i in eg.graph.inputs if i.kind == "input"] == ["x", "z"]
+    gm = graph_model(*over_the_wire(eg, "json"))
+    assert torch.allclose(gm(x, z), model(x, z))
+    assert batch_mixing_nodes(build_graph(eg.graph, limits=LIMITS), [5, 3]) == []

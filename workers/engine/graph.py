@@ -741,9 +741,10 @@ def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ..
     b1 = int(input_shape[0])
     runs = []
     for batch in (b1, b1 + 1):
-        shape = [batch, *input_shape[1:]]
+        # The first input as given; any other at its exported shape (dim 0 the batch too).
+        shapes_in = [[batch, *input_shape[1:]]] + [[batch, *(spec.shape or [0])[1:]] for spec in model.input_specs[1:]]
         xs = [torch.empty(shape, dtype=_DTYPES.get(spec.dtype or "", model.run_dtype), device="meta")
-              for spec in model.input_specs]
+              for shape, spec in zip(shapes_in, model.input_specs)]
         shapes: dict[int, Any] = {slot: tuple(x.shape) for slot, x in zip(model._users, xs)}
         for slot, kind, owner, attr in model._holders:
             shapes[slot] = tuple((owner._parameters if kind == "parameter" else owner._buffers)[attr].shape)

@@ -391,6 +391,15 @@ def test_empty_ops_run_zero_filled_never_returning_uninitialised_memory():
         assert out.shape == (256, 1024) and int(torch.count_nonzero(out)) == 0
 
 
+def test_factories_run_on_the_models_device_unpinned_whatever_the_graph_says():
+    graph = spec([{"name": "o", "op": "aten.ones.default", "args": [[2, 2]],
+                   "kwargs": {"device": {"device": "cuda:7"}, "pin_memory": True}}, linear()],
+                 outputs=[{"node": "y"}, {"node": "o"}])
+    gm = graph_model(graph, {"fc.weight": torch.ones(2, 3)})
+    _, ones = gm.run(torch.randn(4, 3))
+    assert ones.device.type == "cpu" and not ones.is_pinned() and torch.equal(ones, torch.ones(2, 2))
+
+
 def test_cycle_and_forward_references_are_refused():
     err = refused(spec([
         {"name": "a", "op": "aten.relu.default", "args": [{"node": "b"}]},

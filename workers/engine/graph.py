@@ -187,6 +187,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         args, kwargs, bound = _bind(node, op, ctx)
         if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):
             kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
+        if "pin_memory" in bound:
+            kwargs["pin_memory"] = None  # page-locked host memory is the worker's to decide, not a graph's
         slot = len(kinds)
         writes_buffer = False
         if op.inplace:

@@ -400,6 +400,15 @@ def test_factories_run_on_the_models_device_unpinned_whatever_the_graph_says():
     assert ones.device.type == "cpu" and not ones.is_pinned() and torch.equal(ones, torch.ones(2, 2))
 
 
+def test_sparse_embedding_gradients_come_back_dense():
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    x = torch.randint(0, 10, (3, 5))
+    gm = graph_model(*over_the_wire(export_graph(model, (x,)), "json"))
+    gm(x).sum().backward()
+    model(x).sum().backward()
+    assert not gm.weight.grad.is_sparse and torch.equal(gm.weight.grad, model.weight.grad.to_dense())
+
+
 def test_cycle_and_forward_references_are_refused():
     err = refused(spec([
         {"name": "a", "op": "aten.relu.default", "args": [{"node": "b"}]},

@@ -189,6 +189,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
         if "pin_memory" in bound:
             kwargs["pin_memory"] = None  # page-locked host memory is the worker's to decide, not a graph's
+        if node.op == "aten.embedding.default" and bound.get("sparse"):
+            _set_arg(op, args, kwargs, "sparse", False)  # dense gradients, the same values: they travel
         slot = len(kinds)
         writes_buffer = False
         if op.inplace:
@@ -233,6 +235,14 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         mutations.append((target, slots[name]))
     return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
                     n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype], index_bounds=index_bounds)
+
+
+def _set_arg(op: Op, args: list, kwargs: dict, name: str, value: Any) -> None:
+    positional = [p.name for p in op.params if not p.kwarg_only]
+    if name in positional and positional.index(name) < len(args):
+        args[positional.index(name)] = value
+    else:
+        kwargs[name] = value
 
 
 def _module(path: str) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ class ExportedGraph:
     graph: wire.GraphSpec
     weights: dict[str, torch.Tensor]  # every parameter and buffer the graph reads, by state_dict name
     dynamic_batch: bool = True  # False: the static fallback, valid for the example's batch size only
+    frozen: list[str] = field(default_factory=list)  # parameters with requires_grad=False (options.freeze)
 
 
 def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> ExportedGraph:
@@ -43,9 +45,12 @@ def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
     if not example_inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in example_inputs):
         raise UnsupportedModuleError("example inputs must be one or more tensors with a batch dimension (dim 0)")
     dynamic = True
+    # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
+    # one is traced as two (the example repeated) and the graph still takes any batch size.
+    traced = tuple(torch.cat([x, x]) if x.shape[0] == 1 else x for x in example_inputs)
     try:
         batch = torch.export.Dim("batch", min=1)
-        ep = torch.export.export(module, example_inputs, dynamic_shapes=tuple({0: batch} for _ in example_inputs))
+        ep = torch.export.export(module, traced, dynamic_shapes=tuple({0: batch} for _ in traced))
     except Exception:
         dynamic = False
         try:
@@ -53,7 +58,9 @@ def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
         except Exception as exc:
             raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
     graph, weights = _convert(ep, module)
-    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
+    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic, frozen=frozen)
 
 
 def _reason(exc: Exception) -> str:
@@ -203,6 +210,14 @@ def _arg(a, node: "torch.fx.Node", alias: dict[str, str]):
                                  f"({a!r}), which the graph format cannot carry")
 
 
+def _state_dict_path(path: str) -> str:
+    """"layer1.0.conv1" as it is; the Dynamo spelling "L['self'].layer1[0].conv1" (older torch) made so."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    return path.strip(".")
+
+
 def _module_of(node: "torch.fx.Node") -> dict[str, str]:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -210,5 +225,6 @@ def _module_of(node: "torch.fx.Node") -> dict[str, str]:
     path, kind = list(stack.values())[-1]
     if path.startswith("_empty_nn_module_stack"):
         return {}
+    path = _state_dict_path(path)
     name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
     return {"module": path, "module_type": name.rsplit(".", 1)[-1]}

@@ -31,6 +31,15 @@ def test_one_dynamic_export_serves_batch_3_and_7():
         assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
 
 
+def test_a_batch_of_one_still_exports_a_dynamic_batch():
+    model, x = graph_nets.build("prenorm_block")
+    eg = export_graph(model, (x[:1],))
+    assert eg.dynamic_batch
+    for batch in (1, 5):
+        xb = torch.randn(batch, 5, 8)
+        assert torch.allclose(run_graph(eg, xb), model(xb), atol=1e-6)
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +82,13 @@ def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
     assert x_input.dtype == "float32" and x_input.shape == [-1, 4, 6, 6]  # -1: the dynamic batch
 
 
+def test_frozen_parameters_are_listed():
+    model, x = graph_nets.build("prenorm_block")
+    model.ln1.requires_grad_(False)
+    assert export_graph(model, (x,)).frozen == ["ln1.weight", "ln1.bias"]
+    assert export_graph(graph_nets.build("prenorm_block")[0], (x,)).frozen == []
+
+
 def test_tied_weights_are_one_parameter():
     model, x = graph_nets.build("hf_gpt2")
     eg = export_graph(model, (x,))
@@ -97,6 +113,9 @@ def test_lifted_tensor_constants_travel_as_wire_tensors():
     (const,) = eg.graph.constants.values()
     assert const.dtype == "float32" and const.shape == [3]
     assert torch.allclose(run_graph(eg, x), model(x))
+    for codec in (msgspec.json, msgspec.msgpack):  # raw bytes: base64 in JSON, bin in MessagePack
+        eg.graph = codec.decode(codec.encode(eg.graph), type=wire.GraphSpec)
+        assert torch.allclose(run_graph(eg, x), model(x))
 
 
 def test_modules_with_non_tensor_outputs_or_input_mutation_are_refused():
@@ -123,3 +142,14 @@ def test_what_export_gives_for_attention_transformer_encoder_dropout_and_train_m
         # No fused fast path (_transformer_encoder_layer_fwd) in either mode: export traces the slow path.
         assert not any("transformer_encoder_layer" in op for op in ops), ops
         assert "aten.dropout.default" in ops
+
+
+def test_module_paths_are_state_dict_prefixes():
+    from gradclient.export import _state_dict_path
+
+    assert _state_dict_path("layer1.0.conv1") == "layer1.0.conv1"
+    assert _state_dict_path("L['self'].layer1[0].conv1") == "layer1.0.conv1"  # older torch's spelling
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), nn.Linear(3, 2)))
+    eg = export_graph(model, (torch.randn(2, 3),))
+    assert [(n.module, n.module_type) for n in eg.graph.nodes] == \
+        [("0", "Linear"), ("1.0", "ReLU"), ("1.1", "Linear")]

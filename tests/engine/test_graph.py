@@ -17,7 +17,7 @@ from workers.engine import SpecError
 from workers.engine import tensors as engine_tensors
 from workers.engine.graph import (GraphModel, batch_mixing_nodes, build_graph, check_graph_shapes, load_weights,
                                   validate_graph)
-from workers.engine.ops import OPS
+from workers.engine.ops import OPS, SKIPPED
 from workers.engine.spec import Limits
 
 from .. import graph_nets
@@ -210,6 +210,7 @@ def test_current_module_names_the_running_node_for_saved_tensor_hooks():
         loss_of(gm(x)).backward()
     assert {"conv1", "bn1", "conv2", "bn2", "head"} <= set(saved)
     assert gm.current_module == ""
+    assert gm.module_types["bn1"] == "BatchNorm2d" and gm.module_types["conv1"] == "Conv2d"
 
 
 def test_values_are_dropped_after_their_last_use():
@@ -244,6 +245,7 @@ def test_the_allow_list_has_no_host_random_or_uninitialised_ops():
             assert not isinstance(op.fn, torch._ops.OpOverload), name
     assert {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
             "aten.empty_strided.default"} <= set(OPS)
+    assert SKIPPED == []  # every entry of the table resolves on the pinned torch
 
 
 # ---- batch mixing ---------------------------------------------------------------------------------------
@@ -389,6 +391,24 @@ def test_empty_ops_run_zero_filled_never_returning_uninitialised_memory():
         assert out.shape == (256, 1024) and int(torch.count_nonzero(out)) == 0
 
 
+def test_factories_run_on_the_models_device_unpinned_whatever_the_graph_says():
+    graph = spec([{"name": "o", "op": "aten.ones.default", "args": [[2, 2]],
+                   "kwargs": {"device": {"device": "cuda:7"}, "pin_memory": True}}, linear()],
+                 outputs=[{"node": "y"}, {"node": "o"}])
+    gm = graph_model(graph, {"fc.weight": torch.ones(2, 3)})
+    _, ones = gm.run(torch.randn(4, 3))
+    assert ones.device.type == "cpu" and not ones.is_pinned() and torch.equal(ones, torch.ones(2, 2))
+
+
+def test_sparse_embedding_gradients_come_back_dense():
+    model = torch.nn.Embedding(10, 4, sparse=True)
+    x = torch.randint(0, 10, (3, 5))
+    gm = graph_model(*over_the_wire(export_graph(model, (x,)), "json"))
+    gm(x).sum().backward()
+    model(x).sum().backward()
+    assert not gm.weight.grad.is_sparse and torch.equal(gm.weight.grad, model.weight.grad.to_dense())
+
+
 def test_cycle_and_forward_references_are_refused():
     err = refused(spec([
         {"name": "a", "op": "aten.relu.default", "args": [{"node": "b"}]},
@@ -450,6 +470,10 @@ def test_names_targets_and_inputs_are_checked():
     refused(spec([linear()], outputs=[]), "bad_option")
     refused(spec([linear()], version=2), "bad_option")
     refused(spec([linear()], inputs=[X, W, {"name": "c", "kind": "constant", "target": "nowhere"}]), "bad_option")
+    refused(spec([linear(module="m" * 5000)]), "bad_option")
+    many = [X, W] + [{"name": f"b{i}", "kind": "buffer", "target": f"b{i}", "dtype": "float32", "shape": [1]}
+                     for i in range(LIMITS.max_graph_nodes)]
+    refused(spec([linear()], inputs=many), "too_large")
 
 
 def test_in_place_writes_on_parameters_or_inputs_are_refused_on_buffers_allowed():
@@ -459,6 +483,8 @@ def test_in_place_writes_on_parameters_or_inputs_are_refused_on_buffers_allowed(
     bn = {"name": "a", "op": "aten.batch_norm.default",
           "args": [{"node": "x"}, None, None, {"node": "w"}, None, True, 0.1, 1e-5, False]}
     refused(spec([bn]), "unsupported_op")  # a parameter as running_mean would be written
+    bn_eval = {**bn, "args": [{"node": "x"}, None, None, {"node": "w"}, {"node": "w"}, False, 0.1, 1e-5, False]}
+    validate_graph(spec([bn_eval]), limits=LIMITS)  # in eval mode nothing is written
     buf = {"name": "b", "kind": "buffer", "target": "count", "dtype": "int64", "shape": []}
     graph = spec([{"name": "a", "op": "aten.add_.Tensor", "args": [{"node": "b"}, 1]}, linear()], inputs=[X, W, buf])
     gm = graph_model(graph, {"fc.weight": torch.ones(2, 3), "count": torch.tensor(5)})
@@ -475,6 +501,13 @@ def test_100000_nodes_are_refused_before_any_node_is_examined():
     err = refused(graph, "too_large")
     assert time.perf_counter() - start < 5  # a generous bound; bench/graph_overhead.py measures it
     assert err.detail["limit"] == LIMITS.max_graph_nodes and "100000 nodes" in err.message
+
+
+def test_argument_lists_are_bounded_per_argument_and_per_graph():
+    long = {"name": "v", "op": "aten.view.default", "args": [{"node": "x"}, [1] * 100_001]}
+    refused(spec([long]), "bad_option")
+    wide = [{"name": f"v{i}", "op": "aten.view.default", "args": [{"node": "x"}, [1] * 90_000]} for i in range(25)]
+    refused(spec(wide), "too_large")
 
 
 def test_intermediates_over_the_limits_are_too_large_on_meta():
@@ -590,3 +623,56 @@ def test_mutated_graphs_fail_only_with_spec_errors(name):
         except SpecError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 50 and outcomes["passed"] > 0, outcomes
+
+
+# ---- CUDA (skipped without a GPU) ------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["resnet_block", "hf_llama"])
+def test_graph_on_cuda_matches_eager_on_cuda(name):
+    model, x, eg = exported(name)
+    graph, weights = over_the_wire(eg, "msgpack")
+    gm = load_weights(build_graph(graph, limits=LIMITS, device="meta"), weights, device="cuda")
+    model, x = model.cuda(), x.cuda()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # full float32 on both sides
+        out, got = grads(gm, x)  # factories and device arguments follow the model onto the GPU
+        _, want = grads(model, x)
+    assert out.device.type == "cuda"
+    assert_grads_close(got, want, 1e-4)
+
+
+@cuda
+def test_empty_on_cuda_never_hands_back_another_callers_memory():
+    graph = spec([{"name": "e", "op": "aten.empty.memory_format", "args": [[1024, 1024]],
+                   "kwargs": {"dtype": {"dtype": "float32"}, "device": {"device": "cuda"}}},
+                  {"name": "l", "op": "aten.empty_like.default", "args": [{"node": "x"}]},
+                  {"name": "s", "op": "aten.sum.default", "args": [{"node": "l"}]},
+                  {"name": "a", "op": "aten.add.Tensor", "args": [{"node": "e"}, {"node": "s"}]}])
+    gm = load_weights(build_graph(graph, limits=LIMITS, device="meta"), {"fc.weight": torch.ones(2, 3)},
+                      device="cuda")
+    for _ in range(3):
+        secret = torch.full((1024, 1024), 7.0, device="cuda")
+        del secret  # the caching allocator keeps the block and hands it to the next request of this size
+        out = gm(torch.full((1024, 1024), 7.0, device="cuda")[:4, :3])
+        assert int(torch.count_nonzero(out)) == 0
+
+
+def test_a_graph_of_two_inputs_runs_and_is_scanned():
+    class Pair(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * self.b(z)
+
+    model = Pair()
+    x, z = torch.randn(5, 3), torch.randn(5, 4)
+    eg = export_graph(model, (x, z))
+    assert [i.name for i in eg.graph.inputs if i.kind == "input"] == ["x", "z"]
+    gm = graph_model(*over_the_wire(eg, "json"))
+    assert torch.allclose(gm(x, z), model(x, z))
+    assert batch_mixing_nodes(build_graph(eg.graph, limits=LIMITS), [5, 3]) == []

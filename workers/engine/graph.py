@@ -38,6 +38,7 @@ _LAYOUTS = {"strided": torch.strided}
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
                    "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
 _MAX_LIST = 100_000
+_MAX_VALUES = 2_000_000  # argument values in one graph (a size list counts each item)
 _SHOW = reprlib.Repr()  # short, depth-limited reprs of request values in messages
 _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother = 3, 6, 3, 60, 60
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
@@ -125,6 +126,9 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if len(spec.nodes) > limits.max_graph_nodes:
         raise _bad(f"{len(spec.nodes)} nodes, above the limit of {limits.max_graph_nodes}; export a smaller model",
                    "too_large", nodes=len(spec.nodes), limit=limits.max_graph_nodes)
+    if len(spec.inputs) > limits.max_graph_nodes:
+        raise _bad(f"{len(spec.inputs)} inputs, above the limit of {limits.max_graph_nodes}; export a smaller model",
+                   "too_large", inputs=len(spec.inputs), limit=limits.max_graph_nodes)
     if spec.dtype not in tensors.FLOAT_DTYPES:
         raise _bad(f"dtype {spec.dtype!r} is not a floating dtype; use one of {', '.join(tensors.FLOAT_DTYPES)}")
     if not spec.outputs:
@@ -165,6 +169,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     if not any(inp.kind == "input" for inp in spec.inputs):
         raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
     later = {n.name for n in spec.nodes}
+    budget = [_MAX_VALUES]
     inputs_by_slot = dict(inputs)
     index_bounds: dict[str, int] = {}
     steps: list[Step] = []
@@ -175,10 +180,17 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             raise SpecError("unsupported_op", f"model.graph: {_where(node)}: op {node.op!r} is not allowed; the "
                             f"allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
                             module=node.module)
-        ctx = _Context(node, slots, kinds, later)
+        if len(node.module) > 1000 or len(node.module_type) > 200:
+            raise _bad(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",
+                       node=node.name[:200])
+        ctx = _Context(node, slots, kinds, later, budget)
         args, kwargs, bound = _bind(node, op, ctx)
         if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):
             kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
+        if "pin_memory" in bound:
+            kwargs["pin_memory"] = None  # page-locked host memory is the worker's to decide, not a graph's
+        if node.op == "aten.embedding.default" and bound.get("sparse"):
+            _set_arg(op, args, kwargs, "sparse", False)  # dense gradients, the same values: they travel
         slot = len(kinds)
         writes_buffer = False
         if op.inplace:
@@ -187,7 +199,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
                 raise _bad(f"{_where(node)}: an in-place op needs a tensor to write, got {_SHOW.repr(target)}",
                            node=node.name, op=node.op)
             writes_buffer = _check_write(node, target, roots, input_kind, "is written in place")
-        for arg in _STAT_WRITES.get(node.op, ()):
+        training = bound.get("use_input_stats" if node.op == "aten.instance_norm.default" else "training")
+        for arg in _STAT_WRITES.get(node.op, ()) if training is not False else ():
             if isinstance(bound.get(arg), Ref):
                 _check_write(node, bound[arg], roots, input_kind, f"is written as {arg}", buffers_only=True)
         _check_name(node.name, _where(node), slots)
@@ -209,7 +222,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             table = inputs_by_slot.get(bound["weight"].i)
             if source is not None and source.kind == "input" and table is not None and table.shape:
                 index_bounds[source.name] = min(index_bounds.get(source.name, table.shape[0]), table.shape[0])
-    out_ctx = _Context(None, slots, kinds, set())
+    out_ctx = _Context(None, slots, kinds, set(), budget)
     outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
     if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
         raise _bad("outputs[0] must be {\"node\": name} of a tensor (the loss applies to it)")
@@ -222,6 +235,14 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         mutations.append((target, slots[name]))
     return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
                     n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype], index_bounds=index_bounds)
+
+
+def _set_arg(op: Op, args: list, kwargs: dict, name: str, value: Any) -> None:
+    positional = [p.name for p in op.params if not p.kwarg_only]
+    if name in positional and positional.index(name) < len(args):
+        args[positional.index(name)] = value
+    else:
+        kwargs[name] = value
 
 
 def _module(path: str) -> str:
@@ -272,8 +293,15 @@ def _check_index(node: Any, source: Step | None, args: list) -> None:
 
 
 class _Context:
-    def __init__(self, node: Any, slots: dict[str, int], kinds: list[str], later: set[str]) -> None:
+    def __init__(self, node: Any, slots: dict[str, int], kinds: list[str], later: set[str], budget: list[int]) -> None:
         self.node, self.slots, self.kinds, self.later = node, slots, kinds, later
+        self.budget = budget  # argument values the whole graph may still hold (one shared counter)
+
+    def spend(self, n: int) -> None:
+        self.budget[0] -= n
+        if self.budget[0] < 0:
+            raise _bad(f"the graph's arguments hold more than {_MAX_VALUES} values; export a smaller model",
+                       "too_large", limit=_MAX_VALUES)
 
     def where(self, arg: str) -> str:
         return f"{_where(self.node)}, argument {arg!r}" if self.node is not None else arg
@@ -362,6 +390,7 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
             return v  # an int for int[N], as torch accepts
         if not isinstance(v, list) or len(v) > _MAX_LIST:
             raise bad(f"a list of {t[1][0]} (at most {_MAX_LIST} items)")
+        ctx.spend(len(v))
         return [_value(x, t[1], ctx, arg) for x in v]
     if isinstance(v, bool):
         if kind in ("bool", "number"):
@@ -396,6 +425,7 @@ class GraphModel(nn.Module):
         self.current_module = ""
         self.current_module_type = ""
         self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
+        self.module_types = {s.module: s.module_type for s in compiled.steps}  # module path -> class name
         self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
         # Integer inputs that index an embedding table: name -> exclusive bound, for checking token ids
         # before the run (an id past the table is an IndexError in the worker, not a shape error).
@@ -723,9 +753,10 @@ def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ..
     b1 = int(input_shape[0])
     runs = []
     for batch in (b1, b1 + 1):
-        shape = [batch, *input_shape[1:]]
+        # The first input as given; any other at its exported shape (dim 0 the batch too).
+        shapes_in = [[batch, *input_shape[1:]]] + [[batch, *(spec.shape or [0])[1:]] for spec in model.input_specs[1:]]
         xs = [torch.empty(shape, dtype=_DTYPES.get(spec.dtype or "", model.run_dtype), device="meta")
-              for spec in model.input_specs]
+              for shape, spec in zip(shapes_in, model.input_specs)]
         shapes: dict[int, Any] = {slot: tuple(x.shape) for slot, x in zip(model._users, xs)}
         for slot, kind, owner, attr in model._holders:
             shapes[slot] = tuple((owner._parameters if kind == "parameter" else owner._buffers)[attr].shape)
@@ -838,7 +869,7 @@ class _BatchFlow:
             shape = _arg(step, "normalized_shape")
             n = len(shape) if isinstance(shape, list) else 1
             return rank is not None and p >= rank - n
-        if op.name == "aten.index.Tensor":
+        if op.name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
             indices = _arg(step, "indices") or []
             return p < len(indices) and indices[p] is not None
         if not op.along_dim:

@@ -396,7 +396,7 @@ def test_hostile_graph_gets_a_coded_4xx_before_the_queue(http, stack, tiny, name
     assert rq_jobs(stack) == jobs  # nothing was queued, so no worker ran it
 
 
-def test_a_known_graph_s_validation_is_a_look_up(http, tiny):
+def test_a_graph_ref_over_http_answers_as_the_graph_did(http, tiny):
     first = http.post("/gradients", json=tiny)
     ref = first.json()["graph_ref"]
     body = {**tiny, "model": {"graph_ref": ref, "weights": tiny["model"]["weights"]}}

@@ -304,6 +304,24 @@ def test_nodes_mixing_examples_are_found(how, op):
     assert all(module == "" for _, _, module in found)
 
 
+def test_attention_across_the_batch_is_found():
+    """nn.MultiheadAttention without batch_first fed (batch, seq, dim) attends over the batch."""
+    torch.manual_seed(0)
+    attn = torch.nn.MultiheadAttention(8, 2)
+
+    class Wrong(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    eg = export_graph(Wrong(), (torch.randn(4, 5, 8),))
+    found = batch_mixing_nodes(build_graph(eg.graph, limits=LIMITS), [4, 5, 8])
+    assert ("aten.scaled_dot_product_attention.default", "attn") in [(op, m) for _, op, m in found]
+
+
 def test_reshapes_that_keep_rows_per_example_mix_nothing():
     x = torch.randn(4, 6)
     model = Mixer("heads")

@@ -869,6 +869,8 @@ class _BatchFlow:
             shape = _arg(step, "normalized_shape")
             n = len(shape) if isinstance(shape, list) else 1
             return rank is not None and p >= rank - n
+        if op.name == "aten.scaled_dot_product_attention.default":  # attends along dim -2 of query and key
+            return any(p == len(self.s1[r.i]) - 2 for r, (p, _) in batched if isinstance(self.s1.get(r.i), tuple))
         if op.name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
             indices = _arg(step, "indices") or []
             return p < len(indices) and indices[p] is not None

@@ -4,7 +4,6 @@ GraphModel, and hostile graphs refused before anything runs."""
 from __future__ import annotations
 
 import copy
-import time
 
 import msgspec
 import pytest
@@ -126,8 +125,9 @@ def test_batch_norm_running_stats_after_one_step_equal_eager():
     grads(gm, x)
     grads(model, x)
     for name in ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"):
+        initial = torch.ones(4) if "var" in name else torch.zeros(4)
+        assert not torch.equal(gm.get_buffer(name), initial), name  # one step moved them
         assert torch.allclose(gm.get_buffer(name), model.get_buffer(name), rtol=1e-6, atol=1e-7), name
-        assert not torch.equal(gm.get_buffer(name), eg.weights[name] * 0 + (1.0 if "var" in name else 0.0))
     assert int(gm.get_buffer("bn1.num_batches_tracked")) == int(model.bn1.num_batches_tracked) == 1
 
 
@@ -514,10 +514,7 @@ def test_100000_nodes_are_refused_before_any_node_is_examined():
     nodes = [{"name": f"n{i}", "op": "aten.relu.default", "args": [{"node": f"n{i - 1}" if i else "x"}]}
              for i in range(100_000)]
     nodes[-1]["op"] = "aten.not_an_op.default"  # examined nodes would make this unsupported_op
-    graph = spec(nodes)
-    start = time.perf_counter()
-    err = refused(graph, "too_large")
-    assert time.perf_counter() - start < 5  # a generous bound; bench/graph_overhead.py measures it
+    err = refused(spec(nodes), "too_large")  # how fast: bench/graph_interpreter.py
     assert err.detail["limit"] == LIMITS.max_graph_nodes and "100000 nodes" in err.message
 
 

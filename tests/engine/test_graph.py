@@ -290,6 +290,26 @@ class Mixer(torch.nn.Module):
         raise ValueError(self.how)
 
 
+def test_picking_each_examples_own_row_mixes_nothing_picking_another_does():
+    class Pool(torch.nn.Module):
+        def __init__(self, reverse: bool) -> None:
+            super().__init__()
+            self.fc, self.reverse = torch.nn.Linear(6, 3), reverse
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, seq, 6) -> (batch, 3)
+            y = self.fc(x)
+            rows = torch.arange(x.shape[0])
+            rows = rows.flip(0) if self.reverse else rows
+            return y[rows, torch.full((x.shape[0],), 2)]  # the last-token pooling of HF classifiers
+
+    x = torch.randn(4, 5, 6)
+    own = export_graph(Pool(False), (x,))
+    assert batch_mixing_nodes(build_graph(own.graph, limits=LIMITS), [4, 5, 6]) == []
+    other = export_graph(Pool(True), (x,))
+    assert [op for _, op, _ in batch_mixing_nodes(build_graph(other.graph, limits=LIMITS), [4, 5, 6])] == \
+        ["aten.index.Tensor"]
+
+
 @pytest.mark.parametrize("how, op", [("centre", "aten.mean.dim"), ("gram", None), ("flip", "aten.flip.default"),
                                      ("softmax", "aten.softmax.int"), ("total", "aten.sum.default"),
                                      ("roll", "aten.roll.default")])

@@ -776,10 +776,13 @@ def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ..
 
 
 def _shape_of(out: Any) -> Any:
+    """A tensor's shape (a tuple), several tensors' (a list), a size's value (an int), else None."""
     if isinstance(out, torch.Tensor):
         return tuple(out.shape)
     if isinstance(out, (list, tuple)):
         return [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in out]
+    if isinstance(out, int) and not isinstance(out, bool):
+        return out
     return None
 
 
@@ -801,6 +804,9 @@ class _BatchFlow:
         self.s1, self.s2, self.b1 = shapes1, shapes2, b1
         self.info: dict[int, Any] = {slot: (0, 1) for slot in inputs}
         self.tainted: set[int] = set(inputs)
+        # arange(batch) and its views and casts: indexing the batch dim with it picks each example itself
+        # (`logits[torch.arange(batch), last_token]`, as Hugging Face sequence classifiers pool).
+        self.iota: set[int] = set()
 
     def mixes(self, step: Step) -> bool:
         refs = [a for a in step.args if isinstance(a, Ref)] + \
@@ -810,12 +816,13 @@ class _BatchFlow:
         # built from sizes (arange over the batch, position ids expanded to it) carries none.
         if step.op.returns != "scalar" and any(r.i in self.tainted for r in refs):
             self.tainted.add(step.slot)
+        self._track_iota(step, refs)
         if step.op.name == "operator.getitem":
             src = self.info.get(step.args[0].i)
             self.info[step.slot] = src[step.args[1]] if isinstance(src, list) and step.args[1] < len(src) else None
             return False
         s1, s2 = self.s1.get(step.slot), self.s2.get(step.slot)
-        if s1 is None:
+        if not isinstance(s1, (tuple, list)):
             return False  # a size or a bool, not data
         batched = [(r, self.info[r.i]) for r in refs if isinstance(self.info.get(r.i), tuple)]
         data = [(r, where) for r, where in batched if r.i in self.tainted]
@@ -826,6 +833,16 @@ class _BatchFlow:
         out, mixes = self._output(step, s1, s2, batched, data)
         self.info[step.slot] = out
         return mixes or self._along(step, data)
+
+    def _track_iota(self, step: Step, refs: list[Ref]) -> None:
+        name = step.op.name
+        if name in ("aten.arange.default", "aten.arange.start"):
+            end, start = _arg(step, "end"), (_arg(step, "start") if name == "aten.arange.start" else 0)
+            if isinstance(end, Ref) and start == 0 and (self.s1.get(end.i), self.s2.get(end.i)) == (self.b1, self.b1 + 1):
+                self.iota.add(step.slot)
+        elif refs and refs[0].i in self.iota and (step.op.aliases_input or name.startswith(("aten._to_copy",
+                                                                                            "aten.to.", "aten.clone"))):
+            self.iota.add(step.slot)
 
     def _output(self, step: Step, s1: Any, s2: Any, batched: list, data: list) -> tuple[Any, bool]:
         b1 = self.b1
@@ -869,9 +886,12 @@ class _BatchFlow:
             shape = _arg(step, "normalized_shape")
             n = len(shape) if isinstance(shape, list) else 1
             return rank is not None and p >= rank - n
+        if op.name == "aten.scaled_dot_product_attention.default":  # attends along dim -2 of query and key
+            return any(p == len(self.s1[r.i]) - 2 for r, (p, _) in batched if isinstance(self.s1.get(r.i), tuple))
         if op.name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
             indices = _arg(step, "indices") or []
-            return p < len(indices) and indices[p] is not None
+            return p < len(indices) and indices[p] is not None and \
+                not (isinstance(indices[p], Ref) and indices[p].i in self.iota)
         if not op.along_dim:
             return False
         dim = _arg(step, "dims") if any(q.name == "dims" for q in op.params) else _arg(step, "dim")

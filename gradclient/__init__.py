@@ -36,5 +36,5 @@ __all__ = [
     "AsyncClient", "AsyncJob", "Client", "Job", "GradientResult", "PerSample", "Estimate", "LayerInfo",
     "LayerMemory", "Memory", "Numcheck", "ParameterCheck", "Timings", "GradientClientError", "ERRORS", "errors",
     "Residual", "to_spec",
-    *(cls.__name__ for cls in GradientClientError.__subclasses__()),
+    *errors.__all__,
 ]

@@ -42,6 +42,23 @@ class GradientResult:
     graph: list[GraphNode] | None = None
     checkpoint: dict[str, float] | None = None
 
+    def summary(self) -> str:
+        """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
+        check and the timings, in torchinfo's style. `print(result)` prints it."""
+        from .summary import summary
+
+        return summary(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def plot(self, path: str | None = None):
+        """Bar charts of saved bytes per layer and of the phase timings (matplotlib: the `plot` extra);
+        saved to `path` when given. Returns the Figure."""
+        from .summary import plot
+
+        return plot(self, path)
+
     def set_grads(self, model: Any) -> None:
         """Writes the gradients into each parameter's `.grad` (as loss.backward() would), so an optimizer
         can step. Frozen parameters (no gradient) are left alone."""

@@ -5,7 +5,7 @@ No torch here: the SDK imports this module without PyTorch installed.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from msgspec import Struct
@@ -154,6 +154,7 @@ class LayerMemory(Struct):
     saved_bytes: int
     output_bytes: int
     parameter_bytes: int
+    output_shape: list[int] | None = None
 
 
 class Memory(Struct):
@@ -253,6 +254,53 @@ class LayerInfo(Struct):
     required: list[str]
     container: bool = False
 
+
+class ErrorCode(NamedTuple):
+    """One error code: its HTTP status, the SDK's exception class, the SDK parent it falls under
+    (`request`: the request was wrong; `job`: the job ran and failed; `unavailable`: try again later;
+    `server`: a gradsvc bug) and what it means."""
+
+    status: int
+    exception: str
+    kind: Literal["request", "job", "unavailable", "server"]
+    meaning: str
+
+
+# The one table of error codes: the API renders these statuses, the workers raise these codes, the SDK
+# builds its exception classes from it. Only codes something raises are listed (a test checks it).
+ERROR_CODES: dict[str, ErrorCode] = {
+    "malformed_body": ErrorCode(400, "MalformedBodyError", "request", "the body is not valid JSON or MessagePack"),
+    "invalid_body": ErrorCode(400, "InvalidBodyError", "request", "the body does not match the request schema"),
+    "bad_request": ErrorCode(400, "BadRequestError", "request", "a query or path parameter is invalid"),
+    "unauthorized": ErrorCode(401, "UnauthorizedError", "request", "the API key is missing or unknown"),
+    "not_found": ErrorCode(404, "NotFoundError", "request", "no such route, or no such job for this API key"),
+    "method_not_allowed": ErrorCode(405, "MethodNotAllowedError", "request", "the route does not take this method"),
+    "body_too_large": ErrorCode(413, "BodyTooLargeError", "request", "the body is over GRADSVC_MAX_BODY_BYTES"),
+    "unsupported_media_type": ErrorCode(415, "UnsupportedMediaTypeError", "request",
+                                        "the body is neither JSON nor MessagePack"),
+    "unknown_layer": ErrorCode(422, "UnknownLayerError", "request", "a layer type or argument is not allowed"),
+    "shape_mismatch": ErrorCode(422, "ShapeMismatchError", "request", "a layer or op cannot take its input's shape"),
+    "bad_weights": ErrorCode(422, "BadWeightsError", "request", "weights are missing, unknown or mis-shaped"),
+    "bad_tensor": ErrorCode(422, "BadTensorError", "request", "a tensor is malformed or holds invalid values"),
+    "bad_loss": ErrorCode(422, "BadLossError", "request", "the loss is unknown or malformed"),
+    "bad_target": ErrorCode(422, "BadTargetError", "request", "the targets do not fit the loss"),
+    "bad_option": ErrorCode(422, "BadOptionError", "request", "an option is invalid or cannot apply to the model"),
+    "unsupported_op": ErrorCode(422, "UnsupportedOpError", "request", "a graph node names an op outside the allow-list"),
+    "graph_not_found": ErrorCode(422, "GraphNotFoundError", "request",
+                                 "model.graph_ref names no graph this service keeps; send the graph again"),
+    "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),
+    "device_unavailable": ErrorCode(422, "DeviceUnavailableError", "request", "the requested device is not there"),
+    "rate_limited": ErrorCode(429, "RateLimitedError", "request", "this API key sent too many jobs; see Retry-After"),
+    "non_finite": ErrorCode(422, "NonFiniteError", "job", "the loss or a gradient is NaN or infinite"),
+    "canceled": ErrorCode(409, "CanceledError", "job", "the job was canceled"),
+    "result_too_large": ErrorCode(413, "ResultTooLargeError", "job", "the result is over GRADSVC_MAX_RESULT_BYTES"),
+    "worker_lost": ErrorCode(503, "WorkerLostError", "job", "the worker running the job died or was cut off"),
+    "timeout": ErrorCode(504, "JobTimeoutError", "job", "the job ran past GRADSVC_JOB_TIMEOUT_S"),
+    "out_of_memory": ErrorCode(507, "OutOfMemoryError", "job", "the device ran out of memory"),
+    "queue_unavailable": ErrorCode(503, "QueueUnavailableError", "unavailable", "Redis is unreachable"),
+    "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
+    "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),
+}
 
 JSON_ENCODER = msgspec.json.Encoder()
 MSGPACK_ENCODER = msgspec.msgpack.Encoder()

@@ -29,7 +29,19 @@ def spec(layers=None, **extra) -> dict:
 
 
 def test_the_sdk_code_list_is_the_api_status_table():
-    assert errors.CODES == STATUS
+    assert errors.CODES == STATUS == {code: entry.status for code, entry in wire.ERROR_CODES.items()}
+
+
+@pytest.mark.parametrize("code, parent", [
+    ("shape_mismatch", errors.RequestError), ("unauthorized", errors.RequestError),
+    ("rate_limited", errors.RequestError), ("worker_lost", errors.JobFailedError),
+    ("out_of_memory", errors.JobFailedError), ("timeout", errors.JobFailedError),
+    ("non_finite", errors.JobFailedError), ("queue_unavailable", errors.ServiceUnavailableError),
+    ("not_ready", errors.ServiceUnavailableError),
+])
+def test_each_class_sits_under_the_parent_a_caller_catches(code, parent):
+    assert issubclass(errors.ERRORS[code], parent)
+    assert issubclass(errors.ConnectionFailedError, errors.ServiceUnavailableError)
 
 
 @pytest.mark.parametrize("wire_format", ["msgpack", "json"])
@@ -52,7 +64,8 @@ def test_every_code_in_an_error_body_raises_its_own_class(code, wire_format):
     assert type(exc) is cls and cls.__name__.endswith("Error") and cls.__name__ in gradclient.__all__
     assert (exc.code, exc.message, exc.detail) == (code, f"{code} happened", {"where": "here"})
     assert exc.status == STATUS[code] and exc.response.status_code == STATUS[code]
-    assert exc.is_retryable == (STATUS[code] == 503)
+    # A job that ran and failed (worker_lost is a 503 too) is never sent again.
+    assert exc.is_retryable == (code in ("queue_unavailable", "not_ready"))
 
 
 def test_one_class_per_code():

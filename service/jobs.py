@@ -19,7 +19,6 @@ from redis.retry import Retry
 from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.utils import utcparse
 
 from gradsvc import keys
@@ -27,7 +26,9 @@ from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from workers.jobs import GradientJob
 from workers.serializer import MsgpackSerializer
+from workers.shards import LeaseRegistry, cancel_queued
 
+from . import shards
 from .errors import ServiceError
 
 JOB_FUNCTION = "workers.jobs.gradient_job"
@@ -71,12 +72,19 @@ class JobStore:
         await self.ablocking.aclose()
         self.redis.close()
 
-    def enqueue(self, body: bytes, fmt: str, device: str, owner: str) -> str:
+    def enqueue(self, body: bytes, fmt: str, device: str, owner: str, sharded=None) -> str:
+        """`sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py)."""
         if device != "auto" and not Worker.all(queue=self.queues[device]):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
                                f"{self.queues[device].name!r}); use options.device='auto' or start a {device} worker",
                                device=device)
+        if sharded is not None:
+            req, prep = sharded
+            count = shards.shard_count(req.options.shards, prep.inputs.shape[0],
+                                       lambda: len(Worker.all(queue=self.queues[device])), self.settings.min_shard_rows)
+            if count > 1:
+                return shards.enqueue(self, req, prep, count, device, owner)
         with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
             job = self.queues[device].enqueue(
                 JOB_FUNCTION, body, fmt,
@@ -119,6 +127,19 @@ class JobStore:
             await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
             return await self.info(job_id, owner, with_result=with_result, _reaped=True)
         meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
+        shard_progress = None
+        if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
+            done, running, started = await shards.progress(self.aredis, meta["shards"])
+            lapsed = {origin for origin, shard_beat in started if self._lease_lapsed(shard_beat)}
+            if lapsed and not _reaped:  # as above, for a shard: it fails the job (workers/shards.py)
+                for queue_name in lapsed:
+                    await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
+                return await self.info(job_id, owner, with_result=with_result, _reaped=True)
+            total = len(meta["shards"])
+            shard_progress = ({"phase": "shards", "done": done, "total": total} if done < total else
+                              {"phase": "reduce", "done": total, "total": total})
+            if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
+                status = b"started"
         if status is None or meta.get("owner") != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
             raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
@@ -134,7 +155,7 @@ class JobStore:
             if result_raw is None:
                 raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
             result = _result_decoder.decode(result_raw)
-        progress = meta.get("progress")
+        progress = shard_progress or meta.get("progress")
         return JobInfo(
             job_id=job_id,
             status=state,
@@ -157,7 +178,7 @@ class JobStore:
 
     def reap_abandoned(self, queue_name: str) -> None:
         """RQ fails every started job in the queue whose lease lapsed (its worker died or lost Redis)."""
-        StartedJobRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
+        LeaseRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
 
     @staticmethod
     def decode_result(raw: bytes) -> GradientResult:
@@ -188,6 +209,8 @@ class JobStore:
             return  # already ended: nothing to cancel
         # The flag also stops a job a worker took between the status read above and job.cancel() below.
         self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.settings.job_timeout_s + 60)
+        if job.meta.get("shards"):
+            cancel_queued(self.redis, job.meta["shards"])  # running shards stop on the flag set above
         if status != "started":
             job.cancel()
             job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",

@@ -129,8 +129,8 @@ class JobStore:
         meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
         shard_progress = None
         if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
-            done, running, started = await shards.progress(self.aredis, meta["shards"])
-            lapsed = {origin for origin, shard_beat in started if self._lease_lapsed(shard_beat)}
+            done, running, leases = await shards.progress(self.aredis, meta["shards"])
+            lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
             if lapsed and not _reaped:  # as above, for a shard: it fails the job (workers/shards.py)
                 for queue_name in lapsed:
                     await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)

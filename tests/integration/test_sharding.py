@@ -157,6 +157,22 @@ def test_a_msgpack_request_is_sharded_from_its_raw_bytes_and_answers_the_same(ht
     assert_same(r.json(), want)
 
 
+def test_the_sdk_sends_shards_and_reads_back_how_the_job_ran(shard_stack):
+    from gradclient import Client
+
+    from ..nets import seed_a_module
+
+    model = seed_a_module()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(N, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (N,), generator=g)
+    with Client(shard_stack.base_url) as client:
+        whole = client.gradients(model, x, y, loss="cross_entropy", numcheck="off")
+        split = client.gradients(model, x, y, loss="cross_entropy", numcheck="off", shards=3)
+    assert whole.shards is None and split.shards.count == 3 and split.shards.rows == [8, 8, 7]
+    for name, grad in whole.gradients.items():
+        assert torch.allclose(split.gradients[name], grad, rtol=REL, atol=0), name
+
+
 def test_auto_runs_one_shard_per_live_worker_of_at_least_min_shard_rows(http):
     assert post(http, body(shards="auto"))["shards"]["count"] == 2  # 2 workers, 23 rows >= 2 x 8
     assert post(http, body(n=15, shards="auto"))["shards"] is None  # 15 rows: one shard of >= 8

@@ -26,7 +26,7 @@ from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from workers.jobs import GradientJob
 from workers.serializer import MsgpackSerializer
-from workers.shards import LeaseRegistry, cancel_queued
+from workers.shards import LeaseRegistry, cancel_queued, settle
 
 from . import shards
 from .errors import ServiceError
@@ -129,11 +129,15 @@ class JobStore:
         meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
         shard_progress = None
         if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
-            done, running, leases = await shards.progress(self.aredis, meta["shards"])
+            done, running, leases, failed = await shards.progress(self.aredis, meta["shards"])
             lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
-            if lapsed and not _reaped:  # as above, for a shard: it fails the job (workers/shards.py)
+            if (lapsed or (failed and status == b"deferred")) and not _reaped:
+                # As above, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
+                # job still waits had its fan-in cut short: run it again.
                 for queue_name in lapsed:
                     await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
+                for shard_id in failed:
+                    await anyio.to_thread.run_sync(settle, self.redis, shard_id)
                 return await self.info(job_id, owner, with_result=with_result, _reaped=True)
             total = len(meta["shards"])
             shard_progress = ({"phase": "shards", "done": done, "total": total} if done < total else

@@ -27,6 +27,7 @@ from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
 from workers.engine.errors import SpecError
 from workers.engine.prepare import Prepared
 from workers.engine.reduce import check_shardable, plan_for, split_rows
+from workers.shards import shard_job_id
 
 if TYPE_CHECKING:
     from .jobs import JobStore
@@ -100,7 +101,7 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     per_loss = req.options.per_loss if plan.uniform else True
     bodies = [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)]
     job_id = uuid.uuid4().hex
-    shard_ids = [f"{job_id}-shard-{k}" for k in range(count)]
+    shard_ids = [shard_job_id(job_id, k) for k in range(count)]
     queue: Queue = store.queues[device]
     ttls = {"timeout": settings.job_timeout_s, "result_ttl": settings.result_ttl_s,
             "failure_ttl": settings.failure_ttl_s}
@@ -126,12 +127,14 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
 
 
 # --- what GET /jobs/{id} and DELETE read and do -----------------------------------------------------------
-async def progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]]]:
-    """(shards finished, any started, [(origin, last_heartbeat) of each started shard]) in one round trip."""
+async def progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]], list[str]]:
+    """(shards finished, any started, [(origin, last_heartbeat) of each running shard], [failed shard ids]),
+    in one round trip."""
     pipe = aredis.pipeline(transaction=False)
     for sid in shard_ids:
         pipe.hmget(Job.key_for(sid), ("status", "origin", "last_heartbeat"))
     rows = await pipe.execute()
     done = sum(1 for status, _, _ in rows if status == b"finished")
-    started = [(origin.decode(), beat) for status, origin, beat in rows if status == b"started" and origin]
-    return done, bool(started) or done > 0, started
+    running = [(origin.decode(), beat) for status, origin, beat in rows if status == b"started" and origin]
+    failed = [sid for sid, (status, _, _) in zip(shard_ids, rows) if status == b"failed"]
+    return done, bool(running) or done > 0, running, failed

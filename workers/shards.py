@@ -34,6 +34,11 @@ log = logging.getLogger("gradsvc.worker")
 _result_decoder = msgspec.msgpack.Decoder(GradientResult)
 
 
+def shard_job_id(job_id: str, index: int) -> str:
+    """The RQ job id of shard `index` of the sharded job `job_id` (the reduce job's id)."""
+    return f"{job_id}-shard-{index}"
+
+
 class LeaseRegistry(StartedJobRegistry):
     """RQ's StartedJobRegistry, whose cleanup (failing abandoned jobs) may run outside the main thread: RQ
     runs failure callbacks under a SIGALRM timeout, which only the main thread may set, so a shard reaped
@@ -101,7 +106,10 @@ def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
         error = {"code": code, "message": why, "detail": {}}
     # The flag stops the running siblings (they poll it) and any that starts later.
     connection.set(keys.cancel_key(prefix, parent), b"1", ex=max(int(job.timeout or 600), 60) + 60)
-    cancel_queued(connection, [f"{parent}-shard-{k}" for k in range(count or 0) if k != index])
+    siblings = [shard_job_id(parent, k) for k in range(count or 0) if k != index]
+    cancel_queued(connection, siblings)
+    if siblings:  # results of siblings that finished first: no reduce job will read them
+        connection.delete(*[keys.result_key(prefix, sid) for sid in siblings])
     if error["code"] == "canceled":
         return  # the job was canceled (DELETE), or a sibling failed first and already failed it
     rows = info.get("rows")
@@ -109,6 +117,16 @@ def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
         f"shard {index} of {count} failed: {error['message']}"
     detail = {**error.get("detail", {}), "shard": index, "shards": count, "shard_job_id": job.id}
     fail_parent(connection, parent, {"code": error["code"], "message": message, "detail": detail})
+
+
+def settle(connection: Redis, shard_id: str) -> None:
+    """Runs the fan-in again for a shard found failed while its job still waits (its failure callback
+    could not run to the end, e.g. Redis went away meanwhile); a no-op once the job has ended."""
+    try:
+        shard = Job.fetch(shard_id, connection=connection, serializer=MsgpackSerializer)
+    except Exception:
+        return
+    shard_failed(shard, connection, None, None, None)
 
 
 def fail_parent(connection: Redis, parent_id: str, error: dict) -> bool:

@@ -26,7 +26,7 @@ from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from workers.jobs import GradientJob
 from workers.serializer import MsgpackSerializer
-from workers.shards import LeaseRegistry, cancel_queued, settle
+from workers.shards import LeaseRegistry, cancel_shards, settle
 
 from . import shards
 from .errors import ServiceError
@@ -213,13 +213,13 @@ class JobStore:
             return  # already ended: nothing to cancel
         # The flag also stops a job a worker took between the status read above and job.cancel() below.
         self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.settings.job_timeout_s + 60)
-        if job.meta.get("shards"):
-            cancel_queued(self.redis, job.meta["shards"])  # running shards stop on the flag set above
         if status != "started":
             job.cancel()
             job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
                                  "detail": {}}
             job.save_meta()
+        if job.meta.get("shards"):
+            cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

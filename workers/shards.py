@@ -19,6 +19,7 @@ from rq.exceptions import AbandonedJobError
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.registry import DeferredJobRegistry, StartedJobRegistry
+from rq.results import Result
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now, utcformat
 
@@ -156,6 +157,14 @@ def fail_parent(connection: Redis, parent_id: str, error: dict) -> bool:
                 return True
             except WatchError:
                 continue
+
+
+def cancel_shards(connection: Redis, job: Job) -> None:
+    """DELETE of a sharded job, after the job's own cancel: its queued shards are canceled at once (running
+    ones stop on the job's cancel flag), and a POST waiting on it wakes (RQ's cancel writes no result)."""
+    cancel_queued(connection, job.meta["shards"])
+    if job.get_status(refresh=True) == JobStatus.CANCELED:
+        Result.create_failure(job, job.failure_ttl, "canceled by DELETE /jobs/{id}")
 
 
 def cancel_queued(connection: Redis, shard_ids: list[str]) -> None:

@@ -227,14 +227,26 @@ def _assert_nothing_queued_or_running(redis: Redis, ids: list[str]) -> None:
         assert redis.hget(Job.key_for(sid), "status") in (b"finished", b"failed", b"canceled"), sid
 
 
-def test_delete_cancels_every_shard_and_progress_counts_them(http, redis):
-    r = http.post("/gradients?wait=0", json=long_body(shards=3))
-    assert r.status_code == 202
-    job_id = r.json()["job_id"]
-    job = wait_status(http, job_id, ("started",))
-    assert job.get("status") == "started" and job["progress"] == {"phase": "shards", "done": 0, "total": 3}
-    t0 = time.monotonic()
-    assert http.delete(f"/jobs/{job_id}").json()["status"] == "canceled"
+def test_delete_cancels_every_shard_and_progress_counts_them(http, redis, shard_stack):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def waiting_post() -> httpx.Response:
+        with httpx.Client(base_url=shard_stack.base_url, timeout=120) as client:
+            return client.post("/gradients?wait=60", json=long_body(shards=3))
+
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(waiting_post)
+        deadline = time.monotonic() + 30
+        while not redis.zcard("rq:deferred:gradsvc") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        job_id = redis.zrange("rq:deferred:gradsvc", 0, -1)[0].decode()
+        job = wait_status(http, job_id, ("started",))
+        assert job.get("status") == "started" and job["progress"] == {"phase": "shards", "done": 0, "total": 3}
+        t0 = time.monotonic()
+        assert http.delete(f"/jobs/{job_id}").json()["status"] == "canceled"
+        answer = waiting.result(timeout=30)  # the waiting POST wakes at once, as for a running job
+        print(f"waiting POST answered {time.monotonic() - t0:.2f} s after DELETE")
+        assert answer.status_code == 409 and answer.json()["error"]["code"] == "canceled", answer.text
     ids = _shard_ids(job_id, 3)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(redis.hget(Job.key_for(s), "status") in (b"queued", b"started")

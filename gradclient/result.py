@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gradsvc.wire import GraphNode, Memory, Numcheck, Timings
+from gradsvc.wire import GraphNode, Memory, Numcheck, ShardsInfo, Timings
 
 from .tensors import from_wire
 
@@ -41,6 +41,7 @@ class GradientResult:
     hvp: dict[str, Any] | None = None
     graph: list[GraphNode] | None = None
     checkpoint: dict[str, float] | None = None
+    shards: ShardsInfo | None = None  # how a request sent with shards=N ran (None when it was not split)
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -88,5 +89,5 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         gradient_cosine=raw.gradient_cosine,
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
-        checkpoint=raw.checkpoint,
+        checkpoint=raw.checkpoint, shards=raw.shards,
     )

@@ -116,6 +116,9 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     per_sample: Literal["off", "norms", "full"] = "off"
     encoding: Literal["auto", "list", "b64"] = "auto"
+    # Split the batch along its first dimension across this many RQ jobs (workers), reduced into one
+    # result; "auto": one shard per live worker of the device, each of at least GRADSVC_MIN_SHARD_ROWS rows.
+    shards: int | Literal["auto"] = 1
 
 
 class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -183,6 +186,20 @@ class GraphNode(Struct):
     next: list[int]
 
 
+class ShardsInfo(Struct):
+    """How a sharded job ran: `rows` per shard in batch order; `critical_path_ms` = the slowest shard's
+    total_ms + reduce_ms (what `timings.total_ms` reports), `compute_ms` = every shard's total_ms summed (the
+    job's cost on one worker, about); `numcheck_shard` is the shard whose check `numcheck` reports (the worst)."""
+
+    count: int
+    rows: list[int]
+    critical_path_ms: float
+    compute_ms: float
+    reduce_ms: float
+    shard_total_ms: list[float]
+    numcheck_shard: int | None = None
+
+
 class GradientResult(Struct, omit_defaults=False):
     device: str
     dtype: str
@@ -207,6 +224,8 @@ class GradientResult(Struct, omit_defaults=False):
     # Graph models: the content hash under which the service keeps the validated graph; send it as
     # `model.graph_ref` (with weights and the batch) instead of the graph on the next request.
     graph_ref: str | None = None
+    # Sharded jobs (options.shards > 1) only; `memory` is then the largest shard's.
+    shards: ShardsInfo | None = None
 
 
 class Estimate(Struct):

@@ -72,9 +72,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
         def enqueue() -> str:  # one thread hop for both
             # Validation on the meta device: an invalid spec never reaches the queue.
-            prepare(req, config, "meta")
+            prep = prepare(req, config, "meta")
             auth.check_rate(owner)
-            return store.enqueue(body, fmt, req.options.device, owner)
+            sharded = (req, prep) if req.options.shards != 1 else None
+            return store.enqueue(body, fmt, req.options.device, owner, sharded=sharded)
 
         job_id = await anyio.to_thread.run_sync(enqueue)
         metrics.jobs_submitted.inc()

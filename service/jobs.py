@@ -19,7 +19,6 @@ from redis.retry import Retry
 from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.utils import utcparse
 
 from gradsvc import keys
@@ -27,7 +26,9 @@ from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from workers.jobs import GradientJob
 from workers.serializer import MsgpackSerializer
+from workers.shards import LeaseRegistry, cancel_shards, settle
 
+from . import shards
 from .errors import ServiceError
 
 JOB_FUNCTION = "workers.jobs.gradient_job"
@@ -71,12 +72,19 @@ class JobStore:
         await self.ablocking.aclose()
         self.redis.close()
 
-    def enqueue(self, body: bytes, fmt: str, device: str, owner: str) -> str:
+    def enqueue(self, body: bytes, fmt: str, device: str, owner: str, sharded=None) -> str:
+        """`sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py)."""
         if device != "auto" and not Worker.all(queue=self.queues[device]):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
                                f"{self.queues[device].name!r}); use options.device='auto' or start a {device} worker",
                                device=device)
+        if sharded is not None:
+            req, prep = sharded
+            count = shards.shard_count(req.options.shards, prep.inputs.shape[0],
+                                       lambda: len(Worker.all(queue=self.queues[device])), self.settings.min_shard_rows)
+            if count > 1:
+                return shards.enqueue(self, req, prep, count, device, owner)
         with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
             job = self.queues[device].enqueue(
                 JOB_FUNCTION, body, fmt,
@@ -119,6 +127,23 @@ class JobStore:
             await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
             return await self.info(job_id, owner, with_result=with_result, _reaped=True)
         meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
+        shard_progress = None
+        if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
+            done, running, leases, failed = await shards.progress(self.aredis, meta["shards"])
+            lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
+            if (lapsed or (failed and status == b"deferred")) and not _reaped:
+                # As above, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
+                # job still waits had its fan-in cut short: run it again.
+                for queue_name in lapsed:
+                    await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
+                for shard_id in failed:
+                    await anyio.to_thread.run_sync(settle, self.redis, shard_id)
+                return await self.info(job_id, owner, with_result=with_result, _reaped=True)
+            total = len(meta["shards"])
+            shard_progress = ({"phase": "shards", "done": done, "total": total} if done < total else
+                              {"phase": "reduce", "done": total, "total": total})
+            if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
+                status = b"started"
         if status is None or meta.get("owner") != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
             raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
@@ -134,7 +159,7 @@ class JobStore:
             if result_raw is None:
                 raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
             result = _result_decoder.decode(result_raw)
-        progress = meta.get("progress")
+        progress = shard_progress or meta.get("progress")
         return JobInfo(
             job_id=job_id,
             status=state,
@@ -157,7 +182,7 @@ class JobStore:
 
     def reap_abandoned(self, queue_name: str) -> None:
         """RQ fails every started job in the queue whose lease lapsed (its worker died or lost Redis)."""
-        StartedJobRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
+        LeaseRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
 
     @staticmethod
     def decode_result(raw: bytes) -> GradientResult:
@@ -193,6 +218,8 @@ class JobStore:
             job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
                                  "detail": {}}
             job.save_meta()
+        if job.meta.get("shards"):
+            cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

@@ -247,11 +247,27 @@ class JobAccepted(Struct):
     status: str
 
 
+class LayerArgument(Struct):
+    """One constructor argument of a layer type, as gradsvc.layers checks it: `kind` (the JSON forms
+    accepted), torch's `default` (absent when `required`), the `range` or choices enforced ("" for any)."""
+
+    kind: str
+    required: bool
+    default: Any = None
+    range: str = ""
+
+
 class LayerInfo(Struct):
+    """One entry of GET /layers. `arguments` maps each argument to its kind; `details` adds torch's
+    default and the enforced range. `output` is "sequence" for the recurrent layers (their output
+    sequence, without the final state)."""
+
     type: str
     arguments: dict[str, str]
     required: list[str]
     container: bool = False
+    details: dict[str, LayerArgument] = {}
+    output: str = "tensor"
 
 
 JSON_ENCODER = msgspec.json.Encoder()

@@ -43,7 +43,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _is_random(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
+               for m in model.modules())
 
 
 @contextlib.contextmanager

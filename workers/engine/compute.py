@@ -23,7 +23,7 @@ from . import numcheck, tensors
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
 from .prepare import EngineConfig, Prepared, batch_chunks, prepare
-from .spec import leaves
+from .spec import leaves, prepare_for_meta
 
 Progress = Callable[[str, int, int], None]
 
@@ -457,6 +457,7 @@ def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Es
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
     prep = prepare(request, config, "meta", shape_only=True)
+    prepare_for_meta(prep.model)
     opts = prep.options
     _trainable(prep)
     n = prep.inputs.shape[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,8 @@ from gradsvc.modules import Residual, layer_class
 
 from .errors import SpecError
 
-__all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "check_shapes", "layer_catalogue", "leaves"]
+__all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "check_shapes", "layer_catalogue", "leaves",
+           "prepare_for_meta"]
 
 _CONTAINER_CLASSES: dict[str, type[nn.Sequential]] = {"Sequential": nn.Sequential, "Residual": Residual}
 
@@ -150,7 +152,7 @@ def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str,
         else:
             _precheck(module, x, here, source)
             try:
-                x = module(x)
+                x = _on_meta(module)(x)
             except (RuntimeError, ValueError, IndexError, TypeError, AssertionError, ArithmeticError) as exc:
                 raise SpecError("shape_mismatch", f"layer {here} ({name}) cannot take input of shape "
                                 f"{list(x.shape)} from {source}: {exc}", path=here, input_shape=list(x.shape)) from None
@@ -160,6 +162,23 @@ def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str,
                             path=here, output_shape=list(x.shape), limit=max_elements)
         source = f"layer {here} ({name})"
     return x
+
+
+def prepare_for_meta(model: nn.Module) -> None:
+    """Readies a throwaway meta model to run forward (POST /estimate): see _on_meta."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None:
+            m.momentum = 0.0
+
+
+def _on_meta(m: nn.Module) -> nn.Module:
+    """The module to run for shapes. Batch norm with momentum=None (a cumulative average) reads its batch
+    count with .item(), which a meta tensor cannot give; the same layer with a fixed momentum has the
+    same output shape."""
+    if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None and m.training:
+        m = copy.copy(m)
+        m.momentum = 0.0
+    return m
 
 
 def _precheck(m: nn.Module, x: torch.Tensor, here: str, source: str) -> None:

@@ -15,7 +15,7 @@ from gradsvc.modules import Residual, layer_class
 from .errors import SpecError
 
 __all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "check_shapes", "layer_catalogue", "leaves",
-           "prepare_for_meta"]
+           "prepare_for_meta", "sequence_first"]
 
 _CONTAINER_CLASSES: dict[str, type[nn.Sequential]] = {"Sequential": nn.Sequential, "Residual": Residual}
 
@@ -162,6 +162,18 @@ def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str,
                             path=here, output_shape=list(x.shape), limit=max_elements)
         source = f"layer {here} ({name})"
     return x
+
+
+def sequence_first(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first layer whose batch dimension is not dim 0 (a recurrent or transformer layer with
+    batch_first=false takes (sequence, batch, features)), which splitting the batch along dim 0 would cut
+    across sequences instead; None when every layer is batch first."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.RNNBase) and not m.batch_first:
+            return name, m
+        if isinstance(m, nn.TransformerEncoderLayer) and not m.self_attn.batch_first:
+            return name, m
+    return None
 
 
 def prepare_for_meta(model: nn.Module) -> None:

@@ -1,0 +1,73 @@
+"""The layer types beyond the first allow-list, through compute(): recurrent dropout seeded like
+Dropout, options that cannot split or vmap a layer refused with bad_option, estimates on meta."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradsvc.modules import LSTM
+from gradsvc.wire import GradientRequest
+from workers.engine import SpecError, compute, estimate
+from workers.engine.tensors import decode
+
+from ..nets import tensor_json
+
+RNN_STACK = [{"type": "LSTM", "input_size": 3, "hidden_size": 4, "num_layers": 2, "dropout": 0.5, "batch_first": True},
+             {"type": "Flatten"}, {"type": "Linear", "in_features": 20, "out_features": 2}]
+
+
+def request(layers, x, y, **options) -> GradientRequest:
+    return msgspec.convert({"model": {"layers": layers, "dtype": "float64", "seed": 7}, "inputs": tensor_json(x),
+                            "targets": tensor_json(y), "options": {"numcheck": "off", **options}}, GradientRequest)
+
+
+def test_recurrent_dropout_is_seeded_so_gradients_equal_local_autograd_and_pass_numcheck():
+    x, y = torch.randn(3, 5, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
+    result = compute(request(RNN_STACK, x, y, numcheck="directional"))
+    torch.manual_seed(7)
+    local = nn.Sequential(LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True), nn.Flatten(), nn.Linear(20, 2))
+    local = local.double()
+    torch.manual_seed(7)  # the service draws the dropout masks from the request's seed
+    loss = F.cross_entropy(local(x), y)
+    grads = dict(zip([n for n, _ in local.named_parameters()], torch.autograd.grad(loss, list(local.parameters()))))
+    assert result.loss == pytest.approx(loss.item(), abs=1e-12)
+    for name, g in grads.items():
+        assert torch.allclose(decode(result.gradients[name], where=name, max_elements=1 << 30), g, atol=1e-10), name
+    assert result.numcheck.passed, result.numcheck
+
+
+def test_per_sample_gradients_of_a_recurrent_layer_are_refused_with_bad_option():
+    x, y = torch.randn(3, 5, 3, dtype=torch.float64), torch.tensor([0, 1, 1])
+    with pytest.raises(SpecError) as info:
+        compute(request(RNN_STACK, x, y, per_sample="norms"))
+    assert info.value.code == "bad_option"
+    assert "layer 0 (LSTM) cannot run under torch.func.vmap" in info.value.message
+
+
+def test_micro_batches_of_a_sequence_first_layer_are_refused_naming_batch_first():
+    layers = [{"type": "TransformerEncoderLayer", "d_model": 4, "nhead": 2, "dim_feedforward": 8, "dropout": 0.0},
+              {"type": "Flatten"}, {"type": "Linear", "in_features": 12, "out_features": 2}]
+    x, y = torch.randn(4, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(SpecError) as info:
+        compute(request(layers, x, y, micro_batch=2))
+    assert info.value.code == "bad_option"
+    assert "set batch_first=true" in info.value.message
+    layers[0]["batch_first"] = True
+    whole, split = compute(request(layers, x, y)), compute(request(layers, x, y, micro_batch=2))
+    for name, g in whole.gradients.items():
+        a = decode(g, where=name, max_elements=1 << 30)
+        b = decode(split.gradients[name], where=name, max_elements=1 << 30)
+        assert torch.allclose(a, b, atol=1e-10), name
+
+
+def test_estimate_runs_batch_norm_with_a_cumulative_average_on_meta():
+    body = {"model": {"layers": [{"type": "BatchNorm1d", "num_features": 10, "momentum": None},
+                                 {"type": "Linear", "in_features": 10, "out_features": 2}]},
+            "inputs": {"dtype": "float32", "shape": [4, 10]}, "targets": {"dtype": "int64", "shape": [4]}}
+    est = estimate(msgspec.convert(body, GradientRequest))
+    assert est.parameter_count == 20 + 22
+    assert [row.type for row in est.memory.layers] == ["BatchNorm1d", "Linear"]

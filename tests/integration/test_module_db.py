@@ -164,3 +164,21 @@ def test_module_db_samples_get_torchs_gradients_through_the_api(http, stack):
     assert not failures, "\n".join(failures)
     print(f"module_db: {sum(c.expect == 'gradients' for c in cases)} samples matched local autograd to {TOL}; "
           f"{sum(c.expect != 'gradients' for c in cases)} refused with the expected 4xx")
+
+
+def test_get_layers_lists_each_type_with_defaults_and_ranges_as_the_checkers_enforce_them(http, stack):
+    listed = {entry["type"]: entry for entry in http.get("/layers").json()}
+    assert set(listed) == set(LAYERS) | {"Sequential", "Residual"}
+    assert listed["BatchNorm1d"]["details"]["momentum"] == {"kind": "number | null", "required": False,
+                                                            "default": 0.1, "range": ""}
+    assert listed["AvgPool2d"]["details"]["divisor_override"]["default"] is None
+    assert listed["Softmax"]["details"]["dim"] == {"kind": "int | null", "required": False, "default": None,
+                                                   "range": ""}
+    assert listed["GRU"]["output"] == "sequence" and listed["Linear"]["output"] == "tensor"
+    for kind, layer in LAYERS.items():
+        for name, arg in layer.args.items():
+            row = listed[kind]["details"][name]
+            assert (row["kind"], row["required"], row["range"]) == (arg.kind, arg.required, arg.range), (kind, name)
+            if not arg.required:
+                assert row["default"] == arg.default, (kind, name)
+                arg.check(row["default"])  # torch's default is a value the checker accepts

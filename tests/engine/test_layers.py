@@ -46,6 +46,10 @@ def test_per_sample_gradients_of_a_recurrent_layer_are_refused_with_bad_option()
         compute(request(RNN_STACK, x, y, per_sample="norms"))
     assert info.value.code == "bad_option"
     assert "layer 0 (LSTM) cannot run under torch.func.vmap" in info.value.message
+    embedding = [{"type": "Embedding", "num_embeddings": 5, "embedding_dim": 3, "max_norm": 0.5}, {"type": "Flatten"},
+                 {"type": "Linear", "in_features": 6, "out_features": 2}]
+    with pytest.raises(SpecError, match=r"layer 0 \(Embedding\) cannot run under torch.func.vmap"):
+        compute(request(embedding, torch.tensor([[1, 2], [3, 4]]), y[:2], per_sample="norms"))
 
 
 def test_micro_batches_of_a_sequence_first_layer_are_refused_naming_batch_first():

@@ -287,10 +287,10 @@ def _check_batch_first(prep: Prepared, option: str) -> None:
 def _check_per_sample(prep: Prepared) -> None:
     _check_batch_first(prep, "options.per_sample")
     for name, module in prep.model.named_modules():
-        if isinstance(module, nn.RNNBase):
+        if isinstance(module, nn.RNNBase) or (isinstance(module, nn.Embedding) and module.max_norm is not None):
             raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) cannot run "
-                            "under torch.func.vmap, which per-example gradients use; set per_sample='off'",
-                            layer=name)
+                            "under torch.func.vmap, which per-example gradients use (recurrent layers, Embedding "
+                            "with max_norm); set per_sample='off'", layer=name)
     for name, module in leaves(prep.model):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "

@@ -105,7 +105,7 @@ def test_an_unknown_option_is_refused_before_sending():
         with pytest.raises(errors.BadOptionError, match="numchek"):
             client.gradients(spec(), X, Y, numchek="off")
         with pytest.raises(errors.UnsupportedModuleError):
-            client.gradients(nn.Sequential(nn.Linear(6, 3), nn.Hardswish()), X, Y)
+            client.gradients(nn.Sequential(nn.Linear(6, 3), nn.LSTMCell(3, 3)), X, Y)
 
 
 class CountingTransport(httpx.HTTPTransport):

@@ -2,7 +2,7 @@
 `torch.testing._internal.common_modules.module_db` keeps for an allow-listed class goes through
 `POST /gradients` of a live stack as a one-layer spec, with the module's weights and the sample as the
 batch, and the gradients must equal local autograd in float64. Samples the service cannot take get a
-coded 4xx, never a 500."""
+coded 4xx, never a 500. The allow-listed classes module_db lacks get a sample of their own (EXTRA)."""
 
 from __future__ import annotations
 
@@ -74,10 +74,13 @@ def _case(info, sample, index: int) -> Case | None:
     x = _batched(info, sample)
     if x is None:
         return None
-    cls, name = info.module_cls, info.module_cls.__name__
-    args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+    cls, args, kwargs = info.module_cls, sample.constructor_input.args, sample.constructor_input.kwargs
+    return _layer_case(cls, args, kwargs, x, index, f"{cls.__name__}[{index}:{sample.desc or '-'}]")
+
+
+def _layer_case(cls: type[nn.Module], args: tuple, kwargs: dict, x: torch.Tensor, index: int, label: str) -> Case:
+    name = cls.__name__
     spec = _spec(cls, args, kwargs)
-    label = f"{name}[{index}:{sample.desc or '-'}]"
     torch.manual_seed(index)
     module = layer_class(name)(*args, **kwargs).double()
     weights = {f"0.{k}": tensor_json(v) for k, v in module.state_dict().items()}
@@ -94,6 +97,7 @@ def _case(info, sample, index: int) -> Case | None:
         return Case(label, body, "bad_tensor", {})
     params = dict(module.named_parameters())
     xs = x.requires_grad_(True) if not params and x.dtype.is_floating_point else x
+    torch.manual_seed(0)  # the service draws dropout masks from the request's seed (0)
     out = module(xs)
     target = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(index))
     body["targets"] = tensor_json(target)
@@ -107,6 +111,18 @@ def _case(info, sample, index: int) -> Case | None:
         body["options"]["input_grad"] = True
         return Case(label, body, "gradients", {}, grads[-1])
     return Case(label, body, "gradients", named)
+
+
+# Allow-listed classes module_db has no entry for: one sample each, checked the same way.
+EXTRA = [(nn.Upsample, {"scale_factor": 2}, (2, 3, 4, 5)),
+         (nn.Upsample, {"size": [5, 7], "mode": "bilinear", "align_corners": True}, (2, 3, 4, 5)),
+         (nn.Upsample, {"scale_factor": 1.5, "mode": "trilinear"}, (2, 1, 2, 4, 4)),
+         (nn.PixelShuffle, {"upscale_factor": 2}, (2, 8, 3, 3)), (nn.PixelUnshuffle, {"downscale_factor": 2}, (2, 2, 4, 6)),
+         (nn.Unflatten, {"dim": 1, "unflattened_size": (2, -1)}, (3, 6)), (nn.Flatten, {"start_dim": 2}, (2, 3, 4, 5)),
+         (nn.Identity, {}, (2, 3)), (nn.Hardsigmoid, {}, (2, 3, 5)),
+         (nn.Dropout, {"p": 0.3}, (4, 6)), (nn.Dropout1d, {}, (2, 4, 5)), (nn.Dropout2d, {"p": 0.4}, (2, 4, 3, 3)),
+         (nn.Dropout3d, {}, (2, 4, 2, 2, 2)), (nn.AlphaDropout, {"p": 0.2}, (4, 6)),
+         (nn.FeatureAlphaDropout, {"p": 0.2}, (2, 4, 3, 3))]
 
 
 def _cases() -> tuple[list[Case], set[str]]:
@@ -123,15 +139,20 @@ def _cases() -> tuple[list[Case], set[str]]:
             seen += 1
             if case is not None:
                 cases.append(case)
+    for i, (cls, kwargs, shape) in enumerate(EXTRA):
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        cases.append(_layer_case(cls, (), kwargs, x, seen + i, f"{cls.__name__}[extra {i}]"))
     return cases, classes
 
 
 def test_module_db_samples_get_torchs_gradients_through_the_api(http, stack):
     cases, classes = _cases()
-    print(f"\nmodule_db: {len(classes)} allow-listed classes, {len(cases)} samples with a batch dimension")
+    print(f"\nmodule_db: {len(classes)} allow-listed classes, {len(cases) - len(EXTRA)} samples with a batch "
+          f"dimension, and {len(EXTRA)} samples for the {len(LAYERS) - len(classes)} classes module_db lacks")
     assert len(classes) >= MIN_CLASSES, sorted(classes)
     compared = {c.name.split("[")[0] for c in cases if c.expect == "gradients"}
-    assert compared == classes, f"classes without a compared sample: {sorted(classes - compared)}"
+    assert compared >= classes, f"classes without a compared sample: {sorted(classes - compared)}"
+    assert compared == set(LAYERS), f"allow-listed classes never compared: {sorted(set(LAYERS) - compared)}"
 
     def send(case: Case):
         return http.post("/gradients?wait=120", content=json.dumps(case.body).encode(),

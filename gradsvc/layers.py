@@ -270,6 +270,14 @@ def _conv(n: int) -> Layer:
     }, fix=_conv_fix)
 
 
+def _conv_transpose_fix(a: dict[str, Any]) -> dict[str, Any]:
+    for op, s, d in zip(a["output_padding"], a["stride"], a["dilation"]):
+        # torch checks this only when the layer runs
+        _require(op < max(s, d), "output_padding", f"values smaller than stride or dilation ({a['stride']}, "
+                 f"{a['dilation']})")
+    return _conv_groups(a)
+
+
 def _conv_transpose(n: int) -> Layer:
     return Layer({
         "in_channels": integer(lo=1), "out_channels": integer(lo=1),
@@ -279,7 +287,7 @@ def _conv_transpose(n: int) -> Layer:
         "dilation": sizes(n, 1, expand=True),
         # torch raises for any other mode: 'Only "zeros" padding mode is supported for ConvTranspose'
         "padding_mode": choice("zeros", "zeros"),
-    }, fix=_conv_groups)
+    }, fix=_conv_transpose_fix)
 
 
 def _stride_is_kernel(a: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from torch import nn
 
 from gradclient import LSTM, Residual, UnsupportedModuleError
 from gradclient.convert import convert, from_spec, to_spec
-from gradsvc.layers import LAYERS, ArgumentError, canonical
+from gradsvc.layers import LAYERS, canonical
+
+from ..layer_samples import every_argument_value
 
 
 def test_sequential_converts_to_layers_with_their_arguments_and_state_dict_weights():
@@ -99,49 +101,9 @@ def test_refuses_hooks_and_mixed_dtypes():
         convert(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
 
 
-# Values for required arguments, by name, that make every allow-listed type constructible.
-REQUIRED = {"in_features": 4, "out_features": 6, "in_channels": 4, "out_channels": 6, "kernel_size": 3,
-            "output_size": 2, "num_features": 4, "num_groups": 2, "num_channels": 4, "normalized_shape": [4],
-            "size": 3, "num_embeddings": 10, "embedding_dim": 3, "dim": 1, "unflattened_size": [2, 2],
-            "threshold": 0.5, "value": 1.5, "padding": 1, "upscale_factor": 2, "downscale_factor": 2,
-            "input_size": 4, "hidden_size": 6, "d_model": 8, "nhead": 2, "norm_type": 2.0}
-
-
-def _candidates(arg) -> list:
-    if arg.choices:
-        return list(arg.choices)
-    values = {"int": [2, 1, -1, 0, 3], "int | null": [None, 1, 2, -2], "number": [0.3, 2.0, 0.0, -1.5],
-              "number | null": [None, 0.3, 2.0]}.get(arg.kind)
-    if values is not None:
-        return values
-    if "list[number]" in arg.kind:
-        return [None, 2.0, [2.0, 3.0], [1.5, 2.0, 2.5]]
-    if "list[int]" in arg.kind:
-        n = int(arg.kind.split("length ")[1].split(")")[0]) if "length" in arg.kind else 2
-        extra = ["same", "valid"] if "'same'" in arg.kind else []
-        return [None, 1, 2, [1] * n, list(range(1, n + 1)), [0] * n, [2, None][: n], *extra]
-    raise AssertionError(f"no candidates for kind {arg.kind}")
-
-
-def _every_argument_value():
-    """(type, argument, spec) for each allow-listed type, each argument and each value the table accepts
-    among a few candidates (both bools, every choice, null, ints and lists)."""
-    for kind, layer in LAYERS.items():
-        base = {name: REQUIRED[name] for name, arg in layer.args.items() if arg.required}
-        yield kind, None, {"type": kind, **base}
-        for name, arg in layer.args.items():
-            for value in _candidates(arg):
-                args = {**base, name: value}
-                try:
-                    canonical(kind, args)
-                except ArgumentError:
-                    continue
-                yield kind, name, {"type": kind, **args}
-
-
 def test_spec_to_module_to_spec_is_the_identity_for_every_layer_and_argument_value():
     covered: set[tuple[str, str | None]] = set()
-    for kind, name, spec in _every_argument_value():
+    for kind, name, spec in every_argument_value():
         args = {k: v for k, v in spec.items() if k != "type"}
         try:
             module = from_spec([spec])

@@ -12,17 +12,21 @@ from torch import nn
 from gradsvc.modules import LSTM
 from gradsvc.wire import GradientRequest
 from workers.engine import SpecError, compute, estimate
+from workers.engine.errors import EngineError
+from workers.engine.spec import Limits, build, check_shapes
 from workers.engine.tensors import decode
 
+from ..layer_samples import every_argument_value, input_shape
 from ..nets import tensor_json
 
 RNN_STACK = [{"type": "LSTM", "input_size": 3, "hidden_size": 4, "num_layers": 2, "dropout": 0.5, "batch_first": True},
              {"type": "Flatten"}, {"type": "Linear", "in_features": 20, "out_features": 2}]
 
 
-def request(layers, x, y, **options) -> GradientRequest:
+def request(layers, x, y, loss="cross_entropy", **options) -> GradientRequest:
     return msgspec.convert({"model": {"layers": layers, "dtype": "float64", "seed": 7}, "inputs": tensor_json(x),
-                            "targets": tensor_json(y), "options": {"numcheck": "off", **options}}, GradientRequest)
+                            "targets": tensor_json(y), "loss": loss, "options": {"numcheck": "off", **options}},
+                           GradientRequest)
 
 
 def test_recurrent_dropout_is_seeded_so_gradients_equal_local_autograd_and_pass_numcheck():
@@ -75,3 +79,44 @@ def test_estimate_runs_batch_norm_with_a_cumulative_average_on_meta():
     est = estimate(msgspec.convert(body, GradientRequest))
     assert est.parameter_count == 20 + 22
     assert [row.type for row in est.memory.layers] == ["BatchNorm1d", "Linear"]
+
+
+def _one_value_per_argument():
+    seen = set()
+    for kind, name, spec in every_argument_value():
+        if (kind, name) not in seen:
+            seen.add((kind, name))
+            yield spec
+
+
+def test_every_accepted_argument_value_computes_or_is_refused_with_a_code():
+    """What the table accepts never fails with anything but a coded error when the worker runs it: no
+    value that the meta check lets through may raise in the real forward or backward (a 500)."""
+    computed = 0
+    for i, spec in enumerate(_one_value_per_argument()):
+        shape = input_shape(spec["type"])
+        x = torch.randint(0, 2, (2, 3)) if shape is None else torch.randn(shape, dtype=torch.float64)
+        try:
+            out = check_shapes(build([spec], limits=Limits(), device="meta").double(), x.to("meta"))
+        except SpecError as exc:
+            assert exc.code == "shape_mismatch", (spec, exc.message)
+            continue
+        body = {"model": {"layers": [spec], "dtype": "float64"}, "inputs": tensor_json(x),
+                "targets": tensor_json(torch.randn(out.shape, dtype=torch.float64)), "loss": "mse",
+                "options": {"numcheck": "off", "memory": i % 2 == 0, "input_grad": x.dtype.is_floating_point}}
+        try:
+            compute(msgspec.convert(body, GradientRequest))
+            computed += 1
+        except EngineError as exc:
+            assert exc.code in ("non_finite", "bad_option"), (spec, exc.message)
+    assert computed > 200
+
+
+def test_input_grad_with_integer_inputs_and_a_model_without_parameters_are_bad_options():
+    emb = [{"type": "Embedding", "num_embeddings": 5, "embedding_dim": 3}]
+    with pytest.raises(SpecError, match="the inputs are integer indices"):
+        compute(request(emb, torch.tensor([[1, 2], [3, 4]]), torch.zeros(2, 2, 3, dtype=torch.float64),
+                        input_grad=True, loss="mse"))
+    with pytest.raises(SpecError, match="the model has no parameters") as info:
+        compute(request([{"type": "ReLU"}], torch.randn(2, 3, dtype=torch.float64), torch.zeros(2, 3)))
+    assert info.value.code == "bad_option"

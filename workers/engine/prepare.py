@@ -114,6 +114,9 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
         frozen.update(hit)
     if names and len(frozen) == len(names):
         bad("options.freeze freezes every parameter; leave at least one trainable")
+    if not names and not opts.input_grad:
+        bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
+            "the gradient with respect to the inputs")
     del batch
     return frozen
 
@@ -202,6 +205,9 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         inputs = inputs.to(dtype)
         if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
+    if request.options.input_grad and not inputs.dtype.is_floating_point:
+        raise SpecError("bad_option", "options.input_grad: the inputs are integer indices (the first layer is "
+                        "Embedding), which have no gradient; leave input_grad out")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
     spec_key = msgspec.json.encode(request.model.layers)  # both caches below are keyed by the spec

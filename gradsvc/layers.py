@@ -551,7 +551,7 @@ def catalogue() -> list[dict[str, Any]]:
         args = {name: {"kind": a.kind, "required": a.required, **({} if a.required else {"default": a.default}),
                        "range": a.range}
                 for name, a in layer.args.items()}
-        out.append({"type": kind, "arguments": {n: a.kind for n, a in layer.args.items()},
+        out.append({"type": kind, "arguments": {n: f"{a.kind} {a.range}".rstrip() for n, a in layer.args.items()},
                     "required": [n for n, a in layer.args.items() if a.required], "container": False,
                     "details": args, "output": layer.output})
     for kind in CONTAINERS:

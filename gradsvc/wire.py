@@ -258,8 +258,8 @@ class LayerArgument(Struct):
 
 
 class LayerInfo(Struct):
-    """One entry of GET /layers. `arguments` maps each argument to its kind; `details` adds torch's
-    default and the enforced range. `output` is "sequence" for the recurrent layers (their output
+    """One entry of GET /layers. `arguments` maps each argument to its kind and range in brief
+    ("int >= 1"); `details` gives them apart, with torch's default. `output` is "sequence" for the recurrent layers (their output
     sequence, without the final state)."""
 
     type: str

@@ -101,6 +101,8 @@ def _layer_case(cls: type[nn.Module], args: tuple, kwargs: dict, x: torch.Tensor
     out = module(xs)
     target = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(index))
     body["targets"] = tensor_json(target)
+    if not params:
+        body["options"]["input_grad"] = True
     if not torch.isfinite(out).all():
         return Case(label, body, "non_finite", {})
     loss = F.mse_loss(out, target)
@@ -108,7 +110,6 @@ def _layer_case(cls: type[nn.Module], args: tuple, kwargs: dict, x: torch.Tensor
     grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
     named = {f"0.{k}": g for k, g in zip(params, grads)}
     if not params:
-        body["options"]["input_grad"] = True
         return Case(label, body, "gradients", {}, grads[-1])
     return Case(label, body, "gradients", named)
 

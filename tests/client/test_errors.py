@@ -118,7 +118,7 @@ def test_an_unknown_option_is_refused_before_sending():
         with pytest.raises(errors.BadOptionError, match="numchek"):
             client.gradients(spec(), X, Y, numchek="off")
         with pytest.raises(errors.UnsupportedModuleError):
-            client.gradients(nn.Sequential(nn.Linear(6, 3), nn.Hardswish()), X, Y)
+            client.gradients(nn.Sequential(nn.Linear(6, 3), nn.LSTMCell(3, 3)), X, Y)
 
 
 class CountingTransport(httpx.HTTPTransport):
@@ -153,7 +153,12 @@ def test_limits_and_keys_raise_their_classes(strict):
         with pytest.raises(errors.UnauthorizedError):
             anon.layers()
     with Client(strict.base_url, api_key="key-a", retries=0) as client:
-        client.gradients(spec(), X, Y, numcheck="off")  # warms the worker: the timeout below is the job's own
+        for _ in range(5):  # warms the worker (a first job on a loaded machine can pass 2 s itself)
+            try:
+                client.gradients(spec(), X, Y, numcheck="off")
+                break
+            except errors.JobTimeoutError:
+                continue
         with pytest.raises(errors.BodyTooLargeError):
             client.gradients(spec(), torch.zeros(30000, 6, dtype=torch.float64), torch.zeros(30000, dtype=torch.long))
         with pytest.raises(errors.ResultTooLargeError):

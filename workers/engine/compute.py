@@ -23,7 +23,7 @@ from . import numcheck, tensors
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
 from .prepare import EngineConfig, Prepared, batch_chunks, prepare
-from .spec import leaves
+from .spec import leaves, prepare_for_meta, sequence_first
 
 Progress = Callable[[str, int, int], None]
 
@@ -43,7 +43,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _is_random(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
+               for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -275,7 +276,21 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
                      gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None)
 
 
+def _check_batch_first(prep: Prepared, option: str) -> None:
+    hit = sequence_first(prep.model)
+    if hit:
+        raise SpecError("bad_option", f"{option}: layer {hit[0]} ({type(hit[1]).__name__}) takes (sequence, batch, "
+                        "...) with batch_first=false, and the batch is split along dim 0; set batch_first=true "
+                        f"(and send batch-first inputs) or leave {option} out", layer=hit[0])
+
+
 def _check_per_sample(prep: Prepared) -> None:
+    _check_batch_first(prep, "options.per_sample")
+    for name, module in prep.model.named_modules():
+        if isinstance(module, nn.RNNBase) or (isinstance(module, nn.Embedding) and module.max_norm is not None):
+            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) cannot run "
+                            "under torch.func.vmap, which per-example gradients use (recurrent layers, Embedding "
+                            "with max_norm); set per_sample='off'", layer=name)
     for name, module in leaves(prep.model):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "
@@ -349,6 +364,8 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     opts = prep.options
     if opts.per_sample != "off":
         _check_per_sample(prep)
+    if opts.micro_batch and opts.micro_batch < prep.inputs.shape[0]:
+        _check_batch_first(prep, "options.micro_batch")
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
     seed = request.model.seed
@@ -456,6 +473,7 @@ def estimate(request: GradientRequest, config: EngineConfig | None = None) -> Es
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
     prep = prepare(request, config, "meta", shape_only=True)
+    prepare_for_meta(prep.model)
     opts = prep.options
     _trainable(prep)
     n = prep.inputs.shape[0]

@@ -114,6 +114,9 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
         frozen.update(hit)
     if names and len(frozen) == len(names):
         bad("options.freeze freezes every parameter; leave at least one trainable")
+    if not names and not opts.input_grad:
+        bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
+            "the gradient with respect to the inputs")
     del batch
     return frozen
 
@@ -202,10 +205,13 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         inputs = inputs.to(dtype)
         if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
+    if request.options.input_grad and not inputs.dtype.is_floating_point:
+        raise SpecError("bad_option", "options.input_grad: the inputs are integer indices (the first layer is "
+                        "Embedding), which have no gradient; leave input_grad out")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
     spec_key = msgspec.json.encode(request.model.layers)  # both caches below are keyed by the spec
-    out = _output_on_meta(spec_key, request, meta, inputs)
+    out = _output_on_meta(spec_key, request, meta, inputs, limits.max_elements)
     terms = _terms(request)
     targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
                                                        shape_only=shape_only), dtype)
@@ -238,14 +244,15 @@ _shape_cache: OrderedDict[tuple, tuple[torch.Size, torch.dtype]] = OrderedDict()
 SHAPE_CACHE_ENTRIES = 512
 
 
-def _output_on_meta(spec_key: bytes, request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
+def _output_on_meta(spec_key: bytes, request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor,
+                    max_elements: int) -> torch.Tensor:
     """The model's output for `inputs`, as a meta tensor, after check_shapes named any layer that cannot
     take its input. A spec that passed once for an input shape passes again: the result is cached, since
     the meta forward (torch's Python decompositions) costs ~2 ms even for a small net, on every request."""
     key = (spec_key, request.model.dtype, tuple(inputs.shape), inputs.dtype)
     hit = _shape_cache.get(key)
     if hit is None:
-        out = check_shapes(meta, inputs.to("meta"))
+        out = check_shapes(meta, inputs.to("meta"), max_elements=max_elements)
         _shape_cache[key] = hit = (out.shape, out.dtype)
         if len(_shape_cache) > SHAPE_CACHE_ENTRIES:
             _shape_cache.popitem(last=False)

@@ -284,13 +284,15 @@ def _check_per_sample(prep: Prepared) -> None:
 
 
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
-              progress: Progress | None):
+              progress: Progress | None, returned: dict[str, torch.Tensor]):
+    """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
+    them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
     trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
     count = sum(p.numel() for n, p in prep.model.named_parameters() if n in trainable)
     mode = opts.numcheck
     if mode == "off":
-        return None
+        return numcheck.unchecked(prep.dtype)
     if mode == "auto":
         mode = "exact" if count <= config.numcheck_exact_max else "directional"
     model64 = copy.deepcopy(prep.model).to(torch.float64)
@@ -311,7 +313,8 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()), materialize_grads=True)))
     return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                         samples=opts.numcheck_samples or config.numcheck_samples,
-                        directions=config.numcheck_directions, seed=seed, progress=progress)
+                        directions=config.numcheck_directions, seed=seed, progress=progress,
+                        returned=returned, returned_dtype=prep.dtype)
 
 
 def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
@@ -385,7 +388,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = _numcheck(prep, request, config, device, progress)
+    check = _numcheck(prep, request, config, device, progress, final.grads)
     numcheck_s = time.perf_counter() - numcheck_started
 
     several = len(prep.terms) > 1

@@ -275,14 +275,6 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
                      gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None)
 
 
-def _check_per_sample(prep: Prepared) -> None:
-    for name, module in leaves(prep.model):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "
-                            "samples of a batch in training mode, so per-example gradients are undefined; remove "
-                            "it or set per_sample='off'", layer=name)
-
-
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
               progress: Progress | None, returned: dict[str, torch.Tensor]):
     """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
@@ -350,8 +342,6 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     started = time.perf_counter()
     prep = prepare(request, config, device)
     opts = prep.options
-    if opts.per_sample != "off":
-        _check_per_sample(prep)
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
     seed = request.model.seed

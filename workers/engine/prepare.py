@@ -19,7 +19,7 @@ from gradsvc.wire import GradientRequest, LossSpec, Options, Tensor
 from . import tensors
 from .errors import SpecError
 from .losses import LossTerm, make_term, prepare_target
-from .spec import Limits, build, check_shapes
+from .spec import Limits, build, check_shapes, leaves
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,25 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
         bad("options.freeze freezes every parameter; leave at least one trainable")
     del batch
     return frozen
+
+
+def _check_batch_statistics(opts: Options, model: nn.Module, batch: int) -> None:
+    """micro_batch and per_sample split the batch. A layer that mixes the examples of a batch
+    (BatchNorm in training mode: it normalises with the batch's mean and variance) makes either
+    inexact, so both are refused here, before the queue, rather than answered with other gradients."""
+    mixing = [(name, m) for name, m in leaves(model) if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if not mixing:
+        return
+    name, kind = mixing[0][0], type(mixing[0][1]).__name__
+    if opts.micro_batch is not None and opts.micro_batch < batch:
+        raise SpecError("bad_option", f"options.micro_batch={opts.micro_batch}: layer {name} ({kind}) normalises with "
+                        "the statistics of the whole batch in training mode, so gradients summed over micro-batches "
+                        f"would differ from the batch's; remove options.micro_batch (or set it to at least the batch "
+                        f"size, {batch}), or remove the layer", layer=name, option="micro_batch")
+    if opts.per_sample != "off":
+        raise SpecError("bad_option", f"options.per_sample: layer {name} ({kind}) mixes the samples of a batch in "
+                        "training mode, so per-example gradients are undefined; remove it or set per_sample='off'",
+                        layer=name, option="per_sample")
 
 
 def _check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
@@ -217,6 +236,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     names = [n for n, _ in meta.named_parameters()]
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
     _check_hvp(request.options, meta, frozen)
+    _check_batch_statistics(request.options, meta, inputs.shape[0])
     weights = _weights(request, meta, dtype, limits.max_elements)
     parameter_count = sum(p.numel() for p in meta.parameters())
     if str(device) == "meta":

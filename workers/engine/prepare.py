@@ -7,6 +7,7 @@ a reason that could have been known.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -254,7 +255,11 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
                     frozen=frozen)
 
 
+# Both caches below are shared by every thread of the process (the API validates requests from a thread
+# pool), so each is read, reordered and evicted only under its lock; the work that fills a miss runs
+# outside it, and two threads missing the same key at once both compute it (the second write wins).
 _shape_cache: OrderedDict[tuple, tuple[torch.Size, torch.dtype]] = OrderedDict()
+_shape_lock = threading.Lock()
 SHAPE_CACHE_ENTRIES = 512
 
 
@@ -263,36 +268,46 @@ def _output_on_meta(spec_key: bytes, request: GradientRequest, meta: nn.Sequenti
     take its input. A spec that passed once for an input shape passes again: the result is cached, since
     the meta forward (torch's Python decompositions) costs ~2 ms even for a small net, on every request."""
     key = (spec_key, request.model.dtype, tuple(inputs.shape), inputs.dtype)
-    hit = _shape_cache.get(key)
+    with _shape_lock:
+        hit = _shape_cache.get(key)
+        if hit is not None:
+            _shape_cache.move_to_end(key)
     if hit is None:
         out = check_shapes(meta, inputs.to("meta"))
-        _shape_cache[key] = hit = (out.shape, out.dtype)
-        if len(_shape_cache) > SHAPE_CACHE_ENTRIES:
-            _shape_cache.popitem(last=False)
-    else:
-        _shape_cache.move_to_end(key)
+        hit = (out.shape, out.dtype)
+        with _shape_lock:
+            _shape_cache[key] = hit
+            while len(_shape_cache) > SHAPE_CACHE_ENTRIES:
+                _shape_cache.popitem(last=False)
     return torch.empty(hit[0], dtype=hit[1], device="meta")
 
 
 _init_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+_init_lock = threading.Lock()
+# Seeding and building run under their own lock: torch.manual_seed sets the process-wide generator, so two
+# threads building at once would draw each other's numbers and get wrong initial weights.
+_seed_lock = threading.Lock()
 
 
 def _initial_state(spec_key: bytes, request: GradientRequest, dtype: torch.dtype, config: EngineConfig) -> dict[str, torch.Tensor]:
     """The state_dict of `torch.manual_seed(seed); nn.Sequential(...).to(dtype)`, from an LRU cache
     bounded by config.init_cache_bytes. Callers copy it into their own model, never share it."""
     key = (spec_key, str(dtype), request.model.seed)
-    state = _init_cache.get(key)
-    if state is not None:
-        _init_cache.move_to_end(key)
-        return state
-    torch.manual_seed(request.model.seed)
-    state = build(request.model.layers, limits=config.limits, device="cpu").to(dtype).state_dict()
+    with _init_lock:
+        state = _init_cache.get(key)
+        if state is not None:
+            _init_cache.move_to_end(key)
+            return state
+    with _seed_lock:
+        torch.manual_seed(request.model.seed)
+        state = build(request.model.layers, limits=config.limits, device="cpu").to(dtype).state_dict()
     size = sum(t.numel() * t.element_size() for t in state.values())
     if size <= config.init_cache_bytes // 2:
-        _init_cache[key] = state
-        while sum(t.numel() * t.element_size() for st in _init_cache.values() for t in st.values()) > \
-                config.init_cache_bytes:
-            _init_cache.popitem(last=False)
+        with _init_lock:
+            _init_cache[key] = state
+            while sum(t.numel() * t.element_size() for st in _init_cache.values() for t in st.values()) > \
+                    config.init_cache_bytes:
+                _init_cache.popitem(last=False)
     return state
 
 

@@ -11,7 +11,7 @@ GradientClientError                 code, message, detail, response (httpx.Respo
  +-- 422 UnknownLayerError, ShapeMismatchError, BadWeightsError, BadTensorError, BadLossError, BadTargetError,
  |       BadOptionError, TooLargeError, NonFiniteError, DeviceUnavailableError
  +-- 429 RateLimitedError            500 InternalServerError
- +-- 503 QueueUnavailableError, WorkerLostError, NotReadyError   (retried with backoff)
+ +-- 503 QueueUnavailableError, NotReadyError (retried with backoff), WorkerLostError (never retried)
  +-- 504 JobTimeoutError             507 OutOfMemoryError
 
 The code list is a copy of the API's table (the SDK never imports the service); a code this SDK does
@@ -44,7 +44,8 @@ class GradientClientError(Exception):
 
     @property
     def is_retryable(self) -> bool:
-        """Worth sending again as is: the queue or a worker was unavailable, or the connection failed."""
+        """Worth sending again as is: the queue or the workers were unavailable, or the connection failed.
+        Not worker_lost: that job ran and its worker died (perhaps because of it)."""
         return self.code in RETRYABLE_CODES
 
     @property
@@ -210,7 +211,7 @@ CODES: dict[str, int] = {
 ERRORS: dict[str, type[GradientClientError]] = {
     cls.code: cls for cls in GradientClientError.__subclasses__() if cls.code in CODES
 }
-RETRYABLE_CODES = frozenset({"connection_failed", *(c for c, s in CODES.items() if s == 503)})
+RETRYABLE_CODES = frozenset({"connection_failed", "queue_unavailable", "not_ready"})
 
 
 def error_for(code: str, message: str, detail: dict[str, Any] | None = None,

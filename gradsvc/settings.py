@@ -37,7 +37,9 @@ class Settings:
     workers: int = 1
     worker_metrics_port: int = 9101
     worker_device: str = "auto"
-    worker_heartbeat_s: int = 10
+    # A job's lease is 3 heartbeats: a killed worker's job fails worker_lost within about 8 s.
+    worker_heartbeat_s: int = 2
+    idempotency_ttl_s: int = 86400
     rate_limit_per_minute: int = 0
     redis_timeout_s: float = 2.0
     log_level: str = "info"
@@ -67,7 +69,7 @@ class Settings:
     def validate(self) -> None:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
                     "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
-                    "worker_heartbeat_s"]
+                    "worker_heartbeat_s", "idempotency_ttl_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")

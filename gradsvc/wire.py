@@ -252,8 +252,11 @@ class JobInfo(Struct):
 
 
 class JobAccepted(Struct):
+    """The 202 answer: the job's status and progress as GET /jobs/{id} gives them at that moment."""
+
     job_id: str
     status: str
+    progress: Progress | None = None
 
 
 class LayerInfo(Struct):

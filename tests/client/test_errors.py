@@ -52,7 +52,7 @@ def test_every_code_in_an_error_body_raises_its_own_class(code, wire_format):
     assert type(exc) is cls and cls.__name__.endswith("Error") and cls.__name__ in gradclient.__all__
     assert (exc.code, exc.message, exc.detail) == (code, f"{code} happened", {"where": "here"})
     assert exc.status == STATUS[code] and exc.response.status_code == STATUS[code]
-    assert exc.is_retryable == (STATUS[code] == 503)
+    assert exc.is_retryable == (code in ("queue_unavailable", "not_ready"))
 
 
 def test_one_class_per_code():

@@ -155,7 +155,6 @@ class JobStore:
             await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
 
     async def _wait_slice(self, job_id: str, timeout_s: float) -> tuple[bool, bytes | None]:
-
         """One blocking XREAD on RQ's results stream. The result GET rides in the same pipeline: Redis
         runs it as soon as the XREAD returns, so a finished job costs one round trip, not two."""
         try:

@@ -140,8 +140,8 @@ class JobStore:
             return False, None
         deadline = anyio.current_time() + timeout_s
         while True:
-            left = deadline - anyio.current_time()
-            ended, raw = await self._wait_slice(job_id, max(min(left, LEASE_CHECK_S), 0.001))
+            left = max(deadline - anyio.current_time(), 0.001)
+            ended, raw = await self._wait_slice(job_id, min(left, LEASE_CHECK_S), left)
             if ended or left <= LEASE_CHECK_S:
                 return ended, raw
             await self._reap_if_lapsed(job_id)
@@ -154,13 +154,15 @@ class JobStore:
         if status == b"started" and origin and self._lease_lapsed(beat):
             await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
 
-    async def _wait_slice(self, job_id: str, timeout_s: float) -> tuple[bool, bytes | None]:
-        """One blocking XREAD on RQ's results stream. The result GET rides in the same pipeline: Redis
-        runs it as soon as the XREAD returns, so a finished job costs one round trip, not two."""
+    async def _wait_slice(self, job_id: str, block_s: float, left_s: float) -> tuple[bool, bytes | None]:
+        """One XREAD on RQ's results stream, blocking up to block_s. The result GET rides in the same
+        pipeline: Redis runs it as soon as the XREAD returns, so a finished job costs one round trip, not
+        two. The pair may take the whole wait that is left (a large result takes seconds to read), plus
+        one Redis timeout: past that Redis is taken for hung."""
         try:
-            with anyio.fail_after(timeout_s + self.settings.redis_timeout_s):
+            with anyio.fail_after(left_s + self.settings.redis_timeout_s):
                 pipe = self.ablocking.pipeline(transaction=False)
-                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(timeout_s * 1000)))
+                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(block_s * 1000)))
                 pipe.get(keys.result_key(self.prefix, job_id))
                 got, raw = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:

@@ -24,10 +24,11 @@ def small_body(**options) -> dict:
 
 
 def jobs_run(stack: Stack) -> int:
-    """What the workers say they ran (RQ's per-worker counters in Redis)."""
+    """The jobs the workers say they finished (RQ's per-worker counters in Redis). Failed jobs are left
+    out: a job another test canceled is counted as failed a moment after its status says so."""
     redis = Redis.from_url(stack.redis.url)
     try:
-        return sum(w.successful_job_count + w.failed_job_count for w in Worker.all(connection=redis))
+        return sum(w.successful_job_count for w in Worker.all(connection=redis))
     finally:
         redis.close()
 

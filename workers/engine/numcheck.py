@@ -121,6 +121,9 @@ def run(
             total = 2 * directions
             count = sum(p.numel() for p in params.values())
             scale = 1.0 / math.sqrt(max(count, 1))
+            if returned is not None:  # one float64 copy, and sum |reference * u| (|u| is `scale` everywhere)
+                returned64 = {n: returned[n].detach().to(p.device, torch.float64).reshape(-1) for n, p in params.items()}
+                terms = scale * sum(float(grads[n].abs().sum()) for n in params)
             for k in range(directions):
                 # Random signs over all parameters: a unit direction whose norm is known exactly, and
                 # ~7x cheaper to draw than a Gaussian one at a million parameters.
@@ -137,8 +140,7 @@ def run(
                 fd = (plus - minus) / (2 * eps)
                 ad = sum(float((grads[name] * us[name]).sum()) for name in params)
                 if returned is not None:
-                    along.append((sum(float((returned[name].to(torch.float64) * us[name]).sum()) for name in params),
-                                  ad, sum(float((grads[name] * us[name]).abs().sum()) for name in params)))
+                    along.append((sum(float(torch.dot(returned64[n], us[n].reshape(-1))) for n in params), ad, terms))
                 abs_err = abs(fd - ad)
                 judge(abs_err, abs_err / max(abs(fd), abs(ad), 1e-12), max(abs(plus), abs(minus)))
                 if progress:

@@ -134,7 +134,10 @@ class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
 class ParameterCheck(Struct):
     max_abs_error: float
     max_rel_error: float
-    checked: int
+    checked: int  # elements finite differences checked (0 in directional mode)
+    # The returned gradient (its dtype, micro-batched, checkpointed, per-loss accumulated) against the
+    # float64 autograd reference on the same batch, by the same relative-error rule.
+    returned_max_rel_error: float = 0.0
 
 
 class Numcheck(Struct):
@@ -149,6 +152,12 @@ class Numcheck(Struct):
     per_parameter: dict[str, ParameterCheck]
     # Absolute errors below this (8 float64 roundings of the loss / eps) pass whatever their ratio.
     rounding_floor: float = 0.0
+    # The gradients as returned against the float64 reference on the same batch; `passed` needs both
+    # checks. Absolute errors below returned_floor (returned_tolerance x the largest reference element)
+    # pass whatever their ratio. Mode "off": nothing was checked and `passed` is false.
+    returned_max_rel_error: float = 0.0
+    returned_tolerance: float = 0.0
+    returned_floor: float = 0.0
 
 
 class LayerMemory(Struct):
@@ -263,8 +272,11 @@ class JobInfo(Struct):
 
 
 class JobAccepted(Struct):
+    """The 202 answer: the job's status and progress as GET /jobs/{id} gives them at that moment."""
+
     job_id: str
     status: str
+    progress: Progress | None = None
 
 
 class LayerArgument(Struct):

@@ -90,8 +90,10 @@ def shard_requests(req: GradientRequest, prep: Prepared, bounds: list[tuple[int,
 
 
 # --- the fan-out ------------------------------------------------------------------------------------------
-def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int, device: str, owner: str) -> str:
-    """Queues `count` shard jobs and their reduce job in one Redis transaction; returns the reduce job's id."""
+def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int, device: str, owner: str,
+            job_id: str | None = None) -> str:
+    """Queues `count` shard jobs and their reduce job (id `job_id`, or a new one) in one Redis transaction;
+    returns the reduce job's id."""
     check_shardable(prep, count)
     settings = store.settings
     bounds = split_rows(prep.inputs.shape[0], count)
@@ -100,7 +102,7 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     # returns its per-loss gradients and the reduction weighs them term by term.
     per_loss = req.options.per_loss if plan.uniform else True
     bodies = [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)]
-    job_id = uuid.uuid4().hex
+    job_id = job_id or uuid.uuid4().hex
     shard_ids = [shard_job_id(job_id, k) for k in range(count)]
     queue: Queue = store.queues[device]
     ttls = {"timeout": settings.job_timeout_s, "result_ttl": settings.result_ttl_s,

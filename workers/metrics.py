@@ -47,14 +47,14 @@ class WorkerMetrics:
             return
         self.phase.labels("queue_wait", dev).observe(max(queue_s, 0.0))
         # A phase that did not run (numcheck off, memory off) is not observed: zeros would drag its percentiles.
-        ran = {"forward": True, "backward": True, "numcheck": numcheck is not None, "memory": memory is not None,
-               "total": True}
+        checked = numcheck is not None and numcheck.mode != "off"
+        ran = {"forward": True, "backward": True, "numcheck": checked, "memory": memory is not None, "total": True}
         for phase, did_run in ran.items():
             if did_run:
                 self.phase.labels(phase, dev).observe(getattr(timings, f"{phase}_ms") / 1e3)
         if memory is not None:
             self.saved_bytes.observe(memory.saved_bytes_total)
-        if numcheck is not None:
+        if checked:
             self.numcheck_error.observe(numcheck.max_rel_error)
         self.completed.labels("finished", dev, "", kind).inc()
 

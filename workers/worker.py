@@ -45,7 +45,7 @@ class GradientWorker(SimpleWorker):
     exponential_backoff_factor = 1.5
     max_connection_wait_time = 3.0
 
-    def __init__(self, *args, heartbeat_s: int = 10, **kwargs) -> None:
+    def __init__(self, *args, heartbeat_s: int = 2, **kwargs) -> None:
         # worker_ttl sets the idle BLPOP to worker_ttl - 15 s; the heartbeat thread keeps the key alive.
         kwargs.setdefault("worker_ttl", 30)
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)

@@ -46,7 +46,7 @@ def sharded_job(store: JobStore, count: int = 3) -> tuple[str, list[str]]:
     req = msgspec.convert({"model": {"layers": SEED_A_LAYERS, "dtype": "float64"},
                            "inputs": [[0.1 * i] * 6 for i in range(10)], "targets": [i % 3 for i in range(10)],
                            "options": {"shards": count, "numcheck": "off"}}, GradientRequest)
-    job_id = store.enqueue(b"", "json", "auto", "owner", sharded=(req, prepare(req, EngineConfig(), "meta")))
+    job_id, _ = store.enqueue(b"", "json", "auto", "owner", sharded=(req, prepare(req, EngineConfig(), "meta")))
     return job_id, [shard_job_id(job_id, k) for k in range(count)]
 
 

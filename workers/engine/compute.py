@@ -23,7 +23,7 @@ from . import numcheck, tensors
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
 from .prepare import EngineConfig, Prepared, batch_chunks, prepare
-from .spec import leaves, prepare_for_meta, sequence_first
+from .spec import leaves, prepare_for_meta
 
 Progress = Callable[[str, int, int], None]
 
@@ -276,36 +276,16 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
                      gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None)
 
 
-def _check_batch_first(prep: Prepared, option: str) -> None:
-    hit = sequence_first(prep.model)
-    if hit:
-        raise SpecError("bad_option", f"{option}: layer {hit[0]} ({type(hit[1]).__name__}) takes (sequence, batch, "
-                        "...) with batch_first=false, and the batch is split along dim 0; set batch_first=true "
-                        f"(and send batch-first inputs) or leave {option} out", layer=hit[0])
-
-
-def _check_per_sample(prep: Prepared) -> None:
-    _check_batch_first(prep, "options.per_sample")
-    for name, module in prep.model.named_modules():
-        if isinstance(module, nn.RNNBase) or (isinstance(module, nn.Embedding) and module.max_norm is not None):
-            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) cannot run "
-                            "under torch.func.vmap, which per-example gradients use (recurrent layers, Embedding "
-                            "with max_norm); set per_sample='off'", layer=name)
-    for name, module in leaves(prep.model):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "
-                            "samples of a batch in training mode, so per-example gradients are undefined; remove "
-                            "it or set per_sample='off'", layer=name)
-
-
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
-              progress: Progress | None):
+              progress: Progress | None, returned: dict[str, torch.Tensor]):
+    """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
+    them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
     trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
     count = sum(p.numel() for n, p in prep.model.named_parameters() if n in trainable)
     mode = opts.numcheck
     if mode == "off":
-        return None
+        return numcheck.unchecked(prep.dtype)
     if mode == "auto":
         mode = "exact" if count <= config.numcheck_exact_max else "directional"
     model64 = copy.deepcopy(prep.model).to(torch.float64)
@@ -326,7 +306,8 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()), materialize_grads=True)))
     return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                         samples=opts.numcheck_samples or config.numcheck_samples,
-                        directions=config.numcheck_directions, seed=seed, progress=progress)
+                        directions=config.numcheck_directions, seed=seed, progress=progress,
+                        returned=returned, returned_dtype=prep.dtype)
 
 
 def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
@@ -362,10 +343,6 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     started = time.perf_counter()
     prep = prepare(request, config, device)
     opts = prep.options
-    if opts.per_sample != "off":
-        _check_per_sample(prep)
-    if opts.micro_batch and opts.micro_batch < prep.inputs.shape[0]:
-        _check_batch_first(prep, "options.micro_batch")
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
     seed = request.model.seed
@@ -402,7 +379,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = _numcheck(prep, request, config, device, progress)
+    check = _numcheck(prep, request, config, device, progress, final.grads)
     numcheck_s = time.perf_counter() - numcheck_started
 
     several = len(prep.terms) > 1

@@ -40,7 +40,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # The other dependencies, read from pyproject.toml, in a layer that an edit to the code does not touch.
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['server']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt "torch==${TORCH_VERSION}" \
     && rm /tmp/requirements.txt /tmp/pyproject.toml

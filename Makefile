@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e '.[dev]' "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e '.[server,dev]' "$(TORCH_PIN)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -37,7 +37,7 @@ def queue_to_result(stack: Stack, body: bytes, n: int) -> float:
     r = Redis.from_url(stack.redis.url)
     try:
         t0 = time.perf_counter()
-        ids = [store.enqueue(body, "json", "auto", "") for _ in range(n)]
+        ids = [store.enqueue(body, "json", "auto", "")[0] for _ in range(n)]
         for job_id in ids:
             got = r.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=60_000)
             assert got, f"job {job_id} did not end in 60 s"

@@ -6,7 +6,7 @@
     result.gradients["0.weight"]  # a torch tensor (numpy without torch)
 
 Knows only the wire format (gradsvc.wire); never imports the service or the workers. torch is optional:
-Residual and to_spec need it and are imported on first use.
+Residual, RNN, LSTM, GRU, to_spec and from_spec need it and are imported on first use.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from .result import GradientResult, PerSample
 __version__ = "0.1.0"
 
 
+_TORCH_NAMES = ("Residual", "RNN", "LSTM", "GRU", "to_spec", "from_spec")
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("Residual", "to_spec"):
+    if name in _TORCH_NAMES:
         from . import convert
 
         return getattr(convert, name)
@@ -35,6 +38,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncClient", "AsyncJob", "Client", "Job", "GradientResult", "PerSample", "Estimate", "LayerInfo",
     "LayerMemory", "Memory", "Numcheck", "ParameterCheck", "Timings", "GradientClientError", "ERRORS", "errors",
-    "Residual", "to_spec",
-    *(cls.__name__ for cls in GradientClientError.__subclasses__()),
+    *_TORCH_NAMES,
+    *errors.__all__,
 ]

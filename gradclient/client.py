@@ -10,6 +10,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from typing import Any
 
 import anyio
@@ -37,8 +38,12 @@ JSON = "application/json"
 _OPTION_NAMES = frozenset(f.name for f in msgspec.structs.fields(wire.Options))
 # Errors before the request reached the server: safe to send again whatever the method.
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
-# Errors after it may have: retried only for GET and DELETE, which do not create jobs.
+# Errors after it may have: retried for GET and DELETE, which create nothing, and for a POST only under
+# its Idempotency-Key, which makes the service answer with the job the first attempt created.
 _IDEMPOTENT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+# 503 codes that mean "nothing ran, ask again"; worker_lost is a job that failed (perhaps by killing its
+# worker): it reaches the caller as WorkerLostError and is never sent again.
+_TRANSIENT_CODES = frozenset({"queue_unavailable", "not_ready"})
 
 
 class _Body:
@@ -208,9 +213,11 @@ class _BaseClient:
         return options
 
     def _request(self, method: str, path: str, *, content: bytes | None = None, params: dict | None = None,
-                 extra_s: float = 0.0) -> httpx.Request:
+                 extra_s: float = 0.0, idempotency_key: str | None = None) -> httpx.Request:
         timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
-        return self._http.build_request(method, path, content=content, params=params, timeout=timeout)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._http.build_request(method, path, content=content, params=params, timeout=timeout,
+                                        headers=headers)
 
     # --- answers ----------------------------------------------------------------------------------
     def _decode(self, tp: Any, response: httpx.Response, buf: bytearray) -> Any:
@@ -257,14 +264,33 @@ class _BaseClient:
                 pass
         return delay
 
-    def _may_retry(self, method: str, exc: Exception, attempt: int) -> bool:
+    @staticmethod
+    def _replayable(method: str, path: str, kw: dict[str, Any]) -> bool:
+        """Whether sending the request again cannot create a second job. POST /estimate creates nothing."""
+        return method != "POST" or path == "/estimate" or kw.get("idempotency_key") is not None
+
+    def _may_retry(self, exc: Exception, attempt: int, replayable: bool) -> bool:
         if attempt >= self.retries:
             return False
-        return isinstance(exc, _CONNECT_ERRORS) or (method != "POST" and isinstance(exc, _IDEMPOTENT_ERRORS))
+        return isinstance(exc, _CONNECT_ERRORS) or (replayable and isinstance(exc, _IDEMPOTENT_ERRORS))
+
+    def _may_retry_503(self, response: httpx.Response, body: _Body, attempt: int, replayable: bool) -> bool:
+        if response.status_code != 503 or attempt >= self.retries or not replayable:
+            return False
+        try:
+            code = self._decode(wire.ErrorBody, response, body.done()).error.code
+        except GradientClientError:
+            return True  # not the API's answer (a proxy's): nothing ran behind it
+        return code in _TRANSIENT_CODES
 
     def _connection_failed(self, method: str, path: str, exc: Exception) -> ConnectionFailedError:
         return ConnectionFailedError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}",
                                      detail={"attempts": self.retries + 1})
+
+
+def _new_key() -> str:
+    """One Idempotency-Key per gradients()/submit() call, kept across that call's retries."""
+    return str(uuid.uuid4())
 
 
 def _service_prefixes(prefixes: list[str], local_names: dict[str, str]) -> list[str]:
@@ -379,6 +405,7 @@ class Client(_BaseClient):
 
     def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray]:
         attempt = 0
+        replayable = self._replayable(method, path, kw)
         while True:
             try:
                 response = self._http.send(self._request(method, path, **kw), stream=True)
@@ -389,12 +416,12 @@ class Client(_BaseClient):
                 finally:
                     response.close()
             except httpx.TransportError as exc:
-                if not self._may_retry(method, exc, attempt):
+                if not self._may_retry(exc, attempt, replayable):
                     raise self._connection_failed(method, path, exc) from exc
                 time.sleep(self._delay(attempt))
                 attempt += 1
                 continue
-            if response.status_code == 503 and attempt < self.retries:
+            if self._may_retry_503(response, body, attempt, replayable):
                 time.sleep(self._delay(attempt, response))
                 attempt += 1
                 continue
@@ -422,7 +449,7 @@ class Client(_BaseClient):
 
     def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None, progress: bool) -> GradientResult:
         response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": wait_s},
-                                   extra_s=wait_s)
+                                   extra_s=wait_s, idempotency_key=_new_key())
         if response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
@@ -437,12 +464,14 @@ class Client(_BaseClient):
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
-            response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
-        except GraphNotFoundError:
+            response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0},
+                                   idempotency_key=_new_key())
+        except GraphNotFoundError:  # one POST per body, each under its own key: the refused one made no job
             if not self._forget(prepared):
                 raise
             prepared = self._prepare(*args)
-            response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+            response, buf = self._send("POST", "/gradients", content=prepared.content, params={"wait": 0},
+                                   idempotency_key=_new_key())
         if response.status_code == 200:  # a server that answered anyway: keep the result in the handle
             raw = self._decode(wire.GradientResult, response, buf)
             self._remember(prepared, raw.graph_ref)
@@ -548,6 +577,7 @@ class AsyncClient(_BaseClient):
 
     async def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray]:
         attempt = 0
+        replayable = self._replayable(method, path, kw)
         while True:
             try:
                 response = await self._http.send(self._request(method, path, **kw), stream=True)
@@ -558,12 +588,12 @@ class AsyncClient(_BaseClient):
                 finally:
                     await response.aclose()
             except httpx.TransportError as exc:
-                if not self._may_retry(method, exc, attempt):
+                if not self._may_retry(exc, attempt, replayable):
                     raise self._connection_failed(method, path, exc) from exc
                 await anyio.sleep(self._delay(attempt))
                 attempt += 1
                 continue
-            if response.status_code == 503 and attempt < self.retries:
+            if self._may_retry_503(response, body, attempt, replayable):
                 await anyio.sleep(self._delay(attempt, response))
                 attempt += 1
                 continue
@@ -587,7 +617,7 @@ class AsyncClient(_BaseClient):
     async def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None,
                          progress: bool) -> GradientResult:
         response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": wait_s},
-                                         extra_s=wait_s)
+                                         extra_s=wait_s, idempotency_key=_new_key())
         if response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
@@ -604,12 +634,14 @@ class AsyncClient(_BaseClient):
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
-            response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
-        except GraphNotFoundError:
+            response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0},
+                                         idempotency_key=_new_key())
+        except GraphNotFoundError:  # one POST per body, each under its own key: the refused one made no job
             if not self._forget(prepared):
                 raise
             prepared = self._prepare(*args)
-            response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0})
+            response, buf = await self._send("POST", "/gradients", content=prepared.content, params={"wait": 0},
+                                         idempotency_key=_new_key())
         if response.status_code == 200:
             raw = self._decode(wire.GradientResult, response, buf)
             self._remember(prepared, raw.graph_ref)

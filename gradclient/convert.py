@@ -1,8 +1,11 @@
-"""nn.Module -> the API's model spec: allow-listed layers, nn.Sequential nesting, Residual, state_dict weights.
+"""nn.Module <-> the API's model spec: allow-listed layers, nn.Sequential nesting, Residual, state_dict weights.
 
-A module is converted only when the spec says exactly what it computes: the torch class itself (not a
-subclass, which may change forward), no hooks, and every non-default setting expressible. Anything
-else is refused with UnsupportedModuleError naming the layer, before a request is sent.
+Both directions read the service's own layer table (gradsvc.layers): a module's spec lists exactly the
+table's arguments, read from the module's attributes, and `to_spec(from_spec(layers))["layers"]` gives
+the layers back (in canonical form: every argument, as torch keeps it). A module is converted only when
+the spec says exactly what it computes: the torch class itself (not a subclass, which may change
+forward), no hooks, and every setting expressible. Anything else is refused with UnsupportedModuleError
+naming the layer, before a request is sent.
 """
 
 from __future__ import annotations
@@ -13,49 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsvc.layers import CONTAINERS, LAYERS, ArgumentError, canonical, read_args, to_torch
+from gradsvc.modules import GRU, LSTM, RNN, Residual, layer_class
+
 from .errors import UnsupportedModuleError
 
-
-class Residual(nn.Sequential):
-    """x + f(x), with f the contained layers, as the service's `Residual`; names stay nn.Sequential's."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + super().forward(x)
+__all__ = ["Converted", "convert", "to_spec", "from_spec", "Residual", "RNN", "LSTM", "GRU",
+           "UnsupportedModuleError"]
 
 
-_CONV = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "padding_mode")
-_BN = ("num_features", "eps", "momentum", "affine", "track_running_stats")
-# type -> (constructor arguments read back from the same-named attributes, attributes that must keep
-# their default because the spec cannot say otherwise)
-_LEAVES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "Linear": (("in_features", "out_features"), {}),
-    "Conv1d": (_CONV, {}),
-    "Conv2d": (_CONV, {}),
-    "MaxPool1d": (("kernel_size", "stride", "padding", "dilation", "ceil_mode"), {"return_indices": False}),
-    "MaxPool2d": (("kernel_size", "stride", "padding", "dilation", "ceil_mode"), {"return_indices": False}),
-    "AvgPool1d": (("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"), {}),
-    "AvgPool2d": (("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"), {"divisor_override": None}),
-    "AdaptiveAvgPool2d": (("output_size",), {}),
-    "Flatten": (("start_dim", "end_dim"), {}),
-    "Identity": ((), {}),
-    "ReLU": ((), {}),
-    "LeakyReLU": (("negative_slope",), {}),
-    "ELU": (("alpha",), {}),
-    "GELU": (("approximate",), {}),
-    "SiLU": ((), {}),
-    "Softplus": (("beta", "threshold"), {}),
-    "Tanh": ((), {}),
-    "Sigmoid": ((), {}),
-    "Softmax": (("dim",), {}),
-    "LogSoftmax": (("dim",), {}),
-    "Dropout": (("p",), {}),
-    "BatchNorm1d": (_BN, {}),
-    "BatchNorm2d": (_BN, {}),
-    "LayerNorm": (("normalized_shape", "eps", "elementwise_affine"), {}),
-    "Embedding": (("num_embeddings", "embedding_dim", "padding_idx"),
-                  {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}),
-}
-_WITH_BIAS = {"Linear", "Conv1d", "Conv2d"}
+_RECURRENT = {nn.RNN: "RNN", nn.LSTM: "LSTM", nn.GRU: "GRU"}
 
 
 @dataclass
@@ -129,31 +99,55 @@ def _one(module: nn.Module, path: str, local: str, renames: dict[str, str]) -> d
     if kind is nn.Sequential or kind is Residual:
         return {"type": kind.__name__, "layers": _children(module, path, local, renames)}
     name = kind.__name__
-    if name not in _LEAVES or getattr(nn, name, None) is not kind:
-        hint = (f"a subclass of nn.{kind.__mro__[1].__name__} may change forward; " if kind.__mro__[1].__name__ in
-                _LEAVES else "")
+    if kind in _RECURRENT:
+        raise UnsupportedModuleError(
+            f"{where}: the service's {name} outputs the output sequence alone (torch's returns a tuple, which a "
+            f"stack cannot pass on); use gradclient.{name}, the same layer with that output",
+            detail={"path": path, "type": name})
+    if name not in LAYERS or layer_class(name) is not kind:
+        parent = kind.__mro__[1].__name__
+        hint = f"a subclass of nn.{parent} may change forward; " if parent in LAYERS else ""
         raise UnsupportedModuleError(
             f"{where} cannot be expressed as a spec: {hint}use nn.Sequential, gradclient.Residual and the "
-            f"allow-listed layers ({', '.join(_LEAVES)}; GET /layers), or send a spec dict",
+            f"allow-listed layers ({', '.join(LAYERS)}; GET /layers), or send a spec dict",
             detail={"path": path, "type": name})
-    args_from, fixed = _LEAVES[name]
-    for attr, default in fixed.items():
-        if getattr(module, attr, default) != default:
-            raise UnsupportedModuleError(f"{where}: {attr}={getattr(module, attr)!r} is not supported by the service; "
-                                         f"use {attr}={default!r}", detail={"path": path, "argument": attr})
-    spec: dict[str, Any] = {"type": name}
-    for attr in args_from:
-        value = getattr(module, attr)
-        if value is None and attr not in ("padding_idx",):
-            raise UnsupportedModuleError(f"{where}: {attr}=None cannot be expressed; give it explicitly",
-                                         detail={"path": path, "argument": attr})
-        spec[attr] = list(value) if isinstance(value, (tuple, torch.Size)) else value
-    if name in _WITH_BIAS:
-        spec["bias"] = module.bias is not None
-    if name == "LayerNorm" and module.elementwise_affine:
-        spec["bias"] = module.bias is not None
-    if name == "AdaptiveAvgPool2d" and isinstance(spec["output_size"], list) and None in spec["output_size"]:
-        raise UnsupportedModuleError(f"{where}: output_size with None cannot be expressed; give both sizes",
-                                     detail={"path": path, "argument": "output_size"})
+    try:
+        args = read_args(name, module)
+        checked = canonical(name, args)
+    except ArgumentError as exc:
+        shown = f"{exc.argument}={args[exc.argument]!r}" if exc.argument in args else exc.argument
+        raise UnsupportedModuleError(f"{where}: {shown} is not supported by the service; expected {exc.expected}",
+                                     detail={"path": path, "argument": exc.argument}) from None
+    except ValueError as exc:  # an attribute the table cannot read back (a custom activation function)
+        raise UnsupportedModuleError(f"{where}: {exc}", detail={"path": path}) from None
     renames[path] = local
-    return spec
+    return {"type": name, **checked}
+
+
+def from_spec(layers: list[dict[str, Any]]) -> nn.Sequential:
+    """The nn.Sequential a spec's `layers` describe, as the service builds it (parameters created in spec
+    order, so `torch.manual_seed(s)` first gives the service's seeded initial weights)."""
+    return _build(nn.Sequential, layers, "")
+
+
+def _build(cls: type[nn.Sequential], layers: Any, path: str) -> nn.Sequential:
+    if not isinstance(layers, list) or not layers:
+        raise UnsupportedModuleError(f"layer {path or '0'}: 'layers' must be a non-empty list of layer objects")
+    modules = []
+    for i, spec in enumerate(layers):
+        here = f"{path}.{i}" if path else str(i)
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        args = {k: v for k, v in spec.items() if k != "type"} if isinstance(spec, dict) else {}
+        if kind in CONTAINERS:
+            modules.append(_build(Residual if kind == "Residual" else nn.Sequential, args.get("layers"), here))
+            continue
+        if kind not in LAYERS:
+            raise UnsupportedModuleError(f"layer {here}: unknown type {kind!r}; allowed: {', '.join(LAYERS)}",
+                                         detail={"path": here, "type": kind})
+        try:
+            kwargs = canonical(kind, args)
+        except ArgumentError as exc:
+            raise UnsupportedModuleError(f"layer {here} ({kind}): {exc}", detail={"path": here,
+                                                                                  "argument": exc.argument}) from None
+        modules.append(layer_class(kind)(**{k: to_torch(v) for k, v in kwargs.items()}))
+    return cls(*modules)

@@ -1,21 +1,27 @@
-"""The SDK's exceptions: one class per error code of the API, all under GradientClientError.
+"""The SDK's exceptions: one class per API error code, under three parents, all under GradientClientError.
 
-GradientClientError                 code, message, detail, response (httpx.Response | None), status
- +-- ConnectionFailedError           connection_failed: the service could not be reached (after retries)
- +-- WaitTimeoutError                wait_timeout: Job.result(timeout=...) ran out; the job goes on
- +-- UnsupportedModuleError          unsupported_module: an nn.Module the spec cannot express (nothing sent)
- +-- 400 MalformedBodyError, InvalidBodyError, BadRequestError
- +-- 401 UnauthorizedError           404 NotFoundError      405 MethodNotAllowedError   406 NotAcceptableError
- +-- 409 JobCanceledError, CanceledError
- +-- 413 BodyTooLargeError, ResultTooLargeError             415 UnsupportedMediaTypeError
- +-- 422 UnknownLayerError, ShapeMismatchError, BadWeightsError, BadTensorError, BadLossError, BadTargetError,
- |       BadOptionError, TooLargeError, NonFiniteError, DeviceUnavailableError
- +-- 429 RateLimitedError            500 InternalServerError
- +-- 503 QueueUnavailableError, WorkerLostError, NotReadyError   (retried with backoff)
- +-- 504 JobTimeoutError             507 OutOfMemoryError
+GradientClientError                  code, message, detail, response (httpx.Response | None), status, job_id
+ +-- UnsupportedModuleError           unsupported_module: an nn.Module neither a layer spec nor torch.export
+ |                                    can express (nothing was sent)
+ +-- WaitTimeoutError                 wait_timeout: Job.result(timeout=...) ran out; the job goes on
+ +-- RequestError                     4xx: the request was wrong; fix it, sending it again will not help
+ |    +-- MalformedBodyError, InvalidBodyError, BadRequestError               400
+ |    +-- UnauthorizedError 401, NotFoundError 404, MethodNotAllowedError 405
+ |    +-- BodyTooLargeError 413, UnsupportedMediaTypeError 415, RateLimitedError 429 (retry_after_s)
+ |    +-- UnknownLayerError, ShapeMismatchError, BadWeightsError, BadTensorError, BadLossError,
+ |        BadTargetError, BadOptionError, UnsupportedOpError, GraphNotFoundError, TooLargeError,
+ |        DeviceUnavailableError                                               422
+ +-- JobFailedError                   the job was queued, ran and failed (job_id says which); never retried
+ |    +-- NonFiniteError 422, CanceledError 409, ResultTooLargeError 413
+ |    +-- WorkerLostError 503, JobTimeoutError 504, OutOfMemoryError 507
+ +-- ServiceUnavailableError          try again later (the SDK retries these with backoff)
+ |    +-- ConnectionFailedError        connection_failed: the service could not be reached
+ |    +-- QueueUnavailableError 503, NotReadyError 503
+ +-- InternalServerError              500: a gradsvc bug
 
-The code list is a copy of the API's table (the SDK never imports the service); a code this SDK does
-not know yet raises GradientClientError itself, with the code as the server sent it.
+The code-specific classes are built from gradsvc.wire.ERROR_CODES, the table the API and the workers
+use too; a code this SDK does not know yet raises its parent by status (or GradientClientError), with
+the code as the server sent it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+
+from gradsvc.wire import ERROR_CODES
 
 
 class GradientClientError(Exception):
@@ -44,8 +52,9 @@ class GradientClientError(Exception):
 
     @property
     def is_retryable(self) -> bool:
-        """Worth sending again as is: the queue or a worker was unavailable, or the connection failed."""
-        return self.code in RETRYABLE_CODES
+        """Worth sending again as is: the queue or the service was unavailable, or the connection failed.
+        A job that ran and failed (worker_lost, out_of_memory, timeout) is not: it would run again."""
+        return isinstance(self, ServiceUnavailableError)
 
     @property
     def job_id(self) -> str | None:
@@ -55,170 +64,71 @@ class GradientClientError(Exception):
         return f"[{self.code}] {self.message}"
 
 
-class ConnectionFailedError(GradientClientError):
-    code = "connection_failed"
+class RequestError(GradientClientError):
+    """The request was wrong (a 4xx): the message says what, where and how to fix it."""
+
+    code = "request_error"
 
 
-class WaitTimeoutError(GradientClientError):
-    code = "wait_timeout"
+class JobFailedError(GradientClientError):
+    """The job was accepted, ran and failed; `job_id` names it."""
+
+    code = "job_failed"
+
+
+class ServiceUnavailableError(GradientClientError):
+    """The service could not take the request now; retried with backoff, then raised."""
+
+    code = "unavailable"
 
 
 class UnsupportedModuleError(GradientClientError):
     code = "unsupported_module"
 
 
-class MalformedBodyError(GradientClientError):
-    code = "malformed_body"
+class WaitTimeoutError(GradientClientError):
+    code = "wait_timeout"
 
 
-class InvalidBodyError(GradientClientError):
-    code = "invalid_body"
+class ConnectionFailedError(ServiceUnavailableError):
+    code = "connection_failed"
 
 
-class BadRequestError(GradientClientError):
-    code = "bad_request"
-
-
-class UnauthorizedError(GradientClientError):
-    code = "unauthorized"
-
-
-class NotFoundError(GradientClientError):
-    code = "not_found"
-
-
-class MethodNotAllowedError(GradientClientError):
-    code = "method_not_allowed"
-
-
-class NotAcceptableError(GradientClientError):
-    code = "not_acceptable"
-
-
-class JobCanceledError(GradientClientError):
-    code = "job_canceled"
-
-
-class CanceledError(GradientClientError):
-    code = "canceled"
-
-
-class BodyTooLargeError(GradientClientError):
-    code = "body_too_large"
-
-
-class ResultTooLargeError(GradientClientError):
-    code = "result_too_large"
-
-
-class UnsupportedMediaTypeError(GradientClientError):
-    code = "unsupported_media_type"
-
-
-class UnknownLayerError(GradientClientError):
-    code = "unknown_layer"
-
-
-class ShapeMismatchError(GradientClientError):
-    code = "shape_mismatch"
-
-
-class BadWeightsError(GradientClientError):
-    code = "bad_weights"
-
-
-class BadTensorError(GradientClientError):
-    code = "bad_tensor"
-
-
-class BadLossError(GradientClientError):
-    code = "bad_loss"
-
-
-class BadTargetError(GradientClientError):
-    code = "bad_target"
-
-
-class BadOptionError(GradientClientError):
-    code = "bad_option"
-
-
-class UnsupportedOpError(GradientClientError):
-    code = "unsupported_op"
-
-
-class GraphNotFoundError(GradientClientError):
-    code = "graph_not_found"
-
-
-class TooLargeError(GradientClientError):
-    code = "too_large"
-
-
-class NonFiniteError(GradientClientError):
-    code = "non_finite"
-
-
-class DeviceUnavailableError(GradientClientError):
-    code = "device_unavailable"
-
-
-class RateLimitedError(GradientClientError):
-    code = "rate_limited"
-
+class _RetryAfter:
     @property
     def retry_after_s(self) -> float | None:
-        value = self.response.headers.get("retry-after") if self.response is not None else None
+        value = self.response.headers.get("retry-after") if self.response is not None else None  # type: ignore[attr-defined]
         return float(value) if value else None
 
 
-class InternalServerError(GradientClientError):
-    code = "internal_error"
-
-
-class QueueUnavailableError(GradientClientError):
-    code = "queue_unavailable"
-
-
-class WorkerLostError(GradientClientError):
-    code = "worker_lost"
-
-
-class NotReadyError(GradientClientError):
-    code = "not_ready"
-
-
-class JobTimeoutError(GradientClientError):
-    code = "timeout"
-
-
-class OutOfMemoryError(GradientClientError):
-    code = "out_of_memory"
-
-
-# code -> HTTP status, copied from the API's table (service/errors.py STATUS); a test keeps them equal.
-CODES: dict[str, int] = {
-    "malformed_body": 400, "invalid_body": 400, "bad_request": 400, "unauthorized": 401, "not_found": 404,
-    "method_not_allowed": 405, "not_acceptable": 406, "job_canceled": 409, "body_too_large": 413,
-    "result_too_large": 413, "unsupported_media_type": 415, "unknown_layer": 422, "shape_mismatch": 422,
-    "bad_weights": 422, "bad_tensor": 422, "bad_loss": 422, "bad_target": 422, "bad_option": 422,
-    "unsupported_op": 422, "graph_not_found": 422,
-    "too_large": 422, "non_finite": 422, "device_unavailable": 422, "canceled": 409, "rate_limited": 429,
-    "internal_error": 500, "queue_unavailable": 503, "worker_lost": 503, "not_ready": 503, "timeout": 504,
-    "out_of_memory": 507,
+_PARENTS: dict[str, type[GradientClientError]] = {
+    "request": RequestError, "job": JobFailedError, "unavailable": ServiceUnavailableError,
+    "server": GradientClientError,
 }
-ERRORS: dict[str, type[GradientClientError]] = {
-    cls.code: cls for cls in GradientClientError.__subclasses__() if cls.code in CODES
-}
-RETRYABLE_CODES = frozenset({"connection_failed", *(c for c, s in CODES.items() if s == 503)})
+_MIXINS: dict[str, tuple[type, ...]] = {"rate_limited": (_RetryAfter,)}
+
+# code -> HTTP status and code -> exception class, both from the one table.
+CODES: dict[str, int] = {code: entry.status for code, entry in ERROR_CODES.items()}
+ERRORS: dict[str, type[GradientClientError]] = {}
+for _code, _entry in ERROR_CODES.items():
+    ERRORS[_code] = type(_entry.exception, (*_MIXINS.get(_code, ()), _PARENTS[_entry.kind]),
+                         {"code": _code, "__doc__": f"{_code} ({_entry.status}): {_entry.meaning}.",
+                          "__module__": __name__})
+    globals()[_entry.exception] = ERRORS[_code]
+RETRYABLE_CODES = frozenset({"connection_failed", *(c for c, e in ERROR_CODES.items() if e.kind == "unavailable")})
 
 
 def error_for(code: str, message: str, detail: dict[str, Any] | None = None,
               response: httpx.Response | None = None) -> GradientClientError:
-    """The exception for an API error code (GradientClientError itself for a code this SDK does not know)."""
-    cls = ERRORS.get(code, GradientClientError)
+    """The exception for an API error code; for a code this SDK does not know, the parent its HTTP status
+    implies (4xx RequestError, 503 ServiceUnavailableError), else GradientClientError itself."""
+    cls = ERRORS.get(code)
+    if cls is None:
+        status = response.status_code if response is not None else 0
+        cls = RequestError if 400 <= status < 500 else ServiceUnavailableError if status == 503 else GradientClientError
     return cls(message, code=code, detail=detail, response=response)
 
 
-__all__ = ["GradientClientError", *(c.__name__ for c in GradientClientError.__subclasses__()), "CODES", "ERRORS",
-           "RETRYABLE_CODES", "error_for"]
+__all__ = ["GradientClientError", "RequestError", "JobFailedError", "ServiceUnavailableError",
+           "UnsupportedModuleError", "WaitTimeoutError", "ConnectionFailedError",
+           *(e.exception for e in ERROR_CODES.values()), "CODES", "ERRORS", "RETRYABLE_CODES", "error_for"]

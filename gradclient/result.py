@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gradsvc.wire import GraphNode, Memory, Numcheck, Timings
+from gradsvc.wire import GraphNode, Memory, Numcheck, ShardsInfo, Timings
 
 from .tensors import from_wire
 
@@ -41,7 +41,25 @@ class GradientResult:
     hvp: dict[str, Any] | None = None
     graph: list[GraphNode] | None = None
     checkpoint: dict[str, float] | None = None
+    shards: ShardsInfo | None = None  # how a request sent with shards=N ran (None when it was not split)
     graph_ref: str | None = None  # graph models: the service's handle on the graph (the SDK resends it for you)
+
+    def summary(self) -> str:
+        """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
+        check and the timings, in torchinfo's style. `print(result)` prints it."""
+        from .summary import summary
+
+        return summary(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def plot(self, path: str | None = None):
+        """Bar charts of saved bytes per layer and of the phase timings (matplotlib: the `plot` extra);
+        saved to `path` when given. Returns the Figure."""
+        from .summary import plot
+
+        return plot(self, path)
 
     def set_grads(self, model: Any) -> None:
         """Writes the gradients into each parameter's `.grad` (as loss.backward() would), so an optimizer
@@ -72,5 +90,5 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         gradient_cosine=raw.gradient_cosine,
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
-        checkpoint=raw.checkpoint, graph_ref=raw.graph_ref,
+        checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref,
     )

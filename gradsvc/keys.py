@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 QUEUE_DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -37,6 +39,12 @@ def rq_results_stream(job_id: str) -> str:
 def cancel_key(prefix: str, job_id: str) -> str:
     """Set by DELETE /jobs/{id} for a running job; the job checks it between steps and stops."""
     return f"{prefix}:cancel:{job_id}"
+
+
+def idempotency_key(prefix: str, owner: str, key: str) -> str:
+    """Idempotency-Key -> job id, per owner: another API key's same header names another entry. The
+    header is hashed, so what the client sends never becomes part of a Redis key."""
+    return f"{prefix}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 def graph_key(prefix: str, digest: str) -> str:

@@ -124,7 +124,12 @@ class Launcher:
             self.redis = start_redis(port, STATE_DIR / "redis.pid")
             env["GRADSVC_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
             log.info("embedded redis-server on 127.0.0.1:%d (pid %d)", port, self.redis.pid)
+        else:
+            env["GRADSVC_REDIS_URL"] = self.settings.redis_url
+        # The children read the same settings, flags included (`up --host/--port/--workers/--device`).
+        env["GRADSVC_HOST"] = self.settings.host
         env["GRADSVC_PORT"] = str(self.settings.port)
+        env["GRADSVC_WORKER_DEVICE"] = self.settings.worker_device
         env["GRADSVC_WORKERS"] = str(self.settings.workers)  # workers split the CPU cores between them
         py = [sys.executable, "-m", "gradsvc"]
         self.children = [Child("api", [*py, "serve"])] + [

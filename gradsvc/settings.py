@@ -39,8 +39,11 @@ class Settings:
     workers: int = 1
     worker_metrics_port: int = 9101
     worker_device: str = "auto"
-    worker_heartbeat_s: int = 10
+    # A job's lease is 3 heartbeats: a killed worker's job fails worker_lost within about 8 s.
+    worker_heartbeat_s: int = 2
+    idempotency_ttl_s: int = 86400
     rate_limit_per_minute: int = 0
+    min_shard_rows: int = 256
     redis_timeout_s: float = 2.0
     log_level: str = "info"
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
@@ -69,7 +72,8 @@ class Settings:
     def validate(self) -> None:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
                     "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
-                    "worker_heartbeat_s", "graph_ttl_s"]
+                    "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
+                    "graph_ttl_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")

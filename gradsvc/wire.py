@@ -5,7 +5,7 @@ No torch here: the SDK imports this module without PyTorch installed.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from msgspec import Struct
@@ -121,6 +121,9 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     per_sample: Literal["off", "norms", "full"] = "off"
     encoding: Literal["auto", "list", "b64"] = "auto"
+    # Split the batch along its first dimension across this many RQ jobs (workers), reduced into one
+    # result; "auto": one shard per live worker of the device, each of at least GRADSVC_MIN_SHARD_ROWS rows.
+    shards: int | Literal["auto"] = 1
 
 
 class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -136,7 +139,10 @@ class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
 class ParameterCheck(Struct):
     max_abs_error: float
     max_rel_error: float
-    checked: int
+    checked: int  # elements finite differences checked (0 in directional mode)
+    # The returned gradient (its dtype, micro-batched, checkpointed, per-loss accumulated) against the
+    # float64 autograd reference on the same batch, by the same relative-error rule.
+    returned_max_rel_error: float = 0.0
 
 
 class Numcheck(Struct):
@@ -151,6 +157,12 @@ class Numcheck(Struct):
     per_parameter: dict[str, ParameterCheck]
     # Absolute errors below this (8 float64 roundings of the loss / eps) pass whatever their ratio.
     rounding_floor: float = 0.0
+    # The gradients as returned against the float64 reference on the same batch; `passed` needs both
+    # checks. Absolute errors below returned_floor (returned_tolerance x the largest reference element)
+    # pass whatever their ratio. Mode "off": nothing was checked and `passed` is false.
+    returned_max_rel_error: float = 0.0
+    returned_tolerance: float = 0.0
+    returned_floor: float = 0.0
 
 
 class LayerMemory(Struct):
@@ -159,6 +171,7 @@ class LayerMemory(Struct):
     saved_bytes: int
     output_bytes: int
     parameter_bytes: int
+    output_shape: list[int] | None = None
 
 
 class Memory(Struct):
@@ -187,6 +200,20 @@ class GraphNode(Struct):
     next: list[int]
 
 
+class ShardsInfo(Struct):
+    """How a sharded job ran: `rows` per shard in batch order; `critical_path_ms` = the slowest shard's
+    total_ms + reduce_ms (what `timings.total_ms` reports), `compute_ms` = every shard's total_ms summed (the
+    job's cost on one worker, about); `numcheck_shard` is the shard whose check `numcheck` reports (the worst)."""
+
+    count: int
+    rows: list[int]
+    critical_path_ms: float
+    compute_ms: float
+    reduce_ms: float
+    shard_total_ms: list[float]
+    numcheck_shard: int | None = None
+
+
 class GradientResult(Struct, omit_defaults=False):
     device: str
     dtype: str
@@ -211,6 +238,8 @@ class GradientResult(Struct, omit_defaults=False):
     # Graph models: the content hash under which the service keeps the validated graph; send it as
     # `model.graph_ref` (with weights and the batch) instead of the graph on the next request.
     graph_ref: str | None = None
+    # Sharded jobs (options.shards > 1) only; `memory` is then the largest shard's.
+    shards: ShardsInfo | None = None
 
 
 class Estimate(Struct):
@@ -248,16 +277,82 @@ class JobInfo(Struct):
 
 
 class JobAccepted(Struct):
+    """The 202 answer: the job's status and progress as GET /jobs/{id} gives them at that moment."""
+
     job_id: str
     status: str
+    progress: Progress | None = None
+
+
+class LayerArgument(Struct):
+    """One constructor argument of a layer type, as gradsvc.layers checks it: `kind` (the JSON forms
+    accepted), torch's `default` (absent when `required`), the `range` or choices enforced ("" for any)."""
+
+    kind: str
+    required: bool
+    default: Any = None
+    range: str = ""
 
 
 class LayerInfo(Struct):
+    """One entry of GET /layers. `arguments` maps each argument to its kind and range in brief
+    ("int >= 1"); `details` gives them apart, with torch's default. `output` is "sequence" for the recurrent layers (their output
+    sequence, without the final state)."""
+
     type: str
     arguments: dict[str, str]
     required: list[str]
     container: bool = False
+    details: dict[str, LayerArgument] = {}
+    output: str = "tensor"
 
+
+class ErrorCode(NamedTuple):
+    """One error code: its HTTP status, the SDK's exception class, the SDK parent it falls under
+    (`request`: the request was wrong; `job`: the job ran and failed; `unavailable`: try again later;
+    `server`: a gradsvc bug) and what it means."""
+
+    status: int
+    exception: str
+    kind: Literal["request", "job", "unavailable", "server"]
+    meaning: str
+
+
+# The one table of error codes: the API renders these statuses, the workers raise these codes, the SDK
+# builds its exception classes from it. Only codes something raises are listed (a test checks it).
+ERROR_CODES: dict[str, ErrorCode] = {
+    "malformed_body": ErrorCode(400, "MalformedBodyError", "request", "the body is not valid JSON or MessagePack"),
+    "invalid_body": ErrorCode(400, "InvalidBodyError", "request", "the body does not match the request schema"),
+    "bad_request": ErrorCode(400, "BadRequestError", "request", "a query or path parameter is invalid"),
+    "unauthorized": ErrorCode(401, "UnauthorizedError", "request", "the API key is missing or unknown"),
+    "not_found": ErrorCode(404, "NotFoundError", "request", "no such route, or no such job for this API key"),
+    "method_not_allowed": ErrorCode(405, "MethodNotAllowedError", "request", "the route does not take this method"),
+    "body_too_large": ErrorCode(413, "BodyTooLargeError", "request", "the body is over GRADSVC_MAX_BODY_BYTES"),
+    "unsupported_media_type": ErrorCode(415, "UnsupportedMediaTypeError", "request",
+                                        "the body is neither JSON nor MessagePack"),
+    "unknown_layer": ErrorCode(422, "UnknownLayerError", "request", "a layer type or argument is not allowed"),
+    "shape_mismatch": ErrorCode(422, "ShapeMismatchError", "request", "a layer or op cannot take its input's shape"),
+    "bad_weights": ErrorCode(422, "BadWeightsError", "request", "weights are missing, unknown or mis-shaped"),
+    "bad_tensor": ErrorCode(422, "BadTensorError", "request", "a tensor is malformed or holds invalid values"),
+    "bad_loss": ErrorCode(422, "BadLossError", "request", "the loss is unknown or malformed"),
+    "bad_target": ErrorCode(422, "BadTargetError", "request", "the targets do not fit the loss"),
+    "bad_option": ErrorCode(422, "BadOptionError", "request", "an option is invalid or cannot apply to the model"),
+    "unsupported_op": ErrorCode(422, "UnsupportedOpError", "request", "a graph node names an op outside the allow-list"),
+    "graph_not_found": ErrorCode(422, "GraphNotFoundError", "request",
+                                 "model.graph_ref names no graph this service keeps; send the graph again"),
+    "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),
+    "device_unavailable": ErrorCode(422, "DeviceUnavailableError", "request", "the requested device is not there"),
+    "rate_limited": ErrorCode(429, "RateLimitedError", "request", "this API key sent too many jobs; see Retry-After"),
+    "non_finite": ErrorCode(422, "NonFiniteError", "job", "the loss or a gradient is NaN or infinite"),
+    "canceled": ErrorCode(409, "CanceledError", "job", "the job was canceled"),
+    "result_too_large": ErrorCode(413, "ResultTooLargeError", "job", "the result is over GRADSVC_MAX_RESULT_BYTES"),
+    "worker_lost": ErrorCode(503, "WorkerLostError", "job", "the worker running the job died or was cut off"),
+    "timeout": ErrorCode(504, "JobTimeoutError", "job", "the job ran past GRADSVC_JOB_TIMEOUT_S"),
+    "out_of_memory": ErrorCode(507, "OutOfMemoryError", "job", "the device ran out of memory"),
+    "queue_unavailable": ErrorCode(503, "QueueUnavailableError", "unavailable", "Redis is unreachable"),
+    "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
+    "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),
+}
 
 JSON_ENCODER = msgspec.json.Encoder()
 MSGPACK_ENCODER = msgspec.msgpack.Encoder()

@@ -46,6 +46,17 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
                            "GRADSVC_MAX_DEPTH levels (GET /layers lists Sequential and Residual)") from None
 
 
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not (1 <= len(key) <= 255) or not key.isascii() or not key.isprintable():
+        raise ServiceError("bad_request", "the Idempotency-Key header must be 1 to 255 printable ASCII characters "
+                           f"(got {len(key)} characters); send one random key (a UUID) per request",
+                           header="Idempotency-Key")
+    return key
+
+
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
     store = JobStore(settings)
@@ -71,33 +82,36 @@ def create_app(settings: Settings | None = None) -> Litestar:
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
         body, fmt, req = await read_request(request)
+        key = _idempotency_key(request)
 
-        def enqueue() -> str:  # one thread hop for both
+        def enqueue() -> tuple[str, bool]:  # one thread hop for both
             # Validation on the meta device: an invalid spec never reaches the queue. A graph_ref is looked
             # up (and its TTL refreshed) here; a graph sent whole is kept under its ref for the next request.
             prep = prepare(req, config, "meta", graphs=graphs.get)
             auth.check_rate(owner)
             if prep.graph_data is not None:
                 graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
-            return store.enqueue(body, fmt, req.options.device, owner)
+            sharded = (req, prep) if req.options.shards != 1 else None
+            return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded)
 
-        job_id = await anyio.to_thread.run_sync(enqueue)
-        metrics.jobs_submitted.inc()
+        job_id, created = await anyio.to_thread.run_sync(enqueue)
+        if created:
+            metrics.jobs_submitted.inc()
         wait_s = settings.default_wait_s if wait is None else min(max(wait, 0.0), settings.max_wait_s)
         ended, raw = await store.wait(job_id, wait_s)
-        if ended:
-            if raw is not None:  # finished
-                if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy
-                    return Response(raw, media_type=MSGPACK)
-                result = store.decode_result(raw)
-                return await respond_job(request, result, result, encoding=req.options.encoding)
-            info = await store.info(job_id, owner)
-            if info.status == "finished":
-                return await respond_job(request, info.result, info.result, encoding=req.options.encoding)
-            if info.error is not None:
-                return error_response(request, info.error.code, info.error.message, info.error.detail,
-                                      job_id=job_id, status=info.status)
-        return respond(request, JobAccepted(job_id=job_id, status="queued"), status=202,
+        if ended and raw is not None:  # finished
+            if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy
+                return Response(raw, media_type=MSGPACK)
+            result = store.decode_result(raw)
+            return await respond_job(request, result, result, encoding=req.options.encoding)
+        # Failed, or still running: the answer is what GET /jobs/{id} says now (it may have ended meanwhile).
+        info = await store.info(job_id, owner)
+        if info.status == "finished":
+            return await respond_job(request, info.result, info.result, encoding=req.options.encoding)
+        if info.error is not None:
+            return error_response(request, info.error.code, info.error.message, info.error.detail,
+                                  job_id=job_id, status=info.status)
+        return respond(request, JobAccepted(job_id=job_id, status=info.status, progress=info.progress), status=202,
                        headers={"Location": f"/jobs/{job_id}"})
 
     @post("/estimate", status_code=200)

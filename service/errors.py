@@ -1,6 +1,6 @@
 """Error codes, their HTTP statuses (one table), and the one renderer every error goes through.
 
-ServiceError            raised by routes; carries a code from STATUS
+ServiceError            raised by routes; carries a code from gradsvc.wire.ERROR_CODES (the one table)
  (engine errors, Litestar's HTTP exceptions and Redis outages are mapped onto the same codes)
 """
 
@@ -14,46 +14,14 @@ from litestar.exceptions import HTTPException, ValidationException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gradsvc.wire import ErrorBody, ErrorInfo
+from gradsvc.wire import ERROR_CODES, ErrorBody, ErrorInfo
 from workers.engine import EngineError
 
 from .encoding import respond
 
 log = logging.getLogger("gradsvc.api")
 
-STATUS: dict[str, int] = {
-    "malformed_body": 400,
-    "invalid_body": 400,
-    "bad_request": 400,
-    "unauthorized": 401,
-    "not_found": 404,
-    "method_not_allowed": 405,
-    "not_acceptable": 406,
-    "job_canceled": 409,
-    "body_too_large": 413,
-    "result_too_large": 413,
-    "unsupported_media_type": 415,
-    "unknown_layer": 422,
-    "shape_mismatch": 422,
-    "bad_weights": 422,
-    "bad_tensor": 422,
-    "bad_loss": 422,
-    "bad_target": 422,
-    "bad_option": 422,
-    "unsupported_op": 422,
-    "graph_not_found": 422,
-    "too_large": 422,
-    "non_finite": 422,
-    "device_unavailable": 422,
-    "canceled": 409,
-    "rate_limited": 429,
-    "internal_error": 500,
-    "queue_unavailable": 503,
-    "worker_lost": 503,
-    "not_ready": 503,
-    "timeout": 504,
-    "out_of_memory": 507,
-}
+STATUS: dict[str, int] = {code: entry.status for code, entry in ERROR_CODES.items()}
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 415: "unsupported_media_type", 429: "rate_limited"}
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import uuid
 import zlib
 from datetime import datetime, timezone
 
@@ -19,7 +21,6 @@ from redis.retry import Retry
 from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.utils import utcparse
 
 from gradsvc import keys
@@ -27,7 +28,9 @@ from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from workers.jobs import GradientJob
 from workers.serializer import MsgpackSerializer
+from workers.shards import LeaseRegistry, cancel_shards, settle
 
+from . import shards
 from .errors import ServiceError
 
 JOB_FUNCTION = "workers.jobs.gradient_job"
@@ -38,6 +41,10 @@ _result_decoder = msgspec.msgpack.Decoder(GradientResult)
 _FIELDS = ("status", "meta", "enqueued_at", "started_at", "ended_at", "origin", "last_heartbeat")
 _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job was lost (killed, crashed, or cut off "
                 "from Redis) before it finished; submit it again", "detail": {}}
+
+
+# An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
+LEASE_CHECK_S = 1.0
 
 
 def _iso(raw: bytes | None) -> str | None:
@@ -71,35 +78,100 @@ class JobStore:
         await self.ablocking.aclose()
         self.redis.close()
 
-    def enqueue(self, body: bytes, fmt: str, device: str, owner: str) -> str:
+    def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
+                sharded=None) -> tuple[str, bool]:
+        """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
+        names the job it enqueued then, which is returned instead of enqueueing the same body again.
+        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py)."""
         if device != "auto" and not Worker.all(queue=self.queues[device]):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
                                f"{self.queues[device].name!r}); use options.device='auto' or start a {device} worker",
                                device=device)
-        with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
-            job = self.queues[device].enqueue(
-                JOB_FUNCTION, body, fmt,
-                job_timeout=self.settings.job_timeout_s,
-                result_ttl=self.settings.result_ttl_s,
-                failure_ttl=self.settings.failure_ttl_s,
-                meta={"owner": owner},
-                description="gradients",
-                pipeline=pipe,
-            )
-            pipe.execute()
-        return job.id
+        job_id = str(uuid.uuid4())
+        claim = None
+        if idempotency_key is not None:
+            claim = keys.idempotency_key(self.prefix, owner, idempotency_key)
+            earlier = self._claim(claim, job_id, hashlib.sha256(body).hexdigest())
+            if earlier is not None:
+                return earlier, False
+        try:
+            if sharded is not None:
+                req, prep = sharded
+                count = shards.shard_count(req.options.shards, prep.inputs.shape[0],
+                                           lambda: len(Worker.all(queue=self.queues[device])),
+                                           self.settings.min_shard_rows)
+                if count > 1:
+                    return shards.enqueue(self, req, prep, count, device, owner, job_id=job_id), True
+            with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
+                self.queues[device].enqueue(
+                    JOB_FUNCTION, body, fmt,
+                    job_id=job_id,
+                    job_timeout=self.settings.job_timeout_s,
+                    result_ttl=self.settings.result_ttl_s,
+                    failure_ttl=self.settings.failure_ttl_s,
+                    meta={"owner": owner},
+                    description="gradients",
+                    pipeline=pipe,
+                )
+                pipe.execute()
+        except BaseException:
+            if claim is not None:  # nothing was enqueued: a retry under the same key must enqueue it
+                try:
+                    self.redis.delete(claim)
+                except (RedisConnectionError, RedisTimeoutError):
+                    pass
+            raise
+        return job_id, True
+
+    def _claim(self, claim: str, job_id: str, digest: str) -> str | None:
+        """Binds the key to `job_id` (None), or returns the job an earlier request bound it to."""
+        for _ in range(3):  # an earlier claim can expire between SET NX and GET: claim again
+            if self.redis.set(claim, f"{job_id} {digest}", nx=True, ex=self.settings.idempotency_ttl_s):
+                return None
+            earlier = self.redis.get(claim)
+            if earlier is None:
+                continue
+            earlier_id, earlier_digest = earlier.decode().split(" ", 1)
+            if earlier_digest != digest:
+                raise ServiceError("bad_request", "Idempotency-Key was used for a different request body within "
+                                   f"GRADSVC_IDEMPOTENCY_TTL_S ({self.settings.idempotency_ttl_s} s), by job "
+                                   f"{earlier_id}; send a new key with a new request", header="Idempotency-Key",
+                                   job_id=earlier_id)
+            return earlier_id
+        return None
 
     async def wait(self, job_id: str, timeout_s: float) -> tuple[bool, bytes | None]:
-        """(ended, stored result) once the job has ended (RQ appended to its results stream) within
-        timeout_s. The result GET rides in the same pipeline as the blocking XREAD: Redis runs it as soon
-        as the XREAD returns, so a finished job costs one round trip, not two."""
+        """(ended, stored result) once the job has ended within timeout_s. Waits in slices of a second: a
+        job whose worker died ends only when someone notices its lapsed lease, and between slices this
+        wait does (so an open wait answers worker_lost within the lease, not only when it runs out)."""
         if timeout_s <= 0:
             return False, None
+        deadline = anyio.current_time() + timeout_s
+        while True:
+            left = max(deadline - anyio.current_time(), 0.001)
+            ended, raw = await self._wait_slice(job_id, min(left, LEASE_CHECK_S), left)
+            if ended or left <= LEASE_CHECK_S:
+                return ended, raw
+            await self._reap_if_lapsed(job_id)
+
+    async def _reap_if_lapsed(self, job_id: str) -> None:
         try:
-            with anyio.fail_after(timeout_s + self.settings.redis_timeout_s):
+            status, origin, beat = await self.aredis.hmget(Job.key_for(job_id), ("status", "origin", "last_heartbeat"))
+        except (RedisConnectionError, RedisTimeoutError):
+            return  # the next slice's XREAD reports the outage
+        if status == b"started" and origin and self._lease_lapsed(beat):
+            await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
+
+    async def _wait_slice(self, job_id: str, block_s: float, left_s: float) -> tuple[bool, bytes | None]:
+        """One XREAD on RQ's results stream, blocking up to block_s. The result GET rides in the same
+        pipeline: Redis runs it as soon as the XREAD returns, so a finished job costs one round trip, not
+        two. The pair may take the whole wait that is left (a large result takes seconds to read), plus
+        one Redis timeout: past that Redis is taken for hung."""
+        try:
+            with anyio.fail_after(left_s + self.settings.redis_timeout_s):
                 pipe = self.ablocking.pipeline(transaction=False)
-                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(timeout_s * 1000)))
+                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(block_s * 1000)))
                 pipe.get(keys.result_key(self.prefix, job_id))
                 got, raw = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
@@ -119,6 +191,23 @@ class JobStore:
             await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
             return await self.info(job_id, owner, with_result=with_result, _reaped=True)
         meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
+        shard_progress = None
+        if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
+            done, running, leases, failed = await shards.progress(self.aredis, meta["shards"])
+            lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
+            if (lapsed or (failed and status == b"deferred")) and not _reaped:
+                # As above, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
+                # job still waits had its fan-in cut short: run it again.
+                for queue_name in lapsed:
+                    await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
+                for shard_id in failed:
+                    await anyio.to_thread.run_sync(settle, self.redis, shard_id)
+                return await self.info(job_id, owner, with_result=with_result, _reaped=True)
+            total = len(meta["shards"])
+            shard_progress = ({"phase": "shards", "done": done, "total": total} if done < total else
+                              {"phase": "reduce", "done": total, "total": total})
+            if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
+                status = b"started"
         if status is None or meta.get("owner") != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
             raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
@@ -134,7 +223,7 @@ class JobStore:
             if result_raw is None:
                 raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
             result = _result_decoder.decode(result_raw)
-        progress = meta.get("progress")
+        progress = shard_progress or meta.get("progress")
         return JobInfo(
             job_id=job_id,
             status=state,
@@ -157,7 +246,7 @@ class JobStore:
 
     def reap_abandoned(self, queue_name: str) -> None:
         """RQ fails every started job in the queue whose lease lapsed (its worker died or lost Redis)."""
-        StartedJobRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
+        LeaseRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
 
     @staticmethod
     def decode_result(raw: bytes) -> GradientResult:
@@ -193,6 +282,8 @@ class JobStore:
             job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
                                  "detail": {}}
             job.save_meta()
+        if job.meta.get("shards"):
+            cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 import torch
@@ -104,11 +105,12 @@ def decode_request(body: bytes, fmt: str) -> GradientRequest:
 
 
 class _Progress:
-    """Writes {phase, done, total} into job.meta and polls the cancel flag, each at most a few times a second."""
+    """Writes {phase, done, total} into job.meta and polls the cancel flag, each at most a few times a second.
+    A shard polls its parent job's flag (`cancel_id`): DELETE, or a failed sibling, stops every shard."""
 
-    def __init__(self, job: Job, prefix: str) -> None:
+    def __init__(self, job: Job, prefix: str, cancel_id: str | None = None) -> None:
         self.job = job
-        self.cancel_key = keys.cancel_key(prefix, job.id)
+        self.cancel_key = keys.cancel_key(prefix, cancel_id or job.id)
         # The clocks start with the job: one that ends within 0.2 s writes no progress and polls nothing
         # (its status says it all), sparing a small job three Redis round trips (bench/small_job.py).
         self.started = self.last_save = self.last_poll = time.monotonic()
@@ -128,27 +130,40 @@ class _Progress:
             pass  # progress is advisory: a Redis blip must not fail the computation
 
 
-def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | None = None) -> JobFailedError:
+def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | None = None,
+          kind: str = "job") -> JobFailedError:
     job.meta["error"] = {"code": code, "message": message, "detail": detail or {}}
     job.save_meta()
-    ctx.metrics.observe_failure(str(ctx.device), code)
+    ctx.metrics.observe_failure(str(ctx.device), code, kind=kind)
     return JobFailedError(f"{code}: {message}")
 
 
 def gradient_job(body: bytes, fmt: str) -> dict:
     """Computes one POST /gradients request; the result goes to its own key as MessagePack."""
+    return run_job(lambda job, ctx, queue_s: compute_request(job, ctx, body, fmt, queue_s))
+
+
+def compute_request(job: Job, ctx: WorkerContext, body: bytes, fmt: str, queue_s: float,
+                    cancel_id: str | None = None) -> GradientResult:
+    request = decode_request(body, fmt)
+    result = compute(request, ctx.config, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
+                     device=ctx.device, graphs=_graphs(ctx, job).get)
+    result.timings.queue_ms = 1e3 * queue_s
+    return result
+
+
+def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: str = "job") -> dict:
+    """Runs `work` as the current RQ job: stores its result under the job's result key, records a failure
+    as a coded error in job.meta, and observes the worker's metrics (`kind`: job, shard or reduce)."""
     ctx = context()
     job = get_current_job()
-    assert job is not None, "gradient_job runs inside an RQ worker"
+    assert job is not None, "gradient jobs run inside an RQ worker"
     settings = ctx.settings
     queue_s = (job.started_at - job.enqueued_at).total_seconds() if job.started_at and job.enqueued_at else 0.0
     ctx.metrics.busy.set(1)
     try:
-        request = decode_request(body, fmt)
-        result: GradientResult = compute(request, ctx.config, progress=_Progress(job, settings.queue_prefix),
-                                         device=ctx.device, graphs=_graphs(ctx, job).get)
+        result = work(job, ctx, queue_s)
         result.job_id = job.id
-        result.timings.queue_ms = 1e3 * queue_s
         data = _result_encoder.encode(result)
         if len(data) > settings.max_result_bytes:
             raise ComputeError("result_too_large", f"the result takes {len(data)} bytes, above the limit of "
@@ -157,19 +172,21 @@ def gradient_job(body: bytes, fmt: str) -> dict:
                                limit=settings.max_result_bytes)
         job.connection.set(keys.result_key(settings.queue_prefix, job.id), data, ex=settings.result_ttl_s)
     except EngineError as exc:
-        raise _fail(job, ctx, exc.code, exc.message, exc.detail) from None
+        raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:
-        raise _fail(job, ctx, "canceled", "the job was canceled by DELETE /jobs/{id} while running") from None
+        raise _fail(job, ctx, "canceled", "the job was canceled by DELETE /jobs/{id} while running",
+                    kind=kind) from None
     except JobTimeoutException:
         raise _fail(job, ctx, "timeout", f"the job ran past its timeout of {job.timeout} s; use a smaller model, "
-                    "numcheck='directional' or 'off', or fewer timing repeats") from None
+                    "numcheck='directional' or 'off', or fewer timing repeats", kind=kind) from None
     except (RedisConnectionError, RedisTimeoutError):
         raise  # Redis is gone: nothing can be recorded now; the lapsed lease reports the job as worker_lost
     except Exception as exc:  # a bug, not the user's input: report it as such and keep the worker alive
         log.exception("job %s failed unexpectedly", job.id)
         raise _fail(job, ctx, "internal_error", f"the worker failed unexpectedly ({type(exc).__name__}); "
-                    "this is a gradsvc bug, please report it with the request") from None
+                    "this is a gradsvc bug, please report it with the request", kind=kind) from None
     finally:
         ctx.metrics.busy.set(0)
-    ctx.metrics.observe_result(result.device, result.timings, result.memory, result.numcheck, queue_s)
+    device = str(ctx.device) if kind == "reduce" else result.device  # a reduced result may name several devices
+    ctx.metrics.observe_result(device, result.timings, result.memory, result.numcheck, queue_s, kind=kind)
     return {"result_bytes": len(data)}

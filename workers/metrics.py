@@ -25,9 +25,11 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.phase = Histogram("gradsvc_job_phase_duration_seconds", "Time spent in each phase of a gradient job.",
                                ["phase", "device"], buckets=PHASE_BUCKETS, registry=self.registry)
+        # kind: "job" (a whole request), "shard" (one shard of a sharded request) or "reduce" (the job that
+        # combines a sharded request's shards: one per sharded request, so job + reduce counts requests).
         self.completed = Counter("gradsvc_jobs_completed_total",
-                                 "Jobs this worker ended, by outcome and error code (empty when finished).",
-                                 ["status", "device", "code"], registry=self.registry)
+                                 "Jobs this worker ended, by outcome, error code (empty when finished) and kind.",
+                                 ["status", "device", "code", "kind"], registry=self.registry)
         self.saved_bytes = Histogram("gradsvc_activation_saved_bytes", "Activation bytes saved for backward per job.",
                                      buckets=SAVED_BYTES_BUCKETS, registry=self.registry)
         self.numcheck_error = Histogram("gradsvc_numcheck_max_rel_error",
@@ -38,22 +40,25 @@ class WorkerMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
-    def observe_result(self, device: str, timings, memory, numcheck, queue_s: float) -> None:
-        kind = device_kind(device)
-        self.phase.labels("queue_wait", kind).observe(max(queue_s, 0.0))
+    def observe_result(self, device: str, timings, memory, numcheck, queue_s: float, kind: str = "job") -> None:
+        dev = device_kind(device)
+        if kind == "reduce":  # its shards observed their own phases, memory and checks
+            self.completed.labels("finished", dev, "", kind).inc()
+            return
+        self.phase.labels("queue_wait", dev).observe(max(queue_s, 0.0))
         # A phase that did not run (numcheck off, memory off) is not observed: zeros would drag its percentiles.
-        ran = {"forward": True, "backward": True, "numcheck": numcheck is not None, "memory": memory is not None,
-               "total": True}
+        checked = numcheck is not None and numcheck.mode != "off"
+        ran = {"forward": True, "backward": True, "numcheck": checked, "memory": memory is not None, "total": True}
         for phase, did_run in ran.items():
             if did_run:
-                self.phase.labels(phase, kind).observe(getattr(timings, f"{phase}_ms") / 1e3)
+                self.phase.labels(phase, dev).observe(getattr(timings, f"{phase}_ms") / 1e3)
         if memory is not None:
             self.saved_bytes.observe(memory.saved_bytes_total)
-        if numcheck is not None:
+        if checked:
             self.numcheck_error.observe(numcheck.max_rel_error)
-        self.completed.labels("finished", kind, "").inc()
+        self.completed.labels("finished", dev, "", kind).inc()
 
-    def observe_failure(self, device: str, code: str) -> None:
+    def observe_failure(self, device: str, code: str, kind: str = "job") -> None:
         # The same status a client reads from GET /jobs/{id}: a canceled job is "canceled", not "failed".
         status = "canceled" if code == "canceled" else "failed"
-        self.completed.labels(status, device_kind(device), code).inc()
+        self.completed.labels(status, device_kind(device), code, kind).inc()

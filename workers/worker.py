@@ -32,6 +32,7 @@ from gradsvc.settings import Settings
 
 from .jobs import GradientJob, make_context, set_context
 from .serializer import MsgpackSerializer
+from .shards import LeaseRegistry
 
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
@@ -44,7 +45,7 @@ class GradientWorker(SimpleWorker):
     exponential_backoff_factor = 1.5
     max_connection_wait_time = 3.0
 
-    def __init__(self, *args, heartbeat_s: int = 10, **kwargs) -> None:
+    def __init__(self, *args, heartbeat_s: int = 2, **kwargs) -> None:
         # worker_ttl sets the idle BLPOP to worker_ttl - 15 s; the heartbeat thread keeps the key alive.
         kwargs.setdefault("worker_ttl", 30)
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)
@@ -143,7 +144,8 @@ class GradientWorker(SimpleWorker):
     def reap_abandoned(self) -> None:
         """RQ fails a started job whose lease lapsed (AbandonedJobError): its worker died or lost Redis."""
         for queue in self.queues:
-            queue.started_job_registry.cleanup()
+            # LeaseRegistry: from this heartbeat thread, a reaped shard must still fail its job.
+            LeaseRegistry(queue=queue, job_class=queue.job_class, serializer=queue.serializer).cleanup()
 
     # --- Redis outages in the work loop --------------------------------------------------------------
     def check_for_suspension(self, burst: bool) -> None:

@@ -8,8 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from gradclient import Residual, UnsupportedModuleError
-from gradclient.convert import convert, to_spec
+from gradclient import LSTM, Residual, UnsupportedModuleError
+from gradclient.convert import convert, from_spec, to_spec
+from gradsvc.layers import LAYERS, canonical
+
+from ..layer_samples import every_argument_value
 
 
 def test_sequential_converts_to_layers_with_their_arguments_and_state_dict_weights():
@@ -20,7 +23,8 @@ def test_sequential_converts_to_layers_with_their_arguments_and_state_dict_weigh
     assert spec["layers"] == [
         {"type": "Conv2d", "in_channels": 1, "out_channels": 4, "kernel_size": [3, 3], "stride": [1, 1],
          "padding": [1, 1], "dilation": [1, 1], "groups": 1, "padding_mode": "zeros", "bias": False},
-        {"type": "MaxPool2d", "kernel_size": 2, "stride": 2, "padding": 0, "dilation": 1, "ceil_mode": False},
+        {"type": "MaxPool2d", "kernel_size": 2, "stride": 2, "padding": 0, "dilation": 1, "return_indices": False,
+         "ceil_mode": False},
         {"type": "Flatten", "start_dim": 1, "end_dim": -1},
         {"type": "Linear", "in_features": 64, "out_features": 10, "bias": True},
     ]
@@ -73,10 +77,12 @@ class LinearWithTwist(nn.Linear):
 @pytest.mark.parametrize("model, where", [
     (nn.Sequential(nn.Linear(4, 4), CustomForward()), "layer 1 (CustomForward)"),
     (nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), LinearWithTwist(4, 4))), "layer 1.1 (LinearWithTwist)"),
-    (nn.Sequential(nn.Linear(4, 4), nn.Hardswish()), "layer 1 (Hardswish)"),
+    (nn.Sequential(nn.Linear(4, 4), nn.LSTMCell(4, 4)), "layer 1 (LSTMCell)"),
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2, return_indices=True)), "layer 1 (MaxPool2d): return_indices"),
-    (nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), "layer 0 (Embedding): max_norm"),
-    (nn.Sequential(nn.Softmax()), "layer 0 (Softmax): dim=None"),
+    (nn.Sequential(nn.Embedding(10, 4, sparse=True)), "layer 0 (Embedding): sparse=True is not supported"),
+    (nn.Sequential(nn.LSTM(4, 4)), "layer 0 (LSTM): the service's LSTM outputs the output sequence alone"),
+    (nn.Sequential(nn.TransformerEncoderLayer(4, 2, activation=torch.tanh)), "layer 0 (TransformerEncoderLayer): "
+     "activation"),
     (nn.ModuleList([nn.Linear(2, 2)]), "layer 0 (ModuleList)"),
 ])
 def test_refuses_a_module_it_cannot_express_naming_the_layer(model, where):
@@ -93,3 +99,31 @@ def test_refuses_hooks_and_mixed_dtypes():
         convert(hooked)
     with pytest.raises(UnsupportedModuleError, match="mixes parameter dtypes"):
         convert(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
+
+
+def test_spec_to_module_to_spec_is_the_identity_for_every_layer_and_argument_value():
+    covered: set[tuple[str, str | None]] = set()
+    for kind, name, spec in every_argument_value():
+        args = {k: v for k, v in spec.items() if k != "type"}
+        try:
+            module = from_spec([spec])
+        except (ValueError, RuntimeError, AssertionError) as exc:  # torch refuses the combination
+            raise AssertionError(f"the table accepts {spec} but torch refuses it: {exc}") from None
+        back = to_spec(module)["layers"]
+        want = [{"type": kind, **canonical(kind, args)}]
+        assert back == want, spec
+        assert to_spec(from_spec(back))["layers"] == back, spec
+        covered.add((kind, name))
+    missing = [(k, n) for k, layer in LAYERS.items() for n in layer.args if (k, n) not in covered]
+    assert not missing, f"no accepted value tried for {missing}"
+
+
+def test_the_sdk_module_for_a_recurrent_layer_returns_the_output_sequence_and_converts():
+    torch.manual_seed(0)
+    lstm = LSTM(3, 4, batch_first=True)
+    x = torch.randn(2, 5, 3)
+    torch.testing.assert_close(lstm(x), nn.LSTM.forward(lstm, x)[0])
+    c = convert(nn.Sequential(lstm, nn.Flatten(), nn.Linear(20, 2)))
+    assert c.layers[0] == {"type": "LSTM", "input_size": 3, "hidden_size": 4, "num_layers": 1, "bias": True,
+                           "batch_first": True, "dropout": 0.0, "bidirectional": False, "proj_size": 0}
+    assert "0.weight_ih_l0" in c.weights

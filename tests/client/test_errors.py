@@ -29,7 +29,19 @@ def spec(layers=None, **extra) -> dict:
 
 
 def test_the_sdk_code_list_is_the_api_status_table():
-    assert errors.CODES == STATUS
+    assert errors.CODES == STATUS == {code: entry.status for code, entry in wire.ERROR_CODES.items()}
+
+
+@pytest.mark.parametrize("code, parent", [
+    ("shape_mismatch", errors.RequestError), ("unauthorized", errors.RequestError),
+    ("rate_limited", errors.RequestError), ("worker_lost", errors.JobFailedError),
+    ("out_of_memory", errors.JobFailedError), ("timeout", errors.JobFailedError),
+    ("non_finite", errors.JobFailedError), ("queue_unavailable", errors.ServiceUnavailableError),
+    ("not_ready", errors.ServiceUnavailableError),
+])
+def test_each_class_sits_under_the_parent_a_caller_catches(code, parent):
+    assert issubclass(errors.ERRORS[code], parent)
+    assert issubclass(errors.ConnectionFailedError, errors.ServiceUnavailableError)
 
 
 @pytest.mark.parametrize("wire_format", ["msgpack", "json"])
@@ -52,7 +64,8 @@ def test_every_code_in_an_error_body_raises_its_own_class(code, wire_format):
     assert type(exc) is cls and cls.__name__.endswith("Error") and cls.__name__ in gradclient.__all__
     assert (exc.code, exc.message, exc.detail) == (code, f"{code} happened", {"where": "here"})
     assert exc.status == STATUS[code] and exc.response.status_code == STATUS[code]
-    assert exc.is_retryable == (STATUS[code] == 503)
+    # A job that ran and failed (worker_lost is a 503 too) is never sent again.
+    assert exc.is_retryable == (code in ("queue_unavailable", "not_ready"))
 
 
 def test_one_class_per_code():
@@ -138,7 +151,7 @@ def test_connection_errors_are_retried_then_raise_connection_failed():
 @pytest.fixture(scope="module")
 def strict():
     """A stack with API keys, a rate limit, small body/result limits and a 2 s job timeout."""
-    s = start_stack(workers=1, GRADSVC_API_KEYS="key-a,key-b", GRADSVC_RATE_LIMIT_PER_MINUTE="3",
+    s = start_stack(workers=1, GRADSVC_API_KEYS="key-a,key-b,key-warm", GRADSVC_RATE_LIMIT_PER_MINUTE="3",
                     GRADSVC_MAX_BODY_BYTES="1000000", GRADSVC_MAX_RESULT_BYTES="4000", GRADSVC_JOB_TIMEOUT_S="2")
     yield s
     s.stop()
@@ -148,8 +161,14 @@ def test_limits_and_keys_raise_their_classes(strict):
     with Client(strict.base_url, api_key="wrong", retries=0) as anon:
         with pytest.raises(errors.UnauthorizedError):
             anon.layers()
+    with Client(strict.base_url, api_key="key-warm", retries=0) as warm:
+        for _ in range(3):  # warms the worker (a first job on a loaded machine can pass 2 s itself)
+            try:
+                warm.gradients(spec(), X, Y, numcheck="off")
+                break
+            except errors.JobTimeoutError:
+                continue
     with Client(strict.base_url, api_key="key-a", retries=0) as client:
-        client.gradients(spec(), X, Y, numcheck="off")  # warms the worker: the timeout below is the job's own
         with pytest.raises(errors.BodyTooLargeError):
             client.gradients(spec(), torch.zeros(30000, 6, dtype=torch.float64), torch.zeros(30000, dtype=torch.long))
         with pytest.raises(errors.ResultTooLargeError):

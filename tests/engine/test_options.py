@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsvc.wire import GradientRequest
-from workers.engine import SpecError, compute, estimate
+from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
 from workers.engine.spec import Residual
 from workers.engine.tensors import decode
 
@@ -130,6 +130,33 @@ def test_per_sample_is_refused_with_batch_norm_in_training_mode():
     with pytest.raises(SpecError) as info:
         run(layers, x, y, options={"per_sample": "norms"})
     assert info.value.code == "bad_option" and "layer 1 (BatchNorm1d)" in info.value.message
+
+
+BATCH_NORM_NET = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
+                  {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 3])
+def test_micro_batch_is_refused_with_batch_norm_in_training_mode_before_anything_runs(micro_batch):
+    x, y = seed_a_batch(4)
+    body = {"model": {"layers": BATCH_NORM_NET, "dtype": "float64"}, "inputs": tensor_json(x),
+            "targets": tensor_json(y), "options": {"micro_batch": micro_batch}}
+    req = msgspec.convert(body, GradientRequest)
+    for device in ("meta", "cpu"):  # the API's check on meta, and the worker's
+        with pytest.raises(SpecError) as info:
+            prepare(req, EngineConfig(), device)
+        assert info.value.code == "bad_option", info.value.message
+        assert "layer 1 (BatchNorm1d)" in info.value.message and "micro_batch" in info.value.message
+        assert info.value.detail == {"layer": "1", "option": "micro_batch"}
+
+
+def test_a_micro_batch_as_large_as_the_batch_is_exact_with_batch_norm():
+    x, y = seed_a_batch(4)
+    whole = run(BATCH_NORM_NET, x, y, options={"numcheck": "off"})
+    one_chunk = run(BATCH_NORM_NET, x, y, options={"numcheck": "exact", "micro_batch": 4})
+    assert one_chunk.micro_batches == 1 and one_chunk.numcheck.passed
+    for name in whole.gradients:
+        assert torch.equal(T(whole.gradients[name]), T(one_chunk.gradients[name])), name
 
 
 # --- micro-batch accumulation (seed 000, remedy 6) ---------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from gradsvc.layers import read_args
 from workers.engine.errors import SpecError
 from workers.engine.spec import LAYERS, Limits, build, check_shapes, layer_catalogue
 
@@ -41,14 +42,29 @@ def test_rejects_mismatched_in_features_with_a_fix():
 @pytest.mark.parametrize(
     "spec, code, fragment",
     [
-        ({"type": "LSTM"}, "unknown_layer", "unknown type 'LSTM'"),
+        ({"type": "LSTMCell"}, "unknown_layer", "unknown type 'LSTMCell'"),
         ({"type": "__import__"}, "unknown_layer", "unknown type"),
         ({"type": "Linear", "in_features": 2}, "unknown_layer", "missing required argument 'out_features'"),
         ({"type": "Linear", "in_features": -1, "out_features": 2}, "unknown_layer", "in_features=-1 is invalid"),
         ({"type": "Linear", "in_features": 2, "out_features": 2, "device": "cuda"}, "unknown_layer",
          "unknown argument 'device'"),
         ({"type": "Linear", "in_features": 100000, "out_features": 100000}, "too_large", "parameters"),
-        ({"type": "ReLU", "inplace": True}, "unknown_layer", "unknown argument 'inplace'"),
+        ({"type": "ReLU", "inplace": 1}, "unknown_layer", "inplace=1 is invalid; expected true or false"),
+        ({"type": "Residual", "layers": [{"type": "ReLU", "inplace": True}]}, "unknown_layer",
+         "inplace=true inside a Residual"),
+        ({"type": "Dropout", "p": 1.5}, "unknown_layer", "p=1.5 is invalid; expected a finite number [0, 1]"),
+        ({"type": "Conv2d", "in_channels": 3, "out_channels": 4, "kernel_size": 3, "groups": 2}, "unknown_layer",
+         "groups=2 is invalid; expected a divisor of in_channels=3"),
+        ({"type": "Conv1d", "in_channels": 3, "out_channels": 3, "kernel_size": 3, "padding": "same", "stride": 2},
+         "unknown_layer", "padding='same' is invalid"),
+        ({"type": "GroupNorm", "num_groups": 4, "num_channels": 6}, "unknown_layer", "num_groups=4 is invalid"),
+        ({"type": "TransformerEncoderLayer", "d_model": 6, "nhead": 4}, "unknown_layer", "nhead=4 is invalid"),
+        ({"type": "LSTM", "input_size": 2, "hidden_size": 3, "proj_size": 3}, "unknown_layer", "proj_size=3 is invalid"),
+        ({"type": "Embedding", "num_embeddings": 4, "embedding_dim": 2, "padding_idx": 4}, "unknown_layer",
+         "padding_idx=4 is invalid"),
+        ({"type": "CELU", "alpha": 0}, "unknown_layer", "alpha=0 is invalid"),
+        ({"type": "MaxPool2d", "kernel_size": 2, "return_indices": True}, "unknown_layer",
+         "return_indices=True is invalid; expected one of [False]"),
     ],
 )
 def test_rejects_bad_layers(spec, code, fragment):
@@ -56,6 +72,99 @@ def test_rejects_bad_layers(spec, code, fragment):
         build([spec], limits=Limits(max_parameters=1_000_000), device="meta")
     assert info.value.code == code
     assert fragment in info.value.message
+
+
+def test_an_invalid_value_names_its_argument_in_the_detail():
+    with pytest.raises(SpecError) as info:
+        build([{"type": "Linear", "in_features": 2, "out_features": 2},
+               {"type": "Sequential", "layers": [{"type": "Softplus", "beta": "big"}]}], limits=Limits(), device="meta")
+    assert info.value.detail == {"path": "1.0", "argument": "beta"}
+
+
+# The constructor calls torch's module_db makes that the spec refused before (issue 14).
+@pytest.mark.parametrize("spec, local", [
+    ({"type": "BatchNorm1d", "num_features": 10, "eps": 0.001, "momentum": None}, nn.BatchNorm1d(10, 0.001, None)),
+    ({"type": "BatchNorm2d", "num_features": 3, "eps": 0.001, "momentum": None}, nn.BatchNorm2d(3, 0.001, None)),
+    ({"type": "BatchNorm1d", "num_features": 10, "bias": False}, nn.BatchNorm1d(10, bias=False)),
+    ({"type": "BatchNorm2d", "num_features": 3, "bias": False}, nn.BatchNorm2d(3, bias=False)),
+    ({"type": "AvgPool2d", "kernel_size": [2, 2], "divisor_override": 1}, nn.AvgPool2d((2, 2), divisor_override=1)),
+    ({"type": "AdaptiveAvgPool2d", "output_size": [3, None]}, nn.AdaptiveAvgPool2d((3, None))),
+    ({"type": "Softplus", "beta": 2, "threshold": -100}, nn.Softplus(2, -100)),
+])
+def test_accepts_what_torch_accepts_and_builds_the_same_layer(spec, local):
+    model = build([spec], limits=Limits())
+    assert type(model[0]) is type(local) and read_args(spec["type"], model[0]) == read_args(spec["type"], local)
+    assert [(k, v.shape) for k, v in model[0].state_dict().items()] == [(k, v.shape) for k, v in local.state_dict().items()]
+    x = torch.randn(4, 10) if spec["type"] == "BatchNorm1d" else torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(model[0](x), local(x), rtol=0, atol=0)
+
+
+MIXED = [{"type": "Conv1d", "in_channels": 2, "out_channels": 4, "kernel_size": 3, "padding": "same"},
+         {"type": "GroupNorm", "num_groups": 2, "num_channels": 4},
+         {"type": "PReLU", "num_parameters": 4, "init": 0.1},
+         {"type": "Residual", "layers": [{"type": "ConvTranspose1d", "in_channels": 4, "out_channels": 4,
+                                          "kernel_size": 3, "padding": 1}]},
+         {"type": "LSTM", "input_size": 6, "hidden_size": 5, "batch_first": True, "bidirectional": True},
+         {"type": "TransformerEncoderLayer", "d_model": 10, "nhead": 2, "dim_feedforward": 16, "batch_first": True},
+         {"type": "RMSNorm", "normalized_shape": 10},
+         {"type": "Flatten"}, {"type": "Linear", "in_features": 40, "out_features": 3}]
+
+
+def _mixed_local() -> nn.Sequential:
+    return nn.Sequential(nn.Conv1d(2, 4, 3, padding="same"), nn.GroupNorm(2, 4), nn.PReLU(4, 0.1),
+                         nn.Sequential(nn.ConvTranspose1d(4, 4, 3, padding=1)),
+                         nn.LSTM(6, 5, batch_first=True, bidirectional=True),
+                         nn.TransformerEncoderLayer(10, 2, 16, batch_first=True), nn.RMSNorm(10), nn.Flatten(),
+                         nn.Linear(40, 3))
+
+
+def test_new_layer_types_keep_state_dict_names_and_seeded_init():
+    torch.manual_seed(5)
+    model = build(MIXED, limits=Limits())
+    torch.manual_seed(5)
+    local = _mixed_local()
+    assert list(model.state_dict()) == list(local.state_dict())
+    for (name, a), b in zip(model.state_dict().items(), local.state_dict().values()):
+        assert torch.equal(a, b), name
+    out = check_shapes(build(MIXED, limits=Limits(), device="meta"), torch.empty(3, 2, 6, device="meta"))
+    assert list(out.shape) == [3, 3]
+
+
+def test_a_recurrent_layer_outputs_its_output_sequence():
+    torch.manual_seed(0)
+    model = build([{"type": "GRU", "input_size": 3, "hidden_size": 4, "num_layers": 2}], limits=Limits())
+    torch.manual_seed(0)
+    local = nn.GRU(3, 4, num_layers=2)
+    x = torch.randn(5, 2, 3)
+    torch.testing.assert_close(model(x), local(x)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layers, shape, fragment", [
+    ([{"type": "Conv3d", "in_channels": 2, "out_channels": 4, "kernel_size": 3}], (1, 3, 5, 5, 5),
+     "layer 0 (Conv3d) expects 2 input channels, got 3 from the inputs; set in_channels=3"),
+    ([{"type": "Linear", "in_features": 4, "out_features": 4}, {"type": "LSTM", "input_size": 3, "hidden_size": 2}],
+     (2, 5, 4), "layer 1 (LSTM) expects 3 input features, got 4 from layer 0 (Linear); set input_size=4"),
+    ([{"type": "TransformerEncoderLayer", "d_model": 8, "nhead": 2}], (2, 5, 6),
+     "layer 0 (TransformerEncoderLayer) expects 8 features (d_model) in the last dim, got 6 from the inputs; "
+     "set d_model=6"),
+    ([{"type": "GroupNorm", "num_groups": 2, "num_channels": 4}], (2, 6, 3),
+     "layer 0 (GroupNorm) expects 4 channels in dim 1, got 6 from the inputs; set num_channels=6"),
+    ([{"type": "BatchNorm3d", "num_features": 3}], (2, 3, 4, 4), "layer 0 (BatchNorm3d) expects a 5-d input"),
+])
+def test_shape_prechecks_name_the_layer_and_the_fix(layers, shape, fragment):
+    model = build(layers, limits=Limits(), device="meta")
+    with pytest.raises(SpecError) as info:
+        check_shapes(model, torch.empty(*shape, device="meta"))
+    assert info.value.code == "shape_mismatch"
+    assert fragment in info.value.message
+
+
+def test_a_layer_whose_output_is_too_large_is_refused_before_it_runs():
+    model = build([{"type": "Upsample", "scale_factor": 1000.0}], limits=Limits(), device="meta")
+    with pytest.raises(SpecError) as info:
+        check_shapes(model, torch.empty(2, 3, 100, 100, device="meta"), max_elements=1_000_000)
+    assert info.value.code == "too_large"
+    assert "layer 0 (Upsample) outputs shape [2, 3, 100000, 100000]" in info.value.message
 
 
 def test_nesting_deeper_than_the_limit_is_refused():
@@ -67,9 +176,15 @@ def test_nesting_deeper_than_the_limit_is_refused():
     assert info.value.code == "too_large"
 
 
-def test_catalogue_lists_every_allowed_layer():
-    names = {entry["type"] for entry in layer_catalogue()}
-    assert set(LAYERS) | {"Sequential", "Residual"} == names
+def test_catalogue_lists_every_allowed_layer_with_defaults_and_ranges():
+    catalogue = {entry["type"]: entry for entry in layer_catalogue()}
+    assert set(LAYERS) | {"Sequential", "Residual"} == set(catalogue)
+    names = set(catalogue)
+    momentum = catalogue["BatchNorm1d"]["details"]["momentum"]
+    assert momentum == {"kind": "number | null", "required": False, "default": 0.1, "range": ""}
+    assert catalogue["Dropout"]["details"]["p"]["range"] == "[0, 1]"
+    assert catalogue["Linear"]["details"]["in_features"] == {"kind": "int", "required": True, "range": ">= 1"}
+    assert catalogue["LSTM"]["output"] == "sequence"
     for required in ("Linear", "Conv1d", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "ReLU", "LeakyReLU", "GELU",
                      "Tanh", "Sigmoid", "Softmax", "Dropout", "BatchNorm1d", "BatchNorm2d", "LayerNorm", "Embedding"):
         assert required in names

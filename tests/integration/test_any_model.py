@@ -206,6 +206,21 @@ def test_token_ids_beyond_the_embedding_are_a_422_before_the_queue(client, stack
     assert rq_jobs(stack) == jobs
 
 
+def test_shards_split_a_graph_s_batch_exactly_or_are_refused(client, stack):
+    model, x, y, loss = CASES["prenorm_block"](torch.float64)
+    x4, y4 = torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])
+    whole = client.gradients(model, x4, y4, loss=loss, numcheck="off")
+    sharded = client.gradients(model, x4, y4, loss=loss, numcheck="off", shards=2)
+    assert sharded.shards is not None and sharded.shards.count == 2
+    assert_close(sharded.gradients, whole.gradients, 1e-10)
+    bn, bx, by, bloss = CASES["resnet_block"](torch.float32)
+    jobs = rq_jobs(stack)
+    with pytest.raises(Exception) as err:
+        client.gradients(bn, bx, by, loss=bloss, numcheck="off", shards=2)
+    assert err.value.code == "bad_option" and "bn1" in str(err.value)
+    assert rq_jobs(stack) == jobs
+
+
 def test_micro_batch_and_per_sample_mean_the_same_for_a_graph(client):
     model, x, y, loss = CASES["prenorm_block"](torch.float64)
     full = client.gradients(model, x, y, loss=loss, numcheck="off")

@@ -117,8 +117,11 @@ def test_malformed_json_is_400(http):
 
 def test_layers_health_and_schema(http):
     layers = http.get("/layers").json()
-    assert {"type": "Linear", "arguments": {"in_features": "int>=1", "out_features": "int>=1", "bias": "bool"},
-            "required": ["in_features", "out_features"], "container": False} in layers
+    linear = next(entry for entry in layers if entry["type"] == "Linear")
+    assert {k: linear[k] for k in ("arguments", "required", "container")} == {
+        "arguments": {"in_features": "int >= 1", "out_features": "int >= 1", "bias": "bool"},
+        "required": ["in_features", "out_features"], "container": False}
+    assert linear["details"]["bias"] == {"kind": "bool", "required": False, "default": True, "range": ""}
     assert http.get("/healthz").json() == {"status": "ok"}
     assert http.get("/readyz").json()["workers"] >= 1
     schema = http.get("/schema").json()

@@ -245,6 +245,37 @@ def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_res
     assert http.post("/gradients?wait=30", json=small_body()).status_code == 200
 
 
+@pytest.fixture()
+def default_stack():
+    s = start_stack(workers=1)  # the default heartbeat and lease
+    yield s
+    s.stop()
+
+
+def test_a_worker_killed_mid_job_fails_it_worker_lost_within_10_s_and_an_open_wait_returns_that(default_stack):
+    s = default_stack
+    http = httpx.Client(base_url=s.base_url, timeout=90)
+    key = {"Idempotency-Key": "kill-9-test"}
+    job_id = http.post("/gradients?wait=0", json=long_body(), headers=key).json()["job_id"]
+    assert wait_status(http, job_id, ("started",))["status"] == "started"
+    with ThreadPoolExecutor(1) as pool:
+        # The same key: this request waits on the running job (a minute), as a client's `wait` would.
+        waiting = pool.submit(lambda: http.post("/gradients?wait=60", json=long_body(), headers=key))
+        time.sleep(1.0)
+        s.workers[0].send_signal(signal.SIGKILL)
+        s.workers[0].wait()
+        killed_at = time.monotonic()
+        r = waiting.result(timeout=90)
+        answered_s = time.monotonic() - killed_at
+    print(f"open wait answered {r.status_code} {answered_s:.1f} s after SIGKILL")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "worker_lost" and r.json()["job_id"] == job_id
+    assert r.json()["status"] == "failed"
+    assert answered_s < 10
+    job = http.get(f"/jobs/{job_id}").json()
+    assert job["status"] == "failed" and job["error"]["code"] == "worker_lost"
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]

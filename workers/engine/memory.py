@@ -42,6 +42,7 @@ class ActivationMeter:
         self.seen: set[int] = set()
         self.saved: dict[str, int] = {}
         self.output: dict[str, int] = {}
+        self.output_shape: dict[str, list[int]] = {}
         self.stack: list[str] = []
         self.hook_s = 0.0
 
@@ -109,6 +110,7 @@ class ActivationMeter:
             self.stack.pop()
         if isinstance(out, torch.Tensor):
             self.output[name] = out.numel() * out.element_size()
+            self.output_shape[name] = list(out.shape)
 
     def report(self, device_peak_bytes: int | None = None) -> Memory:
         if self.graph is not None:
@@ -121,7 +123,8 @@ class ActivationMeter:
                 continue
             params = sum(p.numel() * p.element_size() for p in module.parameters(recurse=is_leaf))
             layers.append(LayerMemory(name=name, type=type(module).__name__, saved_bytes=saved,
-                                      output_bytes=self.output.get(name, 0), parameter_bytes=params))
+                                      output_bytes=self.output.get(name, 0), parameter_bytes=params,
+                                      output_shape=self.output_shape.get(name)))
         return Memory(layers=layers, saved_bytes_total=sum(entry.saved_bytes for entry in layers),
                       device_peak_bytes=device_peak_bytes)
 

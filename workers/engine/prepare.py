@@ -7,8 +7,8 @@ a reason that could have been known.
 
 from __future__ import annotations
 
-import copy
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,7 +22,7 @@ from gradsvc.wire import GradientRequest, GraphSpec, LossSpec, Options, Tensor
 from . import graphref, tensors
 from .errors import SpecError
 from .losses import LossTerm, make_term, prepare_target
-from .spec import Limits, build, check_shapes
+from .spec import Limits, build, check_shapes, leaves, sequence_first
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,43 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
         frozen.update(hit)
     if names and len(frozen) == len(names):
         bad("options.freeze freezes every parameter; leave at least one trainable")
+    if not names and not opts.input_grad:
+        bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
+            "the gradient with respect to the inputs")
     del batch
     return frozen
+
+
+def _check_batch_statistics(opts: Options, model: nn.Module, batch: int) -> None:
+    """micro_batch and per_sample split the batch. A layer that mixes the examples of a batch
+    (BatchNorm in training mode: it normalises with the batch's mean and variance) makes either
+    inexact, so both are refused here, before the queue, rather than answered with other gradients."""
+    splits = opts.per_sample != "off" or (opts.micro_batch is not None and opts.micro_batch < batch)
+    option = "options.per_sample" if opts.per_sample != "off" else "options.micro_batch"
+    hit = sequence_first(model) if splits else None
+    if hit:
+        raise SpecError("bad_option", f"{option}: layer {hit[0]} ({type(hit[1]).__name__}) takes (sequence, batch, "
+                        "...) with batch_first=false, and the batch is split along dim 0; set batch_first=true "
+                        f"(and send batch-first inputs) or leave {option} out", layer=hit[0])
+    if opts.per_sample != "off":
+        for name, module in model.named_modules():
+            if isinstance(module, nn.RNNBase) or (isinstance(module, nn.Embedding) and module.max_norm is not None):
+                raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) cannot "
+                                "run under torch.func.vmap, which per-example gradients use (recurrent layers, "
+                                "Embedding with max_norm); set per_sample='off'", layer=name)
+    mixing = [(name, m) for name, m in leaves(model) if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if not mixing:
+        return
+    name, kind = mixing[0][0], type(mixing[0][1]).__name__
+    if opts.micro_batch is not None and opts.micro_batch < batch:
+        raise SpecError("bad_option", f"options.micro_batch={opts.micro_batch}: layer {name} ({kind}) normalises with "
+                        "the statistics of the whole batch in training mode, so gradients summed over micro-batches "
+                        f"would differ from the batch's; remove options.micro_batch (or set it to at least the batch "
+                        f"size, {batch}), or remove the layer", layer=name, option="micro_batch")
+    if opts.per_sample != "off":
+        raise SpecError("bad_option", f"options.per_sample: layer {name} ({kind}) mixes the samples of a batch in "
+                        "training mode, so per-example gradients are undefined; remove it or set per_sample='off'",
+                        layer=name, option="per_sample")
 
 
 def _check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
@@ -212,10 +247,13 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         inputs = inputs.to(dtype)
         if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
+    if request.options.input_grad and not inputs.dtype.is_floating_point:
+        raise SpecError("bad_option", "options.input_grad: the inputs are integer indices (the first layer is "
+                        "Embedding), which have no gradient; leave input_grad out")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
     spec_key = msgspec.json.encode(request.model.layers)  # both caches below are keyed by the spec
-    out = _output_on_meta(spec_key, request, meta, inputs)
+    out = _output_on_meta(spec_key, request, meta, inputs, limits.max_elements)
     terms = _terms(request)
     targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
                                                        shape_only=shape_only), dtype)
@@ -227,6 +265,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     names = [n for n, _ in meta.named_parameters()]
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
     _check_hvp(request.options, meta, frozen)
+    _check_batch_statistics(request.options, meta, inputs.shape[0])
     weights = _weights(request, meta, dtype, limits.max_elements)
     parameter_count = sum(p.numel() for p in meta.parameters())
     if str(device) == "meta":
@@ -244,45 +283,60 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
                     frozen=frozen)
 
 
+# Both caches below are shared by every thread of the process (the API validates requests from a thread
+# pool), so each is read, reordered and evicted only under its lock; the work that fills a miss runs
+# outside it, and two threads missing the same key at once both compute it (the second write wins).
 _shape_cache: OrderedDict[tuple, tuple[torch.Size, torch.dtype]] = OrderedDict()
+_shape_lock = threading.Lock()
 SHAPE_CACHE_ENTRIES = 512
 
 
-def _output_on_meta(spec_key: bytes, request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
+def _output_on_meta(spec_key: bytes, request: GradientRequest, meta: nn.Sequential, inputs: torch.Tensor,
+                    max_elements: int) -> torch.Tensor:
     """The model's output for `inputs`, as a meta tensor, after check_shapes named any layer that cannot
     take its input. A spec that passed once for an input shape passes again: the result is cached, since
     the meta forward (torch's Python decompositions) costs ~2 ms even for a small net, on every request."""
     key = (spec_key, request.model.dtype, tuple(inputs.shape), inputs.dtype)
-    hit = _shape_cache.get(key)
+    with _shape_lock:
+        hit = _shape_cache.get(key)
+        if hit is not None:
+            _shape_cache.move_to_end(key)
     if hit is None:
-        out = check_shapes(meta, inputs.to("meta"))
-        _shape_cache[key] = hit = (out.shape, out.dtype)
-        if len(_shape_cache) > SHAPE_CACHE_ENTRIES:
-            _shape_cache.popitem(last=False)
-    else:
-        _shape_cache.move_to_end(key)
+        out = check_shapes(meta, inputs.to("meta"), max_elements=max_elements)
+        hit = (out.shape, out.dtype)
+        with _shape_lock:
+            _shape_cache[key] = hit
+            while len(_shape_cache) > SHAPE_CACHE_ENTRIES:
+                _shape_cache.popitem(last=False)
     return torch.empty(hit[0], dtype=hit[1], device="meta")
 
 
 _init_cache: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+_init_lock = threading.Lock()
+# Seeding and building run under their own lock: torch.manual_seed sets the process-wide generator, so two
+# threads building at once would draw each other's numbers and get wrong initial weights.
+_seed_lock = threading.Lock()
 
 
 def _initial_state(spec_key: bytes, request: GradientRequest, dtype: torch.dtype, config: EngineConfig) -> dict[str, torch.Tensor]:
     """The state_dict of `torch.manual_seed(seed); nn.Sequential(...).to(dtype)`, from an LRU cache
     bounded by config.init_cache_bytes. Callers copy it into their own model, never share it."""
     key = (spec_key, str(dtype), request.model.seed)
-    state = _init_cache.get(key)
-    if state is not None:
-        _init_cache.move_to_end(key)
-        return state
-    torch.manual_seed(request.model.seed)
-    state = build(request.model.layers, limits=config.limits, device="cpu").to(dtype).state_dict()
+    with _init_lock:
+        state = _init_cache.get(key)
+        if state is not None:
+            _init_cache.move_to_end(key)
+            return state
+    with _seed_lock:
+        torch.manual_seed(request.model.seed)
+        state = build(request.model.layers, limits=config.limits, device="cpu").to(dtype).state_dict()
     size = sum(t.numel() * t.element_size() for t in state.values())
     if size <= config.init_cache_bytes // 2:
-        _init_cache[key] = state
-        while sum(t.numel() * t.element_size() for st in _init_cache.values() for t in st.values()) > \
-                config.init_cache_bytes:
-            _init_cache.popitem(last=False)
+        with _init_lock:
+            _init_cache[key] = state
+            while sum(t.numel() * t.element_size() for st in _init_cache.values() for t in st.values()) > \
+                    config.init_cache_bytes:
+                _init_cache.popitem(last=False)
     return state
 
 
@@ -475,17 +529,43 @@ def _check_graph_options(opts: Options, template: GraphTemplate, dtype: torch.dt
         raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a graph "
                         "model has none, so it cannot apply. Remove it (or checkpoint inside the module before "
                         "export)")
-    if opts.micro_batch is None and opts.per_sample == "off":
-        return
+    if opts.input_grad and not inputs.dtype.is_floating_point:
+        raise SpecError("bad_option", f"options.input_grad: the inputs are integer {str(inputs.dtype)[6:]} (token "
+                        "ids), which have no gradient; leave input_grad out")
+    if opts.micro_batch is not None and opts.micro_batch < inputs.shape[0]:
+        check_graph_split(template, dtype, inputs, "options.micro_batch")
+    if opts.per_sample != "off":
+        check_graph_split(template, dtype, inputs, "options.per_sample")
+
+
+def _draws_masks(step) -> bool:
+    """A dropout node that drops anything: p > 0 and train not False (dropout(x, p, train))."""
+    if "dropout" not in step.op.name:
+        return False
+    p = step.args[1] if len(step.args) > 1 else step.kwargs.get("p")
+    train = step.args[2] if len(step.args) > 2 else step.kwargs.get("train", True)
+    return not (isinstance(p, (int, float)) and p == 0) and train is not False
+
+
+def check_graph_split(template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor, option: str, *,
+                      across_jobs: bool = False) -> None:
+    """Refuses `option` (which splits the batch) when a node mixes the batch's examples; `across_jobs`
+    (options.shards) also when it draws dropout masks, which every shard would seed alike."""
     mixing = _batch_mixing(template, dtype, inputs)
     if mixing:
         node, op, module = mixing[0]
-        option = "micro_batch" if opts.micro_batch is not None else "per_sample"
         where = f"module {module!r}" if module else "the root module"
-        raise SpecError("bad_option", f"options.{option}: node {node!r} ({op}) in {where} combines the examples of "
-                        f"a batch (batch statistics), so a micro-batch's or one example's gradient is not its share "
-                        f"of the batch's; remove options.{option}, or put that module in eval mode before export",
+        raise SpecError("bad_option", f"{option}: node {node!r} ({op}) in {where} combines the examples of a batch "
+                        f"(batch statistics), so a part of the batch does not give its share of the batch's "
+                        f"gradient; remove {option}, or put that module in eval mode before export",
                         node=node, op=op, module=module)
+    if across_jobs:
+        random = next((s for s in template.compiled.steps if _draws_masks(s)), None)
+        if random is not None:
+            raise SpecError("bad_option", f"{option}: node {random.name!r} ({random.op.name}) in module "
+                            f"{random.module!r} draws dropout masks from model.seed, which every shard would repeat; "
+                            f"set shards=1 (micro_batch bounds memory), or export in eval mode",
+                            node=random.name, module=random.module)
 
 
 def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str | torch.device, dtype: torch.dtype,

@@ -1,143 +1,28 @@
-"""Model spec -> nn.Module: the layer allow-list, argument validation, shape checks on the meta device."""
+"""Model spec -> nn.Module: build from the layer table (gradsvc.layers), shape checks on the meta device."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import copy
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from gradsvc.layers import CONTAINERS, LAYERS, ArgumentError, canonical, catalogue, to_torch
+from gradsvc.modules import Residual, layer_class
+
 from .errors import SpecError
 
+__all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "check_shapes", "layer_catalogue", "leaves",
+           "prepare_for_meta", "sequence_first"]
 
-class Residual(nn.Sequential):
-    """x + f(x), with f the contained layers; names stay nn.Sequential's ("2.0.weight")."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + super().forward(x)
-
-
-# Argument kinds: each a (description, checker) pair; a checker returns the value to pass or raises.
-def _int(minimum: int = 0) -> tuple[str, Callable[[Any], Any]]:
-    def check(v):
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ValueError(f"an integer >= {minimum}")
-        return v
-
-    return f"int>={minimum}", check
-
-
-def _ints(minimum: int = 0) -> tuple[str, Callable[[Any], Any]]:
-    def check(v):
-        if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) and x >= minimum for x in v):
-            return tuple(v)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= minimum:
-            return v
-        raise ValueError(f"an integer >= {minimum} or a list of them")
-
-    return f"int>={minimum}|list[int]", check
-
-
-def _float(lo: float = -math.inf, hi: float = math.inf) -> tuple[str, Callable[[Any], Any]]:
-    def check(v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or not math.isfinite(v):
-            raise ValueError(f"a finite number in [{lo}, {hi}]")
-        return float(v)
-
-    return f"float in [{lo}, {hi}]", check
-
-
-def _bool() -> tuple[str, Callable[[Any], Any]]:
-    def check(v):
-        if not isinstance(v, bool):
-            raise ValueError("true or false")
-        return v
-
-    return "bool", check
-
-
-def _choice(*choices: Any) -> tuple[str, Callable[[Any], Any]]:
-    def check(v):
-        if v not in choices or isinstance(v, bool) != isinstance(choices[0], bool):
-            raise ValueError(f"one of {list(choices)}")
-        return v
-
-    return "|".join(map(str, choices)), check
-
-
-def _padding() -> tuple[str, Callable[[Any], Any]]:
-    _, ints = _ints(0)
-
-    def check(v):
-        return v if v in ("same", "valid") else ints(v)
-
-    return "int>=0|list[int]|same|valid", check
-
-
-def _optional_int() -> tuple[str, Callable[[Any], Any]]:
-    _, int_ = _int(-(2**31))
-
-    def check(v):
-        return None if v is None else int_(v)
-
-    return "int|null", check
-
-
-@dataclass(frozen=True)
-class LayerType:
-    cls: type[nn.Module]
-    required: dict[str, tuple[str, Callable]] = field(default_factory=dict)
-    optional: dict[str, tuple[str, Callable]] = field(default_factory=dict)
-
-
-_CONV = {"in_channels": _int(1), "out_channels": _int(1), "kernel_size": _ints(1)}
-_CONV_OPT = {"stride": _ints(1), "padding": _padding(), "dilation": _ints(1), "groups": _int(1), "bias": _bool(),
-             "padding_mode": _choice("zeros", "reflect", "replicate", "circular")}
-_POOL_OPT = {"stride": _ints(1), "padding": _ints(0), "ceil_mode": _bool()}
-_BN = {"num_features": _int(1)}
-_BN_OPT = {"eps": _float(0, 1), "momentum": _float(0, 1), "affine": _bool(), "track_running_stats": _bool()}
-
-LAYERS: dict[str, LayerType] = {
-    "Linear": LayerType(nn.Linear, {"in_features": _int(1), "out_features": _int(1)}, {"bias": _bool()}),
-    "Conv1d": LayerType(nn.Conv1d, _CONV, _CONV_OPT),
-    "Conv2d": LayerType(nn.Conv2d, _CONV, _CONV_OPT),
-    "MaxPool1d": LayerType(nn.MaxPool1d, {"kernel_size": _ints(1)}, {**_POOL_OPT, "dilation": _ints(1)}),
-    "MaxPool2d": LayerType(nn.MaxPool2d, {"kernel_size": _ints(1)}, {**_POOL_OPT, "dilation": _ints(1)}),
-    "AvgPool1d": LayerType(nn.AvgPool1d, {"kernel_size": _ints(1)}, {**_POOL_OPT, "count_include_pad": _bool()}),
-    "AvgPool2d": LayerType(nn.AvgPool2d, {"kernel_size": _ints(1)}, {**_POOL_OPT, "count_include_pad": _bool()}),
-    "AdaptiveAvgPool2d": LayerType(nn.AdaptiveAvgPool2d, {"output_size": _ints(1)}),
-    "Flatten": LayerType(nn.Flatten, {}, {"start_dim": _int(-8), "end_dim": _int(-8)}),
-    "Identity": LayerType(nn.Identity),
-    "ReLU": LayerType(nn.ReLU),
-    "LeakyReLU": LayerType(nn.LeakyReLU, {}, {"negative_slope": _float(-1e3, 1e3)}),
-    "ELU": LayerType(nn.ELU, {}, {"alpha": _float(0, 1e3)}),
-    "GELU": LayerType(nn.GELU, {}, {"approximate": _choice("none", "tanh")}),
-    "SiLU": LayerType(nn.SiLU),
-    "Softplus": LayerType(nn.Softplus, {}, {"beta": _float(1e-6, 1e3), "threshold": _float(0, 1e3)}),
-    "Tanh": LayerType(nn.Tanh),
-    "Sigmoid": LayerType(nn.Sigmoid),
-    "Softmax": LayerType(nn.Softmax, {}, {"dim": _int(-8)}),
-    "LogSoftmax": LayerType(nn.LogSoftmax, {}, {"dim": _int(-8)}),
-    "Dropout": LayerType(nn.Dropout, {}, {"p": _float(0, 1)}),
-    "BatchNorm1d": LayerType(nn.BatchNorm1d, _BN, _BN_OPT),
-    "BatchNorm2d": LayerType(nn.BatchNorm2d, _BN, _BN_OPT),
-    "LayerNorm": LayerType(nn.LayerNorm, {"normalized_shape": _ints(1)}, {"eps": _float(0, 1), "elementwise_affine": _bool(), "bias": _bool()}),
-    "Embedding": LayerType(nn.Embedding, {"num_embeddings": _int(1), "embedding_dim": _int(1)}, {"padding_idx": _optional_int()}),
-}
-CONTAINERS: dict[str, type[nn.Sequential]] = {"Sequential": nn.Sequential, "Residual": Residual}
+_CONTAINER_CLASSES: dict[str, type[nn.Sequential]] = {"Sequential": nn.Sequential, "Residual": Residual}
 
 
 def layer_catalogue() -> list[dict[str, Any]]:
-    """What GET /layers lists: every allowed type with its arguments."""
-    out = []
-    for name, lt in LAYERS.items():
-        args = {k: d for k, (d, _) in {**lt.required, **lt.optional}.items()}
-        out.append({"type": name, "arguments": args, "required": list(lt.required), "container": False})
-    for name in CONTAINERS:
-        out.append({"type": name, "arguments": {"layers": "list[layer]"}, "required": ["layers"], "container": True})
-    return out
+    """What GET /layers lists: every allowed type with its arguments, defaults and ranges."""
+    return catalogue()
 
 
 @dataclass(frozen=True)
@@ -159,7 +44,7 @@ def build(layers: list[dict[str, Any]], *, limits: Limits, device: str | torch.d
     """
     count = [0]
     with torch.device(device):
-        model = _build_seq(nn.Sequential, layers, path="", depth=1, limits=limits, count=count)
+        model = _build_seq(nn.Sequential, layers, path="", depth=1, limits=limits, count=count, in_residual=False)
     n = sum(p.numel() for p in model.parameters())
     if n > limits.max_parameters:
         raise SpecError(
@@ -175,7 +60,8 @@ def _where(path: str) -> str:
     return f"layer {path}" if path else "the model"
 
 
-def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: list[int]) -> nn.Sequential:
+def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: list[int],
+               in_residual: bool) -> nn.Sequential:
     if depth > limits.max_depth:
         raise SpecError("too_large", f"{_where(path)}: containers nest deeper than {limits.max_depth} levels",
                         path=path, limit=limits.max_depth)
@@ -189,11 +75,11 @@ def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: lis
         if count[0] > limits.max_layers:
             raise SpecError("too_large", f"more than {limits.max_layers} layers; use fewer layers",
                             limit=limits.max_layers)
-        modules.append(_build_one(spec, path=here, depth=depth, limits=limits, count=count))
+        modules.append(_build_one(spec, path=here, depth=depth, limits=limits, count=count, in_residual=in_residual))
     return cls(*modules)
 
 
-def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[int]) -> nn.Module:
+def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[int], in_residual: bool) -> nn.Module:
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
         raise SpecError("unknown_layer", f"layer {path}: expected an object with a string 'type'", path=path)
     kind = spec["type"]
@@ -203,36 +89,42 @@ def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[
         if extra:
             raise SpecError("unknown_layer", f"layer {path} ({kind}): unexpected keys {sorted(extra)}; "
                             "a container takes only 'layers'", path=path)
-        return _build_seq(CONTAINERS[kind], args.get("layers"), path=path, depth=depth + 1, limits=limits, count=count)
-    lt = LAYERS.get(kind)
-    if lt is None:
+        return _build_seq(_CONTAINER_CLASSES[kind], args.get("layers"), path=path, depth=depth + 1, limits=limits,
+                          count=count, in_residual=in_residual or kind == "Residual")
+    layer = LAYERS.get(kind)
+    if layer is None:
         raise SpecError(
             "unknown_layer",
             f"layer {path}: unknown type {kind!r}; allowed: {', '.join([*LAYERS, *CONTAINERS])} (GET /layers)",
             path=path,
             type=kind,
         )
-    allowed = {**lt.required, **lt.optional}
     for name in args:
-        if name not in allowed:
+        if name not in layer.args:
             raise SpecError("unknown_layer", f"layer {path} ({kind}): unknown argument {name!r}; accepted: "
-                            f"{', '.join(allowed) or 'none'}", path=path, argument=name)
-    for name in lt.required:
-        if name not in args:
+                            f"{', '.join(layer.args) or 'none'}", path=path, argument=name)
+    for name, arg in layer.args.items():
+        if arg.required and name not in args:
             raise SpecError("unknown_layer", f"layer {path} ({kind}): missing required argument {name!r}",
                             path=path, argument=name)
-    kwargs = {}
-    for name, value in args.items():
-        desc, check = allowed[name]
-        try:
-            kwargs[name] = check(value)
-        except ValueError as exc:
-            raise SpecError("unknown_layer", f"layer {path} ({kind}): {name}={value!r} is invalid; expected {exc}",
-                            path=path, argument=name) from None
     try:
-        return lt.cls(**kwargs)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise SpecError("unknown_layer", f"layer {path} ({kind}): {exc}", path=path) from None
+        kwargs = canonical(kind, args)
+    except ArgumentError as exc:
+        shown = f"{exc.argument}={args[exc.argument]!r}" if exc.argument in args else exc.argument
+        raise SpecError("unknown_layer", f"layer {path} ({kind}): {shown} is invalid; expected {exc.expected}",
+                        path=path, argument=exc.argument) from None
+    if kwargs.get("inplace"):
+        if in_residual:
+            raise SpecError("unknown_layer", f"layer {path} ({kind}): inplace=true inside a Residual would overwrite "
+                            "the input the Residual adds back; set inplace=false", path=path, argument="inplace")
+        # Out of place gives the same values wherever torch's in-place run succeeds, and keeps the request's
+        # inputs intact for the numerical check's repeated forwards.
+        kwargs["inplace"] = False
+    try:
+        return layer_class(kind)(**{name: to_torch(value) for name, value in kwargs.items()})
+    except (ValueError, TypeError, RuntimeError, AssertionError, ArithmeticError) as exc:
+        raise SpecError("unknown_layer", f"layer {path} ({kind}): torch refuses these arguments: {exc}",
+                        path=path) from None
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -240,16 +132,19 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if name and not list(m.children())]
 
 
-def check_shapes(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """Runs `x` (on meta) through the model, naming the first layer that cannot take its input."""
-    return _run_checked(model, x, path="", source="the inputs")
+def check_shapes(model: nn.Sequential, x: torch.Tensor, *, max_elements: int = Limits.max_elements) -> torch.Tensor:
+    """Runs `x` (on meta) through the model, naming the first layer that cannot take its input, or whose
+    output would hold more than `max_elements` (an Upsample, a padding or a transposed convolution can
+    ask for any size)."""
+    return _run_checked(model, x, path="", source="the inputs", max_elements=max_elements)
 
 
-def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str) -> torch.Tensor:
+def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str, max_elements: int) -> torch.Tensor:
     for i, module in enumerate(seq):
         here = f"{path}.{i}" if path else str(i)
+        name = type(module).__name__
         if isinstance(module, nn.Sequential):
-            y = _run_checked(module, x, path=here, source=source)
+            y = _run_checked(module, x, path=here, source=source, max_elements=max_elements)
             if isinstance(module, Residual):
                 if y.shape != x.shape:
                     raise SpecError("shape_mismatch", f"layer {here} (Residual) must keep its input's shape "
@@ -260,12 +155,45 @@ def _run_checked(seq: nn.Sequential, x: torch.Tensor, *, path: str, source: str)
         else:
             _precheck(module, x, here, source)
             try:
-                x = module(x)
-            except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-                raise SpecError("shape_mismatch", f"layer {here} ({type(module).__name__}) cannot take input of shape "
+                x = _on_meta(module)(x)
+            except (RuntimeError, ValueError, IndexError, TypeError, AssertionError, ArithmeticError) as exc:
+                raise SpecError("shape_mismatch", f"layer {here} ({name}) cannot take input of shape "
                                 f"{list(x.shape)} from {source}: {exc}", path=here, input_shape=list(x.shape)) from None
-        source = f"layer {here} ({type(module).__name__})"
+        if x.numel() > max_elements:
+            raise SpecError("too_large", f"layer {here} ({name}) outputs shape {list(x.shape)}, {x.numel()} elements, "
+                            f"above the limit of {max_elements} per tensor; use smaller sizes or a smaller batch",
+                            path=here, output_shape=list(x.shape), limit=max_elements)
+        source = f"layer {here} ({name})"
     return x
+
+
+def sequence_first(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first layer whose batch dimension is not dim 0 (a recurrent or transformer layer with
+    batch_first=false takes (sequence, batch, features)), which splitting the batch along dim 0 would cut
+    across sequences instead; None when every layer is batch first."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.RNNBase) and not m.batch_first:
+            return name, m
+        if isinstance(m, nn.TransformerEncoderLayer) and not m.self_attn.batch_first:
+            return name, m
+    return None
+
+
+def prepare_for_meta(model: nn.Module) -> None:
+    """Readies a throwaway meta model to run forward (POST /estimate): see _on_meta."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None:
+            m.momentum = 0.0
+
+
+def _on_meta(m: nn.Module) -> nn.Module:
+    """The module to run for shapes. Batch norm with momentum=None (a cumulative average) reads its batch
+    count with .item(), which a meta tensor cannot give; the same layer with a fixed momentum has the
+    same output shape."""
+    if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None and m.training:
+        m = copy.copy(m)
+        m.momentum = 0.0
+    return m
 
 
 def _precheck(m: nn.Module, x: torch.Tensor, here: str, source: str) -> None:
@@ -274,6 +202,15 @@ def _precheck(m: nn.Module, x: torch.Tensor, here: str, source: str) -> None:
 
     def fail(msg: str, **detail: Any) -> None:
         raise SpecError("shape_mismatch", f"layer {here} ({name}) {msg}", path=here, input_shape=shape, **detail)
+
+    def expect_dim(dims: tuple[int, ...], what: str) -> None:
+        if x.dim() not in dims:
+            fail(f"expects a {' or '.join(map(str, dims))}-d input ({what}), got shape {shape} from {source}")
+
+    def expect_size(dim: int, want: int, arg: str, what: str) -> None:
+        if shape[dim] != want:
+            fail(f"expects {want} {what}, got {shape[dim]} from {source}; set {arg}={shape[dim]}",
+                 expected=want, got=shape[dim])
 
     if isinstance(m, nn.Embedding):
         if x.dtype.is_floating_point:
@@ -286,24 +223,32 @@ def _precheck(m: nn.Module, x: torch.Tensor, here: str, source: str) -> None:
             got = shape[-1] if shape else "a scalar"
             fail(f"expects {m.in_features} input features, got {got} from {source}; set in_features={got}",
                  expected=m.in_features, got=got)
-    elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
-        d = 1 if isinstance(m, nn.Conv1d) else 2
-        if x.dim() not in (d + 1, d + 2):
-            fail(f"expects a {d + 2}-d input (batch, channels, {'length' if d == 1 else 'height, width'}), "
-                 f"got shape {shape} from {source}")
-        if shape[-(d + 1)] != m.in_channels:
-            got = shape[-(d + 1)]
-            fail(f"expects {m.in_channels} input channels, got {got} from {source}; set in_channels={got}",
-                 expected=m.in_channels, got=got)
-    elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
-        dims = (2, 3) if isinstance(m, nn.BatchNorm1d) else (4,)
-        if x.dim() not in dims:
-            fail(f"expects a {' or '.join(map(str, dims))}-d input, got shape {shape} from {source}")
-        if shape[1] != m.num_features:
-            fail(f"expects {m.num_features} features in dim 1, got {shape[1]} from {source}; "
-                 f"set num_features={shape[1]}", expected=m.num_features, got=shape[1])
-    elif isinstance(m, nn.LayerNorm):
+    elif isinstance(m, nn.modules.conv._ConvNd):
+        d = len(m.kernel_size)
+        expect_dim((d + 1, d + 2), f"batch, channels, {('length', 'height, width', 'depth, height, width')[d - 1]}")
+        expect_size(-(d + 1), m.in_channels, "in_channels", "input channels")
+    elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+        dims = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}.get(type(m))
+        if dims:
+            expect_dim(dims, "batch, features, ...")
+        expect_size(1, m.num_features, "num_features", "features in dim 1")
+    elif isinstance(m, nn.modules.instancenorm._InstanceNorm):
+        d = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3}[type(m)]
+        expect_dim((d + 1, d + 2), "(batch,) channels, spatial dims")
+        if m.affine or m.track_running_stats:
+            expect_size(-(d + 1), m.num_features, "num_features", "channels")
+    elif isinstance(m, nn.GroupNorm):
+        if x.dim() < 2:
+            fail(f"expects a (batch, channels, ...) input, got shape {shape} from {source}")
+        expect_size(1, m.num_channels, "num_channels", "channels in dim 1")
+    elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
         k = len(m.normalized_shape)
         if shape[-k:] != list(m.normalized_shape):
             fail(f"normalizes over the last dims {list(m.normalized_shape)}, got shape {shape} from {source}; "
                  f"set normalized_shape={shape[-k:]}", expected=list(m.normalized_shape))
+    elif isinstance(m, nn.RNNBase):
+        expect_dim((2, 3), "(batch,) sequence, features; batch first when batch_first=true")
+        expect_size(-1, m.input_size, "input_size", "input features")
+    elif isinstance(m, nn.TransformerEncoderLayer):
+        expect_dim((2, 3), "(batch,) sequence, d_model; batch first when batch_first=true")
+        expect_size(-1, m.self_attn.embed_dim, "d_model", "features (d_model) in the last dim")

@@ -1,0 +1,142 @@
+"""One request over many workers (options.shards): the batch split into contiguous row ranges, one
+RQ job per shard (an RQ Group), and a reduce job with a Dependency on all of them.
+
+The caller sees one job: the reduce job. Its id is the job id, its meta holds the owner and the
+shard ids, its result key holds the combined result, and its RQ results stream is what a waiting
+POST blocks on; while it is deferred, GET /jobs/{id} reads its status and progress from the shards.
+Each shard is a normal GradientRequest over its rows (MessagePack, inputs and targets sliced as wire
+tensors, never decoded here), computed by any worker as any job is, its result under its own
+result key, which only the reduce job reads. A shard that fails fails the job (workers/shards.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+from rq import Queue
+from rq.callbacks import Callback
+from rq.group import Group
+from rq.job import Dependency, Job, JobStatus
+from rq.utils import now
+
+from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
+from workers.engine.errors import SpecError
+from workers.engine.prepare import Prepared
+from workers.engine.reduce import check_shardable, plan_for, split_rows
+from workers.shards import shard_job_id
+
+if TYPE_CHECKING:
+    from .jobs import JobStore
+
+SHARD_FUNCTION = "workers.shards.shard_job"
+REDUCE_FUNCTION = "workers.shards.reduce_job"
+SHARD_FAILED = "workers.shards.shard_failed"
+# Each shard is an RQ job carrying the model's weights: a bound on what one request may fan out to.
+MAX_SHARDS = 256
+_encoder = msgspec.msgpack.Encoder()
+
+
+def shard_count(option: int | str, rows: int, live_workers: Callable[[], int], min_rows: int) -> int:
+    """The number of shards options.shards asks for; "auto" is one per live worker of the device, each
+    of at least min_rows rows (so a small batch is not split at all)."""
+    if option == "auto":
+        return max(1, min(live_workers(), rows // min_rows, MAX_SHARDS))
+    if not isinstance(option, int) or not (1 <= option <= MAX_SHARDS):
+        raise SpecError("bad_option", f"options.shards must be an integer in [1, {MAX_SHARDS}] or 'auto', got "
+                        f"{option!r}", shards=option)
+    return option
+
+
+# --- slicing wire values by rows, without torch -----------------------------------------------------------
+def _slice_tensor(t: Tensor, a: int, b: int) -> Tensor:
+    shape = [b - a, *t.shape[1:]]
+    if t.b64 is not None or isinstance(t.data, (bytes, bytearray, memoryview)):
+        import base64
+
+        raw = memoryview(base64.b64decode(t.b64) if t.b64 is not None else t.data)  # a view: no copy here
+        row_bytes = math.prod(t.shape[1:]) * ITEMSIZE[t.dtype]
+        return Tensor(dtype=t.dtype, shape=shape, data=raw[a * row_bytes:b * row_bytes])
+    return Tensor(dtype=t.dtype, shape=shape, data=t.data[a:b])
+
+
+def slice_rows(value: Any, a: int, b: int) -> Any:
+    """Rows a:b of a wire tensor (raw bytes, base64 or nested lists) or a bare nested list."""
+    if isinstance(value, Tensor):
+        return _slice_tensor(value, a, b)
+    if isinstance(value, dict):  # a tensor inside `targets` (typed Any) arrives as a plain dict
+        return _slice_tensor(msgspec.convert(value, Tensor), a, b)
+    return value[a:b]
+
+
+def _slice_targets(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
+    targets = req.targets
+    if isinstance(targets, dict) and not {"dtype", "shape"} <= set(targets):
+        used = {t.target or t.name for t in prep.terms}  # the engine reads no other entry
+        return {k: slice_rows(v, a, b) for k, v in targets.items() if k in used}
+    return slice_rows(targets, a, b)
+
+
+def shard_requests(req: GradientRequest, prep: Prepared, bounds: list[tuple[int, int]],
+                   *, per_loss: bool | None) -> list[GradientRequest]:
+    """One normal request per shard: the same model, losses and options over rows a:b."""
+    options = msgspec.structs.replace(req.options, shards=1, per_loss=per_loss)
+    return [msgspec.structs.replace(req, inputs=slice_rows(req.inputs, a, b), targets=_slice_targets(req, prep, a, b),
+                                    options=options)
+            for a, b in bounds]
+
+
+# --- the fan-out ------------------------------------------------------------------------------------------
+def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int, device: str, owner: str,
+            job_id: str | None = None) -> str:
+    """Queues `count` shard jobs and their reduce job (id `job_id`, or a new one) in one Redis transaction;
+    returns the reduce job's id."""
+    check_shardable(prep, count)
+    settings = store.settings
+    bounds = split_rows(prep.inputs.shape[0], count)
+    plan = plan_for(prep, [b - a for a, b in bounds])
+    # Mixed mean/sum losses: a shard's combined gradient cannot be rescaled as a whole, so each shard
+    # returns its per-loss gradients and the reduction weighs them term by term.
+    per_loss = req.options.per_loss if plan.uniform else True
+    bodies = [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)]
+    job_id = job_id or uuid.uuid4().hex
+    shard_ids = [shard_job_id(job_id, k) for k in range(count)]
+    queue: Queue = store.queues[device]
+    ttls = {"timeout": settings.job_timeout_s, "result_ttl": settings.result_ttl_s,
+            "failure_ttl": settings.failure_ttl_s}
+    shard_jobs = [
+        Queue.prepare_data(SHARD_FUNCTION, (body,), job_id=sid, on_failure=Callback(SHARD_FAILED),
+                           description=f"gradients shard {k} of {count} (rows {a}:{b})",
+                           meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
+                                           "prefix": store.prefix}}, **ttls)
+        for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, bodies, bounds))]
+    reduce = queue.create_job(REDUCE_FUNCTION, args=(dataclasses.asdict(plan), shard_ids), job_id=job_id,
+                              depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
+                              description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
+                              **ttls)
+    reduce.origin = queue.name
+    reduce.enqueued_at = now()
+    # One MULTI/EXEC: no worker can take a shard before its reduce job is registered as its dependent (a
+    # shard that failed first would have no job to fail). Group.enqueue_many executes the pipeline.
+    with store.redis.pipeline() as pipe:
+        reduce.save(pipeline=pipe)
+        reduce.register_dependency(pipeline=pipe)
+        Group(store.redis, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)
+    return job_id
+
+
+# --- what GET /jobs/{id} and DELETE read and do -----------------------------------------------------------
+async def progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]], list[str]]:
+    """(shards finished, any started, [(origin, last_heartbeat) of each running shard], [failed shard ids]),
+    in one round trip."""
+    pipe = aredis.pipeline(transaction=False)
+    for sid in shard_ids:
+        pipe.hmget(Job.key_for(sid), ("status", "origin", "last_heartbeat"))
+    rows = await pipe.execute()
+    done = sum(1 for status, _, _ in rows if status == b"finished")
+    running = [(origin.decode(), beat) for status, origin, beat in rows if status == b"started" and origin]
+    failed = [sid for sid, (status, _, _) in zip(shard_ids, rows) if status == b"failed"]
+    return done, bool(running) or done > 0, running, failed

@@ -1,0 +1,41 @@
+"""POST /gradients before the queue: what the API refuses without touching Redis (its Redis here is dead,
+so anything that reached the queue would answer 503)."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+
+from gradsvc.launcher import free_port
+from gradsvc.settings import Settings
+from service.app import create_app
+
+BATCH_NORM_NET = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
+                  {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]
+
+
+@pytest.fixture(scope="module")
+def api() -> TestClient:
+    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1)
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def body(layers=BATCH_NORM_NET, **options) -> dict:
+    return {"model": {"layers": layers, "dtype": "float32"}, "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]] * 4,
+            "targets": [0, 1, 2, 0], "options": options}
+
+
+@pytest.mark.parametrize("options, option", [({"micro_batch": 1}, "micro_batch"), ({"micro_batch": 2}, "micro_batch"),
+                                             ({"per_sample": "norms"}, "per_sample")])
+def test_batch_norm_with_a_split_batch_is_a_422_bad_option_naming_the_layer_before_the_queue(api, options, option):
+    r = api.post("/gradients", json=body(**options))
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "bad_option" and error["detail"] == {"layer": "1", "option": option}
+    assert "layer 1 (BatchNorm1d)" in error["message"] and option in error["message"]
+
+
+def test_the_same_request_without_the_split_reaches_the_queue(api):
+    r = api.post("/gradients", json=body())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_unavailable"

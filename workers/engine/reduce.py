@@ -1,0 +1,250 @@
+"""Shard results -> one result: the batch split across workers, combined exactly as `micro_batch`
+combines chunks within one worker (a `mean` loss's share of the batch weights its shard, `sum` adds).
+
+Each shard ran a normal request over its rows, so its `mean` losses are means over its own n_k rows;
+over the batch of n rows, shard k's part of a mean term is n_k / n of it. Gradients, HVPs, input
+gradients and loss values are linear in the loss, so they combine with those shares; per-example
+results and input gradients are concatenated in batch order; cosines are recomputed from the
+combined per-loss gradients. Sums run in the result's dtype, as micro_batch accumulates (float32 for
+float16 and bfloat16 results): float64 sums of float32 gradients cost 4x the time for precision that
+the float32 gradients themselves do not have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from torch import nn
+
+from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor, Timings
+
+from . import tensors
+from .errors import SpecError
+from .prepare import Prepared, check_graph_split
+from .spec import leaves
+
+_ANY = 1 << 62  # results come from our own workers: no element limit to enforce here
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What the reduction needs to know about the request, beyond the shards' results."""
+
+    rows: list[int]  # rows per shard, in batch order
+    reductions: dict[str, str]  # loss term name -> "mean" | "sum"
+    weights: dict[str, float]  # loss term name -> its weight in the total
+    several: bool  # several losses (the result then has `losses`)
+    per_loss: bool  # the caller asked for per-loss gradients (a shard may compute them for the reduction only)
+
+    @property
+    def uniform(self) -> bool:
+        """Every term has one reduction, so one share per shard scales its whole result."""
+        return len(set(self.reductions.values())) <= 1
+
+    def share(self, k: int, term: str | None = None) -> float:
+        reduction = self.reductions[term] if term is not None else next(iter(self.reductions.values()))
+        return self.rows[k] / sum(self.rows) if reduction == "mean" else 1.0
+
+
+def split_rows(n: int, count: int) -> list[tuple[int, int]]:
+    """`count` contiguous [a, b) ranges over n rows, sizes differing by at most one, larger first
+    (numpy.array_split's rule)."""
+    size, extra = divmod(n, count)
+    bounds, a = [], 0
+    for k in range(count):
+        b = a + size + (1 if k < extra else 0)
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def check_shardable(prep: Prepared, count: int) -> None:
+    """Refuses what a split batch cannot reproduce; `prep` is the whole request on the meta device."""
+    n = prep.inputs.shape[0]
+    if count > n:
+        raise SpecError("bad_option", f"options.shards={count} exceeds the batch of {n} rows; use at most {n} "
+                        "shards (or 'auto')", shards=count, rows=n)
+    if prep.graph is not None:  # a graph model: its nodes, not its modules, say what mixes or draws masks
+        check_graph_split(prep.graph, prep.dtype, prep.inputs, "options.shards", across_jobs=True)
+    for name, module in leaves(prep.model):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise SpecError("bad_option", f"options.shards: layer {name} ({type(module).__name__}) normalises with "
+                            "the statistics of the whole batch in training mode, which a shard cannot see; remove "
+                            "it or set shards=1", layer=name)
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            # Every shard seeds its masks from model.seed, so shards would repeat one mask pattern.
+            raise SpecError("bad_option", f"options.shards: layer {name} ({type(module).__name__}) draws random "
+                            "masks from model.seed, which every shard would repeat; remove it, or set shards=1 "
+                            "and use micro_batch to bound memory", layer=name)
+    reductions = {t.reduction for t in prep.terms}
+    opts = prep.options
+    if len(reductions) > 1 and (opts.input_grad or opts.hvp is not None):
+        raise SpecError("bad_option", "options.shards with input_grad or hvp needs every loss to use one reduction "
+                        "(all 'mean' or all 'sum'): a shard's combined gradient cannot be split back per loss; "
+                        "use one reduction or shards=1")
+
+
+def plan_for(prep: Prepared, rows: list[int]) -> ShardPlan:
+    several = len(prep.terms) > 1
+    per_loss = several if prep.options.per_loss is None else bool(prep.options.per_loss and several)
+    return ShardPlan(rows=rows, reductions={t.name: t.reduction for t in prep.terms},
+                     weights={t.name: t.weight for t in prep.terms}, several=several, per_loss=per_loss)
+
+
+def _raw(value: Tensor) -> torch.Tensor:
+    """A shard's tensor as it came (a view of the stored bytes, no copy)."""
+    return tensors.decode(value, where="shard result", max_elements=_ANY)
+
+
+def _t(value: Tensor) -> torch.Tensor:
+    """A shard's tensor in the dtype sums run in (a copy: the stored bytes are read-only)."""
+    t = _raw(value)
+    return t.to(torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype, copy=True)
+
+
+def _out(value: torch.Tensor, like: Tensor) -> Tensor:
+    return tensors.encode(value.to(tensors.TORCH_DTYPES[like.dtype]))
+
+
+def _weighted_sum(parts: list[tuple[float, Tensor | None]]) -> Tensor | None:
+    """sum of share * tensor, accumulated in place; None (a frozen parameter) stays None."""
+    if parts[0][1] is None:
+        return None
+    share, first = parts[0]
+    acc = _t(first)
+    if share != 1.0:
+        acc.mul_(share)
+    for share, value in parts[1:]:
+        acc.add_(_raw(value), alpha=share)
+    return _out(acc, first)
+
+
+def _concat(values: list[Tensor], scales: list[float] | None = None) -> Tensor:
+    out = torch.cat([_raw(v) for v in values])
+    out = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    if scales and any(s != 1.0 for s in scales):
+        a = 0
+        for v, s in zip(values, scales):
+            rows = v.shape[0]
+            out[a:a + rows].mul_(s)
+            a += rows
+    return _out(out, values[0])
+
+
+def _cosines(per_loss: dict[str, dict[str, Tensor | None]]) -> dict[str, float]:
+    flat = {k: torch.cat([_raw(g).reshape(-1).to(torch.float64) for g in v.values() if g is not None])
+            for k, v in per_loss.items()}
+    names = list(flat)
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            denom = float(flat[a].norm() * flat[b].norm())
+            out[f"{a}|{b}"] = float(flat[a] @ flat[b]) / denom if denom > 0 else 0.0
+    return out
+
+
+def worst_numcheck(results: list[GradientResult]) -> tuple[Numcheck | None, int | None]:
+    """The shard whose check is worst (a failed one first, then the largest relative error), with `passed`
+    true only when every shard's passed."""
+    checked = [(k, r.numcheck) for k, r in enumerate(results) if r.numcheck is not None]
+    if not checked:
+        return None, None
+    k, worst = max(checked, key=lambda kc: (not kc[1].passed, kc[1].max_rel_error))
+    return msgspec.structs.replace(worst, passed=all(c.passed for _, c in checked)), k
+
+
+def _memory(results: list[GradientResult]):
+    """The largest shard's: the per-worker peak a sharded job needs."""
+    with_memory = [r.memory for r in results if r.memory is not None]
+    if not with_memory:
+        return None
+    return max(with_memory, key=lambda m: (m.device_peak_bytes or 0, m.saved_bytes_total))
+
+
+def add_reduce_time(result: GradientResult, reduce_ms: float) -> None:
+    """Counts the reduction itself (measured by the caller, around decoding and reducing) in the timings."""
+    assert result.shards is not None
+    result.shards.reduce_ms += reduce_ms
+    result.shards.critical_path_ms += reduce_ms
+    result.timings.total_ms += reduce_ms
+
+
+def reduce_results(results: list[GradientResult], plan: ShardPlan, *, reduce_ms: float = 0.0) -> GradientResult:
+    """One result from the shards' results (in batch order), as if one worker had run the whole batch."""
+    if len(results) != len(plan.rows):
+        raise ValueError(f"{len(results)} shard results for a plan of {len(plan.rows)} shards")
+    first = results[0]
+    count = len(results)
+    terms = list(plan.reductions)
+
+    # Loss values and per-loss gradients scale per term; the rest with the shard's one share (uniform), or
+    # are rebuilt from the per-loss gradients (mixed reductions: check_shardable refused hvp and input_grad).
+    losses = None
+    if plan.several:
+        losses = {t: sum(plan.share(k, t) * r.losses[t] for k, r in enumerate(results)) for t in terms}
+    per_loss = None
+    if first.per_loss_gradients is not None:
+        per_loss = {t: {p: _weighted_sum([(plan.share(k, t), r.per_loss_gradients[t][p])
+                                          for k, r in enumerate(results)])
+                        for p in first.per_loss_gradients[t]}
+                    for t in first.per_loss_gradients}
+    if plan.uniform:
+        loss = sum(plan.share(k) * r.loss for k, r in enumerate(results))
+        gradients = {p: _weighted_sum([(plan.share(k), r.gradients[p]) for k, r in enumerate(results)])
+                     for p in first.gradients}
+    else:
+        assert losses is not None and per_loss is not None, "mixed reductions need each shard's per-loss results"
+        loss = sum(plan.weights[t] * losses[t] for t in terms)
+        gradients = {}
+        for p in first.gradients:
+            parts = [per_loss[t][p] for t in terms]
+            gradients[p] = None if parts[0] is None else _out(
+                sum(plan.weights[t] * _t(per_loss[t][p]) for t in terms), parts[0])
+    hvp = None
+    if first.hvp is not None:
+        hvp = {p: _weighted_sum([(plan.share(k), r.hvp[p]) for k, r in enumerate(results)]) for p in first.hvp}
+    input_gradient = None
+    if first.input_gradient is not None:
+        input_gradient = _concat([r.input_gradient for r in results], [plan.share(k) for k in range(count)])
+    per_sample = None
+    if first.per_sample is not None:
+        # Example i's gradient is that of its own loss: it does not depend on the batch around it.
+        norms = _concat([r.per_sample.norms for r in results]) if first.per_sample.norms is not None else None
+        grads = None
+        if first.per_sample.gradients is not None:
+            grads = {p: _concat([r.per_sample.gradients[p] for r in results]) for p in first.per_sample.gradients}
+        per_sample = PerSample(norms=norms, gradients=grads)
+
+    numcheck, numcheck_shard = worst_numcheck(results)
+    totals = [r.timings.total_ms for r in results]
+    slowest = results[max(range(count), key=lambda k: totals[k])]
+    critical_ms = max(totals) + reduce_ms
+    devices = sorted({r.device for r in results})
+    return GradientResult(
+        device=devices[0] if len(devices) == 1 else ",".join(devices),
+        dtype=first.dtype,
+        parameter_count=first.parameter_count,
+        torch_version=first.torch_version,
+        loss=loss,
+        gradients=gradients,
+        timings=Timings(queue_ms=slowest.timings.queue_ms, forward_ms=slowest.timings.forward_ms,
+                        backward_ms=slowest.timings.backward_ms, numcheck_ms=slowest.timings.numcheck_ms,
+                        memory_ms=slowest.timings.memory_ms, total_ms=critical_ms),
+        micro_batches=sum(r.micro_batches for r in results),
+        losses=losses,
+        per_loss_gradients=per_loss if plan.per_loss else None,
+        gradient_cosine=_cosines(per_loss) if plan.per_loss and per_loss else None,
+        per_sample=per_sample,
+        input_gradient=input_gradient,
+        hvp=hvp,
+        graph=first.graph,
+        numcheck=numcheck,
+        memory=_memory(results),
+        checkpoint=first.checkpoint,
+        graph_ref=first.graph_ref,
+        shards=ShardsInfo(count=count, rows=list(plan.rows), critical_path_ms=critical_ms,
+                          compute_ms=sum(totals), reduce_ms=reduce_ms, shard_total_ms=totals,
+                          numcheck_shard=numcheck_shard),
+    )

@@ -11,10 +11,10 @@ from litestar import Litestar, Request, Response, delete, get, post
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gradsvc.graphref import GraphStore
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
-from workers.graphs import GraphStore
 
 from . import openapi
 from .auth import Auth

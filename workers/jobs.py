@@ -17,11 +17,11 @@ from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
 from gradsvc import keys
+from gradsvc.graphref import GraphStore
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
 from .engine import ComputeError, EngineConfig, EngineError, SpecError, compute, config_from_settings, resolve_device
-from .graphs import GraphStore
 from .metrics import WorkerMetrics
 
 log = logging.getLogger("gradsvc.worker")

@@ -14,10 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
-from gradsvc import keys
+from gradsvc import graphref, keys
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, SpecError, compute, estimate, graphref, prepare
-from workers.graphs import GraphStore
+from gradsvc.graphref import GraphStore
+from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
 
 from ..graph_models import CASES, local_gradients
 

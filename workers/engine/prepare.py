@@ -19,7 +19,9 @@ from torch import nn
 
 from gradsvc.wire import GradientRequest, GraphSpec, LossSpec, Options, Tensor
 
-from . import graphref, tensors
+from gradsvc import graphref
+
+from . import tensors
 from .errors import SpecError
 from .losses import LossTerm, make_term, prepare_target
 from .spec import Limits, build, check_shapes, leaves, sequence_first

@@ -30,9 +30,9 @@ from rq.worker import SimpleWorker
 from gradsvc import keys
 from gradsvc.settings import Settings
 
-from .jobs import GradientJob, make_context, set_context
-from .serializer import MsgpackSerializer
-from .shards import LeaseRegistry
+from gradsvc.queue import GradientJob, LeaseRegistry, MsgpackSerializer, lease_s
+
+from .jobs import make_context, set_context
 
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
@@ -51,7 +51,7 @@ class GradientWorker(SimpleWorker):
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)
         super().__init__(*args, **kwargs)
         self.heartbeat_s = heartbeat_s
-        self.lease_s = 3 * heartbeat_s  # a worker or job silent this long is lost
+        self.lease_s = lease_s(heartbeat_s)  # a worker or job silent this long is lost
         self._running: tuple[Job, Execution] | None = None
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None

@@ -163,12 +163,26 @@ class Memory(Struct):
 
 
 class Timings(Struct):
+    """Milliseconds per phase of one job.
+
+    queue_ms     enqueue to a worker's start
+    prepare_ms   the request turned into a model, inputs and targets on the device (a spec's first job also
+                 builds its seeded initial weights and runs the shape check)
+    forward_ms   forward pass, the median over `timing_repeat` passes (accounting hooks excluded)
+    backward_ms  backward pass, the same median
+    memory_ms    the activation accounting: its saved-tensor hooks and its report (0 with memory off)
+    numcheck_ms  the numerical check (0 when off)
+    total_ms     prepare to result: every pass (with the warm-up when timing_repeat > 1), the checkpoint
+                 comparison and per-sample gradients included; at least the sum of the phases above but queue_ms
+    """
+
     queue_ms: float = 0.0
+    prepare_ms: float = 0.0
     forward_ms: float = 0.0
     backward_ms: float = 0.0
+    memory_ms: float = 0.0
     numcheck_ms: float = 0.0
     total_ms: float = 0.0
-    memory_ms: float = 0.0
 
 
 class PerSample(Struct):
@@ -202,7 +216,8 @@ class GradientResult(Struct, omit_defaults=False):
     graph: list[GraphNode] | None = None
     numcheck: Numcheck | None = None
     memory: Memory | None = None
-    checkpoint: dict[str, float] | None = None
+    # segments and the byte counts are integers; the times and their ratio floats.
+    checkpoint: dict[str, int | float] | None = None
     # Graph models: the content hash under which the service keeps the validated graph; send it as
     # `model.graph_ref` (with weights and the batch) instead of the graph on the next request.
     graph_ref: str | None = None

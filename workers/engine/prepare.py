@@ -19,7 +19,7 @@ from gradsvc.wire import GradientRequest, LossSpec, Options, Tensor
 from . import tensors
 from .errors import SpecError
 from .losses import LossTerm, make_term, prepare_target
-from .spec import Limits, build, check_shapes
+from .spec import Limits, build, check_shapes, leaves
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,17 @@ def _check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
                             f"{trainable[name]}", parameter=name)
 
 
+def _check_per_sample(opts: Options, model: nn.Module) -> None:
+    """Per-example gradients need layers that treat each example on its own; checked before queueing."""
+    if opts.per_sample == "off":
+        return
+    for name, module in leaves(model):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) mixes the "
+                            "samples of a batch in training mode, so per-example gradients are undefined; remove "
+                            "it or set per_sample='off'", layer=name)
+
+
 def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max_elements: int) -> dict[str, torch.Tensor]:
     given = request.model.weights or {}
     state = model.state_dict()
@@ -217,6 +228,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     names = [n for n, _ in meta.named_parameters()]
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
     _check_hvp(request.options, meta, frozen)
+    _check_per_sample(request.options, meta)
     weights = _weights(request, meta, dtype, limits.max_elements)
     parameter_count = sum(p.numel() for p in meta.parameters())
     if str(device) == "meta":

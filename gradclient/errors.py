@@ -4,7 +4,7 @@ GradientClientError                 code, message, detail, response (httpx.Respo
  +-- ConnectionFailedError           connection_failed: the service could not be reached (after retries)
  +-- WaitTimeoutError                wait_timeout: Job.result(timeout=...) ran out; the job goes on
  +-- UnsupportedModuleError          unsupported_module: an nn.Module the spec cannot express (nothing sent)
- +-- 400 MalformedBodyError, InvalidBodyError, BadRequestError
+ +-- 400 MalformedBodyError, InvalidBodyError, InvalidParameterError, BadRequestError
  +-- 401 UnauthorizedError           404 NotFoundError      405 MethodNotAllowedError   406 NotAcceptableError
  +-- 409 JobCanceledError, CanceledError
  +-- 413 BodyTooLargeError, ResultTooLargeError             415 UnsupportedMediaTypeError
@@ -73,6 +73,10 @@ class MalformedBodyError(GradientClientError):
 
 class InvalidBodyError(GradientClientError):
     code = "invalid_body"
+
+
+class InvalidParameterError(GradientClientError):
+    code = "invalid_parameter"
 
 
 class BadRequestError(GradientClientError):
@@ -198,7 +202,7 @@ class OutOfMemoryError(GradientClientError):
 
 # code -> HTTP status, copied from the API's table (service/errors.py STATUS); a test keeps them equal.
 CODES: dict[str, int] = {
-    "malformed_body": 400, "invalid_body": 400, "bad_request": 400, "unauthorized": 401, "not_found": 404,
+    "malformed_body": 400, "invalid_body": 400, "invalid_parameter": 400, "bad_request": 400, "unauthorized": 401, "not_found": 404,
     "method_not_allowed": 405, "not_acceptable": 406, "job_canceled": 409, "body_too_large": 413,
     "result_too_large": 413, "unsupported_media_type": 415, "unknown_layer": 422, "shape_mismatch": 422,
     "bad_weights": 422, "bad_tensor": 422, "bad_loss": 422, "bad_target": 422, "bad_option": 422,

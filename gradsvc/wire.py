@@ -5,14 +5,19 @@ No torch here: the SDK imports this module without PyTorch installed.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
 JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
+MAX_TIMING_REPEAT = 50
+
+# Constraints the API refuses at decode (400 invalid_body, with the path); the OpenAPI document declares them.
+NonEmpty = Meta(min_length=1)
+AtLeastOne = Annotated[int, Meta(ge=1)]
 
 
 class Tensor(Struct, omit_defaults=True):
@@ -75,7 +80,7 @@ class ModelSpec(Struct, forbid_unknown_fields=True):
     """Exactly one of `layers` (a declarative stack), `graph` (an exported graph) or `graph_ref` (the
     content hash of a graph this service validated before, as returned in a result's `graph_ref`)."""
 
-    layers: list[dict[str, Any]] | None = None
+    layers: Annotated[list[dict[str, Any]], NonEmpty] | None = None
     graph: GraphSpec | None = None
     graph_ref: str | None = None
     dtype: str = "float32"
@@ -101,13 +106,13 @@ NumcheckMode = Literal["auto", "off", "exact", "sampled", "directional"]
 
 class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     numcheck: NumcheckMode = "auto"
-    numcheck_eps: float = 1e-6
-    numcheck_samples: int | None = None
-    numcheck_tolerance: float = 1e-6
+    numcheck_eps: Annotated[float, Meta(gt=0, lt=1)] = 1e-6
+    numcheck_samples: AtLeastOne | None = None
+    numcheck_tolerance: Annotated[float, Meta(gt=0)] = 1e-6
     memory: bool = True
-    timing_repeat: int = 1
-    micro_batch: int | None = None
-    checkpoint_segments: int | None = None
+    timing_repeat: Annotated[int, Meta(ge=1, le=MAX_TIMING_REPEAT)] = 1
+    micro_batch: AtLeastOne | None = None
+    checkpoint_segments: AtLeastOne | None = None
     freeze: list[str] = []
     input_grad: bool = False
     hvp: HvpOptions | None = None
@@ -124,7 +129,7 @@ class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Tensor | nested list | {name: Tensor | nested list} (several losses); checked by the engine.
     targets: Any = None
     loss: str | LossSpec | None = None
-    losses: list[LossSpec] | None = None
+    losses: Annotated[list[LossSpec], NonEmpty] | None = None
     options: Options = msgspec.field(default_factory=Options)
 
 

@@ -17,9 +17,10 @@ from workers.engine import config_from_settings, estimate, layer_catalogue, prep
 
 from . import openapi
 from .auth import Auth
-from .encoding import MSGPACK, is_msgpack_body, respond, wants_msgpack
+from .encoding import MSGPACK, body_format, respond, wants_msgpack
 from .errors import ServiceError, error_response, handle_exception
 from .jobs import JobStore
+from .messages import explain
 from .metrics import ApiMetrics
 
 log = logging.getLogger("gradsvc.api")
@@ -36,10 +37,12 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
     try:
         return _decoders[fmt].decode(body)
     except msgspec.ValidationError as exc:
-        raise ServiceError("invalid_body", f"the body does not match the request schema: {exc} (see GET /schema)",
-                           reason=str(exc)) from None
+        message, detail = explain(exc, GradientRequest)
+        raise ServiceError("invalid_body", message, reason=str(exc), **detail) from None
     except msgspec.DecodeError as exc:
-        raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}", reason=str(exc)) from None
+        raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}; send one "
+                           f"{'JSON object' if fmt == 'json' else 'MessagePack map'} as described in docs/api.md",
+                           reason=str(exc)) from None
     except RecursionError:  # msgspec's decoder recurses per nesting level
         raise ServiceError("too_large", "the body nests too deep to decode; containers may nest at most "
                            "GRADSVC_MAX_DEPTH levels (GET /layers lists Sequential and Residual)") from None
@@ -55,8 +58,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
     layers = [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]
 
     async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
+        fmt = body_format(request)  # before reading: a wrong media type is refused without its body
         body = await request.body()
-        fmt = "msgpack" if is_msgpack_body(request) else "json"
         if len(body) > _INLINE_BODY_BYTES:
             return body, fmt, await anyio.to_thread.run_sync(_decode, body, fmt)
         return body, fmt, _decode(body, fmt)
@@ -68,6 +71,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
+        if wait is not None and not (0 <= wait < float("inf")):
+            raise ServiceError("invalid_parameter", f"query parameter `wait`: expected a number of seconds from 0 to "
+                               f"{settings.max_wait_s:g} (GRADSVC_MAX_WAIT_S; larger values are clamped), got "
+                               f"{request.query_params.get('wait')!r}; wait=0 answers 202 at once",
+                               parameter="wait", value=request.query_params.get("wait"))
         body, fmt, req = await read_request(request)
 
         def enqueue() -> str:  # one thread hop for both
@@ -121,7 +129,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         return respond(request, {"status": "ok"})
 
     @get("/readyz")
-    async def readyz(request: Request, owner: str) -> Response:
+    async def readyz(request: Request) -> Response:  # a probe: no API key, as /healthz
         def check() -> int:
             store.ping()
             return len(store.workers())
@@ -132,7 +140,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         return respond(request, {"status": "ready", "workers": n})
 
     @get("/metrics")
-    async def metrics_route(owner: str) -> Response:
+    async def metrics_route(request: Request) -> Response:
+        if settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
+            auth.owner(request)
         text = await anyio.to_thread.run_sync(generate_latest, metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 import msgspec
-from litestar import Litestar, Request, Response, delete, get, post
+from litestar import Litestar, Request, Response, delete, get, post, route
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -20,7 +20,7 @@ from .auth import Auth
 from .encoding import MSGPACK, body_format, respond, wants_msgpack
 from .errors import ServiceError, error_response, handle_exception
 from .jobs import JobStore
-from .messages import explain
+from .messages import explain, integral_floats_as_ints
 from .metrics import ApiMetrics
 
 log = logging.getLogger("gradsvc.api")
@@ -37,6 +37,9 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
     try:
         return _decoders[fmt].decode(body)
     except msgspec.ValidationError as exc:
+        fixed = _with_integral_floats(body, fmt, exc)
+        if fixed is not None:
+            return fixed
         message, detail = explain(exc, GradientRequest)
         raise ServiceError("invalid_body", message, reason=str(exc), **detail) from None
     except msgspec.DecodeError as exc:
@@ -46,6 +49,24 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
     except RecursionError:  # msgspec's decoder recurses per nesting level
         raise ServiceError("too_large", "the body nests too deep to decode; containers may nest at most "
                            "GRADSVC_MAX_DEPTH levels (GET /layers lists Sequential and Residual)") from None
+
+
+def _with_integral_floats(body: bytes, fmt: str, exc: msgspec.ValidationError) -> GradientRequest | None:
+    """The request when its only fault was integer fields written as 2.0 (valid JSON Schema integers); runs
+    only after the typed decode failed, so a well-formed body is decoded once."""
+    try:
+        raw = (msgspec.json if fmt == "json" else msgspec.msgpack).decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    for _ in range(16):
+        raw = integral_floats_as_ints(raw, exc)
+        if raw is None:
+            return None
+        try:
+            return msgspec.convert(raw, GradientRequest)
+        except msgspec.ValidationError as again:
+            exc = again
+    return None
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -109,6 +130,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
         result = await anyio.to_thread.run_sync(estimate, req, config)
         return respond(request, result)
 
+    @route("/jobs/{job_id:str}", http_method=["OPTIONS"], include_in_schema=False)
+    async def job_options() -> Response:
+        # Litestar's automatic OPTIONS answer for a path served by two handlers lists only the first one's
+        # methods ("GET, OPTIONS"); registered first, this one replaces it.
+        return Response(None, status_code=204, headers={"Allow": "DELETE, GET, OPTIONS"})
+
     @get("/jobs/{job_id:str}")
     async def get_job(request: Request, owner: str, job_id: str) -> Response:
         info = await store.info(job_id, owner)
@@ -161,7 +188,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await store.close()
 
     app = Litestar(
-        route_handlers=[submit_gradients, estimate_memory, get_job, cancel_job, list_layers, healthz, readyz,
+        route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz, readyz,
                         metrics_route, schema],
         dependencies={"owner": Provide(auth.owner, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},

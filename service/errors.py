@@ -146,12 +146,12 @@ def _framework_error(request: Request, exc: HTTPException) -> Response:
                    "several requests, or ask the operator to raise GRADSVC_MAX_BODY_BYTES")
         detail = {"limit_bytes": limit, "setting": "GRADSVC_MAX_BODY_BYTES"}
     elif status == 405:
-        allowed = headers.get("allow") or headers.get("Allow") or ""
-        allowed = ", ".join(m.strip() for m in allowed.split(",") if m.strip() not in ("HEAD", "OPTIONS", ""))
-        headers = {"Allow": allowed} if allowed else headers
+        every = sorted({m.strip() for m in (headers.pop("allow", "") or headers.pop("Allow", "")).split(",")} - {""})
+        headers["Allow"] = ", ".join(every)  # RFC 9110: a 405 lists what the resource does accept
+        allowed = [m for m in every if m not in ("HEAD", "OPTIONS")]
         code = "method_not_allowed"
-        message = f"{method} is not allowed on {path}; it accepts {allowed or 'no method'} (see docs/api.md)"
-        detail = {"method": method, "allowed": [m.strip() for m in allowed.split(",") if m.strip()]}
+        message = f"{method} is not allowed on {path}; it accepts {', '.join(allowed) or 'no method'} (see docs/api.md)"
+        detail = {"method": method, "allowed": allowed}
     elif status == 404:
         code = "not_found"
         message = f"no route {method} {path}; the API serves {_routes(request)} (see docs/api.md)"

@@ -153,3 +153,33 @@ def explain(exc: msgspec.ValidationError, root: type) -> tuple[str, dict[str, An
         return message + f" (see {DOCS})", detail
 
     return f"{where}: {what} (see {DOCS})", detail
+
+
+_INT_GOT_FLOAT = re.compile(r"^Expected `int(?: \| null)?`(?: [^,]*)?, got `float` - at `(?P<path>[^`]*)`$")
+
+
+def integral_floats_as_ints(raw: Any, exc: msgspec.ValidationError, *, tries: int = 16) -> Any | None:
+    """JSON Schema counts 2.0 as an integer; msgspec does not. Given the body decoded untyped and the error
+    for an integer field that got a float, returns the body with each such float that has no fraction made an
+    int (at the paths msgspec names, nowhere else), or None when the float had a fraction."""
+    m = _INT_GOT_FLOAT.match(str(exc))
+    if not m:
+        return None
+    node: Any = raw
+    tokens = _tokens(m["path"])
+    if not tokens or "[...]" in tokens:
+        return None
+    for token in tokens[:-1]:
+        try:
+            node = node[token]
+        except (KeyError, IndexError, TypeError):
+            return None
+    last = tokens[-1]
+    try:
+        value = node[last]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(value, float) or not value.is_integer():
+        return None
+    node[last] = int(value)
+    return raw

@@ -259,3 +259,11 @@ def test_readme_sdk_snippet_prints_the_figures_it_shows(snippet, stack):
     shown = expected_lines(snippet)
     problems = agrees(parse_abridged(shown), json.loads(out.stdout.strip().splitlines()[-1]))
     assert not problems, (problems, out.stdout)
+
+
+def test_the_route_table_says_get_jobs_is_404_for_an_unknown_job(http):
+    """Issue 16 item 10: the table said GET /jobs/{id} is "always 200"."""
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| `GET /jobs/{id}`"))
+    assert "always 200" not in row and "404" in row and "not_found" in row
+    r = http.get("/jobs/no-such-job")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
-from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
+from workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
 
 from . import openapi
 from .auth import Auth
@@ -210,4 +210,5 @@ def app_factory() -> Litestar:
     # The API's tensor work (validation on meta, finiteness checks) is small: one thread. With torch's default
     # (all cores) its OpenMP threads wait on cores the workers hold: 6 ms -> 12-88 ms per 2 MB request here.
     torch.set_num_threads(1)
+    warm_up_shape_check()  # else the first request's validation pays seconds for torch's meta kernels
     return create_app(Settings.from_env())

@@ -7,13 +7,14 @@ import msgspec
 import pytest
 import torch
 
-from gradsvc.wire import GradientRequest, GradientResult
-from workers.engine import EngineConfig, SpecError, compute, prepare
 from importlib import import_module
 
-prepare_module = import_module("workers.engine.prepare")
+from gradsvc.wire import GradientRequest, GradientResult
+from workers.engine import EngineConfig, SpecError, compute, prepare
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json
+
+prepare_module = import_module("workers.engine.prepare")  # the module (the package exports the function)
 
 
 def request(layers=SEED_A_LAYERS, x=None, y=None, **options) -> GradientRequest:

@@ -237,6 +237,13 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if name and not list(m.children())]
 
 
+def warm_up_shape_check() -> None:
+    """A process's first forward on the meta device loads torch's meta kernels: seconds, once. Processes that
+    validate requests call this at start-up so that no request pays it."""
+    check_shapes(build([{"type": "Linear", "in_features": 2, "out_features": 2}], limits=Limits(), device="meta"),
+                 torch.empty(1, 2, device="meta"))
+
+
 def check_shapes(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """Runs `x` (on meta) through the model, naming the first layer that cannot take its input."""
     return _run_checked(model, x, path="", source="the inputs")

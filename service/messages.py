@@ -22,7 +22,7 @@ DOCS = "docs/api.md and GET /schema"
 
 def human_path(path: str) -> str:
     """`$.options.numcheck` -> `options.numcheck`; `$` -> `the body`."""
-    return "the body" if path in ("", "$") else path.removeprefix("$.").removeprefix("$").replace("[...]", "[<name>]")
+    return "the body" if path in ("", "$") else path.removeprefix("$.").removeprefix("$").replace("[...]", "[name]")
 
 
 def _tokens(path: str) -> list[str | int]:
@@ -140,6 +140,8 @@ def explain(exc: msgspec.ValidationError, root: type) -> tuple[str, dict[str, An
 
     if expected := re.fullmatch(r"Expected (.+?)(?:, got `(.+)`)?", what):
         want = expected[1].replace("`", "")
+        for op, words in ((">=", "at least"), ("<=", "at most"), (">", "above"), ("<", "below")):
+            want = want.replace(f" {op} ", f" {words} ")
         detail.update(expected=want)
         message = f"{where}: expected {want}"
         if expected[2]:
@@ -148,7 +150,7 @@ def explain(exc: msgspec.ValidationError, root: type) -> tuple[str, dict[str, An
         valid = _literal_values(here)
         if valid:
             message += f"; use one of {_quote(valid)}"
-        elif "length >=" in want:
+        elif "length at least" in want:
             message += "; it must not be empty"
         return message + f" (see {DOCS})", detail
 

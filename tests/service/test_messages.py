@@ -198,3 +198,27 @@ def test_integer_options_written_as_integral_floats_are_integers_as_json_schema_
     r = post(client, body(options={"timing_repeat": 2.5}))
     err = error_of(r)
     assert r.status_code == 400 and "options.timing_repeat: expected int, got float" in err["message"]
+
+
+@pytest.fixture(scope="module")
+def roomy_client():
+    app = create_app(Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_every_hostile_input_is_answered_without_reprs_or_stock_phrases(roomy_client):
+    """The integration suite's hostile corpus, through the one renderer: the rule holds for all of it."""
+    from ..integration.test_hostile_input import HOSTILE
+
+    seen = set()
+    for name, case in HOSTILE.items():
+        content, ctype = case if isinstance(case, tuple) else (json.dumps(case).encode(), "application/json")
+        r = roomy_client.post("/gradients?wait=0", content=content, headers={"Content-Type": ctype})
+        if r.status_code == 503:  # valid up to the (dead) queue
+            continue
+        assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
+        err = error_of(r)
+        assert len(err["message"]) > 20, (name, err)
+        seen.add(err["code"])
+    assert len(seen) >= 8, seen

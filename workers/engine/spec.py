@@ -229,7 +229,12 @@ def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[
     try:
         return lt.cls(**kwargs)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise SpecError("unknown_layer", f"layer {path} ({kind}): {exc}", path=path) from None
+        # torch's own text, first line only: C++ errors append a stack of frames
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if "Overflow" in reason or "unpack" in reason:
+            reason = "a size is too large to allocate; use sizes below 2**31"
+        raise SpecError("unknown_layer", f"layer {path} ({kind}): {reason}; check its arguments against GET /layers",
+                        path=path) from None
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

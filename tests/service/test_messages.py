@@ -222,3 +222,12 @@ def test_every_hostile_input_is_answered_without_reprs_or_stock_phrases(roomy_cl
         assert len(err["message"]) > 20, (name, err)
         seen.add(err["code"])
     assert len(seen) >= 8, seen
+
+
+@pytest.mark.parametrize("layers, where", [([{"type": "Sequential", "layers": []}], "layer 0"),
+                                           ([{"in_features": 6}], "layer 0")])
+def test_structural_faults_inside_layers_are_invalid_body_like_the_schemas(client, layers, where):
+    payload = body()
+    payload["model"]["layers"] = layers
+    err = error_of(post(client, payload))
+    assert err["code"] == "invalid_body" and err["message"].startswith(where)

@@ -177,7 +177,9 @@ def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: lis
         raise SpecError("too_large", f"{_where(path)}: containers nest deeper than {limits.max_depth} levels",
                         path=path, limit=limits.max_depth)
     if not isinstance(layers, list) or not layers:
-        raise SpecError("unknown_layer", f"{_where(path)}: 'layers' must be a non-empty list of layer objects",
+        # A structural fault, as the schema states it for model.layers: not an unknown layer.
+        raise SpecError("invalid_body", f"{_where(path)}: 'layers' must be a non-empty list of layer objects, got "
+                        f"{'an empty list' if layers == [] else type(layers).__name__}; give at least one layer",
                         path=path)
     modules = []
     for i, spec in enumerate(layers):
@@ -192,7 +194,9 @@ def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: lis
 
 def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[int]) -> nn.Module:
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-        raise SpecError("unknown_layer", f"layer {path}: expected an object with a string 'type'", path=path)
+        raise SpecError("invalid_body", f"layer {path}: expected an object with a string 'type' (GET /layers lists "
+                        "the types), got " + (f"keys {sorted(spec)}" if isinstance(spec, dict) else type(spec).__name__),
+                        path=path)
     kind = spec["type"]
     args = {k: v for k, v in spec.items() if k != "type"}
     if kind in CONTAINERS:

@@ -18,7 +18,7 @@ from workers.engine import config_from_settings, estimate, layer_catalogue, prep
 from . import openapi
 from .auth import Auth
 from .encoding import MSGPACK, body_format, respond, wants_msgpack
-from .errors import ServiceError, error_response, handle_exception
+from .errors import ServiceError, error_response, handle_exception, wait_message
 from .jobs import JobStore
 from .messages import explain, integral_floats_as_ints
 from .metrics import ApiMetrics
@@ -93,10 +93,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
         if wait is not None and not (0 <= wait < float("inf")):
-            raise ServiceError("invalid_parameter", f"query parameter `wait`: expected a number of seconds from 0 to "
-                               f"{settings.max_wait_s:g} (GRADSVC_MAX_WAIT_S; larger values are clamped), got "
-                               f"{request.query_params.get('wait')!r}; wait=0 answers 202 at once",
-                               parameter="wait", value=request.query_params.get("wait"))
+            given = request.query_params.get("wait")
+            raise ServiceError("invalid_parameter", wait_message(given, settings.max_wait_s), parameter="wait",
+                               value=given)
         body, fmt, req = await read_request(request)
 
         def enqueue() -> str:  # one thread hop for both
@@ -188,8 +187,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await store.close()
 
     app = Litestar(
-        route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz, readyz,
-                        metrics_route, schema],
+        route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz,
+                        readyz, metrics_route, schema],
         dependencies={"owner": Provide(auth.owner, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -99,6 +99,11 @@ def handle_exception(request: Request, exc: Exception) -> Response:
     return error_response(request, "internal_error", f"unexpected {type(exc).__name__}; this is a gradsvc bug")
 
 
+def wait_message(given: str | None, max_wait_s: float) -> str:
+    return (f"query parameter `wait`: expected a number of seconds from 0 to {max_wait_s:g} (GRADSVC_MAX_WAIT_S; "
+            f"larger values are clamped), got {given!r}; wait=0 answers 202 at once")
+
+
 def _parameter_error(request: Request, exc: ValidationException) -> Response:
     """Litestar's query/path parameter validation, without its Python reprs."""
     problems = exc.extra if isinstance(exc.extra, list) else []
@@ -109,9 +114,7 @@ def _parameter_error(request: Request, exc: ValidationException) -> Response:
         source = getattr(problem.get("source"), "value", problem.get("source")) or "query"
         given = request.query_params.get(name) if source == "query" else request.path_params.get(name)
         if name == "wait":
-            settings = request.app.state.settings
-            message = (f"query parameter `wait`: expected a number of seconds from 0 to {settings.max_wait_s:g} "
-                       f"(GRADSVC_MAX_WAIT_S; larger values are clamped), got {given!r}; wait=0 answers 202 at once")
+            message = wait_message(given, request.app.state.settings.max_wait_s)
         else:
             message = f"{source} parameter `{name}`: {str(problem.get('message', 'invalid value')).replace('`', '')}"
             message += f", got {given!r}; see docs/api.md for the parameters of {request.method} {request.url.path}"

@@ -202,7 +202,8 @@ class OutOfMemoryError(GradientClientError):
 
 # code -> HTTP status, copied from the API's table (service/errors.py STATUS); a test keeps them equal.
 CODES: dict[str, int] = {
-    "malformed_body": 400, "invalid_body": 400, "invalid_parameter": 400, "bad_request": 400, "unauthorized": 401, "not_found": 404,
+    "malformed_body": 400, "invalid_body": 400, "invalid_parameter": 400, "bad_request": 400, "unauthorized": 401,
+    "not_found": 404,
     "method_not_allowed": 405, "not_acceptable": 406, "job_canceled": 409, "body_too_large": 413,
     "result_too_large": 413, "unsupported_media_type": 415, "unknown_layer": 422, "shape_mismatch": 422,
     "bad_weights": 422, "bad_tensor": 422, "bad_loss": 422, "bad_target": 422, "bad_option": 422,

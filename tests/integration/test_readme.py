@@ -4,8 +4,8 @@ the README prints (the `# ->` lines, the abridged JSON answer) are the ones that
 Tolerances, as the README states them: a number agrees to the precision it is printed with (half a unit
 in its last digit; integers exactly); the numerical check's errors (`max_abs_error`, `max_rel_error`)
 within a factor of 10, since they are rounding noise that depends on the BLAS; timings (`*_ms`) are only
-required to be present and non-negative, but a timing shown as 0 (a phase that did not run) must be 0. Strings are equal, but for a trailing `…` (a prefix). `...`
-stands for elements or fields left out.
+required to be present and non-negative, but a timing shown as 0 (a phase that did not run) must be 0.
+Strings are equal, but for a trailing `…` (a prefix). `...` stands for elements or fields left out.
 """
 
 from __future__ import annotations

@@ -194,9 +194,9 @@ def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: lis
 
 def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[int]) -> nn.Module:
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        got = f"keys {sorted(spec)}" if isinstance(spec, dict) else type(spec).__name__
         raise SpecError("invalid_body", f"layer {path}: expected an object with a string 'type' (GET /layers lists "
-                        "the types), got " + (f"keys {sorted(spec)}" if isinstance(spec, dict) else type(spec).__name__),
-                        path=path)
+                        f"the types), got {got}", path=path)
     kind = spec["type"]
     args = {k: v for k, v in spec.items() if k != "type"}
     if kind in CONTAINERS:

@@ -339,6 +339,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
              device: torch.device) -> GradientResult:
     started = time.perf_counter()
     prep = prepare(request, config, device)
+    _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     prepare_s = time.perf_counter() - started
     opts = prep.options
     params = _trainable(prep)

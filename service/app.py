@@ -90,12 +90,25 @@ def create_app(settings: Settings | None = None) -> Litestar:
             return await anyio.to_thread.run_sync(lambda: respond(request, body, encoding=encoding))
         return respond(request, body, encoding=encoding)
 
+    def wait_s(request: Request) -> float:
+        """`wait` read as the schema states it: one number >= 0 (above GRADSVC_MAX_WAIT_S clamped), else a 400.
+        Parsed here rather than by Litestar, which reads `wait=null` as absent and takes the last of several."""
+        given = request.query_params.getall("wait", [])
+        if not given:
+            return settings.default_wait_s
+        try:
+            wait = float(given[0]) if len(given) == 1 else float("nan")
+        except ValueError:
+            wait = float("nan")
+        if not 0 <= wait < float("inf"):
+            shown = given[0] if len(given) == 1 else "&".join(f"wait={g}" for g in given)
+            raise ServiceError("invalid_parameter", wait_message(shown, settings.max_wait_s), parameter="wait",
+                               value=shown)
+        return min(wait, settings.max_wait_s)
+
     @post("/gradients", status_code=200)
-    async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
-        if wait is not None and not (0 <= wait < float("inf")):
-            given = request.query_params.get("wait")
-            raise ServiceError("invalid_parameter", wait_message(given, settings.max_wait_s), parameter="wait",
-                               value=given)
+    async def submit_gradients(request: Request, owner: str) -> Response:
+        wait = wait_s(request)
         body, fmt, req = await read_request(request)
 
         def enqueue() -> str:  # one thread hop for both
@@ -106,8 +119,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
         job_id = await anyio.to_thread.run_sync(enqueue)
         metrics.jobs_submitted.inc()
-        wait_s = settings.default_wait_s if wait is None else min(max(wait, 0.0), settings.max_wait_s)
-        ended, raw = await store.wait(job_id, wait_s)
+        ended, raw = await store.wait(job_id, wait)
         if ended:
             if raw is not None:  # finished
                 if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy

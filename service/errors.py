@@ -100,7 +100,7 @@ def handle_exception(request: Request, exc: Exception) -> Response:
 
 
 def wait_message(given: str | None, max_wait_s: float) -> str:
-    return (f"query parameter `wait`: expected a number of seconds from 0 to {max_wait_s:g} (GRADSVC_MAX_WAIT_S; "
+    return (f"query parameter `wait`: expected one number of seconds from 0 to {max_wait_s:g} (GRADSVC_MAX_WAIT_S; "
             f"larger values are clamped), got {given!r}; wait=0 answers 202 at once")
 
 

@@ -10,6 +10,16 @@ from gradsvc import __version__
 from gradsvc.wire import ErrorBody, Estimate, GradientRequest, GradientResult, JobAccepted, JobInfo, LayerInfo
 
 _REF = "#/components/schemas/{name}"
+# The README's first request (seed 003 [A]'s 6-8-3 tanh net), with the check off: a body the API accepts.
+EXAMPLE_REQUEST = {
+    "model": {"layers": [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
+                         {"type": "Linear", "in_features": 8, "out_features": 3}], "dtype": "float64", "seed": 0},
+    "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]], "targets": [0, 2],
+    "loss": "cross_entropy", "options": {"numcheck": "off"},
+}
+# A queued job's id leads to its state (clients and schemathesis's stateful phase follow this). No link to
+# cancelJob: DELETE cancels, it does not delete; the job stays readable (status canceled) until its TTL.
+_JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": {"job_id": "$response.body#/job_id"}}}
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -52,7 +62,8 @@ def build(max_wait_s: float) -> dict[str, Any]:
             "description": f"seconds to wait for the result before answering 202 (default GRADSVC_DEFAULT_WAIT_S; "
                            f"values above GRADSVC_MAX_WAIT_S, here {max_wait_s:g}, are clamped to it)",
             "schema": {"type": "number", "minimum": 0}}
-    body = {"required": True, "content": {**_json(_ref("GradientRequest")),
+    json_body = {"schema": _ref("GradientRequest"), "example": EXAMPLE_REQUEST}
+    body = {"required": True, "content": {"application/json": json_body,
                                           "application/msgpack": {"schema": _ref("GradientRequest")}}}
     common = (400, 401, 413, 422, 429, 503)
     return {
@@ -64,7 +75,7 @@ def build(max_wait_s: float) -> dict[str, Any]:
                 "operationId": "postGradients", "parameters": [wait], "requestBody": body,
                 "responses": {"200": {"description": "the result", "content": _json(_ref("GradientResult"))},
                               "202": {"description": "queued; poll Location",
-                                      "content": _json(_ref("JobAccepted"))},
+                                      "content": _json(_ref("JobAccepted")), "links": _JOB_LINKS},
                               **_errors(*common, 409, 415, 504, 507)}}},
             "/estimate": {"post": {
                 "operationId": "postEstimate", "requestBody": body,

@@ -74,7 +74,7 @@ def test_an_over_size_body_names_the_limit_the_setting_and_the_ways_out(client):
 
 
 # item 3
-@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "null", "", "inf"])
 def test_a_bad_wait_is_a_query_parameter_error_naming_wait_and_its_range(client, value):
     r = post(client, body(), path=f"/gradients?wait={value}")
     err = error_of(r)
@@ -91,6 +91,11 @@ def enum_options() -> list[tuple[str, tuple]]:
 
 def test_every_enum_option_is_walked():
     assert {name for name, _ in enum_options()} >= {"numcheck", "device", "per_sample", "encoding"}
+
+
+def test_wait_given_twice_is_refused_not_the_last_one_taken(client):
+    err = error_of(post(client, body(), path="/gradients?wait=0&wait=5"))
+    assert err["code"] == "invalid_parameter" and "wait=0&wait=5" in err["message"]
 
 
 # item 4

@@ -32,6 +32,7 @@ from gradsvc.settings import Settings
 
 from gradsvc.queue import GradientJob, LeaseRegistry, MsgpackSerializer, lease_s
 
+from .engine import warm_up_shape_check
 from .jobs import make_context, set_context
 
 log = logging.getLogger("gradsvc.worker")
@@ -172,6 +173,9 @@ def _warm_up(device: torch.device) -> None:
     (a @ a).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # The first shape check on the meta device loads torch's meta kernels (seconds, once per process); without
+    # this the first job's prepare_ms carried it (a 2.6 s first job whose passes took 20 ms).
+    warm_up_shape_check()
 
 
 def redis_connection(settings: Settings) -> Redis:

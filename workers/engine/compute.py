@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from gradsvc.wire import Estimate, GradientRequest, GradientResult, GraphNode, PerSample, Timings
 
 from . import numcheck, tensors
-from .errors import ComputeError, SpecError
+from .errors import ComputeError
 from .memory import ActivationMeter
 from .prepare import EngineConfig, Prepared, batch_chunks, prepare
 from .spec import leaves, prepare_for_meta
@@ -200,7 +200,8 @@ def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
             result.loss += float(total.detach())
             for name, value in losses.items():
                 result.losses[name] = result.losses.get(name, 0.0) + float(value.detach())
-            result.forward_s += t1 - t0
+            # The accounting's saved-tensor hooks run inside the forward; their time is memory_ms's, not forward_ms's.
+            result.forward_s += t1 - t0 - (result.meter.hook_s if metered else 0.0)
             result.backward_s += t2 - t1
             del out, losses, total, grads
     return result
@@ -342,6 +343,8 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
              device: torch.device) -> GradientResult:
     started = time.perf_counter()
     prep = prepare(request, config, device)
+    _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
+    prepare_s = time.perf_counter() - started
     opts = prep.options
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
@@ -364,9 +367,11 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
             raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
                                f"is {final.loss}; lower the inputs' scale or check the weights", parameter=name)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    memory_started = time.perf_counter()
-    memory = final.meter.report(peak) if final.meter else None
-    memory_s = (time.perf_counter() - memory_started) + (final.meter.hook_s if final.meter else 0.0)
+    memory, memory_s = None, 0.0  # a phase that did not run took no time, not a timer's jitter
+    if final.meter:
+        memory_started = time.perf_counter()
+        memory = final.meter.report(peak)
+        memory_s = (time.perf_counter() - memory_started) + final.meter.hook_s
 
     checkpoint = None
     if opts.checkpoint_segments:
@@ -380,7 +385,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
     check = _numcheck(prep, request, config, device, progress, final.grads)
-    numcheck_s = time.perf_counter() - numcheck_started
+    numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0
 
     several = len(prep.terms) > 1
     gradients = {n: (tensors.encode(final.grads[n]) if n in final.grads else None)
@@ -405,6 +410,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
         memory=memory,
         checkpoint=checkpoint,
         timings=Timings(
+            prepare_ms=1e3 * prepare_s,
             forward_ms=1e3 * statistics.median(p.forward_s for p in timed),
             backward_ms=1e3 * statistics.median(p.backward_s for p in timed),
             numcheck_ms=1e3 * numcheck_s,
@@ -427,7 +433,7 @@ def _cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int,
-                         with_ckpt: _Pass, memory) -> dict[str, float]:
+                         with_ckpt: _Pass, memory) -> dict[str, int | float]:
     """The same pass without checkpointing: what checkpointing saved in memory and cost in time."""
     plain_prep = dataclasses.replace(prep, options=msgspec.structs.replace(prep.options, checkpoint_segments=None))
     plain = _run_pass(plain_prep, params, device, record_memory=True, hvp_vector=None, seed=seed)
@@ -436,10 +442,10 @@ def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device
     t_plain = plain.forward_s + plain.backward_s
     t_ckpt = with_ckpt.forward_s + with_ckpt.backward_s
     return {
-        "segments": float(prep.options.checkpoint_segments or 0),
-        "saved_bytes_without": float(saved_plain),
-        "saved_bytes_with": float(saved_ckpt),
-        "memory_saved_bytes": float(saved_plain - saved_ckpt),
+        "segments": int(prep.options.checkpoint_segments or 0),
+        "saved_bytes_without": int(saved_plain),
+        "saved_bytes_with": int(saved_ckpt),
+        "memory_saved_bytes": int(saved_plain - saved_ckpt),
         "forward_backward_ms_without": 1e3 * t_plain,
         "forward_backward_ms_with": 1e3 * t_ckpt,
         "time_ratio": t_ckpt / t_plain if t_plain > 0 else 0.0,

@@ -1,7 +1,7 @@
 """Runs every bench in turn, each in its own process (`make bench`), and prints their tables.
 
 Run: .venv/bin/python bench/run_all.py [name ...]   (names: engine_overhead small_job medium_job
-throughput payload numcheck_cost sharding graph_overhead; default all)
+throughput payload numcheck_cost sharding first_job graph_overhead; default all)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["engine_overhead", "small_job", "medium_job", "throughput", "payload", "numcheck_cost", "sharding", "graph_overhead"]
+BENCHES = ["engine_overhead", "small_job", "medium_job", "throughput", "payload", "numcheck_cost", "sharding", "first_job", "graph_overhead"]
 
 
 def main(argv: list[str]) -> int:

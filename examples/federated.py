@@ -63,9 +63,9 @@ def main(base_url: str | None = None, n_clients: int = 4, rounds: int = 5, per_c
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default=None, help="the service (default $GRADSVC_URL or http://127.0.0.1:8000)")
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--clients", type=int, default=4, help="participants, one shard of 64 examples each (default 4)")
+    ap.add_argument("--rounds", type=int, default=5, help="averaging rounds, one SGD step each (default 5)")
     args = ap.parse_args()
     main(args.base_url, n_clients=args.clients, rounds=args.rounds)

@@ -366,8 +366,9 @@ class _Poll:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
-                raise WaitTimeoutError(f"job {job_id} did not end in time; it goes on: call result() again or "
-                                       "cancel() it", detail={"job_id": job_id})
+                raise WaitTimeoutError(f"job {job_id} did not end within the timeout; it goes on: wait again with "
+                                       f"client.job({job_id!r}).result(), or stop it with "
+                                       f"client.job({job_id!r}).cancel()", detail={"job_id": job_id})
             delay = min(delay, left)
         return delay
 
@@ -435,7 +436,7 @@ class Client(_BaseClient):
         """The gradients of `loss(model(inputs), targets)` for every parameter, computed by the service.
 
         `model`: an nn.Module of allow-listed layers (its weights go with it) or a spec dict; `options`
-        are DESIGN.md's (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
+        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
         (up to `timeout` seconds; None: as long as it takes).
         """
         args = (model, inputs, targets, loss, losses, dtype, seed, options)

@@ -5,7 +5,7 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  |                                    can express (nothing was sent)
  +-- WaitTimeoutError                 wait_timeout: Job.result(timeout=...) ran out; the job goes on
  +-- RequestError                     4xx: the request was wrong; fix it, sending it again will not help
- |    +-- MalformedBodyError, InvalidBodyError, BadRequestError               400
+ |    +-- MalformedBodyError, InvalidBodyError, InvalidParameterError, BadRequestError 400
  |    +-- UnauthorizedError 401, NotFoundError 404, MethodNotAllowedError 405
  |    +-- BodyTooLargeError 413, UnsupportedMediaTypeError 415, RateLimitedError 429 (retry_after_s)
  |    +-- UnknownLayerError, ShapeMismatchError, BadWeightsError, BadTensorError, BadLossError,

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         import uvicorn
 
         uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
-                    log_level=settings.log_level, access_log=False)
+                    log_level=settings.log_level.lower(), access_log=False)
     elif args.command == "worker":
         from workers.worker import run
 

@@ -12,6 +12,10 @@ class SettingsError(ValueError):
     """A GRADSVC_* variable holds a value that cannot be used; the message names it."""
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -46,6 +50,8 @@ class Settings:
     min_shard_rows: int = 256
     redis_timeout_s: float = 2.0
     log_level: str = "info"
+    # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
+    metrics_require_key: bool = False
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False
@@ -83,6 +89,8 @@ class Settings:
             raise SettingsError(f"GRADSVC_WORKER_DEVICE={self.worker_device!r}: use auto, cpu or cuda")
         if self.api_keys_file and not Path(self.api_keys_file).is_file():
             raise SettingsError(f"GRADSVC_API_KEYS_FILE={self.api_keys_file!r}: no such file")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise SettingsError(f"GRADSVC_LOG_LEVEL={self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if self.rate_limit_per_minute < 0:
             raise SettingsError(f"GRADSVC_RATE_LIMIT_PER_MINUTE={self.rate_limit_per_minute!r}: use 0 (off) or more")
 
@@ -112,10 +120,17 @@ class Settings:
 
 def _parse(kind, raw: str):
     kind = str(kind)
-    if kind == "int":
-        return int(raw)
-    if kind == "float":
-        return float(raw)
+    if kind == "bool":
+        if raw.strip().lower() in _TRUE:
+            return True
+        if raw.strip().lower() in _FALSE:
+            return False
+        raise ValueError(f"use one of {', '.join(_TRUE)} or {', '.join(v for v in _FALSE if v)}")
+    if kind in ("int", "float"):
+        try:
+            return int(raw) if kind == "int" else float(raw)
+        except ValueError:
+            raise ValueError(f"expected {'an integer' if kind == 'int' else 'a number'}") from None
     if kind.startswith("tuple"):
         return tuple(k.strip() for k in raw.split(",") if k.strip())
     return raw

@@ -5,14 +5,19 @@ No torch here: the SDK imports this module without PyTorch installed.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
 JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
+MAX_TIMING_REPEAT = 50
+
+# Constraints the API refuses at decode (400 invalid_body, with the path); the OpenAPI document declares them.
+NonEmpty = Meta(min_length=1)
+AtLeastOne = Annotated[int, Meta(ge=1)]
 
 
 class Tensor(Struct, omit_defaults=True):
@@ -80,7 +85,7 @@ class ModelSpec(Struct, forbid_unknown_fields=True):
     """Exactly one of `layers` (a declarative stack), `graph` (an exported graph) or `graph_ref` (the
     content hash of a graph this service validated before, as returned in a result's `graph_ref`)."""
 
-    layers: list[dict[str, Any]] | None = None
+    layers: Annotated[list[dict[str, Any]], NonEmpty] | None = None
     graph: GraphSpec | None = None
     graph_ref: str | None = None
     dtype: str = "float32"
@@ -106,13 +111,13 @@ NumcheckMode = Literal["auto", "off", "exact", "sampled", "directional"]
 
 class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     numcheck: NumcheckMode = "auto"
-    numcheck_eps: float = 1e-6
-    numcheck_samples: int | None = None
-    numcheck_tolerance: float = 1e-6
+    numcheck_eps: Annotated[float, Meta(gt=0, lt=1)] = 1e-6
+    numcheck_samples: AtLeastOne | None = None
+    numcheck_tolerance: Annotated[float, Meta(gt=0)] = 1e-6
     memory: bool = True
-    timing_repeat: int = 1
-    micro_batch: int | None = None
-    checkpoint_segments: int | None = None
+    timing_repeat: Annotated[int, Meta(ge=1, le=MAX_TIMING_REPEAT)] = 1
+    micro_batch: AtLeastOne | None = None
+    checkpoint_segments: AtLeastOne | None = None
     freeze: list[str] = []
     input_grad: bool = False
     hvp: HvpOptions | None = None
@@ -132,7 +137,7 @@ class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Tensor | nested list | {name: Tensor | nested list} (several losses); checked by the engine.
     targets: Any = None
     loss: str | LossSpec | None = None
-    losses: list[LossSpec] | None = None
+    losses: Annotated[list[LossSpec], NonEmpty] | None = None
     options: Options = msgspec.field(default_factory=Options)
 
 
@@ -181,12 +186,26 @@ class Memory(Struct):
 
 
 class Timings(Struct):
+    """Milliseconds per phase of one job.
+
+    queue_ms     enqueue to a worker's start
+    prepare_ms   the request turned into a model, inputs and targets on the device (a spec's first job also
+                 builds its seeded initial weights and runs the shape check)
+    forward_ms   forward pass, the median over `timing_repeat` passes (accounting hooks excluded)
+    backward_ms  backward pass, the same median
+    memory_ms    the activation accounting: its saved-tensor hooks and its report (0 with memory off)
+    numcheck_ms  the numerical check (0 when off)
+    total_ms     prepare to result: every pass (with the warm-up when timing_repeat > 1), the checkpoint
+                 comparison and per-sample gradients included; at least the sum of the phases above but queue_ms
+    """
+
     queue_ms: float = 0.0
+    prepare_ms: float = 0.0
     forward_ms: float = 0.0
     backward_ms: float = 0.0
+    memory_ms: float = 0.0
     numcheck_ms: float = 0.0
     total_ms: float = 0.0
-    memory_ms: float = 0.0
 
 
 class PerSample(Struct):
@@ -234,7 +253,8 @@ class GradientResult(Struct, omit_defaults=False):
     graph: list[GraphNode] | None = None
     numcheck: Numcheck | None = None
     memory: Memory | None = None
-    checkpoint: dict[str, float] | None = None
+    # segments and the byte counts are integers; the times and their ratio floats.
+    checkpoint: dict[str, int | float] | None = None
     # Graph models: the content hash under which the service keeps the validated graph; send it as
     # `model.graph_ref` (with weights and the batch) instead of the graph on the next request.
     graph_ref: str | None = None
@@ -323,7 +343,9 @@ class ErrorCode(NamedTuple):
 ERROR_CODES: dict[str, ErrorCode] = {
     "malformed_body": ErrorCode(400, "MalformedBodyError", "request", "the body is not valid JSON or MessagePack"),
     "invalid_body": ErrorCode(400, "InvalidBodyError", "request", "the body does not match the request schema"),
-    "bad_request": ErrorCode(400, "BadRequestError", "request", "a query or path parameter is invalid"),
+    "invalid_parameter": ErrorCode(400, "InvalidParameterError", "request", "a query or path parameter is invalid"),
+    "bad_request": ErrorCode(400, "BadRequestError", "request",
+                         "the request is malformed in another way (a header such as Idempotency-Key)"),
     "unauthorized": ErrorCode(401, "UnauthorizedError", "request", "the API key is missing or unknown"),
     "not_found": ErrorCode(404, "NotFoundError", "request", "no such route, or no such job for this API key"),
     "method_not_allowed": ErrorCode(405, "MethodNotAllowedError", "request", "the route does not take this method"),

@@ -7,20 +7,21 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 import msgspec
-from litestar import Litestar, Request, Response, delete, get, post
+from litestar import Litestar, Request, Response, delete, get, post, route
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gradsvc.graphref import GraphStore
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
-from workers.engine import config_from_settings, estimate, layer_catalogue, prepare
+from workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
 
 from . import openapi
 from .auth import Auth
-from .encoding import MSGPACK, is_msgpack_body, respond, wants_msgpack
-from .errors import ServiceError, error_response, handle_exception
+from .encoding import MSGPACK, body_format, respond, wants_msgpack
+from .errors import ServiceError, error_response, handle_exception, wait_message
 from .jobs import JobStore
+from .messages import explain, integral_floats_as_ints
 from .metrics import ApiMetrics
 
 log = logging.getLogger("gradsvc.api")
@@ -37,10 +38,15 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
     try:
         return _decoders[fmt].decode(body)
     except msgspec.ValidationError as exc:
-        raise ServiceError("invalid_body", f"the body does not match the request schema: {exc} (see GET /schema)",
-                           reason=str(exc)) from None
+        fixed = _with_integral_floats(body, fmt, exc)
+        if fixed is not None:
+            return fixed
+        message, detail = explain(exc, GradientRequest)
+        raise ServiceError("invalid_body", message, reason=str(exc), **detail) from None
     except msgspec.DecodeError as exc:
-        raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}", reason=str(exc)) from None
+        raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}; send one "
+                           f"{'JSON object' if fmt == 'json' else 'MessagePack map'} as described in docs/api.md",
+                           reason=str(exc)) from None
     except RecursionError:  # msgspec's decoder recurses per nesting level
         raise ServiceError("too_large", "the body nests too deep to decode; containers may nest at most "
                            "GRADSVC_MAX_DEPTH levels (GET /layers lists Sequential and Residual)") from None
@@ -57,6 +63,24 @@ def _idempotency_key(request: Request) -> str | None:
     return key
 
 
+def _with_integral_floats(body: bytes, fmt: str, exc: msgspec.ValidationError) -> GradientRequest | None:
+    """The request when its only fault was integer fields written as 2.0 (valid JSON Schema integers); runs
+    only after the typed decode failed, so a well-formed body is decoded once."""
+    try:
+        raw = (msgspec.json if fmt == "json" else msgspec.msgpack).decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    for _ in range(16):
+        raw = integral_floats_as_ints(raw, exc)
+        if raw is None:
+            return None
+        try:
+            return msgspec.convert(raw, GradientRequest)
+        except msgspec.ValidationError as again:
+            exc = again
+    return None
+
+
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
     store = JobStore(settings)
@@ -68,8 +92,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
     layers = [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]
 
     async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
+        fmt = body_format(request)  # before reading: a wrong media type is refused without its body
         body = await request.body()
-        fmt = "msgpack" if is_msgpack_body(request) else "json"
         if len(body) > _INLINE_BODY_BYTES:
             return body, fmt, await anyio.to_thread.run_sync(_decode, body, fmt)
         return body, fmt, _decode(body, fmt)
@@ -79,8 +103,25 @@ def create_app(settings: Settings | None = None) -> Litestar:
             return await anyio.to_thread.run_sync(lambda: respond(request, body, encoding=encoding))
         return respond(request, body, encoding=encoding)
 
+    def wait_s(request: Request) -> float:
+        """`wait` read as the schema states it: one number >= 0 (above GRADSVC_MAX_WAIT_S clamped), else a 400.
+        Parsed here rather than by Litestar, which reads `wait=null` as absent and takes the last of several."""
+        given = request.query_params.getall("wait", [])
+        if not given:
+            return settings.default_wait_s
+        try:
+            wait = float(given[0]) if len(given) == 1 else float("nan")
+        except ValueError:
+            wait = float("nan")
+        if not 0 <= wait < float("inf"):
+            shown = given[0] if len(given) == 1 else "&".join(f"wait={g}" for g in given)
+            raise ServiceError("invalid_parameter", wait_message(shown, settings.max_wait_s), parameter="wait",
+                               value=shown)
+        return min(wait, settings.max_wait_s)
+
     @post("/gradients", status_code=200)
-    async def submit_gradients(request: Request, owner: str, wait: float | None = None) -> Response:
+    async def submit_gradients(request: Request, owner: str) -> Response:
+        wait = wait_s(request)
         body, fmt, req = await read_request(request)
         key = _idempotency_key(request)
 
@@ -97,8 +138,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         job_id, created = await anyio.to_thread.run_sync(enqueue)
         if created:
             metrics.jobs_submitted.inc()
-        wait_s = settings.default_wait_s if wait is None else min(max(wait, 0.0), settings.max_wait_s)
-        ended, raw = await store.wait(job_id, wait_s)
+        ended, raw = await store.wait(job_id, wait)
         if ended and raw is not None:  # finished
             if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy
                 return Response(raw, media_type=MSGPACK)
@@ -120,6 +160,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
         result = await anyio.to_thread.run_sync(lambda: estimate(req, config, graphs=graphs.get))
         return respond(request, result)
 
+    @route("/jobs/{job_id:str}", http_method=["OPTIONS"], include_in_schema=False)
+    async def job_options() -> Response:
+        # Litestar's automatic OPTIONS answer for a path served by two handlers lists only the first one's
+        # methods ("GET, OPTIONS"); registered first, this one replaces it.
+        return Response(None, status_code=204, headers={"Allow": "DELETE, GET, OPTIONS"})
+
     @get("/jobs/{job_id:str}")
     async def get_job(request: Request, owner: str, job_id: str) -> Response:
         info = await store.info(job_id, owner)
@@ -140,7 +186,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         return respond(request, {"status": "ok"})
 
     @get("/readyz")
-    async def readyz(request: Request, owner: str) -> Response:
+    async def readyz(request: Request) -> Response:  # a probe: no API key, as /healthz
         def check() -> int:
             store.ping()
             return len(store.workers())
@@ -151,7 +197,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         return respond(request, {"status": "ready", "workers": n})
 
     @get("/metrics")
-    async def metrics_route(owner: str) -> Response:
+    async def metrics_route(request: Request) -> Response:
+        if settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
+            auth.owner(request)
         text = await anyio.to_thread.run_sync(generate_latest, metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
@@ -170,8 +218,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await store.close()
 
     app = Litestar(
-        route_handlers=[submit_gradients, estimate_memory, get_job, cancel_job, list_layers, healthz, readyz,
-                        metrics_route, schema],
+        route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz,
+                        readyz, metrics_route, schema],
         dependencies={"owner": Provide(auth.owner, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
@@ -192,4 +240,5 @@ def app_factory() -> Litestar:
     # The API's tensor work (validation on meta, finiteness checks) is small: one thread. With torch's default
     # (all cores) its OpenMP threads wait on cores the workers hold: 6 ms -> 12-88 ms per 2 MB request here.
     torch.set_num_threads(1)
+    warm_up_shape_check()  # else the first request's validation pays seconds for torch's meta kernels
     return create_app(Settings.from_env())

@@ -23,9 +23,18 @@ def wants_msgpack(request: Request) -> bool:
     return MSGPACK in accept or "application/x-msgpack" in accept
 
 
-def is_msgpack_body(request: Request) -> bool:
-    ctype = request.headers.get("content-type", "")
-    return ctype.startswith(MSGPACK) or ctype.startswith("application/x-msgpack")
+def body_format(request: Request) -> str:
+    """"json" or "msgpack" from Content-Type (none: JSON); any other media type is a 415."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in (MSGPACK, "application/x-msgpack"):
+        return "msgpack"
+    if ctype in ("", JSON) or (ctype.startswith("application/") and ctype.endswith("+json")):
+        return "json"
+    from .errors import ServiceError  # errors renders through this module
+
+    raise ServiceError("unsupported_media_type", f"Content-Type {ctype!r} is not accepted; send the body as "
+                       f"{JSON} (curl: -H 'Content-Type: {JSON}') or {MSGPACK}", content_type=ctype,
+                       accepted=[JSON, MSGPACK])
 
 
 def respond(request: Request, body: Any, *, status: int = 200, headers: dict[str, str] | None = None,

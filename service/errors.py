@@ -55,14 +55,81 @@ def handle_exception(request: Request, exc: Exception) -> Response:
     if isinstance(exc, EngineError):
         return error_response(request, exc.code, exc.message, exc.detail)
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        return error_response(request, "queue_unavailable", f"the job queue (Redis) is unreachable: {exc}; "
-                              "retry shortly", headers={"Retry-After": "2"})
+        return error_response(request, "queue_unavailable", "the job queue (Redis) is unreachable "
+                              f"({type(exc).__name__}); retry in a few seconds, or ask the operator to check "
+                              "GRADSVC_REDIS_URL", headers={"Retry-After": "2"})
     if isinstance(exc, ValidationException):
-        return error_response(request, "invalid_body", f"{exc.detail}: {exc.extra}" if exc.extra else str(exc.detail))
+        return _parameter_error(request, exc)
     if isinstance(exc, HTTPException):
-        code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal_error")
-        response = error_response(request, code, str(exc.detail))
-        response.status_code = exc.status_code if exc.status_code != 500 else 500
-        return response
+        return _framework_error(request, exc)
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(request, "internal_error", f"unexpected {type(exc).__name__}; this is a gradsvc bug")
+
+
+def wait_message(given: str | None, max_wait_s: float) -> str:
+    return (f"query parameter `wait`: expected one number of seconds from 0 to {max_wait_s:g} (GRADSVC_MAX_WAIT_S; "
+            f"larger values are clamped), got {given!r}; wait=0 answers 202 at once")
+
+
+def _parameter_error(request: Request, exc: ValidationException) -> Response:
+    """Litestar's query/path parameter validation, without its Python reprs."""
+    problems = exc.extra if isinstance(exc.extra, list) else []
+    for problem in problems:
+        if not isinstance(problem, dict):
+            continue
+        name = str(problem.get("key", "?"))
+        source = getattr(problem.get("source"), "value", problem.get("source")) or "query"
+        given = request.query_params.get(name) if source == "query" else request.path_params.get(name)
+        if name == "wait":
+            message = wait_message(given, request.app.state.settings.max_wait_s)
+        else:
+            message = f"{source} parameter `{name}`: {str(problem.get('message', 'invalid value')).replace('`', '')}"
+            message += f", got {given!r}; see docs/api.md for the parameters of {request.method} {request.url.path}"
+        return error_response(request, "invalid_parameter", message, {"parameter": name, "in": source,
+                                                                      "value": given})
+    return error_response(request, "invalid_parameter", f"invalid parameters for {request.method} "
+                          f"{request.url.path}; see docs/api.md")
+
+
+def _routes(request: Request) -> str:
+    seen: dict[str, list[str]] = {}
+    for route in request.app.routes:
+        methods = sorted(m for m in getattr(route, "methods", ()) if m not in ("HEAD", "OPTIONS"))
+        path = route.path.replace(":str}", "}")
+        if methods:
+            seen.setdefault(path, []).extend(m for m in methods if m not in seen.get(path, []))
+    return ", ".join(f"{'|'.join(ms)} {p}" for p, ms in seen.items())
+
+
+def _framework_error(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own exceptions (size limit, unknown route, method) in the same body, with a way out."""
+    status = exc.status_code
+    method, path = request.method, request.url.path
+    headers = dict(exc.headers or {})
+    if status == 413:
+        limit = request.app.state.settings.max_body_bytes
+        code = "body_too_large"
+        size = f"{limit / 2**20:g} MiB" if limit >= 2**20 else f"{limit / 2**10:g} KiB"
+        message = (f"the request body is larger than the limit of {limit} bytes ({size}, "
+                   "GRADSVC_MAX_BODY_BYTES); send tensors as MessagePack (Content-Type: application/msgpack, the "
+                   "SDK's default) or as base64 'b64' instead of JSON number lists, split the batch across "
+                   "several requests, or ask the operator to raise GRADSVC_MAX_BODY_BYTES")
+        detail = {"limit_bytes": limit, "setting": "GRADSVC_MAX_BODY_BYTES"}
+    elif status == 405:
+        every = sorted({m.strip() for m in (headers.pop("allow", "") or headers.pop("Allow", "")).split(",")} - {""})
+        headers["Allow"] = ", ".join(every)  # RFC 9110: a 405 lists what the resource does accept
+        allowed = [m for m in every if m not in ("HEAD", "OPTIONS")]
+        code = "method_not_allowed"
+        message = f"{method} is not allowed on {path}; it accepts {', '.join(allowed) or 'no method'} (see docs/api.md)"
+        detail = {"method": method, "allowed": allowed}
+    elif status == 404:
+        code = "not_found"
+        message = f"no route {method} {path}; the API serves {_routes(request)} (see docs/api.md)"
+        detail = {"path": path}
+    else:
+        code = _HTTP_CODES.get(status, "bad_request" if status < 500 else "internal_error")
+        message = f"{method} {path} was refused ({status}: {exc.detail}); see docs/api.md"
+        detail = {}
+    response = error_response(request, code, message, detail, headers or None)
+    response.status_code = status
+    return response

@@ -26,14 +26,11 @@ from rq.utils import utcparse
 from gradsvc import keys
 from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
-from workers.jobs import GradientJob
-from workers.serializer import MsgpackSerializer
-from workers.shards import LeaseRegistry, cancel_shards, settle
+from gradsvc.queue import JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, cancel_shards, lease_s, settle
 
 from . import shards
 from .errors import ServiceError
 
-JOB_FUNCTION = "workers.jobs.gradient_job"
 _STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "queued": "queued",
            "started": "started", "finished": "finished", "failed": "failed", "stopped": "canceled",
            "canceled": "canceled"}
@@ -68,7 +65,7 @@ class JobStore:
         self.ablocking = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
                                            socket_timeout=settings.max_wait_s + timeout + 5,
                                            retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        self.lease_s = 3 * settings.worker_heartbeat_s  # as workers.worker.GradientWorker
+        self.lease_s = lease_s(settings.worker_heartbeat_s)
         self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer,
                                 job_class=GradientJob)
                        for d in keys.QUEUE_DEVICES}

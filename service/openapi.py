@@ -10,6 +10,16 @@ from gradsvc import __version__
 from gradsvc.wire import ErrorBody, Estimate, GradientRequest, GradientResult, JobAccepted, JobInfo, LayerInfo
 
 _REF = "#/components/schemas/{name}"
+# The README's first request (seed 003 [A]'s 6-8-3 tanh net), with the check off: a body the API accepts.
+EXAMPLE_REQUEST = {
+    "model": {"layers": [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
+                         {"type": "Linear", "in_features": 8, "out_features": 3}], "dtype": "float64", "seed": 0},
+    "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]], "targets": [0, 2],
+    "loss": "cross_entropy", "options": {"numcheck": "off"},
+}
+# A queued job's id leads to its state (clients and schemathesis's stateful phase follow this). No link to
+# cancelJob: DELETE cancels, it does not delete; the job stays readable (status canceled) until its TTL.
+_JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": {"job_id": "$response.body#/job_id"}}}
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -24,14 +34,36 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": "error", "content": _json(_ref("ErrorBody"))} for s in statuses}
 
 
+_BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
+def _declare_rules(schemas: dict[str, Any]) -> None:
+    """What the API refuses that msgspec's schema cannot say: a layer is an object with a string `type`, and
+    tensor bytes in JSON are base64. (Exactly one of model.layers / graph / graph_ref stays in ModelSpec's
+    description: a oneOf there stops schemathesis from generating bodies at all.)"""
+    layers = next(s for s in schemas["ModelSpec"]["properties"]["layers"]["anyOf"] if s.get("type") == "array")
+    layers["items"] = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}},
+                       "description": "a layer: `type` from GET /layers, the other keys its constructor arguments"}
+    tensor = schemas["Tensor"]["properties"]
+    for option in tensor["data"]["anyOf"]:
+        if option.get("type") == "string":
+            option["pattern"] = _BASE64
+    for option in tensor["b64"]["anyOf"]:
+        if option.get("type") == "string":
+            option.update(contentEncoding="base64", pattern=_BASE64)
+
+
 def build(max_wait_s: float) -> dict[str, Any]:
     (_, _, _, _, _, _, _), components = msgspec.json.schema_components(
         [GradientRequest, GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo], ref_template=_REF)
+    _declare_rules(components)
     job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait = {"name": "wait", "in": "query", "required": False,
-            "description": "seconds to wait for the result before answering 202",
-            "schema": {"type": "number", "minimum": 0, "maximum": max_wait_s}}
-    body = {"required": True, "content": {**_json(_ref("GradientRequest")),
+            "description": f"seconds to wait for the result before answering 202 (default GRADSVC_DEFAULT_WAIT_S; "
+                           f"values above GRADSVC_MAX_WAIT_S, here {max_wait_s:g}, are clamped to it)",
+            "schema": {"type": "number", "minimum": 0}}
+    json_body = {"schema": _ref("GradientRequest"), "example": EXAMPLE_REQUEST}
+    body = {"required": True, "content": {"application/json": json_body,
                                           "application/msgpack": {"schema": _ref("GradientRequest")}}}
     common = (400, 401, 413, 422, 429, 503)
     return {
@@ -43,12 +75,12 @@ def build(max_wait_s: float) -> dict[str, Any]:
                 "operationId": "postGradients", "parameters": [wait], "requestBody": body,
                 "responses": {"200": {"description": "the result", "content": _json(_ref("GradientResult"))},
                               "202": {"description": "queued; poll Location",
-                                      "content": _json(_ref("JobAccepted"))},
-                              **_errors(*common, 409, 504, 507)}}},
+                                      "content": _json(_ref("JobAccepted")), "links": _JOB_LINKS},
+                              **_errors(*common, 409, 415, 504, 507)}}},
             "/estimate": {"post": {
                 "operationId": "postEstimate", "requestBody": body,
                 "responses": {"200": {"description": "predicted memory", "content": _json(_ref("Estimate"))},
-                              **_errors(*common)}}},
+                              **_errors(*common, 415)}}},
             "/jobs/{job_id}": {
                 "get": {"operationId": "getJob", "parameters": [job_id],
                         "responses": {"200": {"description": "the job", "content": _json(_ref("JobInfo"))},
@@ -61,7 +93,7 @@ def build(max_wait_s: float) -> dict[str, Any]:
                         "content": _json({"type": "array", "items": _ref("LayerInfo")})}, **_errors(401)}}},
             "/healthz": {"get": {"operationId": "healthz", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"operationId": "readyz", "responses": {
-                "200": {"description": "Redis reachable and a worker alive"}, **_errors(401, 503)}}},
+                "200": {"description": "Redis reachable and a worker alive"}, **_errors(503)}}},
             "/metrics": {"get": {"operationId": "metrics", "responses": {
                 "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {
                     "type": "string"}}}}, **_errors(401)}}},

@@ -27,14 +27,11 @@ from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
 from workers.engine.errors import SpecError
 from workers.engine.prepare import Prepared
 from workers.engine.reduce import check_shardable, plan_for, split_rows
-from workers.shards import shard_job_id
+from gradsvc.queue import REDUCE_FUNCTION, SHARD_FAILED, SHARD_FUNCTION, shard_job_id
 
 if TYPE_CHECKING:
     from .jobs import JobStore
 
-SHARD_FUNCTION = "workers.shards.shard_job"
-REDUCE_FUNCTION = "workers.shards.reduce_job"
-SHARD_FAILED = "workers.shards.shard_failed"
 # Each shard is an RQ job carrying the model's weights: a bound on what one request may fan out to.
 MAX_SHARDS = 256
 _encoder = msgspec.msgpack.Encoder()

@@ -30,22 +30,6 @@ _json_request = msgspec.json.Decoder(GradientRequest)
 _msgpack_request = msgspec.msgpack.Decoder(GradientRequest)
 
 
-class GradientJob(Job):
-    """RQ's Job, storing its data (the request body) uncompressed. RQ zlib-compresses it on every save, at
-    enqueue and again when the job ends: ~40 MB/s on tensor bytes that do not compress, 55 ms per 2 MB on
-    the path of every request (bench/medium_job.py). RQ's loader reads uncompressed data as it is."""
-
-    def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
-        data = self.data
-        self._data = b""  # what RQ compresses: nothing
-        try:
-            obj = super().to_dict(include_meta=include_meta, include_result=include_result)
-        finally:
-            self._data = data
-        obj["data"] = data
-        return obj
-
-
 class JobFailedError(Exception):
     """Raised out of the job function so RQ records the failure; the code is in job.meta['error']."""
 

@@ -30,9 +30,10 @@ from rq.worker import SimpleWorker
 from gradsvc import keys
 from gradsvc.settings import Settings
 
-from .jobs import GradientJob, make_context, set_context
-from .serializer import MsgpackSerializer
-from .shards import LeaseRegistry
+from gradsvc.queue import GradientJob, LeaseRegistry, MsgpackSerializer, lease_s
+
+from .engine import warm_up_shape_check
+from .jobs import make_context, set_context
 
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
@@ -51,7 +52,7 @@ class GradientWorker(SimpleWorker):
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)
         super().__init__(*args, **kwargs)
         self.heartbeat_s = heartbeat_s
-        self.lease_s = 3 * heartbeat_s  # a worker or job silent this long is lost
+        self.lease_s = lease_s(heartbeat_s)  # a worker or job silent this long is lost
         self._running: tuple[Job, Execution] | None = None
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -172,6 +173,9 @@ def _warm_up(device: torch.device) -> None:
     (a @ a).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # The first shape check on the meta device loads torch's meta kernels (seconds, once per process); without
+    # this the first job's prepare_ms carried it (a 2.6 s first job whose passes took 20 ms).
+    warm_up_shape_check()
 
 
 def redis_connection(settings: Settings) -> Redis:

@@ -79,7 +79,8 @@ def test_one_class_per_code():
     (spec(), {"inputs": [[float("nan")] * 6, [0.0] * 6]}, errors.BadTensorError),
     (spec(), {"loss": "nope"}, errors.BadLossError),
     (spec(), {"targets": [0, 1, 2]}, errors.BadTargetError),
-    (spec(), {"timing_repeat": 0}, errors.BadOptionError),
+    (spec(), {"freeze": ["9"]}, errors.BadOptionError),
+    (spec(), {"timing_repeat": 0}, errors.InvalidBodyError),  # a range the schema declares
     (spec([{"type": "Linear", "in_features": 6, "out_features": 20000},
            {"type": "Linear", "in_features": 20000, "out_features": 20000}]), {}, errors.TooLargeError),
     (spec(bogus=1), {}, errors.InvalidBodyError),

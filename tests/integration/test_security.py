@@ -32,12 +32,12 @@ def client(stack: Stack, key: str | None) -> httpx.Client:
 
 
 ROUTES = [("POST", "/gradients"), ("POST", "/estimate"), ("GET", "/jobs/some-id"), ("DELETE", "/jobs/some-id"),
-          ("GET", "/layers"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/schema")]
+          ("GET", "/layers"), ("GET", "/schema")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES)
 @pytest.mark.parametrize("auth", [None, "Bearer wrong-key", "Basic YWxwaGE6eA==", "Bearer", f"bearer{KEYS[0]}", KEYS[0]])
-def test_every_route_but_healthz_needs_a_valid_bearer_key(secured, method, path, auth):
+def test_every_route_but_the_probes_and_metrics_needs_a_valid_bearer_key(secured, method, path, auth):
     headers = {"Authorization": auth} if auth else {}
     r = httpx.request(method, secured.base_url + path, headers=headers, json=body(), timeout=30)
     assert r.status_code == 401, r.text
@@ -46,8 +46,15 @@ def test_every_route_but_healthz_needs_a_valid_bearer_key(secured, method, path,
     assert KEYS[0] not in r.text
 
 
-def test_healthz_needs_no_key(secured):
+def test_probes_and_metrics_need_no_key_while_submitting_does(secured):
+    """Issue 13: a Kubernetes or compose probe carries no secret; Prometheus scrapes /metrics as is."""
     assert httpx.get(secured.base_url + "/healthz").status_code == 200
+    ready = httpx.get(secured.base_url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
+    metrics = httpx.get(secured.base_url + "/metrics")
+    assert metrics.status_code == 200 and "gradsvc_http_requests_total" in metrics.text
+    assert KEYS[0] not in metrics.text
+    assert httpx.post(secured.base_url + "/gradients", json=body()).status_code == 401
 
 
 def test_a_job_is_visible_only_to_the_key_that_submitted_it(secured):

@@ -48,7 +48,7 @@ def api() -> TestClient:
     ("bad_tensor", body(inputs=[[0.1, 0.2], [0.3]])),
     ("bad_loss", body(loss="nope")),
     ("bad_target", body(targets=[0, 1, 2])),
-    ("bad_option", body(options={"timing_repeat": 0})),
+    ("bad_option", body(options={"freeze": ["nope"]})),
     ("too_large", body(model__layers=[{"type": "Linear", "in_features": 6, "out_features": 2000}])),
     ("invalid_body", body(bogus=1)),
     ("malformed_body", b"{not json"),

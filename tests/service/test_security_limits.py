@@ -192,3 +192,50 @@ def test_with_redis_down_every_queue_route_answers_503_within_seconds():
             assert r.headers["retry-after"]
         assert client.get("/healthz").status_code == 200
         assert client.post("/estimate", json=body()).status_code == 200  # needs no queue
+
+
+def test_metrics_asks_for_a_key_only_when_the_setting_closes_it():
+    for require, status in ((False, 200), (True, 401)):
+        settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2, api_keys=("k1",),
+                            metrics_require_key=require)
+        with TestClient(create_app(settings)) as client:
+            r = client.get("/metrics")
+            assert r.status_code in ((status,) if status == 401 else (200, 503)), r.text
+            if require:
+                assert r.json()["error"]["code"] == "unauthorized"
+                assert client.get("/metrics", headers={"Authorization": "Bearer k1"}).status_code in (200, 503)
+
+
+def test_readyz_needs_no_key_even_with_keys_set():
+    settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2, api_keys=("k1",))
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/readyz").json()["error"]["code"] == "queue_unavailable"  # not unauthorized
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/layers").status_code == 401
+
+
+# --- settings: a bad value stops the process naming the variable (issue 16 item 7) ----------------------
+@pytest.mark.parametrize("var, value, says", [("GRADSVC_LOG_LEVEL", "loud", "debug, info, warning, error, critical"),
+                                              ("GRADSVC_METRICS_REQUIRE_KEY", "maybe", "true"),
+                                              ("GRADSVC_PORT", "eighty", "an integer")])
+def test_a_bad_setting_names_the_variable_and_the_valid_values(var, value, says):
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env({var: value})
+    assert var in str(info.value) and says in str(info.value)
+
+
+def test_gradsvc_serve_with_a_bad_log_level_exits_with_a_message_not_a_traceback():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GRADSVC_LOG_LEVEL": "loud"}
+    out = subprocess.run([sys.executable, "-m", "gradsvc.cli", "serve"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 2
+    assert "GRADSVC_LOG_LEVEL='loud'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_log_levels_are_read_in_any_case():
+    assert Settings.from_env({"GRADSVC_LOG_LEVEL": "WARNING"}).log_level == "WARNING"
+    assert Settings.from_env({"GRADSVC_METRICS_REQUIRE_KEY": "yes"}).metrics_require_key is True

@@ -26,7 +26,7 @@ from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 from service.jobs import JobStore
 from workers import jobs as worker_jobs
-from workers.serializer import MsgpackSerializer
+from gradsvc.queue import MsgpackSerializer
 from workers.worker import GradientWorker
 
 from ..nets import SEED_A_LAYERS
@@ -217,4 +217,4 @@ def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
     offenders = [str(p.relative_to(ROOT)) for d in ("service", "workers", "gradsvc", "gradclient")
                  for p in (ROOT / d).rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
-    assert Path(ROOT / "workers" / "serializer.py").read_text().count("msgspec.msgpack") >= 2
+    assert Path(ROOT / "gradsvc" / "queue.py").read_text().count("msgspec.msgpack") >= 2

@@ -20,8 +20,7 @@ from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest
 from service.jobs import JobStore
 from workers.engine import EngineConfig, prepare
-from workers.serializer import MsgpackSerializer
-from workers.shards import LeaseRegistry, shard_job_id
+from gradsvc.queue import LeaseRegistry, MsgpackSerializer, shard_job_id
 
 from ..nets import SEED_A_LAYERS
 from ..stack import RedisServer

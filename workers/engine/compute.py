@@ -302,6 +302,8 @@ def _run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
                     _twice_differentiable(hvp_vector is not None):
                 with forward:
                     out, losses, total = _forward(prep, chunk, meter)
+            if meter is not None:  # the accounting's saved-tensor hooks ran inside the forward: memory_ms's time
+                forward.s -= meter.hook_s
             result.meter = meter or result.meter
             if not math.isfinite(float(total.detach())):
                 raise _non_finite(prep, float(total.detach()))
@@ -513,6 +515,8 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
              device: torch.device, graphs: GraphResolver | None = None) -> GradientResult:
     started = time.perf_counter()
     prep = prepare(request, config, device, graphs=graphs)
+    _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
+    prepare_s = time.perf_counter() - started
     opts = prep.options
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
@@ -523,9 +527,11 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     final = runs[-1]
     _check_gradients(final)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    memory_started = time.perf_counter()
-    memory = final.meter.report(peak) if final.meter else None
-    memory_s = (time.perf_counter() - memory_started) + (final.meter.hook_s if final.meter else 0.0)
+    memory, memory_s = None, 0.0  # a phase that did not run took no time, not a timer's jitter
+    if final.meter:
+        memory_started = time.perf_counter()
+        memory = final.meter.report(peak)
+        memory_s = (time.perf_counter() - memory_started) + final.meter.hook_s
 
     checkpoint = None
     if opts.checkpoint_segments:
@@ -539,10 +545,11 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
     check = _numcheck(prep, request, config, device, progress, final.grads)
-    numcheck_s = time.perf_counter() - numcheck_started
+    numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0
 
     timed = runs[1:] if len(runs) > 1 else runs
     timings = Timings(
+        prepare_ms=1e3 * prepare_s,
         forward_ms=1e3 * statistics.median(p.forward_s for p in timed),
         backward_ms=1e3 * statistics.median(p.backward_s for p in timed),
         numcheck_ms=1e3 * numcheck_s,
@@ -619,7 +626,7 @@ def _cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int,
-                         with_ckpt: _Pass, memory) -> dict[str, float]:
+                         with_ckpt: _Pass, memory) -> dict[str, int | float]:
     """The same pass without checkpointing: what checkpointing saved in memory and cost in time."""
     plain_prep = dataclasses.replace(prep, options=msgspec.structs.replace(prep.options, checkpoint_segments=None))
     plain = _run_pass(plain_prep, params, device, record_memory=True, hvp_vector=None, seed=seed)
@@ -628,10 +635,10 @@ def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device
     t_plain = plain.forward_s + plain.backward_s
     t_ckpt = with_ckpt.forward_s + with_ckpt.backward_s
     return {
-        "segments": float(prep.options.checkpoint_segments or 0),
-        "saved_bytes_without": float(saved_plain),
-        "saved_bytes_with": float(saved_ckpt),
-        "memory_saved_bytes": float(saved_plain - saved_ckpt),
+        "segments": int(prep.options.checkpoint_segments or 0),
+        "saved_bytes_without": int(saved_plain),
+        "saved_bytes_with": int(saved_ckpt),
+        "memory_saved_bytes": int(saved_plain - saved_ckpt),
         "forward_backward_ms_without": 1e3 * t_plain,
         "forward_backward_ms_with": 1e3 * t_ckpt,
         "time_ratio": t_ckpt / t_plain if t_plain > 0 else 0.0,

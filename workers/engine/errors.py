@@ -2,7 +2,8 @@
 
 EngineError
  +-- SpecError            the request is invalid (422): unknown_layer, shape_mismatch, bad_weights,
- |                        bad_tensor, bad_loss, bad_target, bad_option, too_large
+ |                        bad_tensor, bad_loss, bad_target, bad_option, too_large; invalid_body (400) for a
+ |                        layer list the schema cannot describe (an empty container, a layer without a type)
  +-- ComputeError         the computation failed on valid input: non_finite (422), out_of_memory (507)
 """
 

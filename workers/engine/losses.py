@@ -72,8 +72,16 @@ def prepare_target(term: LossTerm, output: torch.Tensor, target: torch.Tensor, d
             fail(f"class indices must lie in [0, {classes - 1}], got values in "
                  f"[{int(target.min())}, {int(target.max())}]", classes=classes)
         return target.to(torch.int64)
-    if kind == "class" and term.type == "nll":
-        fail(f"nll takes integer class indices, got {target.dtype}")
+    if kind == "class":
+        want = ([out_shape[0]] + out_shape[2:]) if output.dim() >= 2 else []
+        if term.type == "nll" or (tgt_shape == want and tgt_shape != out_shape):
+            got = str(target.dtype).removeprefix("torch.")
+            # Shaped like class indices but floating: PyTorch would stop on "expected scalar type Long".
+            fail(f"class indices must be integers, got {got} of shape {tgt_shape}; send them as "
+                 "int64 (torch.long in Python, JSON integers written without a decimal point, or "
+                 "{\"dtype\": \"int64\", ...})"
+                 + ("" if term.type == "nll" else f", or class probabilities shaped like the output {out_shape}"),
+                 expected_dtype="int64")
     if tgt_shape != out_shape:
         fail(f"expected shape {out_shape} (the model's output), got {tgt_shape}")
     if target.dtype == torch.bool or not (target.dtype.is_floating_point or target.dtype in (torch.int32, torch.int64, torch.uint8)):

@@ -17,9 +17,8 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import GradientRequest, GraphSpec, LossSpec, Options, Tensor
-
 from gradsvc import graphref
+from gradsvc.wire import MAX_TIMING_REPEAT, GradientRequest, GraphSpec, LossSpec, Options, Tensor
 
 from . import tensors
 from .errors import SpecError
@@ -33,7 +32,7 @@ class EngineConfig:
     numcheck_exact_max: int = 20_000
     numcheck_samples: int = 8
     numcheck_directions: int = 16
-    max_timing_repeat: int = 50
+    max_timing_repeat: int = MAX_TIMING_REPEAT
     init_cache_bytes: int = 1 << 30
 
 

@@ -66,7 +66,9 @@ def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: lis
         raise SpecError("too_large", f"{_where(path)}: containers nest deeper than {limits.max_depth} levels",
                         path=path, limit=limits.max_depth)
     if not isinstance(layers, list) or not layers:
-        raise SpecError("unknown_layer", f"{_where(path)}: 'layers' must be a non-empty list of layer objects",
+        # A structural fault, as the schema states it for model.layers: not an unknown layer.
+        raise SpecError("invalid_body", f"{_where(path)}: 'layers' must be a non-empty list of layer objects, got "
+                        f"{'an empty list' if layers == [] else type(layers).__name__}; give at least one layer",
                         path=path)
     modules = []
     for i, spec in enumerate(layers):
@@ -81,7 +83,9 @@ def _build_seq(cls, layers, *, path: str, depth: int, limits: Limits, count: lis
 
 def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[int], in_residual: bool) -> nn.Module:
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-        raise SpecError("unknown_layer", f"layer {path}: expected an object with a string 'type'", path=path)
+        got = f"keys {sorted(spec)}" if isinstance(spec, dict) else type(spec).__name__
+        raise SpecError("invalid_body", f"layer {path}: expected an object with a string 'type' (GET /layers lists "
+                        f"the types), got {got}", path=path)
     kind = spec["type"]
     args = {k: v for k, v in spec.items() if k != "type"}
     if kind in CONTAINERS:
@@ -123,13 +127,25 @@ def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[
     try:
         return layer_class(kind)(**{name: to_torch(value) for name, value in kwargs.items()})
     except (ValueError, TypeError, RuntimeError, AssertionError, ArithmeticError) as exc:
-        raise SpecError("unknown_layer", f"layer {path} ({kind}): torch refuses these arguments: {exc}",
+        # torch's own text, first line only: C++ errors append a stack of frames
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if "Overflow" in reason or "unpack" in reason:
+            reason = "a size is too large to allocate; use sizes below 2**31"
+        raise SpecError("unknown_layer", f"layer {path} ({kind}): torch refuses these arguments: {reason}; check "
+                        "them against GET /layers",
                         path=path) from None
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(state_dict prefix, module) for every module without children, in forward order."""
     return [(name, m) for name, m in model.named_modules() if name and not list(m.children())]
+
+
+def warm_up_shape_check() -> None:
+    """A process's first forward on the meta device loads torch's meta kernels: seconds, once. Processes that
+    validate requests call this at start-up so that no request pays it."""
+    check_shapes(build([{"type": "Linear", "in_features": 2, "out_features": 2}], limits=Limits(), device="meta"),
+                 torch.empty(1, 2, device="meta"))
 
 
 def check_shapes(model: nn.Sequential, x: torch.Tensor, *, max_elements: int = Limits.max_elements) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""The queue's format, shared by the API and the workers: RQ's job class and serializer, the lease, the
+job functions' names, and the fan-in of sharded jobs (a failed shard fails its job; DELETE cancels the
+shards). Redis and RQ only: no torch, no HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from redis import Redis
+from redis.exceptions import WatchError
+from rq.exceptions import AbandonedJobError
+from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
+from rq.registry import DeferredJobRegistry, StartedJobRegistry
+from rq.results import Result
+from rq.timeouts import TimerDeathPenalty
+from rq.utils import now, utcformat
+
+from gradsvc import keys
+
+# The functions RQ calls, by dotted path (the API enqueues them; the workers import them).
+JOB_FUNCTION = "workers.jobs.gradient_job"
+SHARD_FUNCTION = "workers.shards.shard_job"
+REDUCE_FUNCTION = "workers.shards.reduce_job"
+SHARD_FAILED = "gradsvc.queue.shard_failed"
+
+# A worker renews its jobs' leases every heartbeat; a job (or worker) silent for this many heartbeats is lost.
+LEASE_HEARTBEATS = 3
+
+
+def lease_s(heartbeat_s: float) -> int:
+    return int(LEASE_HEARTBEATS * heartbeat_s)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+class MsgpackSerializer:
+    """RQ's serializer for gradsvc queues: MessagePack via msgspec, so no pickle crosses Redis. Passed to
+    RQ as a class: RQ's worker resolves serializers by class, not instance."""
+
+    @staticmethod
+    def dumps(obj: Any) -> bytes:
+        return _encoder.encode(obj)
+
+    @staticmethod
+    def loads(data: bytes) -> Any:
+        return _decoder.decode(data)
+
+
+class GradientJob(Job):
+    """RQ's Job, storing its data (the request body) uncompressed. RQ zlib-compresses it on every save, at
+    enqueue and again when the job ends: ~40 MB/s on tensor bytes that do not compress, 55 ms per 2 MB on
+    the path of every request (bench/medium_job.py). RQ's loader reads uncompressed data as it is."""
+
+    def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
+        data = self.data
+        self._data = b""  # what RQ compresses: nothing
+        try:
+            obj = super().to_dict(include_meta=include_meta, include_result=include_result)
+        finally:
+            self._data = data
+        obj["data"] = data
+        return obj
+
+
+def shard_job_id(job_id: str, index: int) -> str:
+    """The RQ job id of shard `index` of the sharded job `job_id` (the reduce job's id)."""
+    return f"{job_id}-shard-{index}"
+
+
+class LeaseRegistry(StartedJobRegistry):
+    """RQ's StartedJobRegistry, whose cleanup (failing abandoned jobs) may run outside the main thread: RQ
+    runs failure callbacks under a SIGALRM timeout, which only the main thread may set, so a shard reaped
+    from a heartbeat thread would never fail its job. A timer thread enforces the timeout instead."""
+
+    death_penalty_class = TimerDeathPenalty
+
+
+# --- a shard failed: fail its job -----------------------------------------------------------------------
+_LOST = ("worker_lost", "the worker running it was lost (killed, crashed, or cut off from Redis) before it finished; "
+         "submit the job again")
+
+
+def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
+    """RQ's on_failure callback of a shard job: the first shard to fail fails the job with its code and
+    index; every other shard is canceled (queued ones at once, running ones at their next step)."""
+    info = job.meta.get("shard") or {}
+    parent, index, count = info.get("parent"), info.get("index"), info.get("count")
+    if parent is None:
+        return
+    prefix = info.get("prefix", "gradsvc")
+    error = job.meta.get("error")
+    if error is None:
+        code, why = _LOST if exc_type is AbandonedJobError or exc_type is None else (
+            "internal_error", f"it failed unexpectedly ({getattr(exc_type, '__name__', exc_type)})")
+        error = {"code": code, "message": why, "detail": {}}
+    # The flag stops the running siblings (they poll it) and any that starts later.
+    connection.set(keys.cancel_key(prefix, parent), b"1", ex=max(int(job.timeout or 600), 60) + 60)
+    siblings = [shard_job_id(parent, k) for k in range(count or 0) if k != index]
+    cancel_queued(connection, siblings)
+    if siblings:  # results of siblings that finished first: no reduce job will read them
+        connection.delete(*[keys.result_key(prefix, sid) for sid in siblings])
+    if error["code"] == "canceled":
+        return  # the job was canceled (DELETE), or a sibling failed first and already failed it
+    rows = info.get("rows")
+    message = f"shard {index} of {count} (rows {rows[0]}:{rows[1]}) failed: {error['message']}" if rows else \
+        f"shard {index} of {count} failed: {error['message']}"
+    detail = {**error.get("detail", {}), "shard": index, "shards": count, "shard_job_id": job.id}
+    fail_parent(connection, parent, {"code": error["code"], "message": message, "detail": detail})
+
+
+def settle(connection: Redis, shard_id: str) -> None:
+    """Runs the fan-in again for a shard found failed while its job still waits (its failure callback
+    could not run to the end, e.g. Redis went away meanwhile); a no-op once the job has ended."""
+    try:
+        shard = Job.fetch(shard_id, connection=connection, serializer=MsgpackSerializer)
+    except Exception:
+        return
+    shard_failed(shard, connection, None, None, None)
+
+
+def fail_parent(connection: Redis, parent_id: str, error: dict) -> bool:
+    """Fails a sharded job still waiting on its shards (RQ status deferred): its error in meta, RQ's failure
+    records (FailedJobRegistry, a failure entry on its results stream, which wakes a waiting POST)."""
+    key = Job.key_for(parent_id)
+    with connection.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                try:
+                    parent = Job.fetch(parent_id, connection=connection, serializer=MsgpackSerializer)
+                except Exception:  # expired or never saved
+                    pipe.reset()
+                    return False
+                if parent.get_status(refresh=False) != JobStatus.DEFERRED:
+                    pipe.reset()
+                    return False  # already failed by a sibling, canceled, or (impossible) running
+                pipe.multi()
+                parent.meta["error"] = error
+                # Meta and end time in the same transaction as the status (Job.save_meta takes no pipeline).
+                pipe.hset(key, mapping={"meta": MsgpackSerializer.dumps(parent.meta), "ended_at": utcformat(now())})
+                record_job_failure(parent, f"{error['code']}: {error['message']}", pipe)
+                DeferredJobRegistry(parent.origin, connection=connection, serializer=MsgpackSerializer).remove(
+                    parent, pipeline=pipe)
+                pipe.execute()
+                return True
+            except WatchError:
+                continue
+
+
+def cancel_shards(connection: Redis, job: Job) -> None:
+    """DELETE of a sharded job, after the job's own cancel: its queued shards are canceled at once (running
+    ones stop on the job's cancel flag), and a POST waiting on it wakes (RQ's cancel writes no result)."""
+    cancel_queued(connection, job.meta["shards"])
+    if job.get_status(refresh=True) == JobStatus.CANCELED:
+        Result.create_failure(job, job.failure_ttl, "canceled by DELETE /jobs/{id}")
+
+
+def cancel_queued(connection: Redis, shard_ids: list[str]) -> None:
+    """Cancels the shards still queued; running ones stop at their next step on the job's cancel flag."""
+    for shard in Job.fetch_many(shard_ids, connection=connection, serializer=MsgpackSerializer):
+        if shard is not None and shard.get_status(refresh=False) == JobStatus.QUEUED:
+            shard.cancel()

@@ -1,0 +1,37 @@
+"""Issue 16 item 11: a wait that runs out tells the caller how to reach the job again, with a method that
+exists (`client.gradients` returns no job; `client.job(id)` does)."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import pytest
+
+from gradclient import Client, Job, WaitTimeoutError
+from gradsvc import wire
+
+SPEC = {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}], "dtype": "float64"}
+
+
+def queued_forever(request: httpx.Request) -> httpx.Response:
+    if request.method == "POST":
+        return httpx.Response(202, content=msgspec.json.encode(wire.JobAccepted(job_id="j-123", status="queued")),
+                              headers={"content-type": "application/json", "location": "/jobs/j-123"})
+    if request.method == "DELETE":
+        return httpx.Response(200, content=msgspec.json.encode(wire.JobInfo(job_id="j-123", status="canceled")),
+                              headers={"content-type": "application/json"})
+    return httpx.Response(200, content=msgspec.json.encode(wire.JobInfo(job_id="j-123", status="queued")),
+                          headers={"content-type": "application/json"})
+
+
+def test_a_wait_timeout_names_client_job_and_the_named_method_works():
+    with Client("http://gradsvc.test", retries=0, wire_format="json",
+                transport=httpx.MockTransport(queued_forever)) as client:
+        with pytest.raises(WaitTimeoutError) as info:
+            client.gradients(SPEC, [[1.0, 2.0]], [0], wait_s=0, timeout=0.05)
+        message = info.value.message
+        assert "client.job('j-123').result()" in message and "client.job('j-123').cancel()" in message
+        assert "call result() again" not in message
+        assert info.value.job_id == "j-123"
+        job = client.job(info.value.job_id)
+        assert isinstance(job, Job) and job.status() == "queued" and job.cancel() == "canceled"

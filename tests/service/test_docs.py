@@ -1,0 +1,75 @@
+"""docs/api.md is the contract users read: every error code, option, result field, route and setting in the
+code appears in it, its error table agrees with the code's statuses, and nothing points users to a file
+they do not have (DESIGN.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gradsvc import wire
+from gradsvc.settings import Settings
+from service.errors import STATUS
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "api.md"
+
+
+@pytest.fixture(scope="module")
+def doc() -> str:
+    return DOC.read_text()
+
+
+def error_table(text: str) -> dict[str, int]:
+    section = text.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    return {code: int(status) for code, status in re.findall(r"^\| `([a-z_]+)` \| (\d{3}) \|", section, flags=re.M)}
+
+
+def test_every_error_code_is_documented_with_its_status(doc):
+    table = error_table(doc)
+    assert table == STATUS, {c: (table.get(c), STATUS.get(c)) for c in set(table) ^ set(STATUS) |
+                             {c for c in table if table[c] != STATUS.get(c)}}
+    assert set(table) == set(wire.ERROR_CODES)  # the one table (tests/service/test_error_table.py)
+
+
+def test_every_option_is_documented(doc):
+    section = doc.split("### Options", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
+    for field in msgspec.structs.fields(wire.Options):
+        assert field.encode_name in rows, field.encode_name
+
+
+def test_every_result_field_is_documented(doc):
+    text = " ".join(doc.split())
+    for struct in (wire.GradientResult, wire.Timings, wire.Numcheck, wire.ParameterCheck, wire.Memory,
+                   wire.LayerMemory, wire.JobInfo, wire.Progress, wire.Estimate, wire.LayerInfo, wire.ErrorBody,
+                   wire.ModelSpec, wire.LossSpec, wire.GraphSpec, wire.OpNode, wire.GraphInput):
+        for field in msgspec.structs.fields(struct):
+            assert re.search(rf"\b{field.encode_name}\b", text), f"{struct.__name__}.{field.encode_name}"
+
+
+def test_every_setting_is_documented(doc):
+    words = " ".join(doc.split())
+    for field in dataclasses.fields(Settings):
+        if field.name == "redis_url_given":  # derived, not a variable
+            continue
+        assert f"`GRADSVC_{field.name.upper()}`" in words, field.name
+
+
+def test_every_route_is_documented(doc):
+    from service import openapi
+
+    for path, methods in openapi.build(300)["paths"].items():
+        for method in methods:
+            assert f"`{method.upper()} {path.replace('{job_id}', '{id}')}" in doc, (method, path)
+
+
+def test_users_are_pointed_to_docs_api_md_not_design_md():
+    for path in [ROOT / "README.md", *ROOT.glob("gradclient/**/*.py"), *ROOT.glob("service/**/*.py"),
+                 *ROOT.glob("gradsvc/**/*.py"), *ROOT.glob("workers/**/*.py"), *ROOT.glob("examples/*.py")]:
+        assert "DESIGN.md" not in path.read_text(), path
+    assert "docs/api.md" in (ROOT / "README.md").read_text()

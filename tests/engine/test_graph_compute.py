@@ -205,3 +205,12 @@ def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(unet):
     assert store.get(ref) is req.model.graph and redis.get(key) == data  # still held here: stored again
     redis.set(keys.graph_key("t", "0" * 64), data)  # bytes that do not hash to their key are not a graph
     assert GraphStore(redis, "t", ttl_s=100).get("0" * 64) is None
+
+
+def test_an_integer_beyond_64_bits_in_a_graph_is_bad_option_not_a_crash():
+    body = (b'{"model": {"graph": {"inputs": [{"name": "x", "kind": "input"}], "nodes": [{"name": "a", "op": '
+            b'"aten.neg.default", "args": [{"node": "x"}, 100000000000000000000000000]}], "outputs": [{"node": "a"}]}},'
+            b' "inputs": [[1.0]], "targets": [0]}')
+    with pytest.raises(SpecError) as err:  # JSON integers are unbounded; hashing the graph must not overflow
+        prepare(msgspec.json.decode(body, type=GradientRequest), CONFIG)
+    assert err.value.code == "bad_option" and "64-bit" in err.value.message

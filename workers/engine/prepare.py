@@ -388,7 +388,11 @@ def _graph_spec(request: GradientRequest, dtype: torch.dtype,
                 graphs: GraphResolver | None) -> tuple[str, GraphSpec | None, bytes | None]:
     """(ref, graph, canonical bytes) for model.graph, or model.graph_ref resolved through `graphs`."""
     if request.model.graph is not None:
-        data = graphref.encode(request.model.graph)
+        try:
+            data = graphref.encode(request.model.graph)
+        except OverflowError:  # JSON integers have no bound; no op takes one beyond 64 bits
+            raise SpecError("bad_option", "model.graph: an integer in the graph lies outside the 64-bit range; "
+                            "sizes, dims and other integer arguments must fit in int64") from None
         return graphref.digest(data), request.model.graph, data
     ref = request.model.graph_ref
     if not _REF.fullmatch(ref):

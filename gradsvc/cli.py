@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         import uvicorn
 
-        uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
+        uvicorn.run("gradsvc.service.app:app_factory", factory=True, host=settings.host, port=settings.port,
                     log_level=settings.log_level.lower(), access_log=False)
     elif args.command == "worker":
-        from workers.worker import run
+        from gradsvc.workers.worker import run
 
         run(settings, index=args.index, burst=args.burst)
     else:

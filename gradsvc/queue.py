@@ -21,9 +21,9 @@ from rq.utils import now, utcformat
 from gradsvc import keys
 
 # The functions RQ calls, by dotted path (the API enqueues them; the workers import them).
-JOB_FUNCTION = "workers.jobs.gradient_job"
-SHARD_FUNCTION = "workers.shards.shard_job"
-REDUCE_FUNCTION = "workers.shards.reduce_job"
+JOB_FUNCTION = "gradsvc.workers.jobs.gradient_job"
+SHARD_FUNCTION = "gradsvc.workers.shards.shard_job"
+REDUCE_FUNCTION = "gradsvc.workers.shards.reduce_job"
 SHARD_FAILED = "gradsvc.queue.shard_failed"
 
 # A worker renews its jobs' leases every heartbeat; a job (or worker) silent for this many heartbeats is lost.

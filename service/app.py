@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gradsvc.graphref import GraphStore
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
-from workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
+from gradsvc.workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
 
 from . import openapi
 from .auth import Auth

@@ -24,9 +24,9 @@ from rq.job import Dependency, Job, JobStatus
 from rq.utils import now
 
 from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
-from workers.engine.errors import SpecError
-from workers.engine.prepare import Prepared
-from workers.engine.reduce import check_shardable, plan_for, split_rows
+from gradsvc.workers.engine.errors import SpecError
+from gradsvc.workers.engine.prepare import Prepared
+from gradsvc.workers.engine.reduce import check_shardable, plan_for, split_rows
 from gradsvc.queue import REDUCE_FUNCTION, SHARD_FAILED, SHARD_FUNCTION, shard_job_id
 
 if TYPE_CHECKING:

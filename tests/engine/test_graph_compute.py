@@ -17,7 +17,7 @@ from gradclient.tensors import from_wire, to_wire
 from gradsvc import graphref, keys
 from gradsvc.wire import GradientRequest
 from gradsvc.graphref import GraphStore
-from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
+from gradsvc.workers.engine import EngineConfig, SpecError, compute, estimate, prepare
 
 from ..graph_models import CASES, local_gradients
 

@@ -13,7 +13,7 @@ import pytest
 
 from gradsvc import wire
 from gradsvc.settings import Settings
-from service.errors import STATUS
+from gradsvc.service.errors import STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "api.md"
@@ -61,7 +61,7 @@ def test_every_setting_is_documented(doc):
 
 
 def test_every_route_is_documented(doc):
-    from service import openapi
+    from gradsvc.service import openapi
 
     for path, methods in openapi.build(300)["paths"].items():
         for method in methods:

@@ -16,7 +16,7 @@ from msgspec import inspect as mi
 
 from gradsvc.settings import Settings
 from gradsvc.wire import Options
-from service.app import create_app
+from gradsvc.service.app import create_app
 
 from ..nets import SEED_A_LAYERS
 from .test_security_limits import dead_redis_url

@@ -14,9 +14,9 @@ from litestar.testing import TestClient
 
 from gradsvc.launcher import free_port
 from gradsvc.settings import Settings, SettingsError
-from service.app import create_app
-from service.auth import ANONYMOUS, Auth
-from service.errors import ServiceError
+from gradsvc.service.app import create_app
+from gradsvc.service.auth import ANONYMOUS, Auth
+from gradsvc.service.errors import ServiceError
 
 from ..nets import SEED_A_LAYERS
 
@@ -62,7 +62,7 @@ def test_missing_or_wrong_key_is_unauthorized(header):
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):
-    import service.auth as auth_module
+    import gradsvc.service.auth as auth_module
 
     compared = []
     real = auth_module.hmac.compare_digest

@@ -8,7 +8,7 @@ from litestar.testing import TestClient
 
 from gradsvc.launcher import free_port
 from gradsvc.settings import Settings
-from service.app import create_app
+from gradsvc.service.app import create_app
 
 BATCH_NORM_NET = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
                   {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]

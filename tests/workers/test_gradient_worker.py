@@ -24,15 +24,15 @@ from gradsvc import keys
 from gradsvc.launcher import free_port
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
-from service.jobs import JobStore
-from workers import jobs as worker_jobs
+from gradsvc.service.jobs import JobStore
+from gradsvc.workers import jobs as worker_jobs
 from gradsvc.queue import MsgpackSerializer
-from workers.worker import GradientWorker
+from gradsvc.workers.worker import GradientWorker
 
 from ..nets import SEED_A_LAYERS
 from ..stack import ROOT, RedisServer
 
-engine_compute = importlib.import_module("workers.engine.compute")
+engine_compute = importlib.import_module("gradsvc.workers.engine.compute")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_jobs_cross_redis_as_msgpack_never_pickle(settings):
         assert not raw.startswith(b"\x80"), f"{name} looks like a pickle"  # pickle protocol 2+ header
         msgspec.msgpack.decode(raw)  # and it is MessagePack
     func, _instance, args, _kwargs = msgspec.msgpack.decode(data)
-    assert func == "workers.jobs.gradient_job"
+    assert func == "gradsvc.workers.jobs.gradient_job"
     assert msgspec.json.decode(args[0], type=GradientRequest).model.layers[0]["type"] == "Linear"
     # Anything stored under a job is readable without pickle: no key holds a pickle header.
     for key in conn.keys("*"):

@@ -18,8 +18,8 @@ from gradsvc import keys
 from gradsvc.launcher import free_port
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest
-from service.jobs import JobStore
-from workers.engine import EngineConfig, prepare
+from gradsvc.service.jobs import JobStore
+from gradsvc.workers.engine import EngineConfig, prepare
 from gradsvc.queue import LeaseRegistry, MsgpackSerializer, shard_job_id
 
 from ..nets import SEED_A_LAYERS

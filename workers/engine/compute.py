@@ -424,7 +424,8 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
 
 
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
-              progress: Progress | None, returned: dict[str, torch.Tensor]):
+              progress: Progress | None, returned: dict[str, torch.Tensor],
+              reference: dict[str, torch.Tensor] | None = None):
     """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
     them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
@@ -453,6 +454,8 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
             return sum(t.weight * t(out, t64[t.name]) for t in prep.terms)
 
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()), materialize_grads=True)))
+    if reference is not None:
+        reference.update({n: g.detach().to("cpu") for n, g in grads.items()})
     return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                         samples=opts.numcheck_samples or config.numcheck_samples,
                         directions=config.numcheck_directions, seed=seed, progress=progress,
@@ -478,13 +481,15 @@ def _computed_dtype(prep: Prepared) -> torch.dtype:
 
 
 def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
-            device: torch.device | None = None, graphs: GraphResolver | None = None) -> GradientResult:
+            device: torch.device | None = None, graphs: GraphResolver | None = None,
+            reference: dict[str, torch.Tensor] | None = None) -> GradientResult:
     """Everything POST /gradients answers, computed in this process. `graphs` resolves model.graph_ref
-    (the workers pass their Redis-backed store)."""
+    (the workers pass their Redis-backed store). `reference`, when given, receives the numerical check's
+    float64 autograd gradients (a shard's, for the returned-gradient check of the combined gradient)."""
     config = config or EngineConfig()
     device = device or resolve_device(request.options.device)
     try:
-        return _compute(request, config, progress, device, graphs)
+        return _compute(request, config, progress, device, graphs, reference)
     except torch.cuda.OutOfMemoryError as exc:
         raise _oom(device, exc) from None
     except MemoryError as exc:
@@ -512,7 +517,8 @@ def _oom(device: torch.device, exc: BaseException) -> ComputeError:
 
 
 def _compute(request: GradientRequest, config: EngineConfig, progress: Progress | None,
-             device: torch.device, graphs: GraphResolver | None = None) -> GradientResult:
+             device: torch.device, graphs: GraphResolver | None = None,
+             reference: dict[str, torch.Tensor] | None = None) -> GradientResult:
     started = time.perf_counter()
     prep = prepare(request, config, device, graphs=graphs)
     _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
@@ -544,7 +550,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = _numcheck(prep, request, config, device, progress, final.grads)
+    check = _numcheck(prep, request, config, device, progress, final.grads, reference)
     numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0
 
     timed = runs[1:] if len(runs) > 1 else runs

@@ -20,7 +20,7 @@ from torch import nn
 
 from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor, Timings
 
-from . import tensors
+from . import numcheck, tensors
 from .errors import SpecError
 from .prepare import Prepared, check_graph_split
 from .spec import leaves
@@ -153,6 +153,32 @@ def worst_numcheck(results: list[GradientResult]) -> tuple[Numcheck | None, int 
         return None, None
     k, worst = max(checked, key=lambda kc: (not kc[1].passed, kc[1].max_rel_error))
     return msgspec.structs.replace(worst, passed=all(c.passed for _, c in checked)), k
+
+
+def check_combined(result: GradientResult, references: list[dict[str, Tensor] | None], plan: ShardPlan) -> None:
+    """The returned-gradient check of the combined gradient: `result.gradients` (as returned) against the
+    shards' float64 references combined with the same shares. `passed` then needs every shard's check and
+    this one. Skipped (the worst shard's figures stay) when a shard sent no reference (numcheck off) or
+    the losses mix reductions (one reference per shard cannot be split per loss)."""
+    check = result.numcheck
+    if check is None or check.mode == "off" or not plan.uniform or not references or None in references:
+        return
+    reference = {}
+    for name in references[0]:
+        acc = torch.zeros_like(_raw(references[0][name]), dtype=torch.float64)
+        for k, ref in enumerate(references):
+            acc.add_(_raw(ref[name]).to(torch.float64), alpha=plan.share(k))
+        reference[name] = acc
+    returned = {n: _raw(result.gradients[n]) for n in reference if result.gradients.get(n) is not None}
+    if set(returned) != set(reference):
+        return
+    r = numcheck.returned_check(returned, reference, tensors.TORCH_DTYPES[result.dtype])
+    for name, rel in r.per_parameter.items():
+        entry = check.per_parameter.get(name)
+        if entry is not None:
+            entry.returned_max_rel_error = rel
+    check.returned_max_rel_error, check.returned_tolerance, check.returned_floor = r.max_rel_error, r.tolerance, r.floor
+    check.passed = check.passed and r.passed
 
 
 def _memory(results: list[GradientResult]):

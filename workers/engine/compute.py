@@ -607,7 +607,7 @@ def _result(request: GradientRequest, prep: Prepared, device: torch.device, fina
         losses=dict(final.losses) if several else None,
         per_loss_gradients=({t: {n: (tensors.encode(g[n]) if n in g else None) for n in gradients}
                              for t, g in final.per_loss.items()} if final.per_loss else None),
-        gradient_cosine=_cosines(final.per_loss) if final.per_loss else None,
+        gradient_cosine=cosines(final.per_loss) if final.per_loss else None,
         per_sample=per_sample,
         input_gradient=tensors.encode(torch.cat(final.input_grad)) if opts.input_grad else None,
         hvp={n: (tensors.encode(final.hvp[n]) if n in final.hvp else None) for n in gradients} if hvp else None,
@@ -620,7 +620,8 @@ def _result(request: GradientRequest, prep: Prepared, device: torch.device, fina
     )
 
 
-def _cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+def cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The cosine between every pair of per-loss gradients ("a|b"): negative when the tasks pull apart."""
     flat = {k: torch.cat([g.reshape(-1).to(torch.float64) for g in v.values()]) for k, v in per_loss.items()}
     names = list(flat)
     out = {}

@@ -94,6 +94,19 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     return tensors.decode(raw, where=where, max_elements=max_elements, shape_only=shape_only)
 
 
+def _targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, inputs: torch.Tensor,
+             dtype: torch.dtype, max_elements: int, shape_only: bool) -> dict[str, torch.Tensor]:
+    """Each loss term's target, checked against the model's output and the batch size."""
+    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=max_elements,
+                                                       shape_only=shape_only), dtype)
+               for t in terms}
+    for name, tgt in targets.items():
+        if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
+            raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
+                            f"differs from the inputs' {inputs.shape[0]}", loss=name)
+    return targets
+
+
 def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
     def bad(msg: str, **detail) -> None:
         raise SpecError("bad_option", msg, **detail)
@@ -256,13 +269,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     spec_key = msgspec.json.encode(request.model.layers)  # both caches below are keyed by the spec
     out = _output_on_meta(spec_key, request, meta, inputs, limits.max_elements)
     terms = _terms(request)
-    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
-                                                       shape_only=shape_only), dtype)
-               for t in terms}
-    for name, tgt in targets.items():
-        if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
-            raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
-                            f"differs from the inputs' {inputs.shape[0]}", loss=name)
+    targets = _targets(request, terms, out, inputs, dtype, limits.max_elements, shape_only)
     names = [n for n, _ in meta.named_parameters()]
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
     _check_hvp(request.options, meta, frozen)
@@ -582,13 +589,7 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
     inputs = _graph_inputs(request, template, dtype, limits, shape_only)
     out = _graph_output(template, dtype, inputs, limits)
     terms = _terms(request)
-    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=limits.max_elements,
-                                                       shape_only=shape_only), dtype)
-               for t in terms}
-    for name, tgt in targets.items():
-        if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
-            raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
-                            f"differs from the inputs' {inputs.shape[0]}", loss=name)
+    targets = _targets(request, terms, out, inputs, dtype, limits.max_elements, shape_only)
     _check_graph_options(request.options, template, dtype, inputs)
     names = [n for n in template.state if n in template.parameters]
     frozen = _check_options(request.options, config, inputs.shape[0], 1, names)

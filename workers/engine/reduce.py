@@ -21,6 +21,7 @@ from torch import nn
 from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor, Timings
 
 from . import numcheck, tensors
+from .compute import cosines
 from .errors import SpecError
 from .prepare import Prepared, check_graph_split
 from .spec import leaves
@@ -134,15 +135,7 @@ def _concat(values: list[Tensor], scales: list[float] | None = None) -> Tensor:
 
 
 def _cosines(per_loss: dict[str, dict[str, Tensor | None]]) -> dict[str, float]:
-    flat = {k: torch.cat([_raw(g).reshape(-1).to(torch.float64) for g in v.values() if g is not None])
-            for k, v in per_loss.items()}
-    names = list(flat)
-    out = {}
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            denom = float(flat[a].norm() * flat[b].norm())
-            out[f"{a}|{b}"] = float(flat[a] @ flat[b]) / denom if denom > 0 else 0.0
-    return out
+    return cosines({k: {p: _raw(g) for p, g in v.items() if g is not None} for k, v in per_loss.items()})
 
 
 def worst_numcheck(results: list[GradientResult]) -> tuple[Numcheck | None, int | None]:

@@ -8,7 +8,9 @@ import copy
 import dataclasses
 import math
 import statistics
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -652,11 +654,46 @@ def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device
     }
 
 
+# POST /estimate's answers by what they depend on (_estimate_key), shared by the API's threads: every
+# request is still checked in full by prepare() (its data too), only the metered meta forward that follows
+# (~4 ms for a small net: torch's Python decompositions) is looked up. Read, reordered and evicted under
+# the lock; a miss computes outside it (two threads missing the same key both compute; the second write wins).
+_estimate_cache: OrderedDict[tuple, Estimate] = OrderedDict()
+_estimate_lock = threading.Lock()
+ESTIMATE_CACHE_ENTRIES = 512
+
+
+def _estimate_key(request: GradientRequest, prep: Prepared) -> tuple:
+    """Everything the meta forward of estimate() reads: the model's structure (the layers spec, or a graph's
+    content-hash ref), dtypes and shapes of inputs and targets, the losses and every option. Not the tensor
+    values nor the weights: nothing runs on meta."""
+    model = prep.graph.ref if prep.graph is not None else msgspec.json.encode(request.model.layers)
+    return (model, request.model.dtype, tuple(prep.inputs.shape), prep.inputs.dtype,
+            tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(prep.targets.items())),
+            msgspec.json.encode((request.loss, request.losses, request.options)), frozenset(prep.frozen))
+
+
 def estimate(request: GradientRequest, config: EngineConfig | None = None, *,
              graphs: GraphResolver | None = None) -> Estimate:
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
     prep = prepare(request, config, "meta", shape_only=True, graphs=graphs)
+    key = _estimate_key(request, prep)
+    with _estimate_lock:
+        hit = _estimate_cache.get(key)
+        if hit is not None:
+            _estimate_cache.move_to_end(key)
+    if hit is not None:
+        return hit  # shared: callers encode it, never change it
+    result = _estimate(prep)
+    with _estimate_lock:
+        _estimate_cache[key] = result
+        while len(_estimate_cache) > ESTIMATE_CACHE_ENTRIES:
+            _estimate_cache.popitem(last=False)
+    return result
+
+
+def _estimate(prep: Prepared) -> Estimate:
     prepare_for_meta(prep.model)
     _trainable(prep)
     prep.inputs = prep.inputs.to("meta")

@@ -525,6 +525,33 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     prep = prepare(request, config, device, graphs=graphs)
     _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     prepare_s = time.perf_counter() - started
+    with _one_thread_if_tiny(prep, device):
+        return _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
+
+
+# A job this small (parameters x batch rows) runs each kernel inline on one thread anyway (below ATen's
+# grain size), yet with more intra-op threads every op still pays the OpenMP team's wake-ups, which on a
+# loaded machine cost milliseconds (seed [A]'s job in process: 1.6 ms on one thread, 9.7 ms on two with the
+# other core busy; bench/summary.py). So tiny CPU jobs run on one thread; the answer is the same.
+TINY_JOB_WORK = 1 << 16
+
+
+@contextlib.contextmanager
+def _one_thread_if_tiny(prep: Prepared, device: torch.device) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or prep.parameter_count * prep.inputs.shape[0] > TINY_JOB_WORK:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: Progress | None,
+                      device: torch.device, reference: dict[str, torch.Tensor] | None, prep: Prepared,
+                      started: float, prepare_s: float) -> GradientResult:
     opts = prep.options
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)

@@ -50,9 +50,12 @@ def test_a_tiny_job_runs_on_one_thread_with_the_same_answer(two_threads, monkeyp
     assert fast.numcheck == slow.numcheck
 
 
-def test_a_larger_job_keeps_every_thread(two_threads):
-    x = torch.randn(64, 256)
-    _, seen = threads_seen(request(wide_stack_layers(1, 256), x, x, dtype="float32", loss="mse"))
+def test_a_larger_job_keeps_every_thread_a_smaller_one_does_not(two_threads):
+    x = torch.randn(2, 16)  # 272 parameters x 32 input elements: just above 2^13, below TINY_JOB_WORK
+    _, seen = threads_seen(request(wide_stack_layers(1, 16), x, x, dtype="float32", loss="mse"))
+    assert seen and set(seen) == {1}
+    x = torch.randn(8, 64)  # 4160 x 512 elements: above
+    _, seen = threads_seen(request(wide_stack_layers(1, 64), x, x, dtype="float32", loss="mse"))
     assert seen and set(seen) == {2}
 
 

@@ -529,17 +529,18 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
         return _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
 
 
-# A job this small (parameters x batch rows) runs each kernel inline on one thread anyway (below ATen's
-# grain size), yet with more intra-op threads every op still pays the OpenMP team's wake-ups, which on a
-# loaded machine cost milliseconds (seed [A]'s job in process: 1.6 ms on one thread, 9.7 ms on two with the
-# other core busy; bench/summary.py). So tiny CPU jobs run on one thread; the answer is the same.
-TINY_JOB_WORK = 1 << 16
+# A job this small (parameters x input elements <= ATen's grain size of 32768, which bounds each op's output
+# for Linear- and Conv-like layers) runs each kernel inline on one thread anyway, yet with more intra-op
+# threads every op still pays the OpenMP team's wake-ups, which on a loaded machine cost milliseconds (seed
+# [A]'s job in process: 1.2 ms on one thread, 9.7 ms on two with the other core busy). So tiny CPU jobs run
+# on one thread, the process's count restored after; the kernels, hence the answer, are the same.
+TINY_JOB_WORK = 1 << 15
 
 
 @contextlib.contextmanager
 def _one_thread_if_tiny(prep: Prepared, device: torch.device) -> Iterator[None]:
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or prep.parameter_count * prep.inputs.shape[0] > TINY_JOB_WORK:
+    if device.type != "cpu" or threads == 1 or prep.parameter_count * prep.inputs.numel() > TINY_JOB_WORK:
         yield
         return
     torch.set_num_threads(1)

@@ -87,3 +87,31 @@ def test_threads_share_the_cache_and_agree():
     for t in threads:
         t.join()
     assert not errors and got == [want] * 80
+
+
+def test_the_meta_model_is_built_once_per_spec_and_limits_still_apply():
+    from gradsvc.workers.engine import EngineConfig, prepare
+    from gradsvc.workers.engine.spec import Limits
+
+    x, y = seed_a_batch(4)
+    req = request(SEED_A_LAYERS, x, y)
+    first = prepare(req, EngineConfig(), "meta").model
+    assert prepare(request(SEED_A_LAYERS, x + 1, y), EngineConfig(), "meta").model is first
+    with pytest.raises(SpecError) as err:  # a built spec is still held to a smaller limit
+        prepare(req, EngineConfig(limits=Limits(max_parameters=50)), "meta")
+    assert err.value.code == "too_large"
+    assert prepare(req, EngineConfig(), "cpu").model is not first  # a device gets its own model
+
+
+def test_estimate_leaves_the_shared_meta_model_as_built():
+    from gradsvc.workers.engine import EngineConfig, prepare
+
+    layers = [{"type": "Linear", "in_features": 6, "out_features": 8},
+              {"type": "BatchNorm1d", "num_features": 8, "momentum": None},
+              {"type": "Linear", "in_features": 8, "out_features": 3}]
+    x, y = seed_a_batch(4)
+    req = request(layers, x, y, options={"input_grad": True})
+    shared = prepare(req, EngineConfig(), "meta").model
+    uncached(req)
+    assert shared[1].momentum is None
+    assert prepare(req, EngineConfig(), "meta").model is shared

@@ -722,6 +722,7 @@ def estimate(request: GradientRequest, config: EngineConfig | None = None, *,
 
 
 def _estimate(prep: Prepared) -> Estimate:
+    prep.model = copy.deepcopy(prep.model)  # prepare()'s meta model is shared (prepare._meta_model)
     prepare_for_meta(prep.model)
     _trainable(prep)
     prep.inputs = prep.inputs.to("meta")

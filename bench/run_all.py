@@ -1,7 +1,9 @@
 """Runs every bench in turn, each in its own process (`make bench`), and prints their tables.
 
-Run: .venv/bin/python bench/run_all.py [name ...]   (names: engine_overhead small_job medium_job
-throughput payload numcheck_cost sharding first_job graph_overhead; default all)
+Run: .venv/bin/python bench/run_all.py [--quick] [name ...]   (names: engine_overhead small_job medium_job
+throughput payload numcheck_cost sharding first_job graph_overhead summary; default all). The last one,
+summary, prints issue 12's figures against their goals as one table; `--quick` runs it alone, shorter
+(`.venv/bin/python bench/run_all.py --quick`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["engine_overhead", "small_job", "medium_job", "throughput", "payload", "numcheck_cost", "sharding", "first_job", "graph_overhead"]
+BENCHES = ["engine_overhead", "small_job", "medium_job", "throughput", "payload", "numcheck_cost", "sharding", "first_job",
+           "graph_overhead", "summary"]  # summary last: `make bench` ends with its one table
 
 
 def main(argv: list[str]) -> int:
-    names = argv or BENCHES
+    quick = "--quick" in argv
+    argv = [a for a in argv if a != "--quick"]
+    names = argv or (["summary"] if quick else BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         print(f"unknown bench {unknown}; choose from {BENCHES}", file=sys.stderr)
@@ -32,7 +37,8 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     failed = []
     for name in names:
-        rc = subprocess.call([sys.executable, str(HERE / f"{name}.py")], cwd=HERE.parent)
+        extra = ["--quick"] if quick and name == "summary" else []
+        rc = subprocess.call([sys.executable, str(HERE / f"{name}.py"), *extra], cwd=HERE.parent)
         if rc != 0:
             failed.append(name)
     one, five, _ = os.getloadavg()

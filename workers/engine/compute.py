@@ -8,7 +8,9 @@ import copy
 import dataclasses
 import math
 import statistics
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -523,6 +525,34 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     prep = prepare(request, config, device, graphs=graphs)
     _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     prepare_s = time.perf_counter() - started
+    with _one_thread_if_tiny(prep, device):
+        return _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
+
+
+# A job this small (parameters x input elements <= ATen's grain size of 32768, which bounds each op's output
+# for Linear- and Conv-like layers) runs each kernel inline on one thread anyway, yet with more intra-op
+# threads every op still pays the OpenMP team's wake-ups, which on a loaded machine cost milliseconds (seed
+# [A]'s job in process: 1.2 ms on one thread, 9.7 ms on two with the other core busy). So tiny CPU jobs run
+# on one thread, the process's count restored after; the kernels, hence the answer, are the same.
+TINY_JOB_WORK = 1 << 15
+
+
+@contextlib.contextmanager
+def _one_thread_if_tiny(prep: Prepared, device: torch.device) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or prep.parameter_count * prep.inputs.numel() > TINY_JOB_WORK:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: Progress | None,
+                      device: torch.device, reference: dict[str, torch.Tensor] | None, prep: Prepared,
+                      started: float, prepare_s: float) -> GradientResult:
     opts = prep.options
     params = _trainable(prep)
     hvp_vector = _hvp_vector(request, params, config)
@@ -652,11 +682,47 @@ def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device
     }
 
 
+# POST /estimate's answers by what they depend on (_estimate_key), shared by the API's threads: every
+# request is still checked in full by prepare() (its data too), only the metered meta forward that follows
+# (~4 ms for a small net: torch's Python decompositions) is looked up. Read, reordered and evicted under
+# the lock; a miss computes outside it (two threads missing the same key both compute; the second write wins).
+_estimate_cache: OrderedDict[tuple, Estimate] = OrderedDict()
+_estimate_lock = threading.Lock()
+ESTIMATE_CACHE_ENTRIES = 512
+
+
+def _estimate_key(request: GradientRequest, prep: Prepared) -> tuple:
+    """Everything the meta forward of estimate() reads: the model's structure (the layers spec, or a graph's
+    content-hash ref), dtypes and shapes of inputs and targets, the losses and every option. Not the tensor
+    values nor the weights: nothing runs on meta."""
+    model = prep.graph.ref if prep.graph is not None else msgspec.json.encode(request.model.layers)
+    return (model, request.model.dtype, tuple(prep.inputs.shape), prep.inputs.dtype,
+            tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(prep.targets.items())),
+            msgspec.json.encode((request.loss, request.losses, request.options)), frozenset(prep.frozen))
+
+
 def estimate(request: GradientRequest, config: EngineConfig | None = None, *,
              graphs: GraphResolver | None = None) -> Estimate:
     """Parameter count and per-layer saved bytes, predicted on the meta device (no data touched)."""
     config = config or EngineConfig()
     prep = prepare(request, config, "meta", shape_only=True, graphs=graphs)
+    key = _estimate_key(request, prep)
+    with _estimate_lock:
+        hit = _estimate_cache.get(key)
+        if hit is not None:
+            _estimate_cache.move_to_end(key)
+    if hit is not None:
+        return hit  # shared: callers encode it, never change it
+    result = _estimate(prep)
+    with _estimate_lock:
+        _estimate_cache[key] = result
+        while len(_estimate_cache) > ESTIMATE_CACHE_ENTRIES:
+            _estimate_cache.popitem(last=False)
+    return result
+
+
+def _estimate(prep: Prepared) -> Estimate:
+    prep.model = copy.deepcopy(prep.model)  # prepare()'s meta model is shared (prepare._meta_model)
     prepare_for_meta(prep.model)
     _trainable(prep)
     prep.inputs = prep.inputs.to("meta")

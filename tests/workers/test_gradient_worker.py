@@ -21,7 +21,6 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 
 from gradsvc import keys
-from gradsvc.launcher import free_port
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 from gradsvc.service.jobs import JobStore
@@ -30,16 +29,9 @@ from gradsvc.queue import MsgpackSerializer
 from gradsvc.workers.worker import GradientWorker
 
 from ..nets import SEED_A_LAYERS
-from ..stack import ROOT, RedisServer
+from ..stack import ROOT
 
 engine_compute = importlib.import_module("gradsvc.workers.engine.compute")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer(free_port()).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture()

@@ -15,7 +15,6 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from gradsvc import keys
-from gradsvc.launcher import free_port
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest
 from gradsvc.service.jobs import JobStore
@@ -23,14 +22,6 @@ from gradsvc.workers.engine import EngineConfig, prepare
 from gradsvc.queue import LeaseRegistry, MsgpackSerializer, shard_job_id
 
 from ..nets import SEED_A_LAYERS
-from ..stack import RedisServer
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer(free_port()).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture()

@@ -196,6 +196,27 @@ def _check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
                             f"{trainable[name]}", parameter=name)
 
 
+def _decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtype: torch.dtype,
+                    max_elements: int, owner: str) -> dict[str, torch.Tensor]:
+    """The given weights as tensors, each checked against the state entry of its name: shape; parameters
+    cast to the model's dtype and finite; buffers cast to their own dtype."""
+    out = {}
+    for name, wire in given.items():
+        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
+        want = list(state[name].shape)
+        if list(t.shape) != want:
+            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, {owner} needs {want}",
+                            parameter=name, shape=list(t.shape), expected=want)
+        if name in parameters:
+            t = t.to(dtype)
+            if not bool(torch.isfinite(t).all()):
+                raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
+        else:
+            t = t.to(state[name].dtype)
+        out[name] = t
+    return out
+
+
 def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max_elements: int) -> dict[str, torch.Tensor]:
     given = request.model.weights or {}
     state = model.state_dict()
@@ -208,21 +229,7 @@ def _weights(request: GradientRequest, model: nn.Module, dtype: torch.dtype, max
     if given and missing:
         raise SpecError("bad_weights", f"weights: parameter {missing[0]!r} is missing; when weights are given, "
                         "every parameter must be (buffers are optional)", parameter=missing[0])
-    out = {}
-    for name, wire in given.items():
-        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
-        want = list(state[name].shape)
-        if list(t.shape) != want:
-            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the model needs {want}",
-                            parameter=name, shape=list(t.shape), expected=want)
-        if name in params:
-            t = t.to(dtype)
-            if not bool(torch.isfinite(t).all()):
-                raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
-        else:
-            t = t.to(state[name].dtype)
-        out[name] = t
-    return out
+    return _decode_weights(given, state, set(params), dtype, max_elements, "the model")
 
 
 # graph_ref -> the stored graph (or None): the API's and the workers' Redis-backed store. The engine
@@ -542,21 +549,7 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
                             "initialisation (the seeded init exists for layer specs only): send every parameter and "
                             "buffer the graph's inputs name, under that name (named_parameters() and named_buffers(), "
                             "non-persistent buffers included)", parameter=name)
-    out = {}
-    for name, wire in given.items():
-        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
-        want = list(state[name].shape)
-        if list(t.shape) != want:
-            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the graph needs {want}",
-                            parameter=name, shape=list(t.shape), expected=want)
-        if name in template.parameters:
-            t = t.to(dtype)
-            if not bool(torch.isfinite(t).all()):
-                raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
-        else:
-            t = t.to(state[name].dtype)
-        out[name] = t
-    return out
+    return _decode_weights(given, state, template.parameters, dtype, max_elements, "the graph")
 
 
 def _check_graph_options(opts: Options, template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor) -> None:

@@ -15,6 +15,11 @@ def _bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def _label(row: Any) -> str:
+    """A memory row as people name it: "2 (Linear)", or "(root) (Block)" for a graph model's own ops."""
+    return f"{row.name or '(root)'} ({row.type})"
+
+
 def summary(result: Any) -> str:
     """The per-layer (per-module for graph models) table: type, output shape, parameters, saved bytes
     and their share of the total; then the numerical check and the timings."""
@@ -31,7 +36,7 @@ def summary(result: Any) -> str:
             params = row.parameter_bytes // itemsize
             total_params += params
             shape = "" if row.output_shape is None else str(list(row.output_shape))
-            name = f"{row.name} ({row.type})"
+            name = _label(row)
             lines.append(f"{name[:34]:<34} {shape[:20]:<20} {params:>10,} {_bytes(row.saved_bytes):>19} "
                          f"{100 * row.saved_bytes / total:>5.1f}%")
         lines.append(rule)
@@ -75,7 +80,7 @@ def plot(result: Any, path: str | None = None):
     rows = result.memory.layers if result.memory is not None else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.35 * len(rows) + 1.5)),
                                       gridspec_kw={"width_ratios": [3, 2]})
-    names = [f"{r.name} ({r.type})" for r in rows]
+    names = [_label(r) for r in rows]
     left.barh(names, [r.saved_bytes / 1024 for r in rows], color="#4c72b0")
     left.invert_yaxis()
     left.set_xlabel("KiB saved for backward")

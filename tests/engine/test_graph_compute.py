@@ -115,6 +115,7 @@ def test_memory_rows_are_module_paths_and_add_up(unet):
     assert sum(row.saved_bytes for row in memory.layers) == memory.saved_bytes_total > 0
     dec = next(row for row in memory.layers if row.name == "dec")
     assert dec.type == "Conv2d" and dec.parameter_bytes == 8 * sum(p.numel() for p in model.dec.parameters())
+    assert dec.output_shape == list(model(x).shape)  # dec is the last module: its output is the model's
     predicted = estimate(req, CONFIG).memory
     assert [(r.name, r.saved_bytes) for r in predicted.layers] == [(r.name, r.saved_bytes) for r in memory.layers]
 

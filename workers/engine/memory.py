@@ -103,14 +103,17 @@ class ActivationMeter:
 
     def _visit(self, i: int, out, args, kwargs) -> None:
         if isinstance(out, torch.Tensor):  # the last node of a module path gives that module's output
-            self.output[self.graph.node_modules[i][1]] = out.numel() * out.element_size()
+            self._record_output(self.graph.node_modules[i][1], out)
 
     def _leave(self, name: str, out) -> None:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
         if isinstance(out, torch.Tensor):
-            self.output[name] = out.numel() * out.element_size()
-            self.output_shape[name] = list(out.shape)
+            self._record_output(name, out)
+
+    def _record_output(self, name: str, out: torch.Tensor) -> None:
+        self.output[name] = out.numel() * out.element_size()
+        self.output_shape[name] = list(out.shape)
 
     def report(self, device_peak_bytes: int | None = None) -> Memory:
         if self.graph is not None:
@@ -134,7 +137,8 @@ class ActivationMeter:
             path = name.rpartition(".")[0]
             owned[path] = owned.get(path, 0) + p.numel() * p.element_size()
         layers = [LayerMemory(name=path, type=kind, saved_bytes=self.saved.get(path, 0),
-                              output_bytes=self.output.get(path, 0), parameter_bytes=owned.get(path, 0))
+                              output_bytes=self.output.get(path, 0), parameter_bytes=owned.get(path, 0),
+                              output_shape=self.output_shape.get(path))
                   for path, kind in self.paths.items()]
         return Memory(layers=layers, saved_bytes_total=sum(entry.saved_bytes for entry in layers),
                       device_peak_bytes=device_peak_bytes)

@@ -26,7 +26,8 @@ from rq.utils import utcparse
 from gradsvc import keys
 from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
-from gradsvc.queue import JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, cancel_shards, lease_s, settle
+from gradsvc.queue import (JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, cancel_shards, lease_s, settle,
+                           sync_redis)
 
 from . import shards
 from .errors import ServiceError
@@ -56,7 +57,7 @@ class JobStore:
         # connection that a Redis restart left dead is replaced at once, and with Redis down or hung the API
         # still answers 503 within about GRADSVC_REDIS_TIMEOUT_S.
         timeout = settings.redis_timeout_s
-        self.redis = Redis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
+        self.redis = sync_redis(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
                                     retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
                                         retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))

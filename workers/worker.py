@@ -30,7 +30,7 @@ from rq.worker import SimpleWorker
 from gradsvc import keys
 from gradsvc.settings import Settings
 
-from gradsvc.queue import GradientJob, LeaseRegistry, MsgpackSerializer, lease_s
+from gradsvc.queue import GradientJob, LeaseRegistry, MsgpackSerializer, lease_s, sync_redis
 
 from .engine import warm_up_shape_check
 from .jobs import make_context, set_context
@@ -179,7 +179,7 @@ def _warm_up(device: torch.device) -> None:
 
 
 def redis_connection(settings: Settings) -> Redis:
-    return Redis.from_url(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
+    return sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
                           socket_timeout=max(settings.redis_timeout_s, 5.0), health_check_interval=10)
 
 

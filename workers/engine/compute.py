@@ -24,7 +24,7 @@ from gradsvc.wire import Estimate, GradientRequest, GradientResult, GraphNode, P
 from . import numcheck, tensors
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
-from .prepare import EngineConfig, GraphResolver, Prepared, batch_chunks, prepare
+from .prepare import EngineConfig, GraphResolver, Prepared, batch_chunks, prepare, release_model
 from .spec import leaves, prepare_for_meta
 
 Progress = Callable[[str, int, int], None]
@@ -526,7 +526,9 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: Progress 
     _sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     prepare_s = time.perf_counter() - started
     with _one_thread_if_tiny(prep, device):
-        return _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
+        result = _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
+    release_model(prep)  # after a success only: a failed compute's model is dropped
+    return result
 
 
 # A job this small (parameters x input elements <= ATen's grain size of 32768, which bounds each op's output

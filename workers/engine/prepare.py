@@ -49,6 +49,7 @@ class Prepared:
     frozen: set[str]
     graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, state, input dtype)
     graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
+    reuse_key: tuple | None = None  # set when `model` may go back to the built-model cache (release_model)
 
 
 def _terms(request: GradientRequest) -> list[LossTerm]:
@@ -254,8 +255,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     if request.model.layers is None:
         return _prepare_graph(request, config, device, dtype, shape_only=shape_only, graphs=graphs)
     spec_key = msgspec.json.encode(request.model.layers)  # the caches below are keyed by the spec
-    meta = _meta_model(spec_key, request, dtype, limits) if str(device) == "meta" else \
-        build(request.model.layers, limits=limits, device="meta").to(dtype)
+    meta = _meta_model(spec_key, request, dtype, limits)  # shared, read-only: the checks below only read it
     inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
     first = next(m for _, m in meta.named_modules() if not list(m.children()))
     if isinstance(first, nn.Embedding):
@@ -284,19 +284,60 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     _check_batch_statistics(request.options, meta, inputs.shape[0])
     weights = _weights(request, meta, dtype, limits.max_elements)
     parameter_count = sum(p.numel() for p in meta.parameters())
+    reuse_key = None
     if str(device) == "meta":
         model = meta
     else:
-        # The meta model gets storage and its values: the request's weights over the seeded default
-        # initialisation, which is computed once per (layers, dtype, seed) and kept (seconds for large models).
+        # The model gets its values: the request's weights over the seeded default initialisation, which
+        # is computed once per (layers, dtype, seed) and kept (seconds for large models). Every entry of the
+        # state_dict is written, so a model reused from an earlier request of this spec keeps nothing of it.
         state = {} if set(weights) == set(meta.state_dict()) else _initial_state(spec_key, request, dtype, config)
-        model = meta.to_empty(device=device)
+        reuse_key = (spec_key, dtype, str(device))
+        model = _checkout_model(reuse_key) or build(request.model.layers, limits=limits,
+                                                     device="meta").to(dtype).to_empty(device=device)
         model.load_state_dict({**state, **weights})
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
-                    frozen=frozen)
+                    frozen=frozen, reuse_key=reuse_key)
+
+
+# A CPU worker keeps the models it built, per (spec, dtype, device), and reuses one for the next request of
+# the same spec: building a model (module construction, default init on meta, storage) is most of a small
+# job's worker time (seed [A]: ~0.6 of 1.1 ms, bench/summary.py). A model is checked out exclusively
+# (prepare) and handed back after a successful compute (release_model), so two computes never share one.
+# What a request could leave in it is reset by prepare: every state_dict entry is loaded, requires_grad is
+# set per request (compute._trainable), the memory hooks are removed as they finish; a model with state
+# outside its state_dict (non-persistent buffers) is never kept. CUDA models are not kept: they would hold
+# device memory across jobs and show in the next job's allocator peak.
+_built: OrderedDict[tuple, nn.Module] = OrderedDict()
+_built_lock = threading.Lock()
+BUILT_MODELS = 16
+BUILT_MODEL_MAX_BYTES = 64 << 20
+
+
+def _checkout_model(key: tuple) -> nn.Module | None:
+    with _built_lock:
+        return _built.pop(key, None)
+
+
+def release_model(prep: Prepared) -> None:
+    """Hands a worker's model back for the next request of its spec (after compute() succeeded)."""
+    key, model = prep.reuse_key, prep.model
+    if key is None or not key[2].startswith("cpu"):
+        return
+    state = model.state_dict()
+    if len(state) != sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers()):
+        return  # non-persistent buffers: state load_state_dict would not reset
+    if sum(t.numel() * t.element_size() for t in state.values()) > BUILT_MODEL_MAX_BYTES:
+        return
+    prep.reuse_key = None
+    with _built_lock:
+        _built[key] = model
+        _built.move_to_end(key)
+        while len(_built) > BUILT_MODELS:
+            _built.popitem(last=False)
 
 
 # The caches below are shared by every thread of the process (the API validates requests from a thread

@@ -18,6 +18,7 @@ from rq.timeouts import JobTimeoutException
 
 from gradsvc import keys
 from gradsvc.graphref import GraphStore
+from gradsvc.queue import GradientJob
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
@@ -154,7 +155,11 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
                                f"{settings.max_result_bytes}; ask for fewer outputs (per_sample='norms', "
                                "no per_loss) or a smaller model", result_bytes=len(data),
                                limit=settings.max_result_bytes)
-        job.connection.set(keys.result_key(settings.queue_prefix, job.id), data, ex=settings.result_ttl_s)
+        result_key = keys.result_key(settings.queue_prefix, job.id)
+        if isinstance(job, GradientJob):  # written in RQ's success transaction (GradientJob._handle_success)
+            job.pending_result = (result_key, data, settings.result_ttl_s)
+        else:
+            job.connection.set(result_key, data, ex=settings.result_ttl_s)
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:

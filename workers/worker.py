@@ -23,20 +23,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, worker_registration
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
+from rq.rate_limit import release_slot
 from rq.utils import now, utcformat
-from rq.worker import SimpleWorker
+from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc import keys
 from gradsvc.settings import Settings
 
-from gradsvc.queue import GradientJob, LeaseRegistry, MsgpackSerializer, lease_s, sync_redis
+from gradsvc.queue import JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, lease_s, sync_redis
 
 from .engine import warm_up_shape_check
 from .jobs import make_context, set_context
 
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
+SUSPENSION_CHECK_S = 1.0
 
 
 class GradientWorker(SimpleWorker):
@@ -54,6 +56,8 @@ class GradientWorker(SimpleWorker):
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s(heartbeat_s)  # a worker or job silent this long is lost
         self._running: tuple[Job, Execution] | None = None
+        self._starting = None  # prepare_execution's open pipeline, executed by prepare_job_execution
+        self._suspension_checked = float("-inf")
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None
 
@@ -76,15 +80,80 @@ class GradientWorker(SimpleWorker):
     def set_state(self, state: str, pipeline=None):
         if pipeline is not None:
             return super().set_state(state, pipeline=pipeline)
+        if state == self._state:
+            # RQ sets IDLE after each job and again before each dequeue; the success transaction already
+            # wrote it (handle_job_success): a round trip each, saved.
+            return None
         try:
             return super().set_state(state)
         except REDIS_ERRORS:
             self._state = state  # advisory only; the next heartbeat re-registers the worker
 
+    # --- one job's Redis round trips -------------------------------------------------------------------
+    # RQ's SimpleWorker makes about ten per job around the function; these overrides keep every record it
+    # writes (Execution, StartedJobRegistry, statuses, the results stream, FinishedJobRegistry, worker
+    # state and counters) and write them in two transactions: one before the job, one after.
     def prepare_execution(self, job: Job) -> Execution:
-        execution = super().prepare_execution(job)
+        """RQ's prepare_execution (Execution record, worker BUSY), its pipeline left open for
+        prepare_job_execution to add its writes to: one transaction instead of two."""
+        pipe = self.connection.pipeline()
+        execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipe, worker_name=self.name)
+        self.executions[execution.id] = execution
+        self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+        self._starting = pipe
         self._running = (job, execution)
         return execution
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ's prepare_job_execution (worker and job heartbeats, job STARTED, its key persisted), written
+        with prepare_execution's records in one MULTI/EXEC."""
+        pipe, self._starting = self._starting, None
+        if pipe is None:
+            return super().prepare_job_execution(job, remove_from_intermediate_queue)
+        with pipe:
+            ttl = self.get_heartbeat_ttl(job)
+            self.heartbeat(ttl, pipeline=pipe)
+            job.heartbeat(now(), ttl, pipeline=pipe)
+            job.prepare_for_execution(self.name, pipeline=pipe)
+            pipe.persist(job.key)
+            if remove_from_intermediate_queue:
+                pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
+            pipe.execute()
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        """RQ also writes the job's heartbeat here, a round trip of its own; the job's final save (in the
+        success or failure transaction) writes it, and the heartbeat thread keeps the lease meanwhile."""
+        job.ended_at = now()
+        job.last_heartbeat = job.ended_at
+
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry, execution: Execution) -> None:
+        """RQ's, for a job nothing depends on (a plain gradient job; shards have their reduce job): no WATCH
+        on, and no read of, the dependents set (two round trips), and the worker's IDLE state written in the
+        same transaction. Other jobs take RQ's own path."""
+        if job.func_name != JOB_FUNCTION or job.repeats_left:
+            super().handle_job_success(job, queue, started_job_registry, execution)
+            if isinstance(job, GradientJob):
+                if not job.result_flushed:
+                    job.flush_result(self.connection)  # result_ttl 0: RQ skipped _handle_success
+                job.pending_result = None
+            return
+        with self.connection.pipeline() as pipe:
+            self.increment_successful_job_count(pipeline=pipe)
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            result_ttl = job.get_result_ttl(self.default_result_ttl)
+            if result_ttl != 0:
+                job._handle_success(result_ttl, pipeline=pipe, worker_name=self.name, execution_id=execution.id,
+                                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+            if isinstance(job, GradientJob) and not job.result_flushed:
+                job.flush_result(pipe)
+            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            job._status = JobStatus.FINISHED
+            self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            self.set_state(WorkerStatus.IDLE, pipeline=pipe)
+            pipe.execute()
+        if isinstance(job, GradientJob):
+            job.pending_result = None
+        release_slot(job)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
@@ -150,6 +219,13 @@ class GradientWorker(SimpleWorker):
 
     # --- Redis outages in the work loop --------------------------------------------------------------
     def check_for_suspension(self, burst: bool) -> None:
+        """RQ asks Redis before every dequeue whether `rq suspend` was run (a round trip per job, with a
+        worker heartbeat the heartbeat thread already sends); here at most once a second, so a suspended
+        worker may still take the jobs queued within that second."""
+        now_s = time.monotonic()
+        if now_s - self._suspension_checked < SUSPENSION_CHECK_S:
+            return
+        self._suspension_checked = now_s
         try:
             super().check_for_suspension(burst)
         except REDIS_ERRORS as exc:

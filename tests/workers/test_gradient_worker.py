@@ -210,3 +210,44 @@ def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
                  for p in (ROOT / d).rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
     assert Path(ROOT / "gradsvc" / "queue.py").read_text().count("msgspec.msgpack") >= 2
+
+
+def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(settings):
+    """The worker's per-job Redis traffic (GradientWorker's overrides): one transaction before the job and one
+    after it, no WATCH or read of a dependents set, no per-job suspension check, the job's data not written
+    again; and every record RQ keeps for a job is still there."""
+    from rq.registry import FinishedJobRegistry
+    from rq.results import Result
+
+    from gradsvc.queue import GradientJob
+    from gradsvc.workers.worker import build_worker
+
+    store = JobStore(settings)
+    conn = store.redis
+
+    def run(n: int) -> tuple[dict, list[str]]:
+        ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
+        before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+        worker = build_worker(settings)
+        worker.work(burst=True, logging_level="WARNING")
+        after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+        return {k[len("cmdstat_"):]: after[k] - before.get(k, 0) for k in after}, ids
+
+    one, _ = run(1)
+    four, ids = run(4)
+    per_job = {k: (four.get(k, 0) - one.get(k, 0)) / 3 for k in set(one) | set(four)}
+    assert per_job.get("exec") == 2, per_job  # before the job and after it
+    # (per-run work, such as registry maintenance, may differ by one between the runs: not one per job)
+    assert per_job.get("watch", 0) < 0.5 and per_job.get("smembers", 0) < 0.5, per_job
+    assert per_job.get("exists", 0) < 0.5, per_job  # rq suspend is checked at most once a second
+    assert per_job.get("set") == 1 and per_job.get("hgetall") == 1, per_job  # the result; the job, read once
+    for job_id in ids:
+        job = GradientJob.fetch(job_id, connection=conn, serializer=MsgpackSerializer)
+        assert job.get_status() == "finished"
+        assert job.args[1] == "json" and msgspec.json.decode(job.args[0])["loss"] == "cross_entropy"
+        assert job_id in FinishedJobRegistry(queue=store.queues["auto"]).get_job_ids()
+        assert Result.fetch_latest(job, serializer=MsgpackSerializer).type == Result.Type.SUCCESSFUL
+        assert conn.get(keys.result_key(settings.queue_prefix, job_id))
+        assert job.last_heartbeat is not None and job.ended_at is not None
+    worker_hash = conn.hgetall(f"rq:worker:{build_worker(settings).name}")
+    assert not worker_hash or worker_hash.get(b"state") in (None, b"idle")

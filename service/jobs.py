@@ -102,16 +102,7 @@ class JobStore:
                 if count > 1:
                     return shards.enqueue(self, req, prep, count, device, owner, job_id=job_id), True
             with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
-                self.queues[device].enqueue(
-                    JOB_FUNCTION, body, fmt,
-                    job_id=job_id,
-                    job_timeout=self.settings.job_timeout_s,
-                    result_ttl=self.settings.result_ttl_s,
-                    failure_ttl=self.settings.failure_ttl_s,
-                    meta={"owner": owner},
-                    description="gradients",
-                    pipeline=pipe,
-                )
+                self._enqueue_plain(pipe, device, body, fmt, owner, job_id)
                 pipe.execute()
         except BaseException:
             if claim is not None:  # nothing was enqueued: a retry under the same key must enqueue it
@@ -121,6 +112,31 @@ class JobStore:
                     pass
             raise
         return job_id, True
+
+    async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
+        """enqueue() of a plain job to the shared queue, over the async connection: RQ writes the job into a
+        pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop."""
+        job_id = str(uuid.uuid4())
+        recorder = self.redis.pipeline()
+        self._enqueue_plain(recorder, "auto", body, fmt, owner, job_id)
+        commands, recorder.command_stack = recorder.command_stack, []
+        pipe = self.aredis.pipeline(transaction=True)
+        for args, options in commands:
+            pipe.execute_command(*args, **options)
+        await pipe.execute()
+        return job_id
+
+    def _enqueue_plain(self, pipe, device: str, body: bytes, fmt: str, owner: str, job_id: str) -> None:
+        self.queues[device].enqueue(
+            JOB_FUNCTION, body, fmt,
+            job_id=job_id,
+            job_timeout=self.settings.job_timeout_s,
+            result_ttl=self.settings.result_ttl_s,
+            failure_ttl=self.settings.failure_ttl_s,
+            meta={"owner": owner},
+            description="gradients",
+            pipeline=pipe,
+        )
 
     def _claim(self, claim: str, job_id: str, digest: str) -> str | None:
         """Binds the key to `job_id` (None), or returns the job an earlier request bound it to."""

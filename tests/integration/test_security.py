@@ -99,7 +99,7 @@ def test_more_submissions_than_the_limit_get_429_with_retry_after_per_key(secure
     assert 1 <= retry <= 60
     assert limited.json()["error"]["detail"]["retry_after_s"] == retry
     # Other keys are not affected, and reading jobs is not rate limited.
-    assert alice.post("/gradients?wait=0", json=body()).status_code == 202
+    assert alice.post("/gradients?wait=0", json=body()).status_code in (200, 202)  # 200: it finished already
     assert gamma.get("/layers").status_code == 200
 
 

@@ -157,12 +157,6 @@ def create_app(settings: Settings | None = None) -> Litestar:
             job_id, created = await anyio.to_thread.run_sync(lambda: enqueue_in_thread(req, body, fmt, owner, key))
         if created:
             metrics.jobs_submitted.inc()
-            # Validation on the meta device: an invalid spec never reaches the queue. A graph_ref is looked
-            # up (and its TTL refreshed) here; a graph sent whole is kept under its ref for the next request.
-            prep = prepare(req, config, "meta", graphs=graphs.get)
-            auth.check_rate(owner)
-            if prep.graph_data is not None:
-                graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
         ended, raw = await store.wait(job_id, wait)
         if ended and raw is not None:  # finished
             if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy

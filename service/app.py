@@ -12,6 +12,7 @@ from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gradsvc.graphref import GraphStore
+from gradsvc.malloc import keep_large_buffers
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from gradsvc.workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
@@ -262,5 +263,6 @@ def app_factory() -> Litestar:
     # The API's tensor work (validation on meta, finiteness checks) is small: one thread. With torch's default
     # (all cores) its OpenMP threads wait on cores the workers hold: 6 ms -> 12-88 ms per 2 MB request here.
     torch.set_num_threads(1)
+    keep_large_buffers()
     warm_up_shape_check()  # else the first request's validation pays seconds for torch's meta kernels
     return create_app(Settings.from_env())

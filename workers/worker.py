@@ -29,6 +29,7 @@ from rq.utils import now, utcformat
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc import keys
+from gradsvc.malloc import keep_large_buffers
 from gradsvc.settings import Settings
 
 from gradsvc.queue import JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, lease_s, sync_redis
@@ -292,6 +293,7 @@ def _wait_for_redis(settings: Settings) -> None:
 
 
 def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
+    keep_large_buffers()
     _wait_for_redis(settings)
     worker = build_worker(settings, index=index)
     from .jobs import context

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -30,6 +31,7 @@ _decoders = {"json": msgspec.json.Decoder(GradientRequest), "msgpack": msgspec.m
 # the event loop keeps serving other requests (bench/medium_job.py).
 _INLINE_BODY_BYTES = 1 << 20
 _INLINE_RESULT_PARAMETERS = 1 << 16
+HANDOFF_SWEEP_S = 60.0
 
 
 def _decode(body: bytes, fmt: str) -> GradientRequest:
@@ -212,10 +214,22 @@ def create_app(settings: Settings | None = None) -> Litestar:
         exposure = settings.exposure_warning()
         if exposure:
             log.warning(exposure)
+        sweeper = asyncio.get_running_loop().create_task(sweep_handoff()) if store.handoff is not None else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             await store.close()
+
+    async def sweep_handoff() -> None:
+        """Once a minute: handoff files past their TTL go (the workers sweep too, after their jobs)."""
+        while True:
+            try:
+                await anyio.to_thread.run_sync(store.sweep_handoff)
+            except OSError as exc:
+                log.warning("handoff sweep of %s failed: %s", settings.handoff_dir, exc)
+            await anyio.sleep(HANDOFF_SWEEP_S)
 
     app = Litestar(
         route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz,

@@ -124,10 +124,17 @@ def _free_port_run(n: int, avoid: set[int]) -> int:
         return base
 
 
-def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool = False,
+# start_stack's `handoff` when not given: bench/common.py sets it, so the benches run as `gradsvc up` does.
+HANDOFF_BY_DEFAULT = False
+
+
+def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool | None = None,
                 **env_overrides: str) -> Stack:
     """`handoff=True`: the stack as `gradsvc up` configures it, large payloads handed over in a per-stack
-    dir under /dev/shm (gradsvc/handoff.py); the benches run so. Else GRADSVC_HANDOFF_DIR as given (off)."""
+    dir under /dev/shm (gradsvc/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
+    tests: off)."""
+    if handoff is None:
+        handoff = HANDOFF_BY_DEFAULT
     redis = RedisServer(free_port(), args=redis_args).start()
     api_port = free_port()
     metrics_port = _free_port_run(4, avoid={api_port, redis.port})
@@ -135,7 +142,7 @@ def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: boo
            "GRADSVC_WORKER_METRICS_PORT": str(metrics_port), "GRADSVC_LOG_LEVEL": "warning",
            "PYTHONUNBUFFERED": "1", **env_overrides}
     made = None
-    if handoff and "GRADSVC_HANDOFF_DIR" not in env_overrides:
+    if handoff and "GRADSVC_HANDOFF_DIR" not in env_overrides and "GRADSVC_HANDOFF_DIR" not in os.environ:
         made = handoff_dir(api_port)
         claim_handoff_dir(made)
         env["GRADSVC_HANDOFF_DIR"] = str(made)

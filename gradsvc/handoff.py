@@ -67,7 +67,6 @@ class Handoff:
                 raise
         self.domain = self._domain()
         self._last_sweep = 0.0
-        self.bytes_written = 0
 
     def _domain(self) -> str:
         """This dir's id: read, or created once. Racers each write a temp file and link it to the final
@@ -132,7 +131,6 @@ class Handoff:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self.bytes_written += len(data)
         return f"{self.domain}/{name}"
 
     def get(self, ref: str) -> bytes | None:

@@ -135,7 +135,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             if prep.graph_data is not None:
                 graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
             sharded = (req, prep) if req.options.shards != 1 else None
-            return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded)
+            return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
+                                 result_bytes=prep.parameter_count * prep.dtype.itemsize)
 
         job_id, created = await anyio.to_thread.run_sync(enqueue)
         if created:

@@ -92,10 +92,12 @@ class JobStore:
         self.redis.close()
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
-                sharded=None) -> tuple[str, bool]:
+                sharded=None, result_bytes: int = 0) -> tuple[str, bool]:
         """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
         names the job it enqueued then, which is returned instead of enqueueing the same body again.
-        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py)."""
+        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py).
+        `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
+        the job goes through the handoff domain's queue, whatever its body's size)."""
         if device != "auto" and not Worker.all(queue=self.queues[device]):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
@@ -118,14 +120,17 @@ class JobStore:
                 if count > 1:
                     return shards.enqueue(self, req, prep, count, device, owner, job_id=job_id), True
             queue, arg = self.queues[device], body
-            if self.handoff is not None and self.handoff.wanted(len(body)) and self.handoff_ok(device):
-                # The body goes to a file, the job (with the file's ref) to the domain's queue.
-                try:
-                    ref = self.handoff.put(job_id, handoff_files.INPUT, body)
-                except OSError as exc:  # the tmpfs is full: Redis still takes it
-                    log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
-                else:
-                    queue, arg = self.domain_queues[device], ref
+            if self.handoff_wanted(device, len(body), result_bytes):
+                # The job goes to the domain's queue (its result comes back as a file), its body, when
+                # large, as a file too: the job carries the file's ref.
+                queue = self.domain_queues[device]
+                if self.handoff.wanted(len(body)):
+                    try:
+                        ref = self.handoff.put(job_id, handoff_files.INPUT, body)
+                    except OSError as exc:  # the tmpfs is full: Redis still takes it
+                        log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
+                    else:
+                        arg = ref
             with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
                 queue.enqueue(
                     JOB_FUNCTION, arg, fmt,
@@ -148,6 +153,12 @@ class JobStore:
                     pass
             raise
         return job_id, True
+
+    def handoff_wanted(self, device: str, body_bytes: int, result_bytes: int) -> bool:
+        """Whether a job goes through the handoff domain's queue: the handoff is on, its body or its result
+        is large enough, and every live worker of the device is in the domain."""
+        return (self.handoff is not None and (self.handoff.wanted(body_bytes) or self.handoff.wanted(result_bytes))
+                and self.handoff_ok(device))
 
     def handoff_ok(self, device: str) -> bool:
         """Whether every live worker that drains `device`'s queue drains this domain's twin of it too, so a

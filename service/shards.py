@@ -104,14 +104,16 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     queue: Queue = store.queues[device]
     handoff = store.handoff
     args: list[bytes | str] = list(bodies)
-    if handoff is not None and any(handoff.wanted(len(b)) for b in bodies) and store.handoff_ok(device):
-        # Each large shard body goes to a file; every shard and the reduce job go through the domain's queue
-        # (the shards' results and references are handed back as files too, which the reduce job reads).
+    # Each shard returns gradients of the whole model (its result), however few its rows.
+    result_bytes = prep.parameter_count * prep.dtype.itemsize
+    if store.handoff_wanted(device, max(len(b) for b in bodies), result_bytes):
+        # Every shard and the reduce job go through the domain's queue (the shards' results and references
+        # come back as files, which the reduce job reads); each large shard body goes to a file.
+        queue = store.domain_queues[device]
         try:
             args = [handoff.put(sid, handoff_files.INPUT, b) if handoff.wanted(len(b)) else b
                     for sid, b in zip(shard_ids, bodies)]
-            queue = store.domain_queues[device]
-        except OSError:  # the tmpfs is full: Redis still takes them
+        except OSError:  # the tmpfs is full: Redis still takes the bodies
             for sid in shard_ids:
                 handoff.discard(sid)
     del bodies

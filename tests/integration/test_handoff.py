@@ -179,6 +179,21 @@ def test_a_small_job_still_goes_through_redis(http, redis, handoff_dir):
     assert files_of(handoff_dir, [job_id]) == []
 
 
+def test_a_small_body_with_a_large_result_goes_through_the_domain_queue_and_its_result_through_a_file(
+        http, redis, handoff_dir):
+    small = {"model": {"layers": [{"type": "Linear", "in_features": D_IN, "out_features": HIDDEN}],
+                       "dtype": "float64", "seed": 0},  # 2112 parameters: a 17 KB result
+             "inputs": [[0.5] * D_IN], "targets": [[0.0] * HIDDEN], "loss": "mse", "options": {"numcheck": "off"}}
+    r = http.post("/gradients?wait=60", json=small)
+    assert r.status_code == 200, r.text
+    job_id = r.json()["job_id"]
+    assert redis.hget(Job.key_for(job_id), "origin") == f"gradsvc@{domain(handoff_dir)}".encode()
+    assert b"in_features" in redis.hget(Job.key_for(job_id), "data")  # the body itself, inline
+    assert redis.get(keys.result_key("gradsvc", job_id)).startswith(hf.MARKER)
+    assert files_of(handoff_dir, [job_id]) == [f"{job_id}.out"]
+    assert http.get(f"/jobs/{job_id}").json()["result"]["gradients"] == r.json()["gradients"]
+
+
 def test_an_expired_result_file_reads_as_expired(http, handoff_dir):
     r = post(http, body())
     job_id = msgspec.msgpack.decode(r.content)["job_id"]
@@ -317,3 +332,40 @@ def test_a_worker_outside_the_domain_turns_the_handoff_off_and_jobs_still_succee
     r = post(http, body())  # the other domain's worker has gone: handed off again
     job_id = msgspec.msgpack.decode(r.content)["job_id"]
     assert redis.hget(Job.key_for(job_id), "origin") == f"gradsvc@{domain(handoff_dir)}".encode()
+
+
+def test_gradsvc_up_hands_off_in_a_per_port_dir_and_removes_it_at_exit(tmp_path):
+    """`gradsvc up` sets GRADSVC_HANDOFF_DIR for its children (launcher.handoff_dir) and removes it on Ctrl-C."""
+    from gradsvc.launcher import free_port, handoff_dir as up_dir
+
+    port = free_port()
+    path = up_dir(port)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSVC_")}
+    env.update(GRADSVC_WORKER_METRICS_PORT=str(free_port()), GRADSVC_LOG_LEVEL="warning")
+    proc = subprocess.Popen([sys.executable, "-m", "gradsvc", "up", "--port", str(port), "--workers", "1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert (path / "domain").exists() and int((path / "launcher.pid").read_text()) == proc.pid
+        # A 1 MiB layer: its gradients (the result) are above the default GRADSVC_HANDOFF_MIN_BYTES.
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+        content = msgspec.msgpack.encode({"model": {"layers": [{"type": "Linear", "in_features": 512,
+                                                                "out_features": 512}], "dtype": "float32"},
+                                          "inputs": raw(x), "targets": raw(torch.zeros(4, 512)), "loss": "mse",
+                                          "options": {"numcheck": "off"}})
+        r = httpx.post(f"{base}/gradients?wait=60", content=content, headers=MSGPACK, timeout=90)
+        assert r.status_code == 200, r.content[:300]
+        job_id = msgspec.msgpack.decode(r.content)["job_id"]
+        assert files_of(path, [job_id]) == [f"{job_id}.out"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert not path.exists()

@@ -13,6 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# The benches' stacks (tests/stack.py) run as `gradsvc up` configures them: large payloads handed over in
+# a per-stack dir under /dev/shm (GRADSVC_HANDOFF_DIR, gradsvc/handoff.py) unless the environment sets it
+# (GRADSVC_HANDOFF_DIR= for the path through Redis alone).
+import tests.stack  # noqa: E402
+
+tests.stack.HANDOFF_BY_DEFAULT = "GRADSVC_HANDOFF_DIR" not in os.environ
+
 SEED_A_LAYERS = [
     {"type": "Linear", "in_features": 6, "out_features": 8},
     {"type": "Tanh"},

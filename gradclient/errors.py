@@ -12,7 +12,7 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  |        BadTargetError, BadOptionError, UnsupportedOpError, GraphNotFoundError, TooLargeError,
  |        DeviceUnavailableError                                               422
  +-- JobFailedError                   the job was queued, ran and failed (job_id says which); never retried
- |    +-- NonFiniteError 422, CanceledError 409, ResultTooLargeError 413
+ |    +-- NonFiniteError 422, CanceledError 409, InputLostError 410, ResultTooLargeError 413
  |    +-- WorkerLostError 503, JobTimeoutError 504, OutOfMemoryError 507
  +-- ServiceUnavailableError          try again later (the SDK retries these with backoff)
  |    +-- ConnectionFailedError        connection_failed: the service could not be reached

@@ -12,9 +12,31 @@ def queue_name(prefix: str, device: str) -> str:
     return prefix if device == "auto" else f"{prefix}-{device}"
 
 
-def worker_queues(prefix: str, device: str) -> list[str]:
-    """A worker drains its own device's queue first, then the shared one."""
-    return [queue_name(prefix, device), queue_name(prefix, "auto")]
+def domain_queue_name(prefix: str, device: str, domain: str) -> str:
+    """A queue only the workers of one handoff domain drain (gradsvc/handoff.py): jobs whose body or result
+    is handed over as a file go there, so no worker that cannot open the file takes them."""
+    return f"{queue_name(prefix, device)}@{domain}"
+
+
+def in_domain(queue: str | None, domain: str) -> bool:
+    """Whether a job that came through `queue` (its origin) came through one of `domain`'s queues."""
+    return bool(queue) and queue.endswith(f"@{domain}")
+
+
+def worker_queues(prefix: str, device: str, domain: str | None = None) -> list[str]:
+    """A worker drains its own device's queue first, then the shared one; with a handoff domain, that
+    domain's two queues before them."""
+    plain = [queue_name(prefix, device), queue_name(prefix, "auto")]
+    if not domain:
+        return plain
+    return [domain_queue_name(prefix, device, domain), domain_queue_name(prefix, "auto", domain), *plain]
+
+
+def rq_queue_workers_key(queue: str) -> str:
+    """RQ's set of the workers that listen on a queue (rq.worker_registration); the API counts it."""
+    from rq.worker_registration import WORKERS_BY_QUEUE_KEY
+
+    return WORKERS_BY_QUEUE_KEY % queue
 
 
 def result_key(prefix: str, job_id: str) -> str:

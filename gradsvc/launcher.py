@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,34 @@ def start_redis(port: int, pidfile: Path) -> subprocess.Popen:
     return proc
 
 
+def handoff_dir(port: int) -> Path:
+    """The stack's handoff dir (gradsvc/handoff.py): on the tmpfs /dev/shm, else under the temp dir; one per
+    API port, so two stacks on one machine keep their files apart."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+    return base / f"gradsvc-{port}"
+
+
+OWNER_FILE = "launcher.pid"
+
+
+def claim_handoff_dir(path: Path) -> bool:
+    """Makes `path` this launcher's: emptied of what a launcher that is gone left there (its files would
+    otherwise sit in memory until their TTL), the owner's PID written. False when a live launcher owns
+    it (a second `gradsvc up` on the same port): it is then shared, and left to its owner to remove."""
+    try:
+        owner = int((path / OWNER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        owner = None
+    if owner is not None and owner != os.getpid() and _pid_alive(owner):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    (path / OWNER_FILE).write_text(str(os.getpid()))
+    return True
+
+
 @dataclass
 class Child:
     name: str
@@ -111,6 +140,7 @@ class Launcher:
         self.redis: subprocess.Popen | None = None
         self.children: list[Child] = []
         self.stopping = False
+        self.handoff_dir: Path | None = None  # the dir this launcher made and removes at exit
 
     def _spawn(self, child: Child, env: dict[str, str]) -> None:
         child.proc = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent)
@@ -131,6 +161,15 @@ class Launcher:
         env["GRADSVC_PORT"] = str(self.settings.port)
         env["GRADSVC_WORKER_DEVICE"] = self.settings.worker_device
         env["GRADSVC_WORKERS"] = str(self.settings.workers)  # workers split the CPU cores between them
+        if "GRADSVC_HANDOFF_DIR" not in os.environ:
+            # The API and the workers share this machine: large bodies and results go through a file
+            # (gradsvc/handoff.py). Set GRADSVC_HANDOFF_DIR (empty: off) to choose otherwise.
+            path = handoff_dir(self.settings.port)
+            if claim_handoff_dir(path):
+                self.handoff_dir = path
+            env["GRADSVC_HANDOFF_DIR"] = str(path)
+            log.info("handoff dir %s (payloads of %d bytes and more pass outside Redis)", path,
+                     self.settings.handoff_min_bytes)
         py = [sys.executable, "-m", "gradsvc"]
         self.children = [Child("api", [*py, "serve"])] + [
             Child(f"worker-{i}", [*py, "worker", "--index", str(i)]) for i in range(self.settings.workers)]
@@ -185,7 +224,9 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.redis.kill()
         (STATE_DIR / "redis.pid").unlink(missing_ok=True)
+        if self.handoff_dir is not None:
+            shutil.rmtree(self.handoff_dir, ignore_errors=True)
         log.info("stopped")
 
 
-__all__ = ["Launcher", "free_port", "start_redis", "redis_server_binary"]
+__all__ = ["Launcher", "free_port", "start_redis", "redis_server_binary", "handoff_dir", "claim_handoff_dir"]

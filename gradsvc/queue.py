@@ -20,6 +20,7 @@ from rq.results import Result
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now, utcformat
 
+from gradsvc import handoff as handoff_files
 from gradsvc import keys
 
 # The functions RQ calls, by dotted path (the API enqueues them; the workers import them).
@@ -160,7 +161,8 @@ def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
     siblings = [shard_job_id(parent, k) for k in range(count or 0) if k != index]
     cancel_queued(connection, siblings)
     if siblings:  # results of siblings that finished first: no reduce job will read them
-        connection.delete(*[keys.result_key(prefix, sid) for sid in siblings])
+        connection.delete(*[key(prefix, sid) for sid in siblings for key in (keys.result_key, keys.reference_key)])
+    discard_files([job.id, *siblings])  # and their handoff files (this shard's own reference too)
     if error["code"] == "canceled":
         return  # the job was canceled (DELETE), or a sibling failed first and already failed it
     rows = info.get("rows")
@@ -218,7 +220,24 @@ def cancel_shards(connection: Redis, job: Job) -> None:
 
 
 def cancel_queued(connection: Redis, shard_ids: list[str]) -> None:
-    """Cancels the shards still queued; running ones stop at their next step on the job's cancel flag."""
+    """Cancels the shards still queued (deleting their handed-off bodies); running ones stop at their next
+    step on the job's cancel flag."""
+    canceled = []
     for shard in Job.fetch_many(shard_ids, connection=connection, serializer=MsgpackSerializer):
         if shard is not None and shard.get_status(refresh=False) == JobStatus.QUEUED:
             shard.cancel()
+            canceled.append(shard.id)
+    discard_files(canceled)
+
+
+def discard_files(job_ids: list[str]) -> None:
+    """Deletes the handoff files (body, result, reference) of these jobs or shards, where this process has
+    the handoff dir they were written to; elsewhere the domain's sweep deletes them after their TTL."""
+    handoff = handoff_files.installed()
+    if handoff is None:
+        return
+    for job_id in job_ids:
+        try:
+            handoff.discard(job_id)
+        except (OSError, handoff_files.HandoffError):
+            pass

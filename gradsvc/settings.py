@@ -52,6 +52,11 @@ class Settings:
     log_level: str = "info"
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False
+    # Large bodies and results handed over as files when the API and the workers share a host
+    # (gradsvc/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
+    # dir under /dev/shm. Smaller payloads go through Redis as before.
+    handoff_dir: str = ""
+    handoff_min_bytes: int = 1 << 20
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False
@@ -91,6 +96,10 @@ class Settings:
             raise SettingsError(f"GRADSVC_API_KEYS_FILE={self.api_keys_file!r}: no such file")
         if self.log_level.lower() not in LOG_LEVELS:
             raise SettingsError(f"GRADSVC_LOG_LEVEL={self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        if self.handoff_min_bytes < 0:
+            raise SettingsError(f"GRADSVC_HANDOFF_MIN_BYTES={self.handoff_min_bytes!r}: use 0 or more")
+        if self.handoff_dir and Path(self.handoff_dir).exists() and not Path(self.handoff_dir).is_dir():
+            raise SettingsError(f"GRADSVC_HANDOFF_DIR={self.handoff_dir!r}: not a directory")
         if self.rate_limit_per_minute < 0:
             raise SettingsError(f"GRADSVC_RATE_LIMIT_PER_MINUTE={self.rate_limit_per_minute!r}: use 0 (off) or more")
 

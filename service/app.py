@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -31,6 +32,7 @@ _decoders = {"json": msgspec.json.Decoder(GradientRequest), "msgpack": msgspec.m
 # the event loop keeps serving other requests (bench/medium_job.py).
 _INLINE_BODY_BYTES = 1 << 20
 _INLINE_RESULT_PARAMETERS = 1 << 16
+HANDOFF_SWEEP_S = 60.0
 
 
 def _decode(body: bytes, fmt: str) -> GradientRequest:
@@ -142,17 +144,18 @@ def create_app(settings: Settings | None = None) -> Litestar:
         if prep.graph_data is not None:
             graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
         sharded = (req, prep) if req.options.shards != 1 else None
-        return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded)
+        return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
+                             result_bytes=prep.parameter_count * prep.dtype.itemsize)
 
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str) -> Response:
         wait = wait_s(request)
         body, fmt, req = await read_request(request)
         key = _idempotency_key(request)
-        if _inline(req, body, key, auth):
+        prep = prepare(req, config, "meta") if _inline(req, body, key, auth) else None
+        if prep is not None and not store.large_result(prep.parameter_count * prep.dtype.itemsize):
             # A small layer-spec request that needs nothing else of Redis: checked on the event loop (a
             # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop.
-            prepare(req, config, "meta")
             job_id, created = await store.enqueue_async(body, fmt, owner), True
         else:
             job_id, created = await anyio.to_thread.run_sync(lambda: enqueue_in_thread(req, body, fmt, owner, key))
@@ -235,10 +238,22 @@ def create_app(settings: Settings | None = None) -> Litestar:
         exposure = settings.exposure_warning()
         if exposure:
             log.warning(exposure)
+        sweeper = asyncio.get_running_loop().create_task(sweep_handoff()) if store.handoff is not None else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             await store.close()
+
+    async def sweep_handoff() -> None:
+        """Once a minute: handoff files past their TTL go (the workers sweep too, after their jobs)."""
+        while True:
+            try:
+                await anyio.to_thread.run_sync(store.sweep_handoff)
+            except OSError as exc:
+                log.warning("handoff sweep of %s failed: %s", settings.handoff_dir, exc)
+            await anyio.sleep(HANDOFF_SWEEP_S)
 
     app = Litestar(
         route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz,

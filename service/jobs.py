@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
+import time
 import uuid
 import zlib
 from datetime import datetime, timezone
@@ -23,7 +25,9 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import utcparse
 
+from gradsvc import handoff as handoff_files
 from gradsvc import keys
+from gradsvc.handoff import Handoff, HandoffError
 from gradsvc.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from gradsvc.queue import (JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, cancel_shards, lease_s, settle,
@@ -32,6 +36,7 @@ from gradsvc.queue import (JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSeri
 from . import shards
 from .errors import ServiceError
 
+log = logging.getLogger("gradsvc.api")
 _STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "queued": "queued",
            "started": "started", "finished": "finished", "failed": "failed", "stopped": "canceled",
            "canceled": "canceled"}
@@ -43,6 +48,8 @@ _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job w
 
 # An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
 LEASE_CHECK_S = 1.0
+# How long the API trusts its last look at which workers serve a queue (whether all are in its domain).
+ROUTE_CACHE_S = 1.0
 
 
 def _iso(raw: bytes | None) -> str | None:
@@ -70,6 +77,14 @@ class JobStore:
         self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer,
                                 job_class=GradientJob)
                        for d in keys.QUEUE_DEVICES}
+        # GRADSVC_HANDOFF_DIR: large bodies go to a file and their jobs to this domain's queues
+        # (gradsvc/handoff.py), as long as every live worker of the device drains them.
+        self.handoff: Handoff | None = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
+        handoff_files.install(self.handoff)  # for a shard's failure callback run by this process (a reap)
+        self.domain_queues = {} if self.handoff is None else {
+            d: Queue(keys.domain_queue_name(self.prefix, d, self.handoff.domain), connection=self.redis,
+                     serializer=MsgpackSerializer, job_class=GradientJob) for d in keys.QUEUE_DEVICES}
+        self._routes: dict[str, tuple[float, bool]] = {}
 
     async def close(self) -> None:
         await self.aredis.aclose()
@@ -77,10 +92,12 @@ class JobStore:
         self.redis.close()
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
-                sharded=None) -> tuple[str, bool]:
+                sharded=None, result_bytes: int = 0) -> tuple[str, bool]:
         """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
         names the job it enqueued then, which is returned instead of enqueueing the same body again.
-        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py)."""
+        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py).
+        `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
+        the job goes through the handoff domain's queue, whatever its body's size)."""
         if device != "auto" and not Worker.all(queue=self.queues[device]):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
@@ -93,6 +110,7 @@ class JobStore:
             earlier = self._claim(claim, job_id, hashlib.sha256(body).hexdigest())
             if earlier is not None:
                 return earlier, False
+        ref = None
         try:
             if sharded is not None:
                 req, prep = sharded
@@ -101,10 +119,24 @@ class JobStore:
                                            self.settings.min_shard_rows)
                 if count > 1:
                     return shards.enqueue(self, req, prep, count, device, owner, job_id=job_id), True
+            queue, arg = self.queues[device], body
+            if self.handoff_wanted(device, len(body), result_bytes):
+                # The job goes to the domain's queue (its result comes back as a file), its body, when
+                # large, as a file too: the job carries the file's ref.
+                queue = self.domain_queues[device]
+                if self.handoff.wanted(len(body)):
+                    try:
+                        ref = self.handoff.put(job_id, handoff_files.INPUT, body)
+                    except OSError as exc:  # the tmpfs is full: Redis still takes it
+                        log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
+                    else:
+                        arg = ref
             with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
-                self._enqueue_plain(pipe, device, body, fmt, owner, job_id)
+                self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
                 pipe.execute()
         except BaseException:
+            if ref is not None:
+                self.handoff.delete(ref)
             if claim is not None:  # nothing was enqueued: a retry under the same key must enqueue it
                 try:
                     self.redis.delete(claim)
@@ -118,7 +150,7 @@ class JobStore:
         pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop."""
         job_id = str(uuid.uuid4())
         recorder = self.redis.pipeline()
-        self._enqueue_plain(recorder, "auto", body, fmt, owner, job_id)
+        self._enqueue_plain(recorder, self.queues["auto"], body, fmt, owner, job_id)
         commands, recorder.command_stack = recorder.command_stack, []
         pipe = self.aredis.pipeline(transaction=True)
         for args, options in commands:
@@ -126,9 +158,10 @@ class JobStore:
         await pipe.execute()
         return job_id
 
-    def _enqueue_plain(self, pipe, device: str, body: bytes, fmt: str, owner: str, job_id: str) -> None:
-        self.queues[device].enqueue(
-            JOB_FUNCTION, body, fmt,
+    def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, fmt: str, owner: str, job_id: str) -> None:
+        """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""
+        queue.enqueue(
+            JOB_FUNCTION, arg, fmt,
             job_id=job_id,
             job_timeout=self.settings.job_timeout_s,
             result_ttl=self.settings.result_ttl_s,
@@ -137,6 +170,59 @@ class JobStore:
             description="gradients",
             pipeline=pipe,
         )
+
+    def large_result(self, result_bytes: int) -> bool:
+        """Whether a job with a result this large may be handed off (then it is enqueued from a thread, since
+        deciding reads Redis: handoff_ok)."""
+        return self.handoff is not None and self.handoff.wanted(result_bytes)
+
+    def handoff_wanted(self, device: str, body_bytes: int, result_bytes: int) -> bool:
+        """Whether a job goes through the handoff domain's queue: the handoff is on, its body or its result
+        is large enough, and every live worker of the device is in the domain."""
+        return (self.handoff is not None and (self.handoff.wanted(body_bytes) or self.handoff.wanted(result_bytes))
+                and self.handoff_ok(device))
+
+    def handoff_ok(self, device: str) -> bool:
+        """Whether every live worker that drains `device`'s queue drains this domain's twin of it too, so a
+        job sent there starves no one: RQ's per-queue worker sets, one round trip (a second one only when
+        they differ, to skip workers that died without unregistering), trusted for ROUTE_CACHE_S."""
+        now = time.monotonic()
+        cached = self._routes.get(device)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.smembers(keys.rq_queue_workers_key(self.queues[device].name))
+            pipe.smembers(keys.rq_queue_workers_key(self.domain_queues[device].name))
+            plain, domain = pipe.execute()
+        others = sorted(plain - domain)
+        if others:  # workers outside the domain, or entries of dead ones: count only those alive
+            with self.redis.pipeline(transaction=False) as pipe:
+                for worker_key in others:
+                    pipe.exists(worker_key)
+                others = [k for k, alive in zip(others, pipe.execute()) if alive]
+        ok = bool(domain) and not others
+        self._routes[device] = (now + ROUTE_CACHE_S, ok)
+        return ok
+
+    def sweep_handoff(self) -> int:
+        """Deletes the handoff files that outlived their TTL (gradsvc.handoff.sweep_ages); the app runs it
+        once a minute in a thread, as each worker does after its jobs."""
+        if self.handoff is None:
+            return 0
+        return self.handoff.sweep(handoff_files.sweep_ages(self.settings.result_ttl_s, self.settings.failure_ttl_s))
+
+    async def load_result(self, raw: bytes | None, job_id: str) -> bytes | None:
+        """A result key's value as the result's bytes: as stored, or read (in a thread) from the handoff file
+        its marker names; None once either has expired."""
+        if not handoff_files.is_marker(raw):
+            return raw
+        try:
+            return await anyio.to_thread.run_sync(handoff_files.load, raw, self.handoff)
+        except HandoffError as exc:
+            # Handoff on behind a balancer over several hosts: each API reads only its own host's files.
+            raise ServiceError("internal_error", f"the result of job {job_id} is a file this API cannot read ({exc}); "
+                               "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
+                               job_id=job_id) from None
 
     def _claim(self, claim: str, job_id: str, digest: str) -> str | None:
         """Binds the key to `job_id` (None), or returns the job an earlier request bound it to."""
@@ -192,7 +278,7 @@ class JobStore:
             raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job "
                                f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
                                headers={"Retry-After": "2"}, job_id=job_id) from None
-        return bool(got), raw if got else None
+        return bool(got), await self.load_result(raw, job_id) if got else None
 
     async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
         pipe = self.aredis.pipeline(transaction=False)
@@ -234,6 +320,7 @@ class JobStore:
             error = await self._failure_from_rq(job_id)
         result = None
         if state == "finished" and with_result:
+            result_raw = await self.load_result(result_raw, job_id)
             if result_raw is None:
                 raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
             result = _result_decoder.decode(result_raw)
@@ -293,6 +380,8 @@ class JobStore:
         self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.settings.job_timeout_s + 60)
         if status != "started":
             job.cancel()
+            if self.handoff is not None:  # its handed-off body: no worker will read it now
+                self.handoff.discard(job_id)
             job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
                                  "detail": {}}
             job.save_meta()
@@ -307,7 +396,11 @@ class JobStore:
         return Worker.all(connection=self.redis)
 
     def queue_depths(self) -> dict[str, int]:
+        """Jobs waiting per queue; a handoff domain's queue counts with the queue it stands in for."""
         pipe = self.redis.pipeline(transaction=False)
-        for q in self.queues.values():
+        for d, q in self.queues.items():
             pipe.llen(q.key)
-        return dict(zip((q.name for q in self.queues.values()), pipe.execute()))
+            if d in self.domain_queues:
+                pipe.llen(self.domain_queues[d].key)
+        counts = iter(pipe.execute())
+        return {q.name: next(counts) + (next(counts) if d in self.domain_queues else 0) for d, q in self.queues.items()}

@@ -23,6 +23,7 @@ from rq.group import Group
 from rq.job import Dependency, Job, JobStatus
 from rq.utils import now
 
+from gradsvc import handoff as handoff_files
 from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
 from gradsvc.workers.engine.errors import SpecError
 from gradsvc.workers.engine.prepare import Prepared
@@ -92,7 +93,6 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     """Queues `count` shard jobs and their reduce job (id `job_id`, or a new one) in one Redis transaction;
     returns the reduce job's id."""
     check_shardable(prep, count)
-    settings = store.settings
     bounds = split_rows(prep.inputs.shape[0], count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     # Mixed mean/sum losses: a shard's combined gradient cannot be rescaled as a whole, so each shard
@@ -102,6 +102,34 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     job_id = job_id or uuid.uuid4().hex
     shard_ids = [shard_job_id(job_id, k) for k in range(count)]
     queue: Queue = store.queues[device]
+    handoff = store.handoff
+    args: list[bytes | str] = list(bodies)
+    # Each shard returns gradients of the whole model (its result), however few its rows.
+    result_bytes = prep.parameter_count * prep.dtype.itemsize
+    if store.handoff_wanted(device, max(len(b) for b in bodies), result_bytes):
+        # Every shard and the reduce job go through the domain's queue (the shards' results and references
+        # come back as files, which the reduce job reads); each large shard body goes to a file.
+        queue = store.domain_queues[device]
+        try:
+            args = [handoff.put(sid, handoff_files.INPUT, b) if handoff.wanted(len(b)) else b
+                    for sid, b in zip(shard_ids, bodies)]
+        except OSError:  # the tmpfs is full: Redis still takes the bodies
+            for sid in shard_ids:
+                handoff.discard(sid)
+    del bodies
+    try:
+        _enqueue(store, queue, plan, count, owner, job_id, shard_ids, args, bounds)
+    except BaseException:
+        if handoff is not None:
+            for sid in shard_ids:
+                handoff.discard(sid)
+        raise
+    return job_id
+
+
+def _enqueue(store: "JobStore", queue: Queue, plan, count: int, owner: str, job_id: str, shard_ids: list[str],
+             args: list, bounds: list[tuple[int, int]]) -> None:
+    settings = store.settings
     ttls = {"timeout": settings.job_timeout_s, "result_ttl": settings.result_ttl_s,
             "failure_ttl": settings.failure_ttl_s}
     shard_jobs = [
@@ -109,7 +137,7 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
                            meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
                                            "prefix": store.prefix}}, **ttls)
-        for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, bodies, bounds))]
+        for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, bounds))]
     reduce = queue.create_job(REDUCE_FUNCTION, args=(dataclasses.asdict(plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
                               description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
@@ -122,7 +150,6 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
         reduce.save(pipeline=pipe)
         reduce.register_dependency(pipeline=pipe)
         Group(store.redis, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)
-    return job_id
 
 
 # --- what GET /jobs/{id} and DELETE read and do -----------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from gradsvc.launcher import free_port, redis_server_binary, wait_port
+from gradsvc.launcher import claim_handoff_dir, free_port, handoff_dir, redis_server_binary, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +51,7 @@ class Stack:
     api: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gradsvc-test-")))
+    handoff_dir: Path | None = None  # made for this stack (start_stack(handoff=True)), removed at stop
 
     @property
     def base_url(self) -> str:
@@ -100,6 +102,8 @@ class Stack:
                 p.kill()
                 p.wait()
         self.redis.stop()
+        if self.handoff_dir is not None:
+            shutil.rmtree(self.handoff_dir, ignore_errors=True)
 
 
 def _free_port_run(n: int, avoid: set[int]) -> int:
@@ -120,14 +124,29 @@ def _free_port_run(n: int, avoid: set[int]) -> int:
         return base
 
 
-def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), **env_overrides: str) -> Stack:
+# start_stack's `handoff` when not given: bench/common.py sets it, so the benches run as `gradsvc up` does.
+HANDOFF_BY_DEFAULT = False
+
+
+def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool | None = None,
+                **env_overrides: str) -> Stack:
+    """`handoff=True`: the stack as `gradsvc up` configures it, large payloads handed over in a per-stack
+    dir under /dev/shm (gradsvc/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
+    tests: off)."""
+    if handoff is None:
+        handoff = HANDOFF_BY_DEFAULT
     redis = RedisServer(free_port(), args=redis_args).start()
     api_port = free_port()
     metrics_port = _free_port_run(4, avoid={api_port, redis.port})
     env = {**os.environ, "GRADSVC_REDIS_URL": redis.url, "GRADSVC_PORT": str(api_port),
            "GRADSVC_WORKER_METRICS_PORT": str(metrics_port), "GRADSVC_LOG_LEVEL": "warning",
            "PYTHONUNBUFFERED": "1", **env_overrides}
-    stack = Stack(redis=redis, env=env, api_port=api_port, metrics_port=metrics_port)
+    made = None
+    if handoff and "GRADSVC_HANDOFF_DIR" not in env_overrides and "GRADSVC_HANDOFF_DIR" not in os.environ:
+        made = handoff_dir(api_port)
+        claim_handoff_dir(made)
+        env["GRADSVC_HANDOFF_DIR"] = str(made)
+    stack = Stack(redis=redis, env=env, api_port=api_port, metrics_port=metrics_port, handoff_dir=made)
     try:
         stack.start_api()
         for _ in range(workers):

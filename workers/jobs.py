@@ -16,8 +16,10 @@ from rq import get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
+from gradsvc import handoff as handoff_files
 from gradsvc import keys
 from gradsvc.graphref import GraphStore
+from gradsvc.handoff import Handoff, HandoffError
 from gradsvc.queue import GradientJob
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
@@ -46,6 +48,7 @@ class WorkerContext:
     device: torch.device
     metrics: WorkerMetrics
     graphs: GraphStore | None = None  # model.graph_ref look-ups, over the worker's Redis connection
+    handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/handoff.py)
 
 
 def _graphs(ctx: WorkerContext, job: Job) -> GraphStore:
@@ -64,8 +67,10 @@ def make_context(settings: Settings) -> WorkerContext:
         # idle OpenMP threads spin on cores a sibling needs (bench/throughput.py: 2 workers ran slower
         # than 1 on 2 cores).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
+    handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
+    handoff_files.install(handoff)  # for RQ's failure callbacks (gradsvc.queue.shard_failed)
     return WorkerContext(settings=settings, config=config_from_settings(settings), device=device,
-                         metrics=WorkerMetrics())
+                         metrics=WorkerMetrics(), handoff=handoff)
 
 
 def set_context(ctx: WorkerContext) -> None:
@@ -123,14 +128,65 @@ def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | 
     return JobFailedError(f"{code}: {message}")
 
 
-def gradient_job(body: bytes, fmt: str) -> dict:
-    """Computes one POST /gradients request; the result goes to its own key as MessagePack."""
+def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | None = None) -> bytes:
+    """The request's bytes: the job's argument itself, or the file a handoff ref names (read, then deleted).
+    A ref is never a path: gradsvc/handoff.py checks its domain and name and joins it to this worker's dir."""
+    if not isinstance(body, str):
+        return body
+    if ctx.handoff is None:
+        raise ComputeError("input_lost", "the job's body was handed over as a file (GRADSVC_HANDOFF_DIR) but this "
+                           "worker has no handoff dir, so it cannot read it; submit the job again", ref=body[:100])
+    try:
+        data = ctx.handoff.take(body)
+    except HandoffError as exc:
+        raise ComputeError("input_lost", f"the job's body cannot be read here: {exc}; submit the job again",
+                           ref=body[:100]) from None
+    if data is None:
+        if job.connection.exists(keys.cancel_key(ctx.settings.queue_prefix, cancel_id or job.id)):
+            raise JobCanceledError()  # DELETE deleted it as this worker took the job
+        raise ComputeError("input_lost", "the job's body, handed over as a file in GRADSVC_HANDOFF_DIR, was gone when "
+                           "a worker took the job (it waited longer than GRADSVC_FAILURE_TTL_S, was canceled, or "
+                           "the dir was cleared); submit the job again", ref=body[:100])
+    return data
+
+
+def stored_value(job: Job, ctx: WorkerContext, kind: str, data: bytes) -> bytes:
+    """What a result key (or a shard's reference key) holds for `data`: the bytes themselves, or, for a large
+    one of a job that came through this worker's handoff domain, the marker of the file they went to."""
+    handoff = ctx.handoff
+    if handoff is not None and handoff.wanted(len(data)) and keys.in_domain(job.origin, handoff.domain):
+        try:
+            return handoff.marker(handoff.put(job.id, kind, data))
+        except OSError as exc:  # the tmpfs is full: Redis still takes it
+            log.warning("job %s: handoff of %d bytes failed (%s); storing them in Redis", job.id, len(data), exc)
+    return data
+
+
+def store_value(job: Job, ctx: WorkerContext, key: str, kind: str, data: bytes) -> None:
+    """SET of stored_value() for GRADSVC_RESULT_TTL_S."""
+    job.connection.set(key, stored_value(job, ctx, kind, data), ex=ctx.settings.result_ttl_s)
+
+
+def sweep_handoff(ctx: WorkerContext) -> None:
+    """At most once a minute: delete the handoff files that outlived their TTL (gradsvc.handoff.sweep_ages)."""
+    handoff = ctx.handoff
+    if handoff is None or not handoff.sweep_due():
+        return
+    try:
+        handoff.sweep(handoff_files.sweep_ages(ctx.settings.result_ttl_s, ctx.settings.failure_ttl_s))
+    except OSError as exc:
+        log.warning("handoff sweep of %s failed: %s", handoff.dir, exc)
+
+
+def gradient_job(body: bytes | str, fmt: str) -> dict:
+    """Computes one POST /gradients request; the result goes to its own key as MessagePack. `body`: the
+    request's bytes, or a handoff ref (str) naming the file that holds them."""
     return run_job(lambda job, ctx, queue_s: compute_request(job, ctx, body, fmt, queue_s))
 
 
-def compute_request(job: Job, ctx: WorkerContext, body: bytes, fmt: str, queue_s: float,
+def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
-    request = decode_request(body, fmt)
+    request = decode_request(job_input(job, ctx, body, cancel_id), fmt)
     result = compute(request, ctx.config, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
                      device=ctx.device, graphs=_graphs(ctx, job).get, reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
@@ -156,10 +212,11 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
                                "no per_loss) or a smaller model", result_bytes=len(data),
                                limit=settings.max_result_bytes)
         result_key = keys.result_key(settings.queue_prefix, job.id)
+        value = stored_value(job, ctx, handoff_files.RESULT, data)
         if isinstance(job, GradientJob):  # written in RQ's success transaction (GradientJob._handle_success)
-            job.pending_result = (result_key, data, settings.result_ttl_s)
+            job.pending_result = (result_key, value, settings.result_ttl_s)
         else:
-            job.connection.set(result_key, data, ex=settings.result_ttl_s)
+            job.connection.set(result_key, value, ex=settings.result_ttl_s)
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:
@@ -176,6 +233,7 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
                     "this is a gradsvc bug, please report it with the request", kind=kind) from None
     finally:
         ctx.metrics.busy.set(0)
+        sweep_handoff(ctx)
     device = str(ctx.device) if kind == "reduce" else result.device  # a reduced result may name several devices
     ctx.metrics.observe_result(device, result.timings, result.memory, result.numcheck, queue_s, kind=kind)
     return {"result_bytes": len(data)}

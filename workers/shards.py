@@ -15,13 +15,14 @@ import time
 import msgspec
 from rq.job import Job
 
+from gradsvc import handoff as handoff_files
 from gradsvc import keys
 from gradsvc.wire import GradientResult, Tensor
 
 from .engine import ComputeError
 from .engine import tensors
 from .engine.reduce import ShardPlan, add_reduce_time, check_combined, reduce_results
-from .jobs import JobCanceledError, WorkerContext, compute_request, run_job
+from .jobs import JobCanceledError, WorkerContext, compute_request, run_job, store_value
 
 log = logging.getLogger("gradsvc.worker")
 _result_decoder = msgspec.msgpack.Decoder(GradientResult)
@@ -29,17 +30,17 @@ _reference_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
 _encoder = msgspec.msgpack.Encoder()
 
 
-def shard_job(body: bytes) -> dict:
-    """One shard: a normal request over its rows; its result goes to its own result key for the reduce job."""
+def shard_job(body: bytes | str) -> dict:
+    """One shard: a normal request over its rows (its bytes, or a handoff ref); its result goes to its own
+    result key for the reduce job."""
 
     def work(job: Job, ctx: WorkerContext, queue_s: float) -> GradientResult:
         parent = job.meta["shard"]["parent"]
         reference: dict = {}
         result = compute_request(job, ctx, body, "msgpack", queue_s, cancel_id=parent, reference=reference)
         if reference:  # the float64 autograd gradients of its rows, for the combined returned-gradient check
-            job.connection.set(keys.reference_key(ctx.settings.queue_prefix, job.id),
-                               _encoder.encode({n: tensors.encode(t) for n, t in reference.items()}),
-                               ex=ctx.settings.result_ttl_s)
+            store_value(job, ctx, keys.reference_key(ctx.settings.queue_prefix, job.id), handoff_files.REFERENCE,
+                        _encoder.encode({n: tensors.encode(t) for n, t in reference.items()}))
         if job.connection.exists(keys.cancel_key(ctx.settings.queue_prefix, parent)):
             raise JobCanceledError()  # the job was canceled or a sibling failed while this one ran
         return result
@@ -55,7 +56,8 @@ def reduce_job(plan: dict, shard_ids: list[str]) -> dict:
         started = time.perf_counter()
         prefix = ctx.settings.queue_prefix
         shard_keys = [keys.result_key(prefix, sid) for sid in shard_ids]
-        raws = job.connection.mget(shard_keys)
+        # A shard's result (and reference) is its key's value, or the handoff file its marker names.
+        raws = [handoff_files.load(raw, ctx.handoff) for raw in job.connection.mget(shard_keys)]
         missing = [k for k, raw in enumerate(raws) if raw is None]
         if missing:
             raise ComputeError("internal_error", f"the results of shards {missing} expired before they could be "
@@ -68,10 +70,13 @@ def reduce_job(plan: dict, shard_ids: list[str]) -> dict:
         # references combined with the same shares (the float64 gradient of the whole batch).
         reference_keys = [keys.reference_key(prefix, sid) for sid in shard_ids]
         references = [None if raw is None else _reference_decoder.decode(raw)
-                      for raw in job.connection.mget(reference_keys)]
+                      for raw in (handoff_files.load(r, ctx.handoff) for r in job.connection.mget(reference_keys))]
         check_combined(result, references, shard_plan)
         add_reduce_time(result, 1e3 * (time.perf_counter() - started))
         job.connection.delete(*shard_keys, *reference_keys)
+        if ctx.handoff is not None:
+            for sid in shard_ids:
+                ctx.handoff.discard(sid)
         return result
 
     return run_job(work, kind="reduce")

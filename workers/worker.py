@@ -270,7 +270,7 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     connection = redis_connection(settings)
     kind = ctx.device.type
     queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
-              for name in keys.worker_queues(settings.queue_prefix, kind)]
+              for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
     return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
                           name=name, heartbeat_s=settings.worker_heartbeat_s)

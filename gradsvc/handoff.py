@@ -1,0 +1,237 @@
+"""Large payloads handed over outside Redis when the API and the workers share a host (GRADSVC_HANDOFF_DIR).
+
+A job's body, or a result, of at least GRADSVC_HANDOFF_MIN_BYTES goes to a file in the handoff dir (a
+tmpfs: /dev/shm under `gradsvc up`) and Redis carries only its reference: the job's argument is the ref
+(a str, which MessagePack keeps apart from the bytes of a body), a result key holds a small marker with
+the ref, under the same TTL as a result stored inline. Redis copies large values at 0.5-1 GB/s and each
+of them crossed it twice (in, out); a file on tmpfs is written once and read once.
+
+The domain: the dir holds a file `domain` with a random id, created once (first writer wins, atomically).
+Processes that read the same id see the same files: the same host and the same tmpfs. A process on
+another machine (or in another container) with the same path reads another id, so it never gets a ref
+it could not open: the API hands a job off only through its domain's queues, which only workers of the
+domain drain (gradsvc.keys.worker_queues).
+
+A ref is "<domain>/<name>", name a job or shard id and a kind (.in: a job's body, .out: a result, .ref: a
+shard's float64 reference). Refs come out of Redis, so none is opened as it is: the domain must be this
+dir's and the name must match a strict pattern; the path is this process's own dir joined with that name.
+
+No Redis and no torch here: os, uuid and pathlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+# Kinds of file, by suffix: a job's (or shard's) body, a result, a shard's float64 reference gradients.
+INPUT, RESULT, REFERENCE = "in", "out", "ref"
+KINDS = (INPUT, RESULT, REFERENCE)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}\.(in|out|ref)")
+_DOMAIN = re.compile(r"[0-9a-f]{32}")
+_TMP = ".tmp-"  # files being written: swept after TMP_MAX_AGE_S (their writer died)
+TMP_MAX_AGE_S = 120.0
+DOMAIN_FILE = "domain"
+
+# What a result key holds when the result is in a file: 0xc1 is the one byte MessagePack never uses, so
+# no MessagePack value (a GradientResult is a map: 0x80-0x8f, 0xde, 0xdf) starts with it.
+MARKER = b"\xc1gradsvc-handoff:"
+
+
+class HandoffError(ValueError):
+    """A ref this process must not open: malformed, a hostile name, or another domain's."""
+
+
+def file_name(job_id: str, kind: str) -> str:
+    name = f"{job_id}.{kind}"
+    if kind not in KINDS or not _NAME.fullmatch(name):
+        raise HandoffError(f"not a handoff name: {name!r}")
+    return name
+
+
+class Handoff:
+    """One handoff dir. `put` writes a file (tmp + os.replace) and returns its ref; `get` reads one by ref
+    (None when it is gone); `take` reads and deletes; `sweep` deletes files older than their kind's age."""
+
+    def __init__(self, dir: str | os.PathLike, min_bytes: int = 1 << 20) -> None:
+        self.dir = Path(dir)
+        self.min_bytes = min_bytes
+        try:
+            self.dir.mkdir(mode=0o700, parents=True)
+            os.chmod(self.dir, 0o700)  # what mkdir's mode became under the umask, exactly
+        except FileExistsError:
+            if not self.dir.is_dir():
+                raise
+        self.domain = self._domain()
+        self._last_sweep = 0.0
+
+    def _domain(self) -> str:
+        """This dir's id: read, or created once. Racers each write a temp file and link it to the final
+        name; os.link fails for all but the first, who then read the winner's."""
+        path = self.dir / DOMAIN_FILE
+        for _ in range(2):
+            try:
+                found = path.read_text().strip()
+            except FileNotFoundError:
+                pass
+            else:
+                if not _DOMAIN.fullmatch(found):
+                    raise HandoffError(f"{path} holds no handoff domain id ({found[:40]!r}); remove the file")
+                return found
+            tmp = self.dir / f"{_TMP}domain-{uuid.uuid4().hex}"
+            self._write(tmp, uuid.uuid4().hex.encode())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        return path.read_text().strip()
+
+    # --- refs ---------------------------------------------------------------------------------------
+    def ref(self, job_id: str, kind: str) -> str:
+        return f"{self.domain}/{file_name(job_id, kind)}"
+
+    def path(self, ref: str) -> Path:
+        """The file a ref names in this dir; HandoffError unless it is this domain's and a valid name."""
+        if not isinstance(ref, str) or ref.count("/") != 1:
+            raise HandoffError(f"not a handoff ref: {str(ref)[:100]!r}")
+        domain, name = ref.split("/")
+        if domain != self.domain:
+            raise HandoffError(f"handoff ref {ref[:100]!r} belongs to another domain (this dir's is {self.domain}): "
+                               "it was written on another host or with another GRADSVC_HANDOFF_DIR")
+        if not _NAME.fullmatch(name):
+            raise HandoffError(f"not a handoff name: {name[:100]!r}")
+        return self.dir / name
+
+    def wanted(self, size: int) -> bool:
+        return size >= self.min_bytes
+
+    # --- files --------------------------------------------------------------------------------------
+    @staticmethod
+    def _write(path: Path, data) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+    def put(self, job_id: str, kind: str, data) -> str:
+        """Writes `data` as the file of (job_id, kind), whole or not at all; returns its ref."""
+        name = file_name(job_id, kind)
+        tmp = self.dir / f"{_TMP}{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._write(tmp, data)
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return f"{self.domain}/{name}"
+
+    def get(self, ref: str) -> bytes | None:
+        path = self.path(ref)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def take(self, ref: str) -> bytes | None:
+        """Reads the file and deletes it (a job's body: read once)."""
+        data = self.get(ref)
+        if data is not None:
+            self.path(ref).unlink(missing_ok=True)
+        return data
+
+    def delete(self, ref: str) -> None:
+        self.path(ref).unlink(missing_ok=True)
+
+    def discard(self, job_id: str) -> None:
+        """Deletes every file of a job or shard id (body, result, reference), whichever exist."""
+        for kind in KINDS:
+            (self.dir / file_name(job_id, kind)).unlink(missing_ok=True)
+
+    def sweep(self, max_age_s: dict[str, float] | float) -> int:
+        """Deletes the files older (by mtime) than their kind's age in `max_age_s` (or one age for all), and
+        temp files older than TMP_MAX_AGE_S; returns how many. The domain file stays."""
+        ages = max_age_s if isinstance(max_age_s, dict) else dict.fromkeys(KINDS, max_age_s)
+        now = time.time()
+        removed = 0
+        with os.scandir(self.dir) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.startswith(_TMP):
+                    age = TMP_MAX_AGE_S
+                elif _NAME.fullmatch(name):
+                    age = ages.get(name.rsplit(".", 1)[1])
+                else:
+                    continue  # the domain file, or something not ours
+                if age is None:
+                    continue
+                try:
+                    if entry.is_file(follow_symlinks=False) and now - entry.stat(follow_symlinks=False).st_mtime > age:
+                        os.unlink(entry.path)
+                        removed += 1
+                except FileNotFoundError:
+                    pass  # taken or deleted meanwhile
+        self._last_sweep = time.monotonic()
+        return removed
+
+    def sweep_due(self, every_s: float = 60.0) -> bool:
+        return time.monotonic() - self._last_sweep >= every_s
+
+    # --- what result keys hold ----------------------------------------------------------------------
+    @staticmethod
+    def marker(ref: str) -> bytes:
+        return MARKER + ref.encode()
+
+
+def is_marker(raw) -> bool:
+    return raw is not None and bytes(raw[:len(MARKER)]) == MARKER
+
+
+def marker_ref(raw: bytes) -> str:
+    return bytes(raw[len(MARKER):]).decode("ascii", errors="replace")
+
+
+def load(raw: bytes | None, handoff: Handoff | None) -> bytes | None:
+    """What a result (or reference) key's value stands for, whoever stored it: the value itself, or the
+    file its marker names (None when the key or the file is gone: expired). A marker this process cannot
+    open (handoff off here, another domain) raises HandoffError."""
+    if raw is None or not is_marker(raw):
+        return raw
+    ref = marker_ref(raw)
+    if handoff is None:
+        raise HandoffError(f"a result was handed off outside Redis ({ref[:100]!r}) but this process has no "
+                           "GRADSVC_HANDOFF_DIR")
+    return handoff.get(ref)
+
+
+def sweep_ages(result_ttl_s: float, failure_ttl_s: float, margin_s: float = 60.0) -> dict[str, float]:
+    """How old each kind of file may grow: results and references as long as their key (plus a margin: the
+    file is written just before the key), a body as long as a job that never ran is kept."""
+    return {INPUT: float(failure_ttl_s), RESULT: result_ttl_s + margin_s, REFERENCE: result_ttl_s + margin_s}
+
+
+def open_dir(dir: str, min_bytes: int) -> Handoff | None:
+    """The process's handoff, or None when GRADSVC_HANDOFF_DIR is empty (off)."""
+    return Handoff(dir, min_bytes) if dir else None
+
+
+# The process's own handoff, for code that RQ calls with no context (a shard's failure callback).
+_installed: Handoff | None = None
+
+
+def install(handoff: Handoff | None) -> None:
+    global _installed
+    _installed = handoff
+
+
+def installed() -> Handoff | None:
+    return _installed

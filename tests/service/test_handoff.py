@@ -1,0 +1,175 @@
+"""gradsvc/handoff.py alone (no Redis): the domain, files by ref, hostile refs, the sweep, the result marker;
+the routing names in gradsvc/keys.py; `gradsvc up`'s per-stack dir."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+
+import msgspec
+import pytest
+
+from gradsvc import handoff as hf
+from gradsvc import keys
+from gradsvc.handoff import Handoff, HandoffError
+from gradsvc.launcher import claim_handoff_dir, handoff_dir
+from gradsvc.settings import Settings, SettingsError
+from gradsvc.wire import GradientResult, Timings
+
+
+def test_the_domain_is_made_once_and_racers_share_it(tmp_path):
+    d = tmp_path / "h"
+    got: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def make() -> None:
+        barrier.wait()
+        got.append(Handoff(d).domain)
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 1 and len(got[0]) == 32
+    assert (d / "domain").read_text() == got[0]
+    assert Handoff(d).domain == got[0]  # read, not made again
+    assert sorted(os.listdir(d)) == ["domain"]  # no temp file left behind
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE((d / "domain").stat().st_mode) == 0o600
+
+
+def test_another_dir_is_another_domain(tmp_path):
+    assert Handoff(tmp_path / "a").domain != Handoff(tmp_path / "b").domain
+
+
+def test_put_get_take_delete(tmp_path):
+    h = Handoff(tmp_path, min_bytes=10)
+    data = os.urandom(3000)
+    ref = h.put("0b5e3c1e-1d2f-4f7a-9a1b-2c3d4e5f6a7b", hf.INPUT, data)
+    assert ref == f"{h.domain}/0b5e3c1e-1d2f-4f7a-9a1b-2c3d4e5f6a7b.in"
+    path = tmp_path / "0b5e3c1e-1d2f-4f7a-9a1b-2c3d4e5f6a7b.in"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert h.get(ref) == data and h.get(ref) == data
+    assert h.take(ref) == data and not path.exists()
+    assert h.get(ref) is None and h.take(ref) is None
+    ref = h.put("job-shard-1", hf.RESULT, memoryview(data))
+    h.delete(ref)
+    assert h.get(ref) is None
+    h.delete(ref)  # deleting what is gone is fine
+    for kind in hf.KINDS:
+        h.put("job-shard-2", kind, b"x")
+    h.discard("job-shard-2")
+    assert sorted(os.listdir(tmp_path)) == ["domain"]
+    assert h.wanted(10) and not h.wanted(9)
+
+
+@pytest.mark.parametrize("ref", [
+    "../x", "/etc/passwd", "{d}/../domain", "{d}//etc/passwd", "{d}/domain", "{d}/x.txt", "{d}/.tmp-x.in",
+    "{d}/a/b.in", "{d}/", "{d}", "{d}/-x.in", "{d}/x.in\x00", "{d}/x.in/", "{d}/..in", "other/x.in",
+    "0123456789abcdef0123456789abcdef/x.in", "{d}/" + "a" * 200 + ".in", "", "{d}/x.IN",
+])
+def test_hostile_or_foreign_refs_are_refused(tmp_path, ref):
+    h = Handoff(tmp_path / "h")
+    (tmp_path / "h" / "x.txt").write_text("secret")
+    with pytest.raises(HandoffError):
+        h.get(ref.format(d=h.domain))
+    with pytest.raises(HandoffError):
+        h.take(ref.format(d=h.domain))
+    with pytest.raises(HandoffError):
+        h.delete(ref.format(d=h.domain))
+    assert (tmp_path / "h" / "x.txt").exists() and (tmp_path / "h" / "domain").exists()
+
+
+def test_refs_that_are_not_strings_and_bad_names_are_refused(tmp_path):
+    h = Handoff(tmp_path)
+    for ref in (None, b"x", 5):
+        with pytest.raises(HandoffError):
+            h.get(ref)
+    for job_id in ("../x", "a/b", "", ".x", "x y"):
+        with pytest.raises(HandoffError):
+            h.put(job_id, hf.INPUT, b"data")
+    with pytest.raises(HandoffError):
+        h.put("job", "exe", b"data")
+    assert sorted(os.listdir(tmp_path)) == ["domain"]
+
+
+def test_a_symlink_is_not_followed(tmp_path):
+    h = Handoff(tmp_path / "h")
+    (tmp_path / "secret").write_bytes(b"secret")
+    os.symlink(tmp_path / "secret", tmp_path / "h" / "job.out")
+    with pytest.raises(OSError):
+        h.get(f"{h.domain}/job.out")
+
+
+def test_sweep_by_age_and_kind(tmp_path):
+    h = Handoff(tmp_path)
+    old, new = time.time() - 1000, time.time()
+    for name, mtime in [("a.in", old), ("b.in", new), ("a.out", old), ("b.out", new), ("a.ref", old),
+                        (".tmp-a.out-1234", old), (".tmp-b.out-1234", new), ("launcher.pid", old),
+                        ("notes.txt", old)]:
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (mtime, mtime))
+    assert h.sweep({"in": 2000, "out": 500, "ref": 500}) == 3  # a.out, a.ref, the old temp file
+    assert sorted(os.listdir(tmp_path)) == [".tmp-b.out-1234", "a.in", "b.in", "b.out", "domain", "launcher.pid",
+                                            "notes.txt"]
+    assert h.sweep(10) == 1  # a.in
+    assert not h.sweep_due()
+    ages = hf.sweep_ages(3600, 86400)
+    assert ages == {"in": 86400.0, "out": 3660.0, "ref": 3660.0}
+
+
+def test_the_marker_is_no_messagepack_result_and_load_reads_either(tmp_path):
+    h = Handoff(tmp_path)
+    result = msgspec.msgpack.encode(GradientResult(device="cpu", dtype="float32", parameter_count=0,
+                                                   torch_version="2", loss=1.0, gradients={},
+                                                   timings=msgspec.convert({}, Timings)))
+    assert not hf.is_marker(result) and hf.load(result, h) == result and hf.load(result, None) == result
+    assert hf.load(None, h) is None
+    ref = h.put("job", hf.RESULT, result)
+    marker = h.marker(ref)
+    assert hf.is_marker(marker) and len(marker) < 100
+    with pytest.raises(msgspec.DecodeError):
+        msgspec.msgpack.decode(marker)
+    assert hf.load(marker, h) == result
+    with pytest.raises(HandoffError):
+        hf.load(marker, None)  # handoff off here
+    with pytest.raises(HandoffError):
+        hf.load(marker, Handoff(tmp_path / "other"))  # another domain
+    h.delete(ref)
+    assert hf.load(marker, h) is None  # expired
+
+
+def test_domain_queues_come_first_and_are_named_in_keys():
+    assert keys.worker_queues("gradsvc", "cpu") == ["gradsvc-cpu", "gradsvc"]
+    assert keys.worker_queues("gradsvc", "cuda", "d0") == ["gradsvc-cuda@d0", "gradsvc@d0", "gradsvc-cuda", "gradsvc"]
+    assert keys.in_domain("gradsvc-cpu@d0", "d0") and not keys.in_domain("gradsvc-cpu", "d0")
+    assert not keys.in_domain(None, "d0") and not keys.in_domain("gradsvc@d1", "d0")
+    assert keys.rq_queue_workers_key("gradsvc@d0") == "rq:workers:gradsvc@d0"
+
+
+def test_settings():
+    s = Settings.from_env({})
+    assert s.handoff_dir == "" and s.handoff_min_bytes == 1 << 20
+    s = Settings.from_env({"GRADSVC_HANDOFF_DIR": "/dev/shm/x", "GRADSVC_HANDOFF_MIN_BYTES": "0"})
+    assert s.handoff_dir == "/dev/shm/x" and s.handoff_min_bytes == 0
+    with pytest.raises(SettingsError, match="GRADSVC_HANDOFF_MIN_BYTES"):
+        Settings.from_env({"GRADSVC_HANDOFF_MIN_BYTES": "-1"})
+    assert hf.open_dir("", 5) is None
+
+
+def test_up_makes_one_dir_per_port_and_claims_it(tmp_path):
+    path = handoff_dir(8123)
+    assert path.name == "gradsvc-8123" and path.parent.is_dir()
+    d = tmp_path / "gradsvc-1"
+    d.mkdir()
+    (d / "left.out").write_bytes(b"x")
+    (d / "launcher.pid").write_text("999999999")  # a launcher that is gone
+    assert claim_handoff_dir(d)
+    assert sorted(os.listdir(d)) == ["launcher.pid"] and stat.S_IMODE(d.stat().st_mode) == 0o700
+    (d / "launcher.pid").write_text(str(os.getppid()))  # a live one
+    (d / "kept.out").write_bytes(b"x")
+    assert not claim_handoff_dir(d)
+    assert (d / "kept.out").exists()

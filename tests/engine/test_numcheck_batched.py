@@ -202,8 +202,18 @@ def test_plan_covers_every_pick_once_within_the_bound(limit, row_elements, monke
         for name, start, stop in call:
             seen[name] += picks[name][start:stop].tolist()
     for name, p in params.items():
-        # a tensor too large for two rows is left to the loop, whole
-        assert seen[name] == ([] if batched.rows(p.numel()) < 2 else list(range(p.numel()))), name
+        # a tensor too large to batch is left to the loop, whole
+        assert seen[name] == ([] if batched.rows(p.numel()) == 0 else list(range(p.numel()))), name
+
+
+def test_evaluations_too_large_to_pay_are_left_to_the_loop(monkeypatch):
+    monkeypatch.setattr(numcheck, "ROW_ELEMENTS_MAX", 40)
+    params = dict(seed_a_module().named_parameters())  # 48, 8, 24, 3 elements
+    picks = {n: torch.arange(p.numel()) for n, p in params.items()}
+    plan = numcheck._plan(params, picks, numcheck.Batched(lambda p: None, 10))
+    # 0.weight alone would hold 58 elements a row; 0.bias with 2.weight 42, so 2.weight opens a call of its own
+    assert plan == [[("0.bias", 0, 8)], [("2.weight", 0, 24), ("2.bias", 0, 3)]]
+    assert all(name != "0.weight" for call in plan for name, _, _ in call)
 
 
 @pytest.mark.parametrize("limit", [2_000, 600, 60])

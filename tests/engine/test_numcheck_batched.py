@@ -262,6 +262,20 @@ def test_a_failing_batched_call_falls_back_to_the_loop(fail_at, mode, monkeypatc
     assert seen and all(done <= total for _, done, total in seen)
 
 
+def test_a_job_timeout_inside_a_batched_call_is_not_swallowed():
+    from rq.timeouts import JobTimeoutException
+
+    params, loss_fn, batched = _pieces("seed_a")
+    grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
+
+    def timed_out(perturbed):
+        raise JobTimeoutException("past the job's timeout")
+
+    with pytest.raises(JobTimeoutException):
+        numcheck.run("exact", params, loss_fn, grads, eps=EPS, tolerance=1e-6, samples=4, directions=8, seed=0,
+                     batched=numcheck.Batched(timed_out))
+
+
 @pytest.mark.parametrize("layers, why", [
     (SEED_A_LAYERS[:2] + [{"type": "Dropout", "p": 0.2}] + SEED_A_LAYERS[2:], "random"),
     ([SEED_A_LAYERS[0], {"type": "BatchNorm1d", "num_features": 8}] + SEED_A_LAYERS[1:], "buffers"),

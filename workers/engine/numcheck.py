@@ -36,9 +36,15 @@ log = logging.getLogger(__name__)
 BATCH_ELEMENTS = 1 << 22
 # Batching pays where one evaluation is small (its ~20-60 us of Python and dispatch outweigh its arithmetic):
 # an evaluation (row) holding more elements than this, perturbed tensors and activations, runs in the loop.
-# Measured (bench/numcheck_cost.py's MLPs, directional): 2.2x faster at 10,330 parameters, 0.8x at 103,210
-# and 0.3x at 1,032,010, where a row's copies and batched matmuls cost more than the loop's overhead.
+# Measured once each on a loaded 2-core machine (bench/numcheck_cost.py's MLPs, directional): 2.2x faster
+# at 10,330 parameters, 0.8x at 103,210 and 0.3x at 1,032,010, where a row's copies and batched matmuls
+# cost more than the loop's overhead.
 ROW_ELEMENTS_MAX = 1 << 16
+# What a failed batched call raises (torch.func's missing batching rules and refusals, a kernel's errors,
+# running out of memory): the check falls back to the loop. Anything else (the worker's job timeout, which
+# RQ raises asynchronously wherever the job is, a cancellation) goes through.
+BATCH_FAILURES = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError, AssertionError,
+                  ArithmeticError, MemoryError)
 
 
 class Batched(NamedTuple):
@@ -225,7 +231,7 @@ def run(
             rows = next(iter(perturbed.values())).shape[0]
             if out.shape[0] != rows:
                 raise RuntimeError(f"{out.shape[0]} losses for {rows} evaluations")
-        except Exception as exc:  # never fail a check because batching failed: the loop is the reference
+        except BATCH_FAILURES as exc:  # never fail a check because batching failed: the loop is the reference
             log.debug("numcheck: batched evaluation failed, evaluating one loss at a time: %r", exc)
             batched = None
             return None

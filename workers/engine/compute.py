@@ -449,19 +449,23 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     seed = request.model.seed
 
     random = _is_random(model64)
+    batchable = numcheck.batchable(model64, device, graph=prep.graph is not None, random=random)
 
     def loss_fn() -> torch.Tensor:
         with _seeded(seed, device, random):
             out = model64(x64)
             return sum(t.weight * t(out, t64[t.name]) for t in prep.terms)
 
-    grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()), materialize_grads=True)))
+    with numcheck.output_elements(model64, on=batchable) as activations:
+        loss = loss_fn()
+    grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), materialize_grads=True)))
     if reference is not None:
         reference.update({n: g.detach().to("cpu") for n, g in grads.items()})
+    batched = numcheck.batched(model64, x64, t64, prep.terms, activations[0]) if batchable else None
     return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                         samples=opts.numcheck_samples or config.numcheck_samples,
                         directions=config.numcheck_directions, seed=seed, progress=progress,
-                        returned=returned, returned_dtype=_computed_dtype(prep))
+                        returned=returned, returned_dtype=_computed_dtype(prep), batched=batched)
 
 
 def _computed_dtype(prep: Prepared) -> torch.dtype:

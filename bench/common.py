@@ -20,20 +20,7 @@ import tests.stack  # noqa: E402
 
 tests.stack.HANDOFF_BY_DEFAULT = "GRADSVC_HANDOFF_DIR" not in os.environ
 
-SEED_A_LAYERS = [
-    {"type": "Linear", "in_features": 6, "out_features": 8},
-    {"type": "Tanh"},
-    {"type": "Linear", "in_features": 8, "out_features": 3},
-]
-
-
-def seed_a_body(options: dict | None = None) -> dict:
-    """Seed 003 [A]'s 6-8-3 tanh float64 net on tests/nets.py's batch of 4, as a JSON request body."""
-    from tests.nets import seed_a_batch
-
-    x, y = seed_a_batch()
-    return {"model": {"layers": SEED_A_LAYERS, "dtype": "float64", "seed": 0}, "inputs": x.tolist(),
-            "targets": y.tolist(), "loss": "cross_entropy", "options": options or {}}
+from tests.nets import SEED_A_LAYERS, seed_a_body  # noqa: E402,F401  (the benches' seed [A] request)
 
 
 def wide_layers(depth: int, width: int) -> list[dict]:

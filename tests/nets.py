@@ -22,6 +22,13 @@ def seed_a_batch(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
+def seed_a_body(options: dict | None = None) -> dict:
+    """Seed 003 [A]'s 6-8-3 tanh float64 net on seed_a_batch()'s 4 rows, as a JSON request body."""
+    x, y = seed_a_batch()
+    return {"model": {"layers": SEED_A_LAYERS, "dtype": "float64", "seed": 0}, "inputs": x.tolist(),
+            "targets": y.tolist(), "loss": "cross_entropy", "options": options or {}}
+
+
 def wide_stack_layers(depth: int, width: int = 1024) -> list[dict]:
     layers: list[dict] = []
     for _ in range(depth):

@@ -122,7 +122,7 @@ def test_batched_check_gives_the_sequential_figures(net, mode, batched_calls, mo
 
 
 def test_seed_a_counts_each_perturbed_loss_and_batches_in_one_call(batched_calls):
-    from bench.common import seed_a_body
+    from ..nets import seed_a_body
 
     for mode, evaluations in (("exact", 166), ("sampled", 54), ("auto", 166)):
         batched_calls.clear()

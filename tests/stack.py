@@ -57,6 +57,16 @@ class Stack:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
 
+    def http_client(self, timeout: float = 120) -> httpx.Client:
+        """An httpx client on this stack's API (close it, or use it as a context manager)."""
+        return httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def redis_client(self):
+        """A redis-py client on this stack's Redis (close it)."""
+        import redis
+
+        return redis.Redis.from_url(self.redis.url)
+
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "ab")
         return subprocess.Popen([sys.executable, "-m", "gradsvc", *args], env=self.env, cwd=ROOT, stdout=log,
@@ -156,3 +166,14 @@ def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: boo
         stack.stop()
         raise
     return stack
+
+
+def wait_status(http: httpx.Client, job_id: str, statuses: tuple[str, ...] = ("finished", "failed", "canceled"),
+                timeout_s: float = 60) -> dict:
+    """GET /jobs/{id} every 0.2 s until its status is one of `statuses` (or timeout_s passed): the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = http.get(f"/jobs/{job_id}").json()
+        if job.get("status") in statuses or time.monotonic() > deadline:
+            return job
+        time.sleep(0.2)

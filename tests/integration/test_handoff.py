@@ -22,7 +22,7 @@ from rq.job import Job
 from gradsvc import handoff as hf
 from gradsvc import keys
 
-from ..stack import ROOT, Stack, start_stack
+from ..stack import ROOT, Stack, start_stack, wait_status
 
 MIN_BYTES = 4096
 REL = 1e-12
@@ -46,15 +46,14 @@ def hstack(handoff_dir):
 
 @pytest.fixture()
 def http(hstack: Stack):
-    with httpx.Client(base_url=hstack.base_url, timeout=120) as client:
+    with hstack.http_client() as client:
         yield client
 
 
 @pytest.fixture()
 def redis(hstack: Stack):
-    r = Redis.from_url(hstack.redis.url)
-    yield r
-    r.close()
+    with hstack.redis_client() as r:
+        yield r
 
 
 def domain(handoff_dir: Path) -> str:
@@ -118,14 +117,6 @@ def post(http: httpx.Client, content: bytes, accept: str = "application/msgpack"
     return http.post("/gradients", params={"wait": wait}, content=content,
                      headers={"Content-Type": "application/msgpack", "Accept": accept})
 
-
-def wait_status(http: httpx.Client, job_id: str, statuses=TERMINAL, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = http.get(f"/jobs/{job_id}").json()
-        if job.get("status") in statuses or time.monotonic() > deadline:
-            return job
-        time.sleep(0.2)
 
 
 def long_body(shards: int) -> bytes:

@@ -19,7 +19,7 @@ import pytest
 from gradsvc.launcher import free_port
 
 from ..nets import SEED_A_LAYERS
-from ..stack import ROOT, Stack, start_stack
+from ..stack import ROOT, Stack, start_stack, wait_status
 
 HEARTBEAT_S = 2  # a job lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -46,14 +46,6 @@ def submit(http: httpx.Client, body: dict) -> str:
     return r.json()["job_id"]
 
 
-def wait_status(http: httpx.Client, job_id: str, statuses: tuple[str, ...], timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = http.get(f"/jobs/{job_id}").json()
-        if job.get("status") in statuses or time.monotonic() > deadline:
-            return job
-        time.sleep(0.2)
-
 
 @pytest.fixture(scope="module")
 def limits_stack():
@@ -65,7 +57,7 @@ def limits_stack():
 
 @pytest.fixture()
 def lhttp(limits_stack: Stack):
-    with httpx.Client(base_url=limits_stack.base_url, timeout=60) as client:
+    with limits_stack.http_client(timeout=60) as client:
         yield client
 
 

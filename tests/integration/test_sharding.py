@@ -18,7 +18,7 @@ from rq.job import Job
 from gradsvc import keys
 
 from ..nets import SEED_A_LAYERS, from_wire, tensor_json
-from ..stack import Stack, start_stack
+from ..stack import Stack, start_stack, wait_status
 
 HEARTBEAT_S = 2  # a job's lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -35,15 +35,14 @@ def shard_stack():
 
 @pytest.fixture()
 def http(shard_stack: Stack):
-    with httpx.Client(base_url=shard_stack.base_url, timeout=120) as client:
+    with shard_stack.http_client() as client:
         yield client
 
 
 @pytest.fixture()
 def redis(shard_stack: Stack):
-    r = Redis.from_url(shard_stack.redis.url)
-    yield r
-    r.close()
+    with shard_stack.redis_client() as r:
+        yield r
 
 
 def body(loss=None, losses=None, n: int = N, **options) -> dict:
@@ -74,14 +73,6 @@ def post(http: httpx.Client, b: dict) -> dict:
     assert r.status_code == 200, r.text
     return r.json()
 
-
-def wait_status(http: httpx.Client, job_id: str, statuses: tuple[str, ...], timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = http.get(f"/jobs/{job_id}").json()
-        if job.get("status") in statuses or time.monotonic() > deadline:
-            return job
-        time.sleep(0.2)
 
 
 def assert_close(a: dict | None, b: dict | None, what: str) -> None:

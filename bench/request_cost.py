@@ -7,6 +7,9 @@ memory off, JSON, POST /gradients?wait=30 from one keep-alive httpx client, one 
                    redis-server over N requests (psutil), divided by N.
   Redis commands   INFO commandstats over the same requests, divided by N: every command any process
                    sent (the API's enqueue and wait, the worker's dequeue and its RQ bookkeeping).
+  validation       POST /estimate of that spec (seen before) and GET /healthz, alternating, nothing else
+                   running: p50 of each and their difference (summary.py measures the same pair between
+                   gradient jobs and in-process computes, with the caches the jobs leave behind).
 
 Run: .venv/bin/python bench/request_cost.py
 """
@@ -57,12 +60,26 @@ def main() -> None:
                 assert r.status_code == 200, r.text
             wall = time.perf_counter() - t0
             c1, k1 = cpu(), commands()
+            estimate, health = [], []
+            for _ in range(N):
+                t = time.perf_counter()
+                assert client.post("/estimate", content=content).status_code == 200
+                t1 = time.perf_counter()
+                client.get("/healthz")
+                estimate.append(1e3 * (t1 - t))
+                health.append(1e3 * (time.perf_counter() - t1))
         latencies.sort()
         per_cpu = {k: 1e3 * (c1[k] - c0[k]) / N for k in c0}
         table(["process", "CPU ms per job"], [[k, v] for k, v in per_cpu.items()] +
               [["all four", sum(per_cpu.values())], ["(wall ms per job)", 1e3 * wall / N],
                ["(e2e p50 ms)", latencies[N // 2]]])
+        estimate.sort()
+        health.sort()
         calls = {k: (v - k0.get(k, 0)) / N for k, v in k1.items() if k != "info" and v - k0.get(k, 0) > 0}
+        print()
+        table(["validation", "p50 ms"], [["POST /estimate (spec seen before)", estimate[N // 2]],
+                                         ["GET /healthz", health[N // 2]],
+                                         ["difference (goal <= 0.3)", estimate[N // 2] - health[N // 2]]])
         print()
         table(["Redis command", "per job"], [["all", sum(calls.values())]] +
               [[k, v] for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v >= 0.5])

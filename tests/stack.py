@@ -177,3 +177,15 @@ def wait_status(http: httpx.Client, job_id: str, statuses: tuple[str, ...] = ("f
         if job.get("status") in statuses or time.monotonic() > deadline:
             return job
         time.sleep(0.2)
+
+
+def wait_started(redis, job_ids: list[str], count: int, timeout_s: float = 60) -> list[str]:
+    """Polls the RQ job hashes until `count` of these jobs are started (or timeout_s passed): their ids."""
+    from rq.job import Job
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [j for j in job_ids if redis.hget(Job.key_for(j), "status") == b"started"]
+        if len(running) == count or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)

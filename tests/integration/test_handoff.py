@@ -22,7 +22,7 @@ from rq.job import Job
 from gradsvc import handoff as hf
 from gradsvc import keys
 
-from ..stack import ROOT, Stack, start_stack, wait_status
+from ..stack import ROOT, Stack, start_stack, wait_started, wait_status
 
 MIN_BYTES = 4096
 REL = 1e-12
@@ -44,16 +44,9 @@ def hstack(handoff_dir):
     s.stop()
 
 
-@pytest.fixture()
-def http(hstack: Stack):
-    with hstack.http_client() as client:
-        yield client
-
-
-@pytest.fixture()
-def redis(hstack: Stack):
-    with hstack.redis_client() as r:
-        yield r
+@pytest.fixture(scope="module")
+def live(hstack: Stack) -> Stack:  # its `http` and `redis` (tests/integration/conftest.py)
+    return hstack
 
 
 def domain(handoff_dir: Path) -> str:
@@ -265,13 +258,7 @@ def test_a_killed_shard_worker_leaves_no_file_behind(http, redis, handoff_dir, h
     r = post(http, long_body(shards=3), wait=0)
     job_id = msgspec.msgpack.decode(r.content)["job_id"]
     ids = [f"{job_id}-shard-{k}" for k in range(3)]
-    deadline = time.monotonic() + 60
-    running: list[str] = []
-    while time.monotonic() < deadline:
-        running = [s for s in ids if redis.hget(Job.key_for(s), "status") == b"started"]
-        if len(running) == 2:
-            break
-        time.sleep(0.1)
+    running = wait_started(redis, ids, 2)
     assert len(running) == 2
     queued = [s for s in ids if s not in running]
     assert files_of(handoff_dir, queued) == [f"{queued[0]}.in"]  # the third shard's body waits

@@ -18,7 +18,7 @@ from rq.job import Job
 from gradsvc import keys
 
 from ..nets import SEED_A_LAYERS, from_wire, tensor_json
-from ..stack import Stack, start_stack, wait_status
+from ..stack import Stack, start_stack, wait_started, wait_status
 
 HEARTBEAT_S = 2  # a job's lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -33,16 +33,9 @@ def shard_stack():
     s.stop()
 
 
-@pytest.fixture()
-def http(shard_stack: Stack):
-    with shard_stack.http_client() as client:
-        yield client
-
-
-@pytest.fixture()
-def redis(shard_stack: Stack):
-    with shard_stack.redis_client() as r:
-        yield r
+@pytest.fixture(scope="module")
+def live(shard_stack: Stack) -> Stack:  # its `http` and `redis` (tests/integration/conftest.py)
+    return shard_stack
 
 
 def body(loss=None, losses=None, n: int = N, **options) -> dict:
@@ -288,13 +281,7 @@ def test_a_killed_shard_worker_ends_the_job_worker_lost_naming_the_shard_and_can
     r = http.post("/gradients?wait=0", json=long_body(shards=3))
     job_id = r.json()["job_id"]
     ids = _shard_ids(job_id, 3)
-    deadline = time.monotonic() + 60
-    running: list[str] = []
-    while time.monotonic() < deadline:
-        running = [s for s in ids if redis.hget(Job.key_for(s), "status") == b"started"]
-        if len(running) == 2:
-            break
-        time.sleep(0.2)
+    running = wait_started(redis, ids, 2)
     assert len(running) == 2, "two shards should run on the two workers"
     victim_shard = running[0]
     worker_name = redis.hget(Job.key_for(victim_shard), "worker_name").decode()

@@ -41,7 +41,7 @@ def sync_redis(url: str, **kwargs: Any) -> Redis:
     """A redis-py client for `url` that sends large values without copying them. With hiredis installed
     (the server extra installs it, for its reply parser) redis-py packs every command through
     hiredis.pack_command, which copies each argument twice: 36-56 ms per 33 MB SET here, on the path of
-    every large request and result. redis-py's own packer sends a large value as it is."""
+    every large request and result. redis-py's own packer sends a large value as it is (_Packer)."""
     return Redis.from_url(url, command_packer=_Packer(), **kwargs)
 
 
@@ -62,6 +62,8 @@ class _Packer:
                                        for a in args):
             return self.python.pack(*args)
         return self.hiredis.pack(*args)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
@@ -89,6 +91,7 @@ class GradientJob(Job):
     _data_stored = False
     # A result run_job hands over for the success transaction: (key, bytes, ttl) (see _handle_success).
     pending_result: tuple[str, bytes, int] | None = None
+    result_flushed = False  # the pending result went into a transaction (flush_result)
 
     def restore(self, raw_data) -> None:
         super().restore(raw_data)
@@ -121,8 +124,6 @@ class GradientJob(Job):
             key, data, ttl = self.pending_result
             connection.set(key, data, ex=ttl)
             self.result_flushed = True
-
-    result_flushed = False
 
 
 def shard_job_id(job_id: str, index: int) -> str:

@@ -44,9 +44,16 @@ def hstack(handoff_dir):
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def live(hstack: Stack) -> Stack:  # its `http` and `redis` (tests/integration/conftest.py)
-    return hstack
+@pytest.fixture()
+def http(hstack: Stack):
+    with hstack.http_client() as client:
+        yield client
+
+
+@pytest.fixture()
+def redis(hstack: Stack):
+    with hstack.redis_client() as r:
+        yield r
 
 
 def domain(handoff_dir: Path) -> str:

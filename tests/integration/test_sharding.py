@@ -33,9 +33,16 @@ def shard_stack():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def live(shard_stack: Stack) -> Stack:  # its `http` and `redis` (tests/integration/conftest.py)
-    return shard_stack
+@pytest.fixture()
+def http(shard_stack: Stack):
+    with shard_stack.http_client() as client:
+        yield client
+
+
+@pytest.fixture()
+def redis(shard_stack: Stack):
+    with shard_stack.redis_client() as r:
+        yield r
 
 
 def body(loss=None, losses=None, n: int = N, **options) -> dict:

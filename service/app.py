@@ -17,6 +17,7 @@ from gradsvc.malloc import keep_large_buffers
 from gradsvc.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from gradsvc.workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
+from gradsvc.workers.engine.prepare import Prepared
 
 from . import openapi
 from .auth import Auth
@@ -135,11 +136,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
                                value=shown)
         return min(wait, settings.max_wait_s)
 
-    def enqueue_in_thread(req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None) -> tuple[str, bool]:
+    def enqueue_in_thread(req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None,
+                          prep: Prepared | None = None) -> tuple[str, bool]:
         """Validation and enqueue in one thread hop. Validation on the meta device: an invalid spec never
         reaches the queue. A graph_ref is looked up (and its TTL refreshed) here; a graph sent whole is kept
-        under its ref for the next request."""
-        prep = prepare(req, config, "meta", graphs=graphs.get)
+        under its ref for the next request. `prep`: the request already validated on the event loop."""
+        if prep is None:
+            prep = prepare(req, config, "meta", graphs=graphs.get)
         auth.check_rate(owner)
         if prep.graph_data is not None:
             graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
@@ -158,7 +161,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop.
             job_id, created = await store.enqueue_async(body, fmt, owner), True
         else:
-            job_id, created = await anyio.to_thread.run_sync(lambda: enqueue_in_thread(req, body, fmt, owner, key))
+            job_id, created = await anyio.to_thread.run_sync(lambda: enqueue_in_thread(req, body, fmt, owner, key,
+                                                                                        prep))
         if created:
             metrics.jobs_submitted.inc()
         ended, raw = await store.wait(job_id, wait)

@@ -22,6 +22,11 @@ def seed_a_batch(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
+# Two loss terms over one graph, each reading its own target (the sharding and reduction tests' case).
+TWO_LOSSES = [{"name": "task", "type": "cross_entropy", "weight": 1.0, "target": "label"},
+              {"name": "distill", "type": "mse", "weight": 0.5, "target": "teacher"}]
+
+
 def seed_a_body(options: dict | None = None) -> dict:
     """Seed 003 [A]'s 6-8-3 tanh float64 net on seed_a_batch()'s 4 rows, as a JSON request body."""
     x, y = seed_a_batch()

@@ -189,3 +189,21 @@ def wait_started(redis, job_ids: list[str], count: int, timeout_s: float = 60) -
         if len(running) == count or time.monotonic() > deadline:
             return running
         time.sleep(0.1)
+
+
+def client_fixtures(stack_fixture: str):
+    """`http` and `redis` fixtures over the module's own stack fixture (named `stack_fixture`):
+    `http, redis = client_fixtures("my_stack")` in a test module."""
+    import pytest
+
+    @pytest.fixture()
+    def http(request):
+        with request.getfixturevalue(stack_fixture).http_client() as client:
+            yield client
+
+    @pytest.fixture()
+    def redis(request):
+        with request.getfixturevalue(stack_fixture).redis_client() as r:
+            yield r
+
+    return http, redis

@@ -15,7 +15,7 @@ from gradsvc.workers.engine.prepare import EngineConfig
 from gradsvc.workers.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
 from gradsvc.workers.engine.tensors import decode
 
-from ..nets import SEED_A_LAYERS, tensor_json
+from ..nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
 
 N = 23  # divides by none of 2, 3, 7
 REL = 1e-12
@@ -100,8 +100,6 @@ def assert_same(got: GradientResult, want: GradientResult) -> None:
                 assert_close(got.per_sample.gradients[name], g, f"per_sample {name}")
 
 
-TWO_LOSSES = [{"name": "task", "type": "cross_entropy", "weight": 1.0, "target": "label"},
-              {"name": "distill", "type": "mse", "weight": 0.5, "target": "teacher"}]
 CASES = {
     "mean": dict(loss="cross_entropy"),
     "sum": dict(loss={"type": "cross_entropy", "reduction": "sum"}),

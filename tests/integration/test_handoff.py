@@ -22,7 +22,7 @@ from rq.job import Job
 from gradsvc import handoff as hf
 from gradsvc import keys
 
-from ..stack import ROOT, Stack, start_stack, wait_started, wait_status
+from ..stack import ROOT, client_fixtures, start_stack, wait_started, wait_status
 
 MIN_BYTES = 4096
 REL = 1e-12
@@ -44,16 +44,7 @@ def hstack(handoff_dir):
     s.stop()
 
 
-@pytest.fixture()
-def http(hstack: Stack):
-    with hstack.http_client() as client:
-        yield client
-
-
-@pytest.fixture()
-def redis(hstack: Stack):
-    with hstack.redis_client() as r:
-        yield r
+http, redis = client_fixtures("hstack")
 
 
 def domain(handoff_dir: Path) -> str:

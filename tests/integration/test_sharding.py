@@ -17,8 +17,8 @@ from rq.job import Job
 
 from gradsvc import keys
 
-from ..nets import SEED_A_LAYERS, from_wire, tensor_json
-from ..stack import Stack, start_stack, wait_started, wait_status
+from ..nets import SEED_A_LAYERS, TWO_LOSSES, from_wire, tensor_json
+from ..stack import client_fixtures, start_stack, wait_started, wait_status
 
 HEARTBEAT_S = 2  # a job's lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -33,16 +33,7 @@ def shard_stack():
     s.stop()
 
 
-@pytest.fixture()
-def http(shard_stack: Stack):
-    with shard_stack.http_client() as client:
-        yield client
-
-
-@pytest.fixture()
-def redis(shard_stack: Stack):
-    with shard_stack.redis_client() as r:
-        yield r
+http, redis = client_fixtures("shard_stack")
 
 
 def body(loss=None, losses=None, n: int = N, **options) -> dict:
@@ -106,8 +97,6 @@ def assert_same(got: dict, want: dict) -> None:
             assert_close(got["per_sample"]["gradients"][name], g, f"per_sample {name}")
 
 
-TWO_LOSSES = [{"name": "task", "type": "cross_entropy", "weight": 1.0, "target": "label"},
-              {"name": "distill", "type": "mse", "weight": 0.5, "target": "teacher"}]
 CASES = {
     "mean": dict(loss="cross_entropy"),
     "sum": dict(loss={"type": "cross_entropy", "reduction": "sum"}),

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         import uvicorn
 
         uvicorn.run("gradsvc.service.app:app_factory", factory=True, host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(), access_log=False)
+                    log_level=settings.log_level.lower(), access_log=False,
+                    timeout_keep_alive=settings.keep_alive_s)
     elif args.command == "worker":
         from gradsvc.workers.worker import run
 

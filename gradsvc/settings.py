@@ -49,6 +49,10 @@ class Settings:
     rate_limit_per_minute: int = 0
     min_shard_rows: int = 256
     redis_timeout_s: float = 2.0
+    # How long the API keeps an idle keep-alive connection open. It must outlast the clients' own idle
+    # expiry (httpx and the SDK: 5 s), or a client may send its next request on a connection the server
+    # is closing at that moment and get a connection reset instead of an answer (uvicorn's default is 5 s).
+    keep_alive_s: float = 75.0
     log_level: str = "info"
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False
@@ -84,7 +88,7 @@ class Settings:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
                     "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
                     "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
-                    "graph_ttl_s"]
+                    "graph_ttl_s", "keep_alive_s"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")

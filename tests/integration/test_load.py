@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import socket
 import statistics
 import time
 
@@ -48,7 +49,10 @@ async def _run(base_url: str, headers: dict) -> tuple[list[float], dict[int, tup
 
 def test_2000_submissions_at_concurrency_32_lose_no_job(stack):
     started = time.perf_counter()
-    latencies, answers = asyncio.run(_run(stack.base_url, stack.auth_headers()))
+    try:
+        latencies, answers = asyncio.run(_run(stack.base_url, stack.auth_headers()))
+    except httpx.TransportError as exc:
+        raise AssertionError(f"{exc!r} under load; the stack's logs:\n{stack.logs()}") from exc
     elapsed = time.perf_counter() - started
     assert len(answers) == REQUESTS
     statuses = [s for s, _ in answers.values()]
@@ -77,3 +81,18 @@ def test_2000_submissions_at_concurrency_32_lose_no_job(stack):
           f"max {max(latencies) * 1e3:.1f} ms; {statuses.count(200)} answered 200, {statuses.count(202)} 202")
     for proc in stack.workers:
         assert proc.poll() is None
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_idle_expiry(stack):
+    """httpx (and so the SDK) reuses a pooled connection idle for up to 5 s. With uvicorn's own default
+    keep-alive of 5 s, a request sent on a connection idle for about 5 s could meet the server closing it
+    and fail with a connection reset (this test module's load test once did, under CI load):
+    GRADSVC_KEEP_ALIVE_S (75 s) keeps such a connection open well past the clients' expiry."""
+    idle_s = httpx.Limits().keepalive_expiry + 0.5
+    request = (f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{stack.api_port}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", stack.api_port), timeout=10) as sock:
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(idle_s)
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200"), f"the API closed a connection idle for {idle_s} s"

@@ -327,7 +327,7 @@ def _non_finite(prep: Prepared, value: float) -> ComputeError:
     def hook(name):
         def fn(module, args, out):
             nonlocal first
-            if first is None and isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+            if first is None and isinstance(out, torch.Tensor) and not tensors.all_finite(out):
                 first = (name, type(module).__name__)
         return fn
 
@@ -356,7 +356,7 @@ def _first_non_finite_node(prep: Prepared) -> tuple[str, str] | None:
     def visit(i, out, args, kwargs):
         nonlocal first
         if first is None and isinstance(out, torch.Tensor) and out.is_floating_point() and \
-                not bool(torch.isfinite(out).all()):
+                not tensors.all_finite(out):
             name, path, _ = model.node_modules[i]
             first = (path or "(root)", f"node {name}")
     with torch.no_grad():
@@ -620,7 +620,7 @@ def _timed_passes(prep: Prepared, params: dict[str, torch.Tensor], device: torch
 
 def _check_gradients(final: _Pass) -> None:
     for name, g in final.grads.items():
-        if not bool(torch.isfinite(g).all()):
+        if not tensors.all_finite(g):
             raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
                                f"is {final.loss}; lower the inputs' scale or check the weights", parameter=name)
 

@@ -648,7 +648,7 @@ def load_weights(model: GraphModel, weights: dict[str, torch.Tensor], *, device:
         if list(t.shape) != list(have.shape):
             raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the graph needs "
                             f"{list(have.shape)}", parameter=name, shape=list(t.shape), expected=list(have.shape))
-        if isinstance(have, nn.Parameter) and not bool(torch.isfinite(t).all()):
+        if isinstance(have, nn.Parameter) and not tensors.all_finite(t):
             raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
     model = model.to_empty(device=device)
     model.load_state_dict(weights)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import tensors
 from .errors import SpecError
 
 # name -> (function, target kind): "class" takes integer class indices (or probabilities for
@@ -91,6 +92,6 @@ def prepare_target(term: LossTerm, output: torch.Tensor, target: torch.Tensor, d
         return target
     if kind == "binary" and target.numel() and (bool((target < 0).any()) or bool((target > 1).any())):
         fail("binary targets must lie in [0, 1]")
-    if not bool(torch.isfinite(target).all()):
+    if not tensors.all_finite(target):
         fail("targets must be finite")
     return target

@@ -216,7 +216,7 @@ def _decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dty
                             parameter=name, shape=list(t.shape), expected=want)
         if name in parameters:
             t = t.to(dtype)
-            if not bool(torch.isfinite(t).all()):
+            if not tensors.all_finite(t):
                 raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
         else:
             t = t.to(state[name].dtype)
@@ -273,7 +273,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
                             "(Embedding)")
     else:
         inputs = inputs.to(dtype)
-        if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
+        if not inputs.is_meta and not tensors.all_finite(inputs):
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
     if request.options.input_grad and not inputs.dtype.is_floating_point:
         raise SpecError("bad_option", "options.input_grad: the inputs are integer indices (the first layer is "
@@ -575,7 +575,7 @@ def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torc
                             rows=rows)
     else:
         inputs = inputs.to(dtype)
-        if not inputs.is_meta and not bool(torch.isfinite(inputs).all()):
+        if not inputs.is_meta and not tensors.all_finite(inputs):
             raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
     if inputs.dim() == 0 or inputs.shape[0] == 0:
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")

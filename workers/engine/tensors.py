@@ -27,6 +27,19 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or infinity. The smallest and the largest element are finite exactly
+    when every element is (min and max propagate NaN): one reading pass, where `isfinite(t).all()` first
+    writes a bool tensor as large as t (20 ms against 0.5-1.5 ms for 8.4M float32 on this 2-core VM)."""
+    if t.is_complex() or (t.is_floating_point() and 0 < t.numel() <= 4096):
+        return bool(torch.isfinite(t).all())  # small: two ops, where the min and max path takes five
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    with torch.no_grad():
+        lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def torch_dtype(name: str, *, where: str) -> torch.dtype:
     if name not in TORCH_DTYPES:
         raise SpecError(

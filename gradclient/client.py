@@ -481,6 +481,7 @@ class Client(_BaseClient):
 
     def close(self) -> None:
         self._http.close()
+        self._buffer = bytearray()
 
     def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray]:
         with self._encoded(kw, _Pieces) as kw:
@@ -657,6 +658,7 @@ class AsyncClient(_BaseClient):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        self._buffer = bytearray()
 
     async def _send(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray]:
         with self._encoded(kw, _AsyncPieces) as kw:

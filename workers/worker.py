@@ -19,7 +19,9 @@ import time
 
 import torch
 from redis import Redis
+from redis.client import EMPTY_RESPONSE
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ExecAbortError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, worker_registration
 from rq.executions import Execution
@@ -58,6 +60,7 @@ class GradientWorker(SimpleWorker):
         self.lease_s = lease_s(heartbeat_s)  # a worker or job silent this long is lost
         self._running: tuple[Job, Execution] | None = None
         self._starting = None  # prepare_execution's open pipeline, executed by prepare_job_execution
+        self._started: _SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet
         self._suspension_checked = float("-inf")
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -119,11 +122,25 @@ class GradientWorker(SimpleWorker):
             pipe.persist(job.key)
             if remove_from_intermediate_queue:
                 pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
-            pipe.execute()
+            # Sent now, its reply read when the job ends (handle_execution_ended): the job starts without
+            # waiting a round trip (0.24 ms of a 3.5 ms small request here). Redis runs the transaction as
+            # it arrives, before any write the job or the worker sends later on another connection.
+            if any(EMPTY_RESPONSE in options for _, options in pipe.command_stack):
+                pipe.execute()  # a command redis-py answers without sending it: its own path
+            else:
+                self._started = _SentTransaction(pipe)
+
+    def _settle_start(self) -> None:
+        """Reads the start transaction's reply; raises its first error (the job then fails, or, with Redis
+        gone, is reported worker_lost as any job whose outcome could not be recorded)."""
+        started, self._started = self._started, None
+        if started is not None:
+            started.settle()
 
     def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
         """RQ also writes the job's heartbeat here, a round trip of its own; the job's final save (in the
         success or failure transaction) writes it, and the heartbeat thread keeps the lease meanwhile."""
+        self._settle_start()
         job.ended_at = now()
         job.last_heartbeat = job.ended_at
 
@@ -166,6 +183,9 @@ class GradientWorker(SimpleWorker):
             self._wait_a_moment()
         finally:
             self._running = None
+            if self._started is not None:  # the job ended without handle_execution_ended: drop the reply
+                self._started.drop()
+                self._started = None
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
@@ -308,3 +328,49 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     log.info("worker %s on %s, queues %s, metrics on :%d", worker.name, context().device,
              [q.name for q in worker.queues], port)
     worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)
+
+
+class _SentTransaction:
+    """A pipeline's commands sent as one MULTI/EXEC on a connection of its own, the reply read later."""
+
+    def __init__(self, pipe) -> None:
+        self.pool = pipe.connection_pool
+        commands = [args for args, _ in pipe.command_stack]
+        self.count = len(commands)
+        self.conn = self.pool.get_connection()
+        try:
+            self.conn.send_packed_command(self.conn.pack_commands([("MULTI",), *commands, ("EXEC",)]))
+        except BaseException:
+            self.drop()
+            raise
+        finally:
+            pipe.reset()
+
+    def settle(self) -> None:
+        """Reads MULTI's OK, each command's QUEUED and EXEC's replies, as redis-py's Pipeline does; raises
+        the first error among them."""
+        try:
+            first: Exception | None = None
+            for _ in range(self.count + 1):
+                try:
+                    self.conn.read_response()
+                except ResponseError as exc:  # a command Redis refused to queue: EXEC then aborts
+                    first = first or exc
+            try:
+                replies = self.conn.read_response()
+            except ExecAbortError:
+                raise first or ResponseError("EXECABORT") from None
+            if first is not None:
+                raise first
+            for reply in replies or ():
+                if isinstance(reply, Exception):
+                    raise reply
+        except BaseException:
+            self.conn.disconnect()  # whatever is left unread goes with it
+            raise
+        finally:
+            self.pool.release(self.conn)
+
+    def drop(self) -> None:
+        self.conn.disconnect()
+        self.pool.release(self.conn)

@@ -251,3 +251,51 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
         assert job.last_heartbeat is not None and job.ended_at is not None
     worker_hash = conn.hgetall(f"rq:worker:{build_worker(settings).name}")
     assert not worker_hash or worker_hash.get(b"state") in (None, b"idle")
+
+
+def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_the_job_ends(settings, monkeypatch):
+    """The worker sends its start transaction and reads the reply when the job ends: while the job runs, Redis
+    has already marked it started (registry, status, lease); a refused command in it surfaces as an error at
+    the job's end, and its connection goes back to the pool either way."""
+    from gradsvc.workers.worker import _SentTransaction
+
+    store = JobStore(settings)
+    worker, queue = make_worker(settings)
+    seen = {}
+    real = worker_jobs.run_job
+
+    def spy(*args, **kwargs):
+        job_id = seen["id"]
+        seen["status"] = store.redis.hget(Job.key_for(job_id), "status")
+        seen["started"] = job_id in StartedJobRegistry(queue=queue).get_job_ids()
+        seen["pending"] = worker._started is not None
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_jobs, "run_job", spy)
+    seen["id"] = enqueue_gradients(store, seed_a_request())
+    worker.work(burst=True, logging_level="WARNING")
+    assert seen == {"id": seen["id"], "status": b"started", "started": True, "pending": True}
+    assert worker._started is None and Job.fetch(seen["id"], connection=store.redis).get_status() == "finished"
+
+    conn = redis.Redis.from_url(settings.redis_url)
+    pool = conn.connection_pool
+    conn.set("a-string", "x")
+    pipe = conn.pipeline()
+    pipe.set("k1", "v1")
+    pipe.hset("a-string", "f", "v")  # WRONGTYPE at EXEC
+    pipe.set("k2", "v2")
+    sent = _SentTransaction(pipe)
+    assert not pipe.command_stack
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        sent.settle()
+    assert conn.get("k1") == b"v1" and conn.get("k2") == b"v2"  # Redis ran the rest, as MULTI/EXEC does
+    pipe.set("k3", "v3")
+    pipe.execute_command("NO-SUCH-COMMAND")  # refused when queued: EXEC aborts, nothing runs
+    sent = _SentTransaction(pipe)
+    with pytest.raises(redis.ResponseError):
+        sent.settle()
+    assert conn.get("k3") is None
+    pipe.incr("n")
+    _SentTransaction(pipe).settle()
+    assert conn.get("n") == b"1" and conn.ping()
+    assert len(pool._in_use_connections) == 0  # every connection went back

@@ -6,7 +6,10 @@ from HTTP, its decoded tensors, the encoded result) touches ~8,200 new pages: he
 took 55-60 ms that way and 7-9 ms from reused heap memory (bench/summary.py's medium job makes about
 ten such copies across the API and the worker). With mmap off, freed large blocks stay in the heap and
 serve the next request; memory above 512 MiB at the heap's top is still returned to the system.
-Threads' arenas still fall back to mmap for what their heaps cannot hold.
+A thread's arena is a heap of its own, mmapped 64 MiB at a time and unmapped when emptied, so a large
+buffer allocated in a thread still gets fresh pages: the API, whose worker threads check and enqueue large
+requests (a sharded request encodes its shards' bodies there: 8,200 fresh pages per 32 MB), uses the
+main arena alone (`one_arena`); its threads' allocations take a lock that the GIL mostly holds anyway.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ log = logging.getLogger("gradsvc")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 TRIM_THRESHOLD_BYTES = 512 << 20
 
 
-def keep_large_buffers() -> bool:
-    """Turns glibc's mmap of large allocations off for this process; False where there is no glibc."""
+def keep_large_buffers(one_arena: bool = False) -> bool:
+    """Turns glibc's mmap of large allocations off for this process (and, with one_arena, its threads'
+    own arenas); False where there is no glibc."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
     ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    if one_arena:
+        ok = mallopt(M_ARENA_MAX, 1) == 1 and ok
     if not ok:
         log.debug("mallopt refused; large buffers are mmapped per allocation")
     return ok

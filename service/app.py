@@ -282,6 +282,6 @@ def app_factory() -> Litestar:
     # The API's tensor work (validation on meta, finiteness checks) is small: one thread. With torch's default
     # (all cores) its OpenMP threads wait on cores the workers hold: 6 ms -> 12-88 ms per 2 MB request here.
     torch.set_num_threads(1)
-    keep_large_buffers()
+    keep_large_buffers(one_arena=True)
     warm_up_shape_check()  # else the first request's validation pays seconds for torch's meta kernels
     return create_app(Settings.from_env())

@@ -30,5 +30,5 @@ def test_the_api_and_the_workers_turn_it_on():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    assert "keep_large_buffers()" in (root / "service" / "app.py").read_text()
+    assert "keep_large_buffers(one_arena=True)" in (root / "service" / "app.py").read_text()
     assert "keep_large_buffers()" in (root / "workers" / "worker.py").read_text()

@@ -32,3 +32,33 @@ def test_the_api_and_the_workers_turn_it_on():
     root = Path(__file__).resolve().parents[2]
     assert "keep_large_buffers(one_arena=True)" in (root / "service" / "app.py").read_text()
     assert "keep_large_buffers()" in (root / "workers" / "worker.py").read_text()
+
+
+THREADS = """
+import os, resource, sys
+from concurrent.futures import ThreadPoolExecutor
+from gradsvc.malloc import keep_large_buffers
+assert keep_large_buffers(one_arena=sys.argv[1] == "one")
+raw = os.urandom(30_000_000)
+def work():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    bufs = [bytearray(raw) for _ in range(3)]  # 90 MB: more than a thread arena's 64 MiB heap
+    del bufs
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+with ThreadPoolExecutor(1) as pool:
+    faults = [pool.submit(work).result() for _ in range(5)]
+print(max(faults[1:]))  # after the first round, which maps the heap either way
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_one_arena_lets_a_thread_reuse_large_buffers_too():
+    """In a thread, 90 MB of buffers come from fresh pages every time (the thread's arena heaps are mapped and
+    unmapped) unless the main arena serves every thread: what the API turns on, as its threads check and
+    enqueue large requests."""
+    faults = {}
+    for mode in ("default", "one"):
+        out = subprocess.run([sys.executable, "-c", THREADS, mode], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        faults[mode] = int(out.stdout)
+    assert faults["one"] < 100 < 1000 < faults["default"], faults

@@ -150,6 +150,37 @@ def test_a_large_job_passes_through_files_and_equals_local_float64_autograd(http
     assert_gradients(r.json(), want)
 
 
+def test_an_idempotency_key_over_a_large_body_names_one_job_and_leaves_no_body_file(http, handoff_dir):
+    """A body of over 1 MiB: its key's digest is computed beside the write of its file. The same body again
+    under the key answers the first job and deletes its own file; another body under it is a 400, with no
+    file left either."""
+    import uuid
+
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(4200, D_IN, generator=g, dtype=torch.float64), torch.randn(4200, D_OUT, generator=g,
+                                                                               dtype=torch.float64)
+    layers = [{"type": "Linear", "in_features": D_IN, "out_features": D_OUT}]
+
+    def big(scale: float) -> bytes:
+        return msgspec.msgpack.encode({"model": {"layers": layers, "dtype": "float64", "seed": 0},
+                                       "inputs": raw(x * scale), "targets": raw(y), "loss": "mse",
+                                       "options": {"numcheck": "off"}})
+
+    content = big(1.0)
+    assert len(content) > 2 << 20
+    key = {"Idempotency-Key": str(uuid.uuid4()), **MSGPACK}
+    first = http.post("/gradients", params={"wait": 60}, content=content, headers=key)
+    assert first.status_code == 200, first.content[:300]
+    job_id = msgspec.msgpack.decode(first.content)["job_id"]
+    for wait in (60, 0):
+        again = http.post("/gradients", params={"wait": wait}, content=content, headers=key)
+        assert again.status_code == 200 and msgspec.msgpack.decode(again.content)["job_id"] == job_id
+    other = http.post("/gradients", params={"wait": 60}, content=big(2.0), headers=key)
+    assert other.status_code == 400 and msgspec.msgpack.decode(other.content)["error"]["code"] == "bad_request"
+    assert [n for n in os.listdir(handoff_dir) if n.endswith(".in")] == []
+    assert files_of(handoff_dir, [job_id]) == [f"{job_id}.out"]
+
+
 def test_a_small_job_still_goes_through_redis(http, redis, handoff_dir):
     tiny = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 1}], "dtype": "float64"},
             "inputs": [[1.0, 2.0]], "targets": [[0.5]], "loss": "mse"}

@@ -134,3 +134,22 @@ def test_the_async_client_sends_large_bodies_whole_and_concurrently(recorder):
     got = [b for b, _, _ in rec.bodies]
     assert len(got) == 5 and sorted(set(got)) == sorted(want)  # the dropped one arrived again
     assert all(length == str(len(b)) and te is None for b, length, te in rec.bodies)
+
+
+def test_a_large_answer_is_read_into_uninitialised_memory_and_a_short_or_long_one_still_reads_whole():
+    import httpx
+
+    from gradclient.client import _LARGE_ANSWER, _Body
+
+    payload = bytes(range(256)) * ((_LARGE_ANSWER + 4096) // 256)
+    for announced, chunks in [(len(payload), 70_000), (len(payload) + 10, 65_536), (len(payload) - 300, 65_536),
+                              (100, 7)]:
+        data = payload if announced > 100 else payload[:100]
+        body = _Body(httpx.Response(200, headers={"content-length": str(announced)}))
+        assert isinstance(body.buf, memoryview if announced >= _LARGE_ANSWER else bytearray)
+        for i in range(0, len(data), chunks):
+            body.add(data[i:i + chunks])
+        got = body.done()
+        assert bytes(got) == data and not getattr(got, "readonly", False)
+    encoded = _Body(httpx.Response(200, headers={"content-length": str(len(payload)), "content-encoding": "gzip"}))
+    assert isinstance(encoded.buf, bytearray)  # the decoded length is not the announced one

@@ -61,12 +61,17 @@ def _decode(body: bytes, fmt: str) -> GradientRequest:
 _EVENT_LOOP_BODY_BYTES = 16 << 10
 
 
+def _small_layer_spec(req: GradientRequest, body: bytes) -> bool:
+    """A body small enough to check on the event loop, of a layer spec (a graph may need a Redis look-up)."""
+    return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None
+
+
 def _inline(req: GradientRequest, body: bytes, key: str | None, auth: Auth) -> bool:
-    """Whether a request can be checked and enqueued without a thread: small, a layer spec (a graph may
-    need a Redis look-up or store), the shared queue (a device queue checks for live workers), one shard,
-    no Idempotency-Key (a claim to make first) and no rate limit (a counter to bump)."""
-    return (len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None and req.options.device == "auto"
-            and req.options.shards == 1 and key is None and auth.limit <= 0)
+    """Whether a request can be checked and enqueued without a thread: a small layer spec, the shared queue
+    (a device queue checks for live workers), one shard, no Idempotency-Key (a claim to make first) and no
+    rate limit (a counter to bump)."""
+    return (_small_layer_spec(req, body) and req.options.device == "auto" and req.options.shards == 1
+            and key is None and auth.limit <= 0)
 
 
 def _idempotency_key(request: Request) -> str | None:
@@ -148,7 +153,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
         sharded = (req, prep) if req.options.shards != 1 else None
         return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
-                             result_bytes=prep.parameter_count * prep.dtype.itemsize)
+                             result_bytes=prep.gradient_bytes)
 
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str) -> Response:
@@ -156,7 +161,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         body, fmt, req = await read_request(request)
         key = _idempotency_key(request)
         prep = prepare(req, config, "meta") if _inline(req, body, key, auth) else None
-        if prep is not None and not store.large_result(prep.parameter_count * prep.dtype.itemsize):
+        if prep is not None and not store.large_result(prep.gradient_bytes):
             # A small layer-spec request that needs nothing else of Redis: checked on the event loop (a
             # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop.
             job_id, created = await store.enqueue_async(body, fmt, owner), True
@@ -184,7 +189,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     @post("/estimate", status_code=200)
     async def estimate_memory(request: Request, owner: str) -> Response:
         body, _, req = await read_request(request)
-        if len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None:
+        if _small_layer_spec(req, body):
             result = estimate(req, config)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
         else:
             result = await anyio.to_thread.run_sync(lambda: estimate(req, config, graphs=graphs.get))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import uuid
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 
 import anyio

@@ -105,8 +105,7 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     handoff = store.handoff
     args: list[bytes | str] = list(bodies)
     # Each shard returns gradients of the whole model (its result), however few its rows.
-    result_bytes = prep.parameter_count * prep.dtype.itemsize
-    if store.handoff_wanted(device, max(len(b) for b in bodies), result_bytes):
+    if store.handoff_wanted(device, max(len(b) for b in bodies), prep.gradient_bytes):
         # Every shard and the reduce job go through the domain's queue (the shards' results and references
         # come back as files, which the reduce job reads); each large shard body goes to a file.
         queue = store.domain_queues[device]

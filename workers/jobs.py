@@ -212,11 +212,11 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
                                "no per_loss) or a smaller model", result_bytes=len(data),
                                limit=settings.max_result_bytes)
         result_key = keys.result_key(settings.queue_prefix, job.id)
-        value = stored_value(job, ctx, handoff_files.RESULT, data)
         if isinstance(job, GradientJob):  # written in RQ's success transaction (GradientJob._handle_success)
-            job.pending_result = (result_key, value, settings.result_ttl_s)
+            job.pending_result = (result_key, stored_value(job, ctx, handoff_files.RESULT, data),
+                                  settings.result_ttl_s)
         else:
-            job.connection.set(result_key, value, ex=settings.result_ttl_s)
+            store_value(job, ctx, result_key, handoff_files.RESULT, data)
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:

@@ -51,6 +51,11 @@ class Prepared:
     graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
     reuse_key: tuple | None = None  # set when `model` may go back to the built-model cache (release_model)
 
+    @property
+    def gradient_bytes(self) -> int:
+        """What the gradients alone take in the result (one per parameter, in the model's dtype)."""
+        return self.parameter_count * self.dtype.itemsize
+
 
 def _terms(request: GradientRequest) -> list[LossTerm]:
     if request.losses is not None:

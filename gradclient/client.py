@@ -33,7 +33,7 @@ from .errors import (
     error_for,
 )
 from .result import GradientResult, build_result
-from .tensors import decode_type, to_wire
+from .tensors import decode_type, inputs_to_wire, several_inputs, to_wire
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MSGPACK = "application/msgpack"
@@ -182,7 +182,8 @@ class _BaseClient:
             from .convert import convert  # needs torch; spec dicts do not
 
             try:
-                c = convert(model)
+                # A layer spec takes one tensor: a module called with several inputs goes as a graph.
+                c = None if several_inputs(inputs) and _is_module(model) else convert(model)
             except UnsupportedModuleError:
                 if not _is_module(model):
                     raise
@@ -205,7 +206,7 @@ class _BaseClient:
         if dtype is not None:
             spec["dtype"] = dtype
         spec.setdefault("seed", seed)
-        body: dict[str, Any] = {"model": spec, "inputs": to_wire(inputs, fmt), "options": self._options(options)}
+        body: dict[str, Any] = {"model": spec, "inputs": inputs_to_wire(inputs, fmt), "options": self._options(options)}
         if targets is not None:
             body["targets"] = ({k: to_wire(v, fmt) for k, v in targets.items()} if isinstance(targets, dict)
                                else to_wire(targets, fmt))
@@ -219,20 +220,19 @@ class _BaseClient:
     def _graph_spec(self, model: Any, inputs: Any) -> tuple[dict[str, Any], Any, bool]:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights."""
-        import torch
+        from .export import example_inputs, export_graph
 
-        from .export import export_graph
-
-        x = inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs)
-        key = _structure_key(model, x)
+        args, kwargs = example_inputs(inputs)
+        rows = next(x.shape[0] for x in (*args, *kwargs.values()))
+        key = _structure_key(model, args, kwargs)
         entry = self._exports.get(key)
         if entry is None:  # a model export could not make batch-dynamic is kept per batch size
-            entry = self._exports.get((*key, x.shape[0]))
-            key = key if entry is None else (*key, x.shape[0])
+            entry = self._exports.get((*key, rows))
+            key = key if entry is None else (*key, rows)
         if entry is None:
-            exported = export_graph(model, (x,))  # UnsupportedModuleError with torch's reason
+            exported = export_graph(model, args, kwargs)  # UnsupportedModuleError with torch's reason
             entry = _Export(graph=exported.graph, names=list(exported.weights))
-            key = key if exported.dynamic_batch else (*key, x.shape[0])
+            key = key if exported.dynamic_batch else (*key, rows)
             if len(self._exports) >= _EXPORTS_KEPT:
                 self._exports.pop(next(iter(self._exports)))
             self._exports[key] = entry
@@ -405,14 +405,30 @@ def _is_module(model: Any) -> bool:
     return isinstance(model, nn.Module)
 
 
-def _structure_key(model: Any, x: Any) -> tuple:
+def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
     """What an export depends on: the module's class and configuration, its tensors' names, shapes and
-    dtypes, train/eval mode, and the input's dtype and shape past the batch dimension (export makes the
-    batch dimension dynamic). Not the weights' values: those go with every request."""
+    dtypes, train/eval mode, and each input's name, dtype and shape (past the batch dimension for the
+    batched ones: export makes it dynamic). Not the weights' values: those go with every request."""
+    from .export import batched_inputs
+
     tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
                     [*model.named_parameters(), *model.named_buffers()])
     modes = tuple(m.training for m in model.modules())
-    return (type(model), repr(model), tensors, modes, str(x.dtype), tuple(x.shape[1:]))
+    xs = [*args, *kwargs.values()]
+    shapes = tuple((str(x.dtype), tuple(x.shape[1:]) if b else tuple(x.shape), b)
+                   for x, b in zip(xs, batched_inputs(xs)))
+    return (type(model), repr(model), tensors, modes, tuple(kwargs), shapes)
+
+
+def _call_seed(model: Any) -> int:
+    """A module's call draws its seed (its dropout masks) from torch's global generator, as a local
+    training step would draw its masks: `torch.manual_seed` makes a whole run reproducible. A spec dict
+    keeps seed 0 (for a layer spec without weights it also seeds the initial weights)."""
+    if not _is_module(model):
+        return 0
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
 
 
 class _Progress:
@@ -531,7 +547,7 @@ class Client(_BaseClient):
             return response, body.done()
 
     def gradients(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
-                  losses: list | None = None, dtype: str | None = None, seed: int = 0, wait_s: float = 30.0,
+                  losses: list | None = None, dtype: str | None = None, seed: int | None = None, wait_s: float = 30.0,
                   timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
         """The gradients of `loss(model(inputs), targets)` for every parameter, computed by the service.
 
@@ -539,6 +555,7 @@ class Client(_BaseClient):
         are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
         (up to `timeout` seconds; None: as long as it takes).
         """
+        seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
@@ -560,8 +577,9 @@ class Client(_BaseClient):
         return result
 
     def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
-               losses: list | None = None, dtype: str | None = None, seed: int = 0, **options: Any) -> "Job":
+               losses: list | None = None, dtype: str | None = None, seed: int | None = None, **options: Any) -> "Job":
         """Queues the request and returns at once with its Job."""
+        seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
@@ -708,9 +726,10 @@ class AsyncClient(_BaseClient):
             return response, body.done()
 
     async def gradients(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
-                        losses: list | None = None, dtype: str | None = None, seed: int = 0, wait_s: float = 30.0,
+                        losses: list | None = None, dtype: str | None = None, seed: int | None = None, wait_s: float = 30.0,
                         timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
         """Client.gradients, awaited."""
+        seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
@@ -734,9 +753,10 @@ class AsyncClient(_BaseClient):
         return result
 
     async def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
-                     losses: list | None = None, dtype: str | None = None, seed: int = 0,
+                     losses: list | None = None, dtype: str | None = None, seed: int | None = None,
                      **options: Any) -> "AsyncJob":
         """Client.submit, awaited."""
+        seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:

@@ -20,7 +20,7 @@ from torch import nn
 
 from gradsvc import wire
 
-from .errors import UnsupportedModuleError
+from .errors import BadTensorError, UnsupportedModuleError
 from .tensors import to_wire
 
 _SCALAR_TYPES = (int, float, bool, str, type(None))
@@ -34,30 +34,83 @@ class ExportedGraph:
     frozen: list[str] = field(default_factory=list)  # parameters with requires_grad=False (options.freeze)
 
 
-def export_graph(module: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> ExportedGraph:
+def example_inputs(inputs) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """The SDK's `inputs` as export's (args, kwargs): one tensor, a tuple or list of tensors (positional
+    arguments) or a mapping of named tensors (keyword arguments, a Hugging Face batch)."""
+    import collections.abc
+
+    if isinstance(inputs, collections.abc.Mapping):
+        kwargs = {k: _example(v, f"inputs[{k!r}]") for k, v in inputs.items()}
+        if not kwargs:
+            raise BadTensorError("inputs: an empty mapping; give the model's inputs by name")
+        return (), kwargs
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(v, torch.Tensor) or _is_array(v) for v in inputs):
+        return tuple(_example(v, f"inputs[{i}]") for i, v in enumerate(inputs)), {}
+    return (_example(inputs, "inputs"),), {}
+
+
+def _is_array(v) -> bool:
+    return type(v).__module__ == "numpy" and type(v).__name__ == "ndarray"
+
+
+def _example(v, where: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, (bool, str, bytes, type(None), dict)):
+        raise BadTensorError(f"{where}: cannot send a {type(v).__name__} to an exported module; each input is a "
+                             "tensor (a torch tensor, a numpy array or a nested list of numbers). Fix non-tensor "
+                             "arguments in the module (a wrapper's forward) before sending it")
+    try:
+        return torch.as_tensor(v)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise BadTensorError(f"{where}: cannot make a tensor of this {type(v).__name__} ({exc}); give a torch "
+                             "tensor, a numpy array or a nested list of numbers") from None
+
+
+def batched_inputs(xs: list[torch.Tensor]) -> list[bool]:
+    """Which inputs carry the batch along dim 0: those whose dim 0 is the first input's (the batch size).
+    The others (a graph's edge_index (2, edges), a mask shared by every example) go whole to every part
+    of a split batch."""
+    rows = next((x.shape[0] for x in xs if x.dim() >= 1), None)
+    return [x.dim() >= 1 and x.shape[0] == rows for x in xs]
+
+
+def export_graph(module: nn.Module, example_args: tuple[torch.Tensor, ...] | torch.Tensor,
+                 example_kwargs: dict[str, torch.Tensor] | None = None) -> ExportedGraph:
     """`module` captured by torch.export and converted to the wire format; UnsupportedModuleError (with
-    torch's reason) when it cannot be."""
+    torch's reason) when it cannot be. `example_args` are forward's positional inputs, `example_kwargs`
+    its keyword inputs (the request then names them)."""
     if not isinstance(module, nn.Module):
         raise UnsupportedModuleError(f"expected an nn.Module, got {type(module).__name__}")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    example_inputs = tuple(example_inputs)
-    if not example_inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in example_inputs):
-        raise UnsupportedModuleError("example inputs must be one or more tensors with a batch dimension (dim 0)")
+    if isinstance(example_args, torch.Tensor):
+        example_args = (example_args,)
+    args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    xs = [*args, *kwargs.values()]
+    if not xs or not all(isinstance(x, torch.Tensor) for x in xs) or xs[0].dim() < 1:
+        raise UnsupportedModuleError("example inputs must be tensors, the first with a batch dimension (dim 0)")
+    batched = batched_inputs(xs)
     dynamic = True
     # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
     # one is traced as two (the example repeated) and the graph still takes any batch size.
-    traced = tuple(torch.cat([x, x]) if x.shape[0] == 1 else x for x in example_inputs)
+    twice = xs[0].shape[0] == 1
+
+    def traced(x, b):
+        return torch.cat([x, x]) if b and twice else x
+
+    t_args = tuple(traced(x, b) for x, b in zip(args, batched))
+    t_kwargs = {k: traced(x, b) for (k, x), b in zip(kwargs.items(), batched[len(args):])}
+    batch = torch.export.Dim("batch", min=1)
+    dims = [{0: batch} if b else None for b in batched]
+    shapes = dict(zip(kwargs, dims[len(args):])) if kwargs else tuple(dims)
     try:
-        batch = torch.export.Dim("batch", min=1)
-        ep = torch.export.export(module, traced, dynamic_shapes=tuple({0: batch} for _ in traced))
+        ep = torch.export.export(module, t_args, kwargs=t_kwargs or None, dynamic_shapes=shapes)
     except Exception:
         dynamic = False
         try:
-            ep = torch.export.export(module, example_inputs)
+            ep = torch.export.export(module, args, kwargs=kwargs or None)
         except Exception as exc:
             raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
-    graph, weights = _convert(ep, module)
+    graph, weights = _convert(ep, module, batched)
     params = dict(module.named_parameters(remove_duplicate=False))
     frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
     return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic, frozen=frozen)
@@ -68,7 +121,8 @@ def _reason(exc: Exception) -> str:
     return " / ".join(lines[:4])[:800] or type(exc).__name__
 
 
-def _convert(ep: "torch.export.ExportedProgram", module: nn.Module) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]]:
+def _convert(ep: "torch.export.ExportedProgram", module: nn.Module,
+             batched: list[bool]) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]]:
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = ep.graph_signature
@@ -118,6 +172,7 @@ def _convert(ep: "torch.export.ExportedProgram", module: nn.Module) -> tuple[wir
         else:
             entry.target = None
             entry.dtype, entry.shape = _dtype(val), [int(n) if isinstance(n, int) else -1 for n in val.shape]
+            entry.batch_dim = 0 if batched[sum(1 for i in inputs if i.kind == "input")] else None
         inputs.append(entry)
     nodes = []
     for node in ep.graph.nodes:

@@ -38,6 +38,44 @@ def is_tensor_like(x: Any) -> bool:
     return (torch is not None and isinstance(x, torch.Tensor)) or (np is not None and isinstance(x, np.ndarray))
 
 
+def several_inputs(x: Any) -> bool:
+    """Several model inputs: a mapping of named tensors (a Hugging Face batch), or a list or tuple whose
+    items are all tensors or arrays (the positional arguments). A nested list of numbers is one tensor."""
+    if isinstance(x, wire.Tensor):
+        return False
+    if isinstance(x, typing.Mapping):
+        return True
+    return isinstance(x, (list, tuple)) and bool(x) and all(is_tensor_like(v) or isinstance(v, wire.Tensor) for v in x)
+
+
+def inputs_to_wire(x: Any, fmt: str = "msgpack") -> Any:
+    """A request's `inputs`: one tensor, a list of tensors (positional) or an object of named tensors."""
+    if several_inputs(x):
+        if isinstance(x, typing.Mapping):
+            return {_name(k): _one(v, f"inputs[{k!r}]", fmt) for k, v in x.items()}
+        return [_one(v, f"inputs[{i}]", fmt) for i, v in enumerate(x)]
+    return _one(x, "inputs", fmt)
+
+
+def _name(key: Any) -> str:
+    if not isinstance(key, str):
+        raise BadTensorError(f"inputs: the key {key!r} is a {type(key).__name__}; name each input by a string "
+                             "(forward's argument name)")
+    return key
+
+
+def _one(x: Any, where: str, fmt: str) -> Any:
+    if isinstance(x, (list, tuple)) and where != "inputs":
+        raise BadTensorError(f"{where}: a {type(x).__name__} inside several inputs; give each input as a torch "
+                             "tensor or a numpy array")
+    if isinstance(x, (bool, str, bytes, type(None), dict)) or not (isinstance(x, (wire.Tensor, list, int, float))
+                                                                  or is_tensor_like(x)):
+        raise BadTensorError(f"{where}: cannot send a {type(x).__name__}; inputs are one tensor (a torch tensor, a "
+                             "numpy array or a nested list of numbers), a tuple or list of tensors (the model's "
+                             "positional arguments) or a dict of named tensors (its keyword arguments)")
+    return to_wire(list(x) if isinstance(x, tuple) else x, fmt)
+
+
 def to_wire(x: Any, fmt: str = "msgpack") -> Any:
     """A torch tensor or numpy array as a wire.Tensor (raw bytes in msgpack, base64 in JSON); numbers
     and nested lists pass through, as the API accepts them for inputs and targets."""

@@ -39,13 +39,18 @@ class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     nodes refer to; `target` is the state_dict name (parameter, buffer) or the `constants` key.
     `dtype` and `shape` are the captured tensor's: a parameter's or buffer's exactly (the graph model is
     built on the meta device from them, before any weight is decoded), a user input's as in the example
-    it was exported with, -1 for a dynamic size (dim 0 is the batch; "int64" inputs are token ids)."""
+    it was exported with, -1 for a dynamic size ("int64" inputs are token ids or indices). The user inputs,
+    in order, are `forward`'s arguments: a request's `inputs` gives them as a list in that order or as an
+    object by `name`."""
 
     name: str
     kind: Literal["input", "parameter", "buffer", "constant"]
     target: str | None = None
     dtype: str | None = None
     shape: list[int] | None = None
+    # A user input's batch dimension: 0, or null for an input without one (a graph's edge_index, a mask
+    # shared by every example), which goes whole to every micro-batch, shard and per-example gradient.
+    batch_dim: Literal[0] | None = 0
 
 
 class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -131,9 +136,16 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     shards: int | Literal["auto"] = 1
 
 
+# `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
+# arguments of a graph's forward) or an object of named tensors (its keyword arguments); checked by the engine.
+Inputs = Annotated[Any, Meta(description=(
+    "One tensor ({dtype, shape, data|b64} or a bare nested list), a list of tensor objects (a graph model's "
+    "positional inputs, in forward's order) or an object of named tensor objects (by input name)"))]
+
+
 class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     model: ModelSpec
-    inputs: TensorLike
+    inputs: Inputs
     # Tensor | nested list | {name: Tensor | nested list} (several losses); checked by the engine.
     targets: Any = None
     loss: str | LossSpec | None = None
@@ -260,6 +272,9 @@ class GradientResult(Struct, omit_defaults=False):
     graph_ref: str | None = None
     # Sharded jobs (options.shards > 1) only; `memory` is then the largest shard's.
     shards: ShardsInfo | None = None
+    # The seed this job ran with (model.seed): dropout masks and the random HVP vector; send it again to
+    # repeat the call exactly.
+    seed: int = 0
 
 
 class Estimate(Struct):

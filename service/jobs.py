@@ -126,7 +126,7 @@ class JobStore:
         try:
             if sharded is not None:
                 req, prep = sharded
-                count = shards.shard_count(req.options.shards, prep.inputs.shape[0],
+                count = shards.shard_count(req.options.shards, prep.inputs.rows,
                                            lambda: len(Worker.all(queue=self.queues[device])),
                                            self.settings.min_shard_rows)
                 if count > 1:

@@ -70,20 +70,36 @@ def slice_rows(value: Any, a: int, b: int) -> Any:
     return value[a:b]
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
+
+
 def _slice_targets(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
     targets = req.targets
-    if isinstance(targets, dict) and not {"dtype", "shape"} <= set(targets):
+    k = prep.rows_per_example or 1  # check_shardable refused a model whose output rows do not map
+    if isinstance(targets, dict) and not _is_tensor(targets):
         used = {t.target or t.name for t in prep.terms}  # the engine reads no other entry
-        return {k: slice_rows(v, a, b) for k, v in targets.items() if k in used}
-    return slice_rows(targets, a, b)
+        return {name: slice_rows(v, a * k, b * k) for name, v in targets.items() if name in used}
+    return slice_rows(targets, a * k, b * k)
+
+
+def _slice_inputs(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
+    """Rows a:b of every batched input, in the form the request gave them (one, a list, an object)."""
+    inputs, batch = req.inputs, prep.inputs
+    if isinstance(inputs, dict) and not _is_tensor(inputs):
+        batched = dict(zip(batch.names, batch.batched))
+        return {name: slice_rows(v, a, b) if batched[name] else v for name, v in inputs.items()}
+    if isinstance(inputs, list) and len(batch.names) > 1:
+        return [slice_rows(v, a, b) if is_batched else v for v, is_batched in zip(inputs, batch.batched)]
+    return slice_rows(inputs, a, b)
 
 
 def shard_requests(req: GradientRequest, prep: Prepared, bounds: list[tuple[int, int]],
                    *, per_loss: bool | None) -> list[GradientRequest]:
     """One normal request per shard: the same model, losses and options over rows a:b."""
     options = msgspec.structs.replace(req.options, shards=1, per_loss=per_loss)
-    return [msgspec.structs.replace(req, inputs=slice_rows(req.inputs, a, b), targets=_slice_targets(req, prep, a, b),
-                                    options=options)
+    return [msgspec.structs.replace(req, inputs=_slice_inputs(req, prep, a, b),
+                                    targets=_slice_targets(req, prep, a, b), options=options)
             for a, b in bounds]
 
 
@@ -93,7 +109,7 @@ def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int,
     """Queues `count` shard jobs and their reduce job (id `job_id`, or a new one) in one Redis transaction;
     returns the reduce job's id."""
     check_shardable(prep, count)
-    bounds = split_rows(prep.inputs.shape[0], count)
+    bounds = split_rows(prep.inputs.rows, count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     # Mixed mean/sum losses: a shard's combined gradient cannot be rescaled as a whole, so each shard
     # returns its per-loss gradients and the reduction weighs them term by term.

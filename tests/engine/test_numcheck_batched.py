@@ -141,9 +141,9 @@ def _pieces(net: str):
     terms, targets = prep.terms, prep.targets
 
     def loss_fn():
-        out = model(prep.inputs)
+        out = model(prep.inputs.first)
         return sum(t.weight * t(out, targets[t.name]) for t in terms)
-    return params, loss_fn, numcheck.batched(model, prep.inputs, targets, terms)
+    return params, loss_fn, numcheck.batched(model, prep.inputs.tensors, targets, terms)
 
 
 @pytest.mark.parametrize("net", sorted(NETS))

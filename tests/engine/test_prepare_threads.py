@@ -54,7 +54,7 @@ def test_prepare_from_8_threads_with_distinct_and_repeated_specs(tiny_caches):
             w, b, seed = cases[(thread * 5 + i) % len(cases)]
             device = "cpu" if i % 3 == 0 else "meta"  # the worker's path (initial state) and the API's
             prep = prepare(spec(w, b, seed), config, device)
-            assert prep.output_shape == [b, 3] and list(prep.inputs.shape) == [b, 6]
+            assert prep.output_shape == [b, 3] and list(prep.inputs.first.shape) == [b, 6]
             assert [list(p.shape) for p in prep.model.parameters()] == [[w, 6], [w], [3, w], [3]]
             if device == "cpu":  # the seeded initial weights, not another thread's draw
                 for name, t in prep.model.state_dict().items():

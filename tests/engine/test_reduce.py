@@ -49,7 +49,7 @@ def request(loss=None, losses=None, **options) -> GradientRequest:
 def sharded(req: GradientRequest, count: int) -> GradientResult:
     prep = prepare(req, EngineConfig(), "meta")
     check_shardable(prep, count)
-    bounds = split_rows(prep.inputs.shape[0], count)
+    bounds = split_rows(prep.inputs.rows, count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     per_loss = req.options.per_loss if plan.uniform else True
     parts = []

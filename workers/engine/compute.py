@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from gradsvc.wire import Estimate, GradientRequest, GradientResult, GraphNode, PerSample, Timings
 
 from . import numcheck, tensors
+from .batch import Batch
 from .errors import ComputeError, SpecError
 from .memory import ActivationMeter
 from .prepare import EngineConfig, GraphResolver, Prepared, batch_chunks, prepare, release_model
@@ -103,17 +104,26 @@ def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
 class _Chunk:
     a: int
     b: int
-    inputs: torch.Tensor  # rows a:b of the batch (a leaf of its own when input_grad is asked for)
+    inputs: Batch  # rows a:b of the batch (its floating input a leaf of its own when input_grad is asked for)
+    targets: dict[str, torch.Tensor]  # the targets' rows of those batch rows
     share: float  # (b - a) / n: a mean loss is scaled by it, so the chunks' gradients sum to the batch's
+
+    @property
+    def grad_input(self) -> torch.Tensor:
+        """The input whose gradient input_grad returns (prepare allowed one floating input)."""
+        return self.inputs.tensors[self.inputs.floating()[0]]
 
 
 def _chunks(prep: Prepared) -> Iterator[_Chunk]:
-    n = prep.inputs.shape[0]
+    n = prep.inputs.rows
+    k = prep.rows_per_example or 1
     for a, b in batch_chunks(n, prep.options.micro_batch):
-        xs = prep.inputs[a:b]
+        whole = (a, b) == (0, n)
+        xs = prep.inputs if whole else prep.inputs.rows_slice(a, b)
         if prep.options.input_grad:
-            xs = xs.detach().requires_grad_(True)
-        yield _Chunk(a=a, b=b, inputs=xs, share=(b - a) / n if n else 1.0)
+            xs = xs.map(lambda x, _: x.detach().requires_grad_(True) if x.is_floating_point() else x)
+        targets = prep.targets if whole else {name: t[a * k:b * k] for name, t in prep.targets.items()}
+        yield _Chunk(a=a, b=b, inputs=xs, targets=targets, share=(b - a) / n if n else 1.0)
 
 
 def _checkpointed(model: nn.Sequential, segments: int, x: torch.Tensor, meter: ActivationMeter | None):
@@ -141,19 +151,19 @@ def _forward(prep: Prepared, chunk: _Chunk, meter: ActivationMeter | None = None
     """(output, {term: loss}, total) for one chunk, each mean loss scaled by the chunk's share."""
     opts = prep.options
     if opts.checkpoint_segments:
-        out = _checkpointed(prep.model, opts.checkpoint_segments, chunk.inputs, meter)
+        out = _checkpointed(prep.model, opts.checkpoint_segments, chunk.inputs.first, meter)
     elif prep.graph is not None:
         try:
-            out = prep.model(chunk.inputs)
+            out = prep.model(*chunk.inputs.tensors)
         except (RuntimeError, IndexError, ValueError) as exc:
             if _is_allocation_failure(exc):
                 raise
             raise _graph_failure(prep, exc) from None
     else:
-        out = prep.model(chunk.inputs)
+        out = prep.model(chunk.inputs.first)
     losses = {}
     for term in prep.terms:
-        value = term(out, prep.targets[term.name][chunk.a:chunk.b])
+        value = term(out, chunk.targets.get(term.name))
         if term.reduction == "mean" and chunk.share != 1.0:
             value = value * chunk.share
         losses[term.name] = value
@@ -251,7 +261,7 @@ def _gradients(prep: Prepared, chunk: _Chunk, params: dict[str, torch.Tensor], l
                total: torch.Tensor, hvp_vector: dict[str, torch.Tensor] | None) -> _ChunkGrads:
     """The backward of one chunk: the parameters' gradients and whatever extra outputs were asked for."""
     input_grad = prep.options.input_grad
-    leaves_ = [*params.values(), *([chunk.inputs] if input_grad else [])]
+    leaves_ = [*params.values(), *([chunk.grad_input] if input_grad else [])]
     need_hvp = hvp_vector is not None
     names = list(params)
     per_term = {}
@@ -338,7 +348,7 @@ def _non_finite(prep: Prepared, value: float) -> ComputeError:
             handles.append(module.register_forward_hook(hook(name)))
         try:
             with torch.no_grad():
-                prep.model(prep.inputs)
+                prep.model(*prep.inputs.tensors)
         finally:
             for h in handles:
                 h.remove()
@@ -360,7 +370,7 @@ def _first_non_finite_node(prep: Prepared) -> tuple[str, str] | None:
             name, path, _ = model.node_modules[i]
             first = (path or "(root)", f"node {name}")
     with torch.no_grad():
-        model.run(prep.inputs, visit=visit)
+        model.run(*prep.inputs.tensors, visit=visit)
     return first
 
 
@@ -404,16 +414,21 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
     consts = {n: p.detach() for n, p in prep.model.named_parameters() if n not in params}
     consts.update(dict(prep.model.named_buffers()))
     names = [t.name for t in prep.terms]
+    batch = prep.inputs
+    n, k = batch.rows, prep.rows_per_example or 1
 
-    def loss_one(ps, x1, *tgts):
-        out = functional_call(prep.model, {**ps, **consts}, (x1.unsqueeze(0),))
-        return sum(t.weight * t(out, tg.unsqueeze(0)) for t, tg in zip(prep.terms, tgts))
+    def loss_one(ps, xs1, *tgts):  # one example: its rows of the batched inputs, the others whole
+        xs = tuple(x.unsqueeze(0) if b else x for x, b in zip(xs1, batch.batched))
+        out = functional_call(prep.model, {**ps, **consts}, xs)
+        return sum(t.weight * t(out, tg) for t, tg in zip(prep.terms, tgts))
 
     detached = {n: p.detach() for n, p in params.items()}
+    in_inputs = tuple(0 if b else None for b in batch.batched)
+    per_example = [prep.targets[name].reshape(n, k, *prep.targets[name].shape[1:]) for name in names]  # (n, k, ...)
     with _seeded(seed, device, _is_random(prep.model)):
         try:
-            grads = vmap(grad(loss_one), in_dims=(None, 0, *([0] * len(names))), randomness="different")(
-                detached, prep.inputs, *[prep.targets[n] for n in names])
+            grads = vmap(grad(loss_one), in_dims=(None, in_inputs, *([0] * len(names))), randomness="different")(
+                detached, batch.tensors, *per_example)
         except (RuntimeError, ValueError, TypeError) as exc:
             if prep.graph is None or _is_allocation_failure(exc):
                 raise
@@ -441,7 +456,7 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     model64 = copy.deepcopy(prep.model).to(torch.float64)
     if prep.graph is not None:
         model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
-    x64 = prep.inputs.to(torch.float64) if prep.inputs.dtype.is_floating_point else prep.inputs
+    x64 = prep.inputs.map(lambda x, _: x.to(torch.float64) if x.is_floating_point() else x)
     t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
     params = {n: p for n, p in model64.named_parameters() if n in trainable}
     for n, p in model64.named_parameters():
@@ -453,15 +468,15 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
 
     def loss_fn() -> torch.Tensor:
         with _seeded(seed, device, random):
-            out = model64(x64)
-            return sum(t.weight * t(out, t64[t.name]) for t in prep.terms)
+            out = model64(*x64.tensors)
+            return sum(t.weight * t(out, t64.get(t.name)) for t in prep.terms)
 
     with numcheck.output_elements(model64, on=batchable) as activations:
         loss = loss_fn()
     grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), materialize_grads=True)))
     if reference is not None:
         reference.update({n: g.detach().to("cpu") for n, g in grads.items()})
-    batched = numcheck.batched(model64, x64, t64, prep.terms, activations[0]) if batchable else None
+    batched = numcheck.batched(model64, x64.tensors, t64, prep.terms, activations[0]) if batchable else None
     return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                         samples=opts.numcheck_samples or config.numcheck_samples,
                         directions=config.numcheck_directions, seed=seed, progress=progress,
@@ -639,7 +654,7 @@ def _result(request: GradientRequest, prep: Prepared, device: torch.device, fina
         torch_version=str(torch.__version__),
         loss=final.loss,
         gradients=gradients,
-        micro_batches=len(batch_chunks(prep.inputs.shape[0], opts.micro_batch)),
+        micro_batches=len(batch_chunks(prep.inputs.rows, opts.micro_batch)),
         losses=dict(final.losses) if several else None,
         per_loss_gradients=({t: {n: (tensors.encode(g[n]) if n in g else None) for n in gradients}
                              for t, g in final.per_loss.items()} if final.per_loss else None),
@@ -653,6 +668,7 @@ def _result(request: GradientRequest, prep: Prepared, device: torch.device, fina
         checkpoint=checkpoint,
         timings=timings,
         graph_ref=prep.graph.ref if prep.graph is not None else None,
+        seed=request.model.seed,
     )
 
 
@@ -702,7 +718,7 @@ def _estimate_key(request: GradientRequest, prep: Prepared) -> tuple:
     content-hash ref), dtypes and shapes of inputs and targets, the losses and every option. Not the tensor
     values nor the weights: nothing runs on meta."""
     model = prep.graph.ref if prep.graph is not None else msgspec.json.encode(request.model.layers)
-    return (model, request.model.dtype, tuple(prep.inputs.shape), prep.inputs.dtype,
+    return (model, request.model.dtype, prep.inputs.signature,
             tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(prep.targets.items())),
             msgspec.json.encode((request.loss, request.losses, request.options)), frozenset(prep.frozen))
 

@@ -739,10 +739,22 @@ _NORMALIZED = {"aten.layer_norm.default", "aten.native_layer_norm.default", "ate
 
 
 def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ...]) -> list[tuple[str, str, str]]:
-    """(node, op, module path) of every node that mixes the examples of a batch, so that micro-batches,
-    per-sample gradients and shards would not add up to the whole batch's gradient.
+    """batch_flow's mixing nodes: the first input of `input_shape`, any other at its exported shape, all
+    batched along dim 0."""
+    b = int(input_shape[0])
+    shapes = [list(input_shape)] + [[b, *(spec.shape or [0])[1:]] for spec in model.input_specs[1:]]
+    return batch_flow(model, shapes)[0]
 
-    The graph runs on meta at the batch size of `input_shape` and at one more; a dimension whose size
+
+def batch_flow(model: GraphModel, input_shapes: list[list[int]], *, batched: list[bool] | None = None
+               ) -> tuple[list[tuple[str, str, str]], tuple[int, int] | None]:
+    """(node, op, module path) of every node that mixes the examples of a batch, so that micro-batches,
+    per-sample gradients and shards would not add up to the whole batch's gradient; and where the batch
+    sits in the first output ((dim, rows per example), None where it is gone or mixed).
+
+    `input_shapes` are the user inputs' shapes; `batched` says which carry the batch along dim 0 (all
+    by default); the others keep their shape. The graph runs on meta at the batch size of the batched
+    inputs and at one more; a dimension whose size
     changes between the two carries the batch. Each tensor's batch is tracked as (dim, inner): dim q of
     size outer * batch * inner, whose example index is (position // inner) % batch. A node mixes when it
     reduces or reorders along that dim (sum, softmax, sort, gather, ...), normalises over it (batch norm
@@ -750,11 +762,11 @@ def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ..
     its size in a way no example owns (a slice or concatenation of the batch), or reshapes across it. A
     graph whose second run fails (a static export: its batch size is baked into the graph) is reported
     at the node that failed."""
-    b1 = int(input_shape[0])
+    batched = list(batched) if batched is not None else [True] * len(input_shapes)
+    b1 = next((int(s[0]) for s, b in zip(input_shapes, batched) if b), 1)
     runs = []
     for batch in (b1, b1 + 1):
-        # The first input as given; any other at its exported shape (dim 0 the batch too).
-        shapes_in = [[batch, *input_shape[1:]]] + [[batch, *(spec.shape or [0])[1:]] for spec in model.input_specs[1:]]
+        shapes_in = [[batch, *shape[1:]] if b else list(shape) for shape, b in zip(input_shapes, batched)]
         xs = [torch.empty(shape, dtype=_DTYPES.get(spec.dtype or "", model.run_dtype), device="meta")
               for shape, spec in zip(shapes_in, model.input_specs)]
         shapes: dict[int, Any] = {slot: tuple(x.shape) for slot, x in zip(model._users, xs)}
@@ -769,10 +781,13 @@ def batch_mixing_nodes(model: GraphModel, input_shape: list[int] | tuple[int, ..
         except Exception:
             failed = model.failed_node if model.failed_node is not None and model.failed_node >= 0 else 0
             step = steps[failed]
-            return [(step.name, step.op.name, step.module)]
+            return [(step.name, step.op.name, step.module)], None
         runs.append(shapes)
-    flow = _BatchFlow(runs[0], runs[1], b1, model._users)
-    return [(s.name, s.op.name, s.module) for s in model._graph.steps if not s.op.is_assert and flow.mixes(s)]
+    flow = _BatchFlow(runs[0], runs[1], b1, [slot for slot, b in zip(model._users, batched) if b])
+    mixing = [(s.name, s.op.name, s.module) for s in model._graph.steps if not s.op.is_assert and flow.mixes(s)]
+    first = model._graph.outputs[0]
+    where = flow.info.get(first.i) if isinstance(first, Ref) else None
+    return mixing, (where if isinstance(where, tuple) and not mixing else None)
 
 
 def _shape_of(out: Any) -> Any:

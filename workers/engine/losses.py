@@ -23,6 +23,9 @@ LOSSES = {
     "bce": (F.binary_cross_entropy, "binary"),
 }
 REDUCTIONS = ("mean", "sum")
+# The model's own loss: its first output is the scalar to differentiate (a Hugging Face model given
+# labels= returns .loss first; a forward may compute a contrastive or distillation loss itself).
+OWN_LOSS = "output"
 
 
 @dataclass(frozen=True)
@@ -33,15 +36,32 @@ class LossTerm:
     weight: float
     target: str | None  # key in the targets object; None = the single targets tensor
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        if self.type == OWN_LOSS:
+            return output.reshape(())  # () : prepare checked it holds one element
         fn, _ = LOSSES[self.type]
         return fn(output, target, reduction=self.reduction)
 
 
+def own_term(loss) -> LossTerm:
+    """`loss: "output"` (or {"type": "output"}): the model's first output, as it computed it."""
+    if isinstance(loss, str):
+        return LossTerm("loss", OWN_LOSS, "mean", 1.0, None)
+    if loss.reduction not in REDUCTIONS:
+        raise SpecError("bad_loss", f"loss {OWN_LOSS!r}: reduction {loss.reduction!r} is not supported; the model's "
+                        "own loss is used as it returns it, so leave 'reduction' out", loss=loss.name or "loss")
+    term = make_term(loss.name or "loss", "mse", "mean", loss.weight, None)  # checks the weight
+    return LossTerm(term.name, OWN_LOSS, "mean", term.weight, None)
+
+
 def make_term(name: str, type_: str, reduction: str, weight: float, target: str | None) -> LossTerm:
-    if type_ not in LOSSES:
-        raise SpecError("bad_loss", f"loss {name!r}: unknown type {type_!r}; use one of {', '.join(LOSSES)}",
+    if type_ == OWN_LOSS:
+        raise SpecError("bad_loss", f"loss {name!r}: type {OWN_LOSS!r} (the model's own loss) takes the model's "
+                        "whole first output, so it stands alone: give it as 'loss', not in 'losses'",
                         loss=name, type=type_)
+    if type_ not in LOSSES:
+        raise SpecError("bad_loss", f"loss {name!r}: unknown type {type_!r}; use one of {', '.join(LOSSES)}, or "
+                        f"{OWN_LOSS!r} for the model's own loss (its first output)", loss=name, type=type_)
     if reduction not in REDUCTIONS:
         raise SpecError("bad_loss", f"loss {name!r}: reduction {reduction!r} is not supported; use 'mean' or 'sum'",
                         loss=name, reduction=reduction)

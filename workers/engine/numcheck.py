@@ -25,7 +25,7 @@ import torch
 
 from gradsvc.wire import Numcheck, ParameterCheck
 
-from .losses import LOSSES, LossTerm
+from .losses import LOSSES, OWN_LOSS, LossTerm
 
 Progress = Callable[[str, int, int], None]
 
@@ -95,7 +95,7 @@ def output_elements(model: torch.nn.Module, on: bool = True) -> Iterator[list[in
             h.remove()
 
 
-def batched(model: torch.nn.Module, inputs: torch.Tensor, targets: dict[str, torch.Tensor], terms: list[LossTerm],
+def batched(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targets: dict[str, torch.Tensor], terms: list[LossTerm],
             row_elements: int = 0) -> Batched:
     """`model`'s loss (sum of term.weight * term(out, target)) at K perturbed parameter sets in one call:
     torch.func.vmap over functional_call for the forward, then each term unreduced over the K x batch rows
@@ -105,13 +105,13 @@ def batched(model: torch.nn.Module, inputs: torch.Tensor, targets: dict[str, tor
     state = {n: p.detach() for n, p in model.named_parameters()}  # live views: the loop's in-place writes show
 
     def output(perturbed: dict[str, torch.Tensor]) -> torch.Tensor:
-        return functional_call(model, {**state, **perturbed}, (inputs,))
+        return functional_call(model, {**state, **perturbed}, tuple(inputs))
 
     outputs = vmap(output)
 
     def losses(perturbed: dict[str, torch.Tensor]) -> torch.Tensor:
         out = outputs(perturbed)
-        return sum(t.weight * _rows_loss(t, out, targets[t.name]) for t in terms)
+        return sum(t.weight * _rows_loss(t, out, targets.get(t.name)) for t in terms)
 
     return Batched(losses, row_elements)
 
@@ -120,8 +120,10 @@ def _rows_loss(term: LossTerm, out: torch.Tensor, target: torch.Tensor) -> torch
     """term(out[k], target) for each row k of `out` (K, *output shape): the K rows folded into the batch
     dimension, the loss unreduced, then reduced per row as term.reduction says ("mean" over every element
     of the unreduced loss, as torch's mean is with no class weights and no ignored targets)."""
-    fn, kind = LOSSES[term.type]
     k = out.shape[0]
+    if term.type == OWN_LOSS:  # (K, 1...) : the model's own scalar loss at each parameter set
+        return out.reshape(k)
+    fn, kind = LOSSES[term.type]
     if kind == "class" and out.dim() >= 3:  # (K, N, C, ...) against (N, ...) indices or (N, C, ...) probabilities
         per = fn(out.flatten(0, 1), target.expand(k, *target.shape).flatten(0, 1), reduction="none")
     else:  # shaped alike, or an unbatched (C,) class output against a () index or (C,) probabilities

@@ -21,8 +21,9 @@ from gradsvc import graphref
 from gradsvc.wire import MAX_TIMING_REPEAT, GradientRequest, GraphSpec, LossSpec, Options, Tensor
 
 from . import tensors
+from .batch import Batch
 from .errors import SpecError
-from .losses import LossTerm, make_term, prepare_target
+from .losses import OWN_LOSS, LossTerm, make_term, own_term, prepare_target
 from .spec import Limits, build, check_shapes, leaves, sequence_first
 
 
@@ -40,7 +41,7 @@ class EngineConfig:
 class Prepared:
     model: nn.Sequential
     dtype: torch.dtype
-    inputs: torch.Tensor
+    inputs: Batch
     targets: dict[str, torch.Tensor]  # loss term name -> target
     terms: list[LossTerm]
     output_shape: list[int]
@@ -50,6 +51,10 @@ class Prepared:
     graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, state, input dtype)
     graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
     reuse_key: tuple | None = None  # set when `model` may go back to the built-model cache (release_model)
+    # Output (and target) rows per batch row, where the output's rows map to the batch's in order (1 for a
+    # classifier, seq for every-position LM logits flattened to (batch*seq, vocab)); None where they do
+    # not: then nothing may split the batch (prepare refused micro_batch, per_sample and shards).
+    rows_per_example: int | None = 1
 
     @property
     def gradient_bytes(self) -> int:
@@ -71,6 +76,8 @@ def _terms(request: GradientRequest) -> list[LossTerm]:
             terms.append(make_term(name, spec.type, spec.reduction, spec.weight, spec.target))
         return terms
     loss = request.loss if request.loss is not None else "cross_entropy"
+    if loss == OWN_LOSS or (isinstance(loss, LossSpec) and loss.type == OWN_LOSS):
+        return [own_term(loss)]
     if isinstance(loss, str):
         return [make_term("loss", loss, "mean", 1.0, None)]
     assert isinstance(loss, LossSpec)
@@ -100,17 +107,68 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     return tensors.decode(raw, where=where, max_elements=max_elements, shape_only=shape_only)
 
 
-def _targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, inputs: torch.Tensor,
-             dtype: torch.dtype, max_elements: int, shape_only: bool) -> dict[str, torch.Tensor]:
-    """Each loss term's target, checked against the model's output and the batch size."""
-    targets = {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=max_elements,
-                                                       shape_only=shape_only), dtype)
-               for t in terms}
-    for name, tgt in targets.items():
-        if tgt.dim() == 0 or tgt.shape[0] != inputs.shape[0]:
-            raise SpecError("bad_target", f"targets for loss {name!r}: batch size {tgt.shape[0] if tgt.dim() else 0} "
-                            f"differs from the inputs' {inputs.shape[0]}", loss=name)
-    return targets
+def _targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, dtype: torch.dtype,
+             max_elements: int, shape_only: bool) -> dict[str, torch.Tensor]:
+    """Each loss term's target, checked against the model's output (its shape and the loss's rules, not
+    the inputs' batch size: every-position LM logits (batch*seq, vocab) take targets (batch*seq,)). The
+    model's own loss ("output") takes none."""
+    if any(t.type == OWN_LOSS for t in terms):
+        if request.targets is not None:
+            raise SpecError("bad_target", f"loss {OWN_LOSS!r} differentiates the model's own first output, which "
+                            "takes no targets; leave 'targets' out (pass labels to the model as an input instead)")
+        if out.numel() != 1:
+            raise SpecError("bad_loss", f"loss {OWN_LOSS!r} differentiates the model's first output, which must be "
+                            f"a scalar (a loss), but it has shape {list(out.shape)}; return the loss first (a Hugging "
+                            "Face model returns .loss first when given labels=), or use a built-in loss",
+                            output_shape=list(out.shape))
+        return {}
+    return {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=max_elements,
+                                                    shape_only=shape_only), dtype)
+            for t in terms}
+
+
+def _splits(opts: Options, rows: int) -> list[str]:
+    """The options of this request that split the batch into parts of rows."""
+    out = []
+    if opts.micro_batch is not None and opts.micro_batch < rows:
+        out.append("options.micro_batch")
+    if opts.per_sample != "off":
+        out.append("options.per_sample")
+    if isinstance(opts.shards, int) and opts.shards > 1:  # "auto" is checked with its count (check_shardable)
+        out.append("options.shards")
+    return out
+
+
+def _refuse_own_loss_split(opts: Options, terms: list[LossTerm], rows: int) -> None:
+    split = _splits(opts, rows)
+    if split and any(t.type == OWN_LOSS for t in terms):
+        raise SpecError("bad_option", f"{split[0]}: loss {OWN_LOSS!r} is one scalar the model computes over the "
+                        "whole batch, which the service cannot split into parts of the batch; remove "
+                        f"{split[0]}, or return per-example outputs and use a built-in loss", option=split[0])
+
+
+def _rows_per_example(opts: Options, terms: list[LossTerm], inputs: Batch, out: torch.Tensor,
+                      out_batch: tuple[int, int] | None) -> int | None:
+    """How many output rows each batch row owns, when the output's rows follow the batch's in order
+    (`out_batch` is where the batch sits in the output: (dim, rows per example)); refuses an option that
+    splits the batch when they do not (a part of the batch would not know its targets' rows)."""
+    n = inputs.rows
+    k = None
+    if out_batch is not None and out_batch[0] == 0 and out.dim() >= 1 and out.shape[0] == n * out_batch[1]:
+        k = out_batch[1]
+    split = _splits(opts, n)
+    if not split:
+        return k
+    _refuse_own_loss_split(opts, terms, n)
+    if not any(inputs.batched):
+        raise SpecError("bad_option", f"{split[0]}: no input of the model carries a batch dimension, so there are "
+                        f"no rows to split; remove {split[0]}", option=split[0])
+    if k is None:
+        raise SpecError("bad_option", f"{split[0]}: the model's output {list(out.shape)} has no rows that map to "
+                        f"the batch's {n} rows in order (its first dimension is neither the batch nor batch x "
+                        "positions), so the targets cannot be split with the inputs; remove "
+                        f"{split[0]}", option=split[0], output_shape=list(out.shape), rows=n)
+    return k
 
 
 def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
@@ -266,7 +324,8 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         return _prepare_graph(request, config, device, dtype, shape_only=shape_only, graphs=graphs)
     spec_key = msgspec.json.encode(request.model.layers)  # the caches below are keyed by the spec
     meta, facts = _meta_model(spec_key, request, dtype, limits)  # shared, read-only: the checks only read it
-    inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
+    raw = _as_tensor_value(_input_values(request.inputs, ["inputs"], what="a layer spec")[0][1], "inputs")
+    inputs = tensors.decode(raw, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
     first = facts.first
     if isinstance(first, nn.Embedding):
         if inputs.dtype.is_floating_point or inputs.dtype == torch.bool:
@@ -287,7 +346,8 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
     out = _output_on_meta(spec_key, request, meta, inputs, limits.max_elements)
     terms = _terms(request)
-    targets = _targets(request, terms, out, inputs, dtype, limits.max_elements, shape_only)
+    targets = _targets(request, terms, out, dtype, limits.max_elements, shape_only)
+    rows = _rows_per_example(request.options, terms, Batch.of(inputs), out, (0, 1))
     names = facts.names
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
     _check_hvp(request.options, meta, frozen)
@@ -308,9 +368,51 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
         model.load_state_dict({**state, **weights})
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}
-    return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
+    return Prepared(model=model, dtype=dtype, inputs=Batch.of(inputs), targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
-                    frozen=frozen, reuse_key=reuse_key)
+                    frozen=frozen, reuse_key=reuse_key, rows_per_example=rows)
+
+
+def _is_tensor_object(value) -> bool:
+    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
+
+
+def _input_values(value, names: list[str], *, what: str) -> list[tuple[str, object]]:
+    """`inputs` as (name, wire value) in `forward`'s order: one tensor, a list of tensor objects (the
+    positional arguments) or an object of named tensors (the keyword arguments), for the `names` the model
+    takes. A bare nested list is one tensor."""
+    takes = f"{what} takes {len(names)} input{'s' if len(names) != 1 else ''} ({', '.join(names)})"
+    if value is None:
+        raise SpecError("bad_tensor", f"inputs: missing; {takes}", where="inputs")
+    if isinstance(value, dict) and not _is_tensor_object(value):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise SpecError("bad_tensor", f"inputs: {unknown[0]!r} is not an input of the model; {takes}",
+                            where=f"inputs.{unknown[0]}"[:200], inputs=names)
+        missing = [n for n in names if n not in value]
+        if missing:
+            raise SpecError("bad_tensor", f"inputs: {missing[0]!r} is missing; {takes}, by name",
+                            where=f"inputs.{missing[0]}", inputs=names)
+        return [(f"inputs.{n}", value[n]) for n in names]
+    if isinstance(value, list) and value and all(_is_tensor_object(v) for v in value):
+        if len(value) != len(names):
+            raise SpecError("bad_tensor", f"inputs: a list of {len(value)} tensors, but {takes}; send them in that "
+                            "order, or as an object by name", where="inputs", inputs=names)
+        return [(f"inputs[{i}]", v) for i, v in enumerate(value)]
+    if len(names) != 1:
+        raise SpecError("bad_tensor", f"inputs: one tensor, but {takes}; send a list of tensors in that order, or an "
+                        "object of named tensors", where="inputs", inputs=names)
+    return [("inputs", value)]
+
+
+def _as_tensor_value(value, where: str):
+    """A tensor object inside an untyped field (a plain dict) as the wire Struct."""
+    if isinstance(value, dict):
+        try:
+            return msgspec.convert(value, Tensor)
+        except msgspec.ValidationError as exc:
+            raise SpecError("bad_tensor", f"{where}: {exc}", where=where) from None
+    return value
 
 
 # A CPU worker keeps the models it built, per (spec, dtype, device), and reuses one for the next request of
@@ -477,8 +579,8 @@ class GraphTemplate:
     compiled: object  # graph.Compiled: immutable; fresh GraphModels are built from it, not deep-copied
     state: dict[str, torch.Tensor]  # state_dict name -> meta tensor (shape and dtype to expect)
     parameters: frozenset[str]
-    input_dtype: str | None  # the captured user input's dtype ("int64": token ids)
-    index_bound: int | None  # token ids index embedding tables of this many rows (the smallest)
+    users: tuple  # the graph's user inputs (wire.GraphInput), in forward's order
+    index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table its ids index
 
 
 # (ref, dtype) -> GraphTemplate and (ref, dtype, input shape, input dtype) -> (output shape, dtype).
@@ -523,16 +625,13 @@ def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: Engin
     if hit is not None:
         return hit
     model = build_graph(spec, limits=config.limits, device="meta", dtype=dtype)
-    users = [inp for inp in spec.inputs if inp.kind == "input"]
-    if len(users) != 1:
-        raise SpecError("bad_option", f"model.graph takes {len(users)} inputs ({[u.name for u in users]}); a request "
-                        "sends one tensor as 'inputs': export a module whose forward takes one tensor (wrap the "
-                        "others as buffers or constants)", inputs=[u.name for u in users])
+    users = tuple(inp for inp in spec.inputs if inp.kind == "input")
+    if not users:
+        raise SpecError("bad_option", "model.graph takes no input; export a module whose forward takes the batch")
     state = dict(model.state_dict(keep_vars=True))
     template = GraphTemplate(ref=ref, spec=spec, model=model, compiled=model._graph, state=state,
-                             parameters=frozenset(n for n, _ in model.named_parameters()),
-                             input_dtype=users[0].dtype,
-                             index_bound=getattr(model, "index_bounds", {}).get(users[0].name))
+                             parameters=frozenset(n for n, _ in model.named_parameters()), users=users,
+                             index_bounds=dict(getattr(model, "index_bounds", {})))
     _templates.put(key, template)
     return template
 
@@ -545,57 +644,85 @@ def _fresh(template: GraphTemplate, device: str | torch.device, dtype: torch.dty
     return GraphModel(template.compiled, device=device, dtype=dtype)
 
 
-_mixing: graphref.LRU[list] = graphref.LRU(SHAPE_CACHE_ENTRIES)
+_mixing: graphref.LRU[tuple] = graphref.LRU(SHAPE_CACHE_ENTRIES)
 
 
-def _batch_mixing(template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor) -> list[tuple[str, str, str]]:
-    """(node, op, module path) of the nodes that combine the examples of a batch: two meta runs of a
-    private copy, once per input signature."""
-    from .graph import batch_mixing_nodes
+def _batch_flow(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -> tuple[list, tuple[int, int] | None]:
+    """((node, op, module path) of the nodes that combine the examples of a batch, where the batch sits in
+    the first output): two meta runs of a private copy, once per input signature."""
+    from .graph import batch_flow
 
-    key = (template.ref, dtype, tuple(inputs.shape), inputs.dtype)
+    key = (template.ref, dtype, inputs.signature)
     hit = _mixing.get(key)
     if hit is None:
-        hit = [tuple(x) for x in batch_mixing_nodes(_fresh(template, "meta", dtype), list(inputs.shape))]
+        mixing, out = batch_flow(_fresh(template, "meta", dtype), [list(x.shape) for x in inputs.tensors],
+                                         batched=list(inputs.batched))
+        hit = ([tuple(x) for x in mixing], out)
         _mixing.put(key, hit)
     return hit
 
 
-def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype, limits,
-                  shape_only: bool) -> torch.Tensor:
-    """Floating inputs in the model's dtype; integer inputs (token ids) kept as the graph captured them."""
-    inputs = tensors.decode(request.inputs, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
-    want = template.input_dtype
-    wants_ints = want is not None and not tensors.TORCH_DTYPES.get(want, torch.float32).is_floating_point
-    if wants_ints:
-        if inputs.dtype.is_floating_point:
-            raise SpecError("bad_tensor", f"inputs: the graph takes integer {want} inputs (token ids), got "
-                            f"{str(inputs.dtype).removeprefix('torch.')}; send integers")
-        inputs = inputs.to(tensors.TORCH_DTYPES[want])
-        rows = template.index_bound
-        if rows is not None and inputs.numel() and not inputs.is_meta and \
-                (int(inputs.min()) < 0 or int(inputs.max()) >= rows):
-            raise SpecError("bad_tensor", f"inputs: token ids must lie in [0, {rows - 1}] (the rows of the embedding "
-                            f"table they index), got values in [{int(inputs.min())}, {int(inputs.max())}]",
-                            rows=rows)
+def _graph_input(raw, where: str, spec, template: GraphTemplate, dtype: torch.dtype, limits,
+                 shape_only: bool) -> torch.Tensor:
+    """One user input: floating in the model's dtype; integer (token ids, edge indices) and bool (masks)
+    kept as the graph captured them."""
+    x = tensors.decode(_as_tensor_value(raw, where), where=where, max_elements=limits.max_elements,
+                       shape_only=shape_only)
+    want = spec.dtype
+    want_dtype = tensors.TORCH_DTYPES.get(want or "", torch.float32)
+    if not want_dtype.is_floating_point:
+        if x.dtype.is_floating_point:
+            raise SpecError("bad_tensor", f"{where}: the graph takes {want} values here (token ids, indices or a "
+                            f"mask: input {spec.name!r}), got {str(x.dtype).removeprefix('torch.')}; send {want}",
+                            where=where)
+        x = x.to(want_dtype)
+        rows = template.index_bounds.get(spec.name)
+        if rows is not None and x.numel() and not x.is_meta and (int(x.min()) < 0 or int(x.max()) >= rows):
+            raise SpecError("bad_tensor", f"{where}: token ids must lie in [0, {rows - 1}] (the rows of the embedding "
+                            f"table they index), got values in [{int(x.min())}, {int(x.max())}]", rows=rows,
+                            where=where)
     else:
-        inputs = inputs.to(dtype)
-        if not inputs.is_meta and not tensors.all_finite(inputs):
-            raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
-    if inputs.dim() == 0 or inputs.shape[0] == 0:
-        raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
-    return inputs
+        x = x.to(dtype)
+        if not x.is_meta and not tensors.all_finite(x):
+            raise SpecError("bad_tensor", f"{where} holds NaN or infinite values", where=where)
+    return x
 
 
-def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor, limits) -> torch.Tensor:
+def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype, limits,
+                  shape_only: bool) -> Batch:
+    """The request's inputs matched to the graph's (by position or by name), each checked; the batched
+    ones (the graph's batch_dim 0) must agree on the batch size."""
+    users = template.users
+    names = [u.name for u in users]
+    values = _input_values(request.inputs, names, what="the graph")
+    xs = tuple(_graph_input(raw, where, spec, template, dtype, limits, shape_only)
+               for (where, raw), spec in zip(values, users))
+    batched = tuple(u.batch_dim == 0 for u in users)
+    rows = None
+    for (where, _), x, b in zip(values, xs, batched):
+        if not b:
+            continue
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise SpecError("bad_tensor", f"{where}: expected a batch (first dimension >= 1), got shape "
+                            f"{list(x.shape)}", where=where)
+        if rows is None:
+            rows = (where, int(x.shape[0]))
+        elif int(x.shape[0]) != rows[1]:
+            raise SpecError("bad_tensor", f"{where}: batch size {int(x.shape[0])} differs from {rows[0]}'s "
+                            f"{rows[1]}; every batched input has one row per example along dim 0", where=where)
+    return Batch(xs, batched, tuple(names))
+
+
+def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, limits) -> torch.Tensor:
     """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
     signature (on a private copy of the shared model: a run writes its program cache)."""
     from .graph import check_graph_shapes
 
-    key = (template.ref, dtype, tuple(inputs.shape), inputs.dtype)
+    key = (template.ref, dtype, inputs.signature)
     hit = _graph_shapes.get(key)
     if hit is None:
-        out = check_graph_shapes(_fresh(template, "meta", dtype), inputs.to("meta"), limits=limits)
+        out = check_graph_shapes(_fresh(template, "meta", dtype), *[x.to("meta") for x in inputs.tensors],
+                                 limits=limits)
         hit = (out.shape, out.dtype)
         _graph_shapes.put(key, hit)
     return torch.empty(hit[0], dtype=hit[1], device="meta")
@@ -620,16 +747,23 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
     return _decode_weights(given, state, template.parameters, dtype, max_elements, "the graph")
 
 
-def _check_graph_options(opts: Options, template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor) -> None:
+def _check_graph_options(opts: Options, template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -> None:
     """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
     if opts.checkpoint_segments is not None:
         raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a graph "
                         "model has none, so it cannot apply. Remove it (or checkpoint inside the module before "
                         "export)")
-    if opts.input_grad and not inputs.dtype.is_floating_point:
-        raise SpecError("bad_option", f"options.input_grad: the inputs are integer {str(inputs.dtype)[6:]} (token "
-                        "ids), which have no gradient; leave input_grad out")
-    if opts.micro_batch is not None and opts.micro_batch < inputs.shape[0]:
+    if opts.input_grad:
+        floating = inputs.floating()
+        if not floating:
+            x = inputs.first
+            raise SpecError("bad_option", f"options.input_grad: the inputs are integer {str(x.dtype)[6:]} (token "
+                            "ids), which have no gradient; leave input_grad out")
+        if len(floating) > 1:
+            raise SpecError("bad_option", f"options.input_grad: the model takes {len(floating)} floating inputs "
+                            f"({', '.join(inputs.names[i] for i in floating)}); input_grad returns the gradient of "
+                            "one input tensor. Leave it out, or export a model with one floating input")
+    if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
         check_graph_split(template, dtype, inputs, "options.micro_batch")
     if opts.per_sample != "off":
         check_graph_split(template, dtype, inputs, "options.per_sample")
@@ -644,11 +778,11 @@ def _draws_masks(step) -> bool:
     return not (isinstance(p, (int, float)) and p == 0) and train is not False
 
 
-def check_graph_split(template: GraphTemplate, dtype: torch.dtype, inputs: torch.Tensor, option: str, *,
+def check_graph_split(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, option: str, *,
                       across_jobs: bool = False) -> None:
     """Refuses `option` (which splits the batch) when a node mixes the batch's examples; `across_jobs`
     (options.shards) also when it draws dropout masks, which every shard would seed alike."""
-    mixing = _batch_mixing(template, dtype, inputs)
+    mixing, _ = _batch_flow(template, dtype, inputs)
     if mixing:
         node, op, module = mixing[0]
         where = f"module {module!r}" if module else "the root module"
@@ -674,10 +808,16 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
     inputs = _graph_inputs(request, template, dtype, limits, shape_only)
     out = _graph_output(template, dtype, inputs, limits)
     terms = _terms(request)
-    targets = _targets(request, terms, out, inputs, dtype, limits.max_elements, shape_only)
+    targets = _targets(request, terms, out, dtype, limits.max_elements, shape_only)
+    _refuse_own_loss_split(request.options, terms, inputs.rows)
     _check_graph_options(request.options, template, dtype, inputs)
+    if "options.shards" in _splits(request.options, inputs.rows):  # what mixes is the clearer reason
+        check_graph_split(template, dtype, inputs, "options.shards", across_jobs=True)
+    maybe_split = _splits(request.options, inputs.rows) or request.options.shards == "auto"
+    out_batch = _batch_flow(template, dtype, inputs)[1] if maybe_split and any(inputs.batched) else None
+    rows = _rows_per_example(request.options, terms, inputs, out, out_batch)
     names = [n for n in template.state if n in template.parameters]
-    frozen = _check_options(request.options, config, inputs.shape[0], 1, names)
+    frozen = _check_options(request.options, config, inputs.rows, 1, names)
     _check_hvp(request.options, template.model, frozen)
     weights = _graph_weights(request, template, dtype, limits.max_elements)
     parameter_count = sum(template.state[n].numel() for n in names)
@@ -691,4 +831,4 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
             targets = {k: v.to(device) for k, v in targets.items()}
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
-                    frozen=frozen, graph=template, graph_data=data)
+                    frozen=frozen, graph=template, graph_data=data, rows_per_example=rows)

@@ -23,6 +23,7 @@ from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
 from . import numcheck, tensors
 from .compute import cosines
 from .errors import SpecError
+from .losses import OWN_LOSS
 from .prepare import Prepared, check_graph_split
 from .spec import leaves
 
@@ -63,7 +64,15 @@ def split_rows(n: int, count: int) -> list[tuple[int, int]]:
 
 def check_shardable(prep: Prepared, count: int) -> None:
     """Refuses what a split batch cannot reproduce; `prep` is the whole request on the meta device."""
-    n = prep.inputs.shape[0]
+    n = prep.inputs.rows
+    if count > 1 and any(t.type == OWN_LOSS for t in prep.terms):
+        raise SpecError("bad_option", f"options.shards: loss {OWN_LOSS!r} is one scalar the model computes over the "
+                        "whole batch, which the service cannot split across shards; set shards=1, or return "
+                        "per-example outputs and use a built-in loss", option="options.shards")
+    if count > 1 and prep.rows_per_example is None:
+        raise SpecError("bad_option", f"options.shards: the model's output {prep.output_shape} has no rows that map "
+                        f"to the batch's {n} rows in order, so the targets cannot be split with the inputs; set "
+                        "shards=1", option="options.shards", output_shape=prep.output_shape, rows=n)
     if count > n:
         raise SpecError("bad_option", f"options.shards={count} exceeds the batch of {n} rows; use at most {n} "
                         "shards (or 'auto')", shards=count, rows=n)

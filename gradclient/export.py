@@ -21,6 +21,7 @@ from torch import nn
 from gradsvc import wire
 
 from .errors import BadTensorError, UnsupportedModuleError
+from .functions import Capture
 from .tensors import to_wire
 
 _SCALAR_TYPES = (int, float, bool, str, type(None))
@@ -102,15 +103,25 @@ def export_graph(module: nn.Module, example_args: tuple[torch.Tensor, ...] | tor
     batch = torch.export.Dim("batch", min=1)
     dims = [{0: batch} if b else None for b in batched]
     shapes = dict(zip(kwargs, dims[len(args):])) if kwargs else tuple(dims)
+    capture = Capture()
     try:
-        ep = torch.export.export(module, t_args, kwargs=t_kwargs or None, dynamic_shapes=shapes)
+        with capture.active():
+            ep = torch.export.export(module, t_args, kwargs=t_kwargs or None, dynamic_shapes=shapes)
+    except UnsupportedModuleError:
+        raise
     except Exception:
         dynamic = False
         try:
-            ep = torch.export.export(module, args, kwargs=kwargs or None)
+            with capture.active():
+                ep = torch.export.export(module, args, kwargs=kwargs or None)
+        except UnsupportedModuleError:
+            raise
         except Exception as exc:
             raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
     graph, weights = _convert(ep, module, batched)
+    if capture.calls:
+        used = {n.op.removeprefix("function.") for n in graph.nodes if n.op.startswith("function.")}
+        graph.functions = {k: f for k, f in capture.functions().items() if k in used}
     params = dict(module.named_parameters(remove_duplicate=False))
     frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
     return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic, frozen=frozen)
@@ -235,6 +246,8 @@ def _dtype(t: torch.Tensor) -> str:
 def _op_name(node: "torch.fx.Node") -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
+        if target.namespace == "gradsvc_fn":  # a custom autograd Function's call (functions.py)
+            return f"function.{target._schema.name.split('::', 1)[1]}"
         return f"{target.namespace}.{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
     if isinstance(target, torch._ops.HigherOrderOperator):
         raise UnsupportedModuleError(f"node {node.name!r} calls the higher-order op {target.name()}; the service runs "

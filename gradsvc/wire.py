@@ -84,6 +84,22 @@ class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
     constants: dict[str, Tensor] = {}
     buffer_mutations: dict[str, str] = {}
     version: int = 1
+    # Custom autograd Functions the nodes call (op "function.<key>"), by key.
+    functions: dict[str, FunctionSpec] = {}
+
+
+class FunctionSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A custom `torch.autograd.Function` a graph calls: an OpNode with op "function.<key>" and args
+    `[[{"node": x}, ...]]` (its tensor arguments) returns its outputs (picked by operator.getitem).
+    `forward` maps the tensor arguments to the outputs; `backward` maps (the tensor arguments, then one
+    gradient per output) to the gradients of the arguments `grads` marks true (the others get none).
+    Both are graphs of allowed ops with inputs of kind "input" and "constant" only; `name` is the
+    Function's class name, for messages."""
+
+    name: str
+    forward: GraphSpec
+    backward: GraphSpec
+    grads: list[bool]
 
 
 class ModelSpec(Struct, forbid_unknown_fields=True):

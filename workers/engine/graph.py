@@ -168,6 +168,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         inputs.append((slot, inp))
     if not any(inp.kind == "input" for inp in spec.inputs):
         raise _bad("no input of kind 'input'; a graph takes the batch as at least one input")
+    functions = _functions(spec, limits)
     later = {n.name for n in spec.nodes}
     budget = [_MAX_VALUES]
     inputs_by_slot = dict(inputs)
@@ -175,7 +176,7 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     steps: list[Step] = []
     step_of: dict[int, Step] = {}
     for node in spec.nodes:
-        op = OPS.get(node.op)
+        op = OPS.get(node.op) or functions.get(node.op)
         if op is None:
             raise SpecError("unsupported_op", f"model.graph: {_where(node)}: op {node.op!r} is not allowed; the "
                             f"allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
@@ -235,6 +236,26 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         mutations.append((target, slots[name]))
     return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
                     n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype], index_bounds=index_bounds)
+
+
+def _functions(spec: GraphSpec, limits: Limits) -> dict[str, Op]:
+    """The graph's custom autograd Functions as ops "function.<key>" (functions.py)."""
+    if not spec.functions:
+        return {}
+    from .functions import MAX_FUNCTIONS, compile_function
+
+    if len(spec.functions) > MAX_FUNCTIONS:
+        raise _bad(f"{len(spec.functions)} custom autograd Functions, above the limit of {MAX_FUNCTIONS}", "too_large",
+                   functions=len(spec.functions), limit=MAX_FUNCTIONS)
+    nodes = len(spec.nodes) + sum(len(f.forward.nodes) + len(f.backward.nodes) for f in spec.functions.values())
+    if nodes > limits.max_graph_nodes:
+        raise _bad(f"{nodes} nodes with the Functions' graphs, above the limit of {limits.max_graph_nodes}; export "
+                   "a smaller model", "too_large", nodes=nodes, limit=limits.max_graph_nodes)
+    out = {}
+    for key, f in spec.functions.items():
+        _check_name(key, f"functions[{key[:200]!r}]", {})
+        out[f"function.{key}"] = compile_function(key, f, compile_graph, limits).op(key)
+    return out
 
 
 def _set_arg(op: Op, args: list, kwargs: dict, name: str, value: Any) -> None:
@@ -907,6 +928,8 @@ class _BatchFlow:
             indices = _arg(step, "indices") or []
             return p < len(indices) and indices[p] is not None and \
                 not (isinstance(indices[p], Ref) and indices[p].i in self.iota)
+        if op.name.startswith("function."):
+            return True  # a custom Function is opaque: what it does across the batch is not known here
         if not op.along_dim:
             return False
         dim = _arg(step, "dims") if any(q.name == "dims" for q in op.params) else _arg(step, "dim")

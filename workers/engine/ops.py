@@ -49,6 +49,7 @@ class Op:
     is_assert: bool = False  # a metadata check: skipped (dtypes change from the graph's when run in float64)
     along_dim: bool = False  # combines values along its `dim`/`dims` argument (the batch-mixing check)
     reshapes: bool = False  # reinterprets the row-major order (view/reshape/flatten)
+    recurrent: bool = False  # runs each row of its batch dim on its own, combining time steps (gru, lstm, rnn)
     n_outputs: int | None = None  # a multi-output op's fixed count (None: a list of any length)
 
 
@@ -118,7 +119,7 @@ div_.Scalar neg.default abs.default exp.default exp2.default log.default log2.de
 log1p.default expm1.default sqrt.default rsqrt.default square.default pow.Tensor_Scalar pow.Tensor_Tensor
 pow.Scalar reciprocal.default sin.default cos.default tan.default asin.default acos.default atan.default
 atan2.default sinh.default cosh.default erf.default erfc.default erfinv.default clamp.default clamp.Tensor
-clamp_.default clamp_min.default clamp_max.default minimum.default maximum.default sign.default
+clamp_.default clamp_min.default clamp_max.default minimum.default maximum.default min.other max.other sign.default
 sgn.default floor.default ceil.default round.default round.decimals trunc.default frac.default
 fmod.Tensor fmod.Scalar remainder.Tensor remainder.Scalar floor_divide.default lerp.Scalar lerp.Tensor
 addcmul.default addcdiv.default where.self where.ScalarOther where.ScalarSelf where.Scalar nan_to_num.default
@@ -151,6 +152,8 @@ adaptive_avg_pool2d.default adaptive_avg_pool3d.default adaptive_max_pool1d.defa
 adaptive_max_pool2d.default upsample_nearest1d.vec upsample_nearest2d.vec upsample_nearest3d.vec
 upsample_linear1d.vec upsample_bilinear2d.vec upsample_bicubic2d.vec upsample_trilinear3d.vec
 pixel_shuffle.default pixel_unshuffle.default"""
+# nn.GRU / nn.LSTM / nn.RNN inside a custom module: a list of weight tensors in, (output, h_n[, c_n]) out.
+_RECURRENT = "gru.input lstm.input rnn_tanh.input rnn_relu.input"
 _RANDOM = "dropout.default dropout_.default native_dropout.default feature_dropout.default"
 _FACTORIES = """arange.default arange.start arange.start_step full.default full_like.default ones.default
 ones_like.default zeros.default zeros_like.default new_ones.default new_zeros.default new_full.default
@@ -248,9 +251,10 @@ SKIPPED: list[str] = []  # entries this torch lacks or gives a schema the checks
 def _build_table() -> dict[str, Op]:
     table: dict[str, Op] = {"operator.getitem": GETITEM, **PYTHON_OPS}
     groups = [_MATMUL, _CONV, _NORM, _ATTENTION, _ACTIVATIONS, _ELEMENTWISE, _REDUCTIONS, _INDEXING, _VIEWS,
-              _LAYOUT, _POOLING, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
+              _LAYOUT, _POOLING, _RECURRENT, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
     reshapes = set(_VIEWS.split())
     asserts = set(_ASSERTS.split())
+    recurrent = set(_RECURRENT.split())
     for entry in [e for g in groups for e in g.split()] + list(_ZERO_FILLED):
         base, overload = entry.rsplit(".", 1)
         packet = getattr(aten, base, None)
@@ -261,7 +265,7 @@ def _build_table() -> dict[str, Op]:
                 raise TypeError("not in this torch")
             table[name] = _from_schema(name, ovl, fn=_no_op if entry in asserts else _ZERO_FILLED.get(entry),
                                        is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
-                                       reshapes=entry in reshapes)
+                                       reshapes=entry in reshapes, recurrent=entry in recurrent)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash
             SKIPPED.append(f"{name}: {exc}")
     return table

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -104,20 +105,25 @@ def export_graph(module: nn.Module, example_args: tuple[torch.Tensor, ...] | tor
     dims = [{0: batch} if b else None for b in batched]
     shapes = dict(zip(kwargs, dims[len(args):])) if kwargs else tuple(dims)
     capture = Capture()
-    try:
-        with capture.active():
-            ep = torch.export.export(module, t_args, kwargs=t_kwargs or None, dynamic_shapes=shapes)
-    except UnsupportedModuleError:
-        raise
-    except Exception:
-        dynamic = False
+    with warnings.catch_warnings():
+        # nn.GRU/LSTM/RNN re-set their `_flat_weights` list in forward; export warns, yet lifts each weight
+        # as the parameter it is.
+        warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
         try:
             with capture.active():
-                ep = torch.export.export(module, args, kwargs=kwargs or None)
+                ep = torch.export.export(module, t_args, kwargs=t_kwargs or None, dynamic_shapes=shapes)
         except UnsupportedModuleError:
             raise
-        except Exception as exc:
-            raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: {_reason(exc)}") from None
+        except Exception:
+            dynamic = False
+            try:
+                with capture.active():
+                    ep = torch.export.export(module, args, kwargs=kwargs or None)
+            except UnsupportedModuleError:
+                raise
+            except Exception as exc:
+                raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: "
+                                             f"{_reason(exc)}") from None
     graph, weights = _convert(ep, module, batched)
     if capture.calls:
         used = {n.op.removeprefix("function.") for n in graph.nodes if n.op.startswith("function.")}
@@ -185,27 +191,24 @@ def _convert(ep: "torch.export.ExportedProgram", module: nn.Module,
             entry.dtype, entry.shape = _dtype(val), [int(n) if isinstance(n, int) else -1 for n in val.shape]
             entry.batch_dim = 0 if batched[sum(1 for i in inputs if i.kind == "input")] else None
         inputs.append(entry)
+    names = {n: alias.get(n.name, n.name) for n in ep.graph.nodes}
+    inliner = _Inliner(ep, names, {n for n in placeholders if kinds[specs[n.name].kind] in ("buffer", "constant")})
     nodes = []
-    for node in ep.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op != "call_function":
-            raise UnsupportedModuleError(f"node {node.name!r} is a {node.op} ({node.target}); the service runs only "
-                                         "calls of ATen ops (no higher-order ops: cond, map, checkpoint, ...)")
-        _refuse_input_writes(node, specs, kinds)
-        nodes.append(wire.OpNode(name=node.name, op=_op_name(node), args=[_arg(a, node, alias) for a in node.args],
-                                 kwargs={k: _arg(v, node, alias) for k, v in node.kwargs.items()},
-                                 **_module_of(node)))
+    for call in inliner.calls():
+        _refuse_input_writes(call, specs, kinds, inliner.origin)
+        nodes.append(wire.OpNode(name=call.name, op=_op_name(call), args=[_arg(a, call, names) for a in call.args],
+                                 kwargs={k: _arg(v, call, names) for k, v in call.kwargs.items()},
+                                 **_module_of(call)))
     outputs, mutations = [], {}
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     for spec, value in zip(sig.output_specs, out_node.args[0]):
         if spec.kind == OutputKind.USER_OUTPUT:
             if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
-                outputs.append({"node": alias.get(value.name, value.name)})
+                outputs.append({"node": names[value]})
             elif value is not None:
                 raise UnsupportedModuleError(f"the model returns a non-tensor value ({value!r}); return tensors only")
         elif spec.kind == OutputKind.BUFFER_MUTATION:
-            mutations[spec.target] = value.name
+            mutations[spec.target] = names[value]
         else:
             raise UnsupportedModuleError(f"the exported graph has an output of kind {spec.kind.name} ({spec.target}); "
                                          "the service takes user outputs and buffer updates only (a forward must "
@@ -221,19 +224,131 @@ def _convert(ep: "torch.export.ExportedProgram", module: nn.Module,
     return graph, weights
 
 
-def _refuse_input_writes(node: "torch.fx.Node", specs: dict, kinds: dict) -> None:
+def _refuse_input_writes(node: "_Call", specs: dict, kinds: dict, origin: dict) -> None:
     """A forward that writes its input or a parameter in place cannot be replayed as a pure function of
     the weights and the batch (the service refuses it too); say so before anything is sent."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return
     for arg, value in zip(target._schema.arguments, node.args):
+        if not isinstance(value, torch.fx.Node):
+            continue
+        value = origin.get(value, value)  # inside an inlined region: the value that entered it
         written = arg.alias_info is not None and arg.alias_info.is_write
-        if written and isinstance(value, torch.fx.Node) and value.name in specs:
+        if written and value.op == "placeholder" and value.name in specs:
             kind = kinds.get(specs[value.name].kind)
             if kind in ("input", "parameter", "constant"):
                 raise UnsupportedModuleError(f"the model modifies its {kind} {value.name!r} in place ({target}); a "
                                              "forward must not modify its inputs or parameters: work on a copy")
+
+
+@dataclass
+class _Call:
+    """One call to send, read like a torch.fx.Node: an exported node, or a detach where a value enters a
+    no_grad region."""
+
+    name: str
+    target: object
+    args: tuple
+    kwargs: dict
+    meta: dict
+
+
+class _Inliner:
+    """The exported graph's calls in order, with its grad-mode regions inlined as eager runs them, so the
+    wire needs no region concept. torch.export puts the body of `with torch.no_grad():` (or
+    `torch.set_grad_enabled(False)`) in a submodule called by `wrap_with_set_grad_enabled(False, submod,
+    *args)`: here each tensor argument is detached (buffers and constants, which carry no gradient, are
+    left as they are so that running statistics can be updated in place), the body's nodes follow, and
+    the `getitem`s of its results read them directly. A region that turns grad back on inside a no_grad
+    one, and autocast, are refused; an `autocast(enabled=False)` region runs as written."""
+
+    def __init__(self, ep: "torch.export.ExportedProgram", names: dict, gradless: set) -> None:
+        self.ep, self.names, self.gradless = ep, names, gradless
+        self.origin: dict = {}  # a region's placeholder -> the outer value passed in (for the write checks)
+        self.used = set(names.values())
+        self.skipped: set = set()
+        self.out: list[_Call] = []
+
+    def calls(self) -> list[_Call]:
+        self._walk(self.ep.graph, self.ep.graph_module, grad=True)
+        return self.out
+
+    def _unique(self, base: str) -> str:
+        name, i = base[:180], 1
+        while name in self.used:
+            name, i = f"{base[:180]}_{i}", i + 1
+        self.used.add(name)
+        return name
+
+    def _walk(self, graph: "torch.fx.Graph", owner: nn.Module, grad: bool) -> None:
+        for node in graph.nodes:
+            if node.op in ("placeholder", "output") or node in self.skipped:
+                continue
+            if node.op == "get_attr" and node.users and all(_is_region(u) for u in node.users):
+                continue  # a region's body, inlined where the region is called
+            if node.op != "call_function":
+                raise UnsupportedModuleError(f"node {node.name!r} is a {node.op} ({node.target}); the service runs "
+                                             "only calls of ATen ops (no higher-order ops: cond, map, checkpoint, "
+                                             "...)")
+            if _is_region(node):
+                self._inline(node, owner, grad)
+            else:
+                self.out.append(_Call(self.names[node], node.target, node.args, node.kwargs, node.meta))
+
+    def _inline(self, node: "torch.fx.Node", owner: nn.Module, grad: bool) -> None:
+        if node.target is torch.ops.higher_order.wrap_with_autocast:
+            device, dtype, enabled, _, body, *operands = node.args
+            if enabled:
+                raise UnsupportedModuleError(
+                    f"node {node.name!r}: forward runs a block under torch.autocast({device!r}, dtype={dtype}); the "
+                    "service computes in the request's dtype (float32 or float64) and does not reproduce autocast's "
+                    "mixed precision, so the gradients would differ. Remove the autocast block from forward (run "
+                    "the module under autocast only locally), or cast explicitly with .to(dtype)")
+            detach = False
+        else:
+            enabled, body, *operands = node.args
+            if enabled and not grad:
+                raise UnsupportedModuleError(
+                    f"node {node.name!r}: forward turns gradients back on (torch.enable_grad or "
+                    "set_grad_enabled(True)) inside a no_grad block, which the exported graph cannot express; "
+                    "end the no_grad block before that code instead")
+            detach = not enabled
+        bad_users = [u.name for u in node.users if u.target is not operator.getitem]
+        if bad_users:
+            raise UnsupportedModuleError(f"node {node.name!r} ({node.target.name()}): its results are read by "
+                                         f"{bad_users} other than by index; the exporter cannot inline it")
+        sub = getattr(owner, body.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for ph, value in zip(placeholders, operands):
+            if not isinstance(value, torch.fx.Node):
+                raise UnsupportedModuleError(f"node {node.name!r} passes the constant {value!r} into a grad-mode "
+                                             "region; the exporter inlines regions of graph values only")
+            self.origin[ph] = self.origin.get(value, value)
+            inside = [u for u in ph.users if u.op != "output"]
+            if detach and inside and isinstance(ph.meta.get("val"), torch.Tensor) and \
+                    self.origin[ph] not in self.gradless:
+                name = self._unique(f"{ph.name}_detached")
+                self.out.append(_Call(name, torch.ops.aten.detach.default, (value,), {}, node.meta))
+                self.names[ph] = name
+            else:
+                self.names[ph] = self.names[value]
+        for inner in sub.graph.nodes:
+            if inner.op not in ("placeholder", "output"):
+                self.names[inner] = self._unique(inner.name)
+        self._walk(sub.graph, sub, grad=grad and not detach)
+        results = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        passed = dict(zip(placeholders, operands))
+        for user in node.users:
+            result = results[user.args[1]]
+            # A value passed through unchanged is the caller's own tensor (as in eager), not its detached copy.
+            self.names[user] = self.names[passed[result]] if result in passed else self.names[result]
+            self.skipped.add(user)
+
+
+def _is_region(node: "torch.fx.Node") -> bool:
+    return node.op == "call_function" and node.target in (torch.ops.higher_order.wrap_with_set_grad_enabled,
+                                                          torch.ops.higher_order.wrap_with_autocast)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -257,11 +372,11 @@ def _op_name(node: "torch.fx.Node") -> str:
     return f"{getattr(target, '__module__', None) or '?'}.{getattr(target, '__name__', repr(target))}"
 
 
-def _arg(a, node: "torch.fx.Node", alias: dict[str, str]):
+def _arg(a, node: "_Call", names: dict):
     if isinstance(a, torch.fx.Node):
-        return {"node": alias.get(a.name, a.name)}
+        return {"node": names[a]}
     if isinstance(a, (list, tuple)):
-        return [_arg(x, node, alias) for x in a]
+        return [_arg(x, node, names) for x in a]
     if isinstance(a, float) and not math.isfinite(a):
         return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
     if isinstance(a, _SCALAR_TYPES):

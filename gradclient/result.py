@@ -43,6 +43,7 @@ class GradientResult:
     checkpoint: dict[str, float] | None = None
     shards: ShardsInfo | None = None  # how a request sent with shards=N ran (None when it was not split)
     graph_ref: str | None = None  # graph models: the service's handle on the graph (the SDK resends it for you)
+    seed: int = 0  # the seed the job ran with (dropout masks): pass seed= to repeat the call exactly
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -90,5 +91,5 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         gradient_cosine=raw.gradient_cosine,
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
-        checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref,
+        checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
     )

@@ -108,10 +108,32 @@ class TinyBert(nn.Module):
         return self.bert(input_ids=ids).logits  # (batch, 3)
 
 
+class RecurrentLM(nn.Module):
+    """Embedding -> nn.GRU / nn.LSTM / nn.RNN (two layers) -> Linear: the next token's logits after the
+    last position. With batch_first False the sequence is transposed in and out, as such code does."""
+
+    def __init__(self, cell: str = "gru", batch_first: bool = True, vocab: int = 16, dim: int = 6,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(vocab, dim)
+        kind, _, nonlinearity = cell.partition("_")
+        extra = {"nonlinearity": nonlinearity} if kind == "rnn" else {}
+        self.rnn = {"gru": nn.GRU, "lstm": nn.LSTM, "rnn": nn.RNN}[kind](dim, dim, num_layers=2, dropout=dropout,
+                                                                        batch_first=batch_first, **extra)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)  # (batch, seq, dim)
+        out = self.rnn(h if self.batch_first else h.transpose(0, 1))[0]
+        out = out if self.batch_first else out.transpose(0, 1)  # (batch, seq, dim)
+        return self.head(out[:, -1])  # (batch, vocab)
+
+
 Case = tuple[nn.Module, torch.Tensor, torch.Tensor, str]
 
 
-def _case(cls: type[nn.Module], inputs: Callable[[torch.Generator], torch.Tensor],
+def _case(cls: Callable[[], nn.Module], inputs: Callable[[torch.Generator], torch.Tensor],
           targets: Callable[[torch.Generator], torch.Tensor], loss: str) -> Callable[[torch.dtype], Case]:
     def make(dtype: torch.dtype = torch.float32) -> Case:
         torch.manual_seed(0)
@@ -135,6 +157,10 @@ CASES: dict[str, Callable[[torch.dtype], Case]] = {
                                  lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
     "hf_llama": _case(TinyLlama, lambda g: torch.randint(0, 16, (2, 4), generator=g),
                       lambda g: torch.randint(0, 16, (2,), generator=g), "cross_entropy"),
+    "gru_lm": _case(RecurrentLM, lambda g: torch.randint(0, 16, (3, 5), generator=g),
+                    lambda g: torch.randint(0, 16, (3,), generator=g), "cross_entropy"),
+    "lstm_lm": _case(lambda: RecurrentLM("lstm"), lambda g: torch.randint(0, 16, (3, 5), generator=g),
+                     lambda g: torch.randint(0, 16, (3,), generator=g), "cross_entropy"),
     "hf_bert": _case(TinyBert, lambda g: torch.randint(0, 16, (2, 4), generator=g),
                      lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
 }

@@ -153,3 +153,34 @@ def test_module_paths_are_state_dict_prefixes():
     eg = export_graph(model, (torch.randn(2, 3),))
     assert [(n.module, n.module_type) for n in eg.graph.nodes] == \
         [("0", "Linear"), ("1.0", "ReLU"), ("1.1", "Linear")]
+
+
+class NoGradStatistics(nn.Module):
+    def __init__(self, write_weight: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.zeros(3))
+        self.write_weight = write_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        with torch.no_grad():
+            self.seen.add_(h.mean(0))  # a buffer, updated in place
+            scale = h.abs().amax(-1, keepdim=True)
+            if self.write_weight:
+                self.fc.weight.mul_(0.5)
+        return h / scale
+
+
+def test_a_no_grad_block_is_inlined_with_its_inputs_detached():
+    x = torch.randn(2, 3)
+    model = NoGradStatistics()
+    eg = export_graph(model, (x,))
+    ops = [n.op for n in eg.graph.nodes]
+    assert not any("wrap" in op or "higher_order" in op for op in ops)
+    detached = {n.args[0]["node"] for n in eg.graph.nodes if n.op == "aten.detach.default"}
+    assert detached == {"linear"}  # the buffer is written as itself, not through a detached view
+    want = model(x)
+    assert torch.allclose(run_graph(eg, x), want)
+    with pytest.raises(UnsupportedModuleError, match="modifies its parameter 'p_fc_weight' in place"):
+        export_graph(NoGradStatistics(write_weight=True), (x,))

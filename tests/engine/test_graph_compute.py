@@ -215,3 +215,13 @@ def test_an_integer_beyond_64_bits_in_a_graph_is_bad_option_not_a_crash():
     with pytest.raises(SpecError) as err:  # JSON integers are unbounded; hashing the graph must not overflow
         prepare(msgspec.json.decode(body, type=GradientRequest), CONFIG)
     assert err.value.code == "bad_option" and "64-bit" in err.value.message
+
+
+def test_a_recurrent_language_model_passes_the_numerical_check_and_has_a_memory_row():
+    model, x, y, loss = CASES["lstm_lm"](torch.float32)  # token ids: the request's dtype is float32
+    result = compute(request(model, x, y, loss, numcheck="sampled", numcheck_samples=3), CONFIG)
+    assert close(grads(result), local_gradients(model, x, y, loss), 1e-4)
+    assert result.numcheck.passed
+    rnn = next(row for row in result.memory.layers if row.name == "rnn")
+    assert rnn.type == "LSTM" and rnn.saved_bytes > 0
+    assert rnn.output_shape == [3, 5, 6]  # the output sequence, not h_n or c_n

@@ -47,7 +47,9 @@ def _sync(device: torch.device) -> None:
 
 def _is_random(model: nn.Module) -> bool:
     if hasattr(model, "node_modules"):  # a GraphModel: dropout is a node, not a module
-        return any("dropout" in step.op.name for step in model._graph.steps)
+        from .graph import draws_masks
+
+        return any(draws_masks(step) for step in model._graph.steps)
     return any(isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
                for m in model.modules())
 

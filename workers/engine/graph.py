@@ -811,6 +811,17 @@ def batch_flow(model: GraphModel, input_shapes: list[list[int]], *, batched: lis
     return mixing, (where if isinstance(where, tuple) and not mixing else None)
 
 
+def draws_masks(step: Step) -> bool:
+    """A node that draws dropout masks: dropout with p > 0 and train not False, or a recurrent op of
+    several layers with dropout between them in training mode."""
+    if step.op.recurrent:
+        dropout, layers = _arg(step, "dropout"), _arg(step, "num_layers")
+        return _arg(step, "train") is not False and dropout != 0 and layers != 1
+    if "dropout" not in step.op.name:
+        return False
+    return _arg(step, "p") != 0 and _arg(step, "train") is not False
+
+
 def _shape_of(out: Any) -> Any:
     """A tensor's shape (a tuple), several tensors' (a list), a size's value (an int), else None."""
     if isinstance(out, torch.Tensor):
@@ -924,6 +935,8 @@ class _BatchFlow:
             return rank is not None and p >= rank - n
         if op.name == "aten.scaled_dot_product_attention.default":  # attends along dim -2 of query and key
             return any(p == len(self.s1[r.i]) - 2 for r, (p, _) in batched if isinstance(self.s1.get(r.i), tuple))
+        if op.recurrent:
+            return self._recurrent_mixes(step)
         if op.name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default"):
             indices = _arg(step, "indices") or []
             return p < len(indices) and indices[p] is not None and \
@@ -939,3 +952,24 @@ class _BatchFlow:
         if rank is None or any(not isinstance(d, int) for d in dims):
             return True
         return any(d % max(rank, 1) == p for d in dims)
+
+    def _recurrent_mixes(self, step: Step) -> bool:
+        """gru/lstm/rnn combine everything but the rows of their batch dim (time steps, features, layers):
+        `input`'s dim 0 (batch_first) or 1, and dim 1 of each initial state (layers, batch, hidden). An
+        unbatched 2-d input has no such dim. Data with the batch anywhere else, or with the examples in
+        blocks of different sizes in `input` and the states (rows paired across examples), mixes."""
+        source = _arg(step, "input")
+        rank = len(self.s1[source.i]) if isinstance(source, Ref) and isinstance(self.s1.get(source.i), tuple) else 0
+        rows = (0 if _arg(step, "batch_first") else 1) if rank == 3 else None
+        states = _arg(step, "hx")
+        states = states if isinstance(states, list) else [states]
+        expected = [(source, rows)] + [(r, 1 if rows is not None else None) for r in states] + \
+            [(r, None) for r in _arg(step, "params") or []]
+        inner = set()
+        for ref, want in expected:
+            where = self.info.get(ref.i) if isinstance(ref, Ref) and ref.i in self.tainted else None
+            if isinstance(where, tuple):
+                if where[0] != want:
+                    return True
+                inner.add(where[1])
+        return len(inner) > 1

@@ -102,7 +102,13 @@ class ActivationMeter:
             del graph.forward
 
     def _visit(self, i: int, out, args, kwargs) -> None:
-        if isinstance(out, torch.Tensor):  # the last node of a module path gives that module's output
+        # The last node of a module path gives that module's output; of several outputs (a GRU's output and
+        # h_n), the first, and a getitem picking one of them again is no new output.
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            out = out[0]
+        elif self.graph._graph.steps[i].op.name == "operator.getitem":
+            return
+        if isinstance(out, torch.Tensor):
             self._record_output(self.graph.node_modules[i][1], out)
 
     def _leave(self, name: str, out) -> None:

@@ -49,6 +49,7 @@ class Op:
     is_assert: bool = False  # a metadata check: skipped (dtypes change from the graph's when run in float64)
     along_dim: bool = False  # combines values along its `dim`/`dims` argument (the batch-mixing check)
     reshapes: bool = False  # reinterprets the row-major order (view/reshape/flatten)
+    recurrent: bool = False  # runs each row of its batch dim on its own, combining time steps (gru, lstm, rnn)
     n_outputs: int | None = None  # a multi-output op's fixed count (None: a list of any length)
 
 
@@ -118,7 +119,7 @@ div_.Scalar neg.default abs.default exp.default exp2.default log.default log2.de
 log1p.default expm1.default sqrt.default rsqrt.default square.default pow.Tensor_Scalar pow.Tensor_Tensor
 pow.Scalar reciprocal.default sin.default cos.default tan.default asin.default acos.default atan.default
 atan2.default sinh.default cosh.default erf.default erfc.default erfinv.default clamp.default clamp.Tensor
-clamp_.default clamp_min.default clamp_max.default minimum.default maximum.default sign.default
+clamp_.default clamp_min.default clamp_max.default clamp_min.Tensor clamp_max.Tensor minimum.default maximum.default min.other max.other sign.default
 sgn.default floor.default ceil.default round.default round.decimals trunc.default frac.default
 fmod.Tensor fmod.Scalar remainder.Tensor remainder.Scalar floor_divide.default lerp.Scalar lerp.Tensor
 addcmul.default addcdiv.default where.self where.ScalarOther where.ScalarSelf where.Scalar nan_to_num.default
@@ -129,8 +130,9 @@ isnan.default isinf.default isfinite.default masked_fill.Scalar masked_fill.Tens
 masked_fill_.Tensor fill_.Scalar fill_.Tensor fill.Scalar zero_.default copy_.default logaddexp.default
 hypot.default bitwise_and.Scalar bitwise_or.Scalar"""
 _REDUCTIONS = """sum.dim_IntList sum.default mean.dim mean.default amax.default amin.default max.dim min.dim
-max.default min.default argmax.default argmin.default var.correction var.dim std.correction std.dim
-var_mean.correction std_mean.correction prod.default prod.dim_int logsumexp.default norm.ScalarOpt_dim
+max.default min.default argmax.default argmin.default var.correction var.dim var.default std.correction std.dim
+std.default var_mean.correction std_mean.correction var_mean.dim std_mean.dim var_mean.default std_mean.default
+prod.default prod.dim_int logsumexp.default norm.ScalarOpt_dim
 norm.Scalar linalg_vector_norm.default cumsum.default cumprod.default any.dim any.default all.dim
 all.default softmax.int log_softmax.int _softmax.default _log_softmax.default sort.default topk.default
 diff.default"""
@@ -144,13 +146,17 @@ _VIEWS = """view.default reshape.default _unsafe_view.default flatten.using_ints
 reshape_as.default"""
 _LAYOUT = """permute.default transpose.int t.default numpy_T.default mT.default expand.default expand_as.default squeeze.dim squeeze.dims
 squeeze.default unsqueeze.default contiguous.default clone.default alias.default detach.default
-detach_.default lift_fresh_copy.default movedim.int diagonal.default"""
-_POOLING = """max_pool1d.default max_pool2d.default max_pool3d.default max_pool2d_with_indices.default
-avg_pool1d.default avg_pool2d.default avg_pool3d.default adaptive_avg_pool1d.default
+detach_.default lift_fresh_copy.default movedim.int movedim.intlist diagonal.default
+broadcast_tensors.default"""
+_POOLING = """max_pool1d.default max_pool2d.default max_pool3d.default max_pool1d_with_indices.default
+max_pool2d_with_indices.default max_pool3d_with_indices.default avg_pool1d.default avg_pool2d.default
+avg_pool3d.default adaptive_avg_pool1d.default
 adaptive_avg_pool2d.default adaptive_avg_pool3d.default adaptive_max_pool1d.default
 adaptive_max_pool2d.default upsample_nearest1d.vec upsample_nearest2d.vec upsample_nearest3d.vec
 upsample_linear1d.vec upsample_bilinear2d.vec upsample_bicubic2d.vec upsample_trilinear3d.vec
 pixel_shuffle.default pixel_unshuffle.default"""
+# nn.GRU / nn.LSTM / nn.RNN inside a custom module: a list of weight tensors in, (output, h_n[, c_n]) out.
+_RECURRENT = "gru.input lstm.input rnn_tanh.input rnn_relu.input"
 _RANDOM = "dropout.default dropout_.default native_dropout.default feature_dropout.default"
 _FACTORIES = """arange.default arange.start arange.start_step full.default full_like.default ones.default
 ones_like.default zeros.default zeros_like.default new_ones.default new_zeros.default new_full.default
@@ -165,6 +171,7 @@ binary_cross_entropy_with_logits.default"""
 # Combine values along `dim`/`dims` (the batch-mixing check looks at that argument).
 _ALONG_DIM = set("""sum.dim_IntList mean.dim amax.default amin.default max.dim min.dim argmax.default
 argmin.default var.correction var.dim std.correction std.dim var_mean.correction std_mean.correction
+var_mean.dim std_mean.dim
 prod.dim_int logsumexp.default norm.ScalarOpt_dim linalg_vector_norm.default cumsum.default cumprod.default
 any.dim all.dim softmax.int log_softmax.int _softmax.default _log_softmax.default sort.default topk.default
 diff.default index_select.default gather.default take_along_dim.default scatter.src scatter.value
@@ -248,9 +255,10 @@ SKIPPED: list[str] = []  # entries this torch lacks or gives a schema the checks
 def _build_table() -> dict[str, Op]:
     table: dict[str, Op] = {"operator.getitem": GETITEM, **PYTHON_OPS}
     groups = [_MATMUL, _CONV, _NORM, _ATTENTION, _ACTIVATIONS, _ELEMENTWISE, _REDUCTIONS, _INDEXING, _VIEWS,
-              _LAYOUT, _POOLING, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
+              _LAYOUT, _POOLING, _RECURRENT, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
     reshapes = set(_VIEWS.split())
     asserts = set(_ASSERTS.split())
+    recurrent = set(_RECURRENT.split())
     for entry in [e for g in groups for e in g.split()] + list(_ZERO_FILLED):
         base, overload = entry.rsplit(".", 1)
         packet = getattr(aten, base, None)
@@ -261,7 +269,7 @@ def _build_table() -> dict[str, Op]:
                 raise TypeError("not in this torch")
             table[name] = _from_schema(name, ovl, fn=_no_op if entry in asserts else _ZERO_FILLED.get(entry),
                                        is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
-                                       reshapes=entry in reshapes)
+                                       reshapes=entry in reshapes, recurrent=entry in recurrent)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash
             SKIPPED.append(f"{name}: {exc}")
     return table

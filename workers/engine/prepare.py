@@ -769,15 +769,6 @@ def _check_graph_options(opts: Options, template: GraphTemplate, dtype: torch.dt
         check_graph_split(template, dtype, inputs, "options.per_sample")
 
 
-def _draws_masks(step) -> bool:
-    """A dropout node that drops anything: p > 0 and train not False (dropout(x, p, train))."""
-    if "dropout" not in step.op.name:
-        return False
-    p = step.args[1] if len(step.args) > 1 else step.kwargs.get("p")
-    train = step.args[2] if len(step.args) > 2 else step.kwargs.get("train", True)
-    return not (isinstance(p, (int, float)) and p == 0) and train is not False
-
-
 def check_graph_split(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, option: str, *,
                       across_jobs: bool = False) -> None:
     """Refuses `option` (which splits the batch) when a node mixes the batch's examples; `across_jobs`
@@ -791,7 +782,9 @@ def check_graph_split(template: GraphTemplate, dtype: torch.dtype, inputs: Batch
                         f"gradient; remove {option}, or put that module in eval mode before export",
                         node=node, op=op, module=module)
     if across_jobs:
-        random = next((s for s in template.compiled.steps if _draws_masks(s)), None)
+        from .graph import draws_masks
+
+        random = next((s for s in template.compiled.steps if draws_masks(s)), None)
         if random is not None:
             raise SpecError("bad_option", f"{option}: node {random.name!r} ({random.op.name}) in module "
                             f"{random.module!r} draws dropout masks from model.seed, which every shard would repeat; "

@@ -145,6 +145,8 @@ def _from_nested(data, dtype: torch.dtype | None, *, where: str, max_elements: i
 def encode(tensor: torch.Tensor) -> Tensor:
     """A torch tensor as raw bytes on the wire (one copy: device -> host bytes)."""
     t = tensor.detach()
+    if t._is_zerotensor():  # autograd's zero gradient of sgn, sign, ...: it has no memory to hand to numpy
+        t = torch.zeros(t.shape, dtype=t.dtype)
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()

@@ -40,6 +40,10 @@ class Settings:
     numcheck_exact_max: int = 20_000
     numcheck_directions: int = 16
     numcheck_samples: int = 8
+    # numcheck "auto" runs the most thorough mode whose evaluations fit this many times the job's own
+    # forward+backward, plus numcheck_budget_min_s (tiny jobs).
+    numcheck_budget: float = 10.0
+    numcheck_budget_min_s: float = 0.25
     workers: int = 1
     worker_metrics_port: int = 9101
     worker_device: str = "auto"
@@ -88,7 +92,7 @@ class Settings:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
                     "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
                     "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
-                    "graph_ttl_s", "keep_alive_s"]
+                    "graph_ttl_s", "keep_alive_s", "numcheck_budget"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")
@@ -104,6 +108,8 @@ class Settings:
             raise SettingsError(f"GRADSVC_HANDOFF_MIN_BYTES={self.handoff_min_bytes!r}: use 0 or more")
         if self.handoff_dir and Path(self.handoff_dir).exists() and not Path(self.handoff_dir).is_dir():
             raise SettingsError(f"GRADSVC_HANDOFF_DIR={self.handoff_dir!r}: not a directory")
+        if self.numcheck_budget_min_s < 0:
+            raise SettingsError(f"GRADSVC_NUMCHECK_BUDGET_MIN_S={self.numcheck_budget_min_s!r}: use 0 or more")
         if self.rate_limit_per_minute < 0:
             raise SettingsError(f"GRADSVC_RATE_LIMIT_PER_MINUTE={self.rate_limit_per_minute!r}: use 0 (off) or more")
 

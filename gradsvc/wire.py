@@ -176,6 +176,21 @@ class ParameterCheck(Struct):
     # The returned gradient (its dtype, micro-batched, checkpointed, per-loss accumulated) against the
     # float64 autograd reference on the same batch, by the same relative-error rule.
     returned_max_rel_error: float = 0.0
+    # How each check judged this tensor: "ratio" (its error relative to its own scale is within the
+    # tolerance), "floor" (element by element within atol + tolerance x |gradient|: a tensor small beside
+    # the model's gradient), "zero" (its gradient is zero to working precision: no ratio is meaningful,
+    # and the headline figures leave it out) or "failed". "" where that check did not look at it.
+    judged: str = ""
+    returned_judged: str = ""
+
+
+class QuantityCheck(Struct):
+    """A returned quantity other than the gradients, checked its own way (`how`)."""
+
+    how: str
+    max_rel_error: float
+    tolerance: float
+    passed: bool
 
 
 class Numcheck(Struct):
@@ -188,7 +203,9 @@ class Numcheck(Struct):
     passed: bool
     tolerance: float
     per_parameter: dict[str, ParameterCheck]
-    # Absolute errors below this (8 float64 roundings of the loss / eps) pass whatever their ratio.
+    # The absolute tolerance of the element-wise rule (the largest applied): what float64 and the step
+    # resolve for this loss (8 roundings of the loss / eps), or the tolerance x the model's largest
+    # gradient element, whichever is larger.
     rounding_floor: float = 0.0
     # The gradients as returned against the float64 reference on the same batch; `passed` needs both
     # checks. Absolute errors below returned_floor (returned_tolerance x the largest reference element)
@@ -196,6 +213,10 @@ class Numcheck(Struct):
     returned_max_rel_error: float = 0.0
     returned_tolerance: float = 0.0
     returned_floor: float = 0.0
+    # Why this mode ran: what `auto` measured and chose, or that the request asked for it.
+    reason: str = ""
+    # hvp, input_gradient, per_sample and per-loss gradients, each checked its own way; `passed` covers them.
+    quantities: dict[str, QuantityCheck] = {}
 
 
 class LayerMemory(Struct):

@@ -297,10 +297,18 @@ def test_models_that_are_not_pure_functions_of_their_parameters_use_the_loop(lay
     assert batched_calls == [], why
 
 
-def test_graph_models_and_other_devices_are_not_batchable():
+def test_random_models_graphs_that_write_buffers_and_other_devices_are_not_batchable():
+    from gradclient.export import export_graph
+    from gradsvc.workers.engine.graph import build_graph
+    from gradsvc.workers.engine.spec import Limits
+
     model = seed_a_module()
     cpu = torch.device("cpu")
     assert numcheck.batchable(model, cpu, graph=False, random=False)
-    assert not numcheck.batchable(model, cpu, graph=True, random=False)
     assert not numcheck.batchable(model, cpu, graph=False, random=True)
     assert not numcheck.batchable(model, torch.device("cuda"), graph=False, random=False)
+    pure = build_graph(export_graph(model, (torch.randn(2, 6, dtype=torch.float64),)).graph, limits=Limits())
+    assert numcheck.batchable(pure, cpu, graph=True, random=False)
+    bn = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).double().train()
+    stats = build_graph(export_graph(bn, (torch.randn(3, 6, dtype=torch.float64),)).graph, limits=Limits())
+    assert not numcheck.batchable(stats, cpu, graph=True, random=False)  # running statistics are written

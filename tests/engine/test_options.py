@@ -237,13 +237,13 @@ def test_graph_walks_the_grad_fn_chain_of_seed_004s_mlp():
 
 
 # --- numerical check modes ---------------------------------------------------------------------------
-def test_directional_check_on_a_million_parameters_takes_at_most_64_evaluations_and_passes():
+def test_auto_check_on_a_million_parameters_takes_at_most_64_evaluations_and_passes():
     layers = [{"type": "Linear", "in_features": 1000, "out_features": 1000}, {"type": "Tanh"},
               {"type": "Linear", "in_features": 1000, "out_features": 10}]
     x, y = torch.randn(8, 1000, dtype=torch.float64), torch.randint(0, 10, (8,))
     r = run(layers, x, y, options={"numcheck": "auto"})
     assert r.parameter_count > 1_000_000
-    assert r.numcheck.mode == "directional"
+    assert r.numcheck.mode in ("sampled", "directional")  # exact (2M evaluations) never fits the budget
     assert r.numcheck.evaluations <= 64
     assert r.numcheck.passed and r.numcheck.max_rel_error < 1e-6
 

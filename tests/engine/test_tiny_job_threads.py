@@ -47,7 +47,8 @@ def test_a_tiny_job_runs_on_one_thread_with_the_same_answer(two_threads, monkeyp
     slow, seen = threads_seen(req)
     assert seen and set(seen) == {2}
     assert {k: g.data for k, g in fast.gradients.items()} == {k: g.data for k, g in slow.gradients.items()}
-    assert fast.numcheck == slow.numcheck
+    # The same check, but for `reason`, which quotes the measured cost of an evaluation.
+    assert msgspec.structs.replace(fast.numcheck, reason="") == msgspec.structs.replace(slow.numcheck, reason="")
 
 
 def test_a_larger_job_keeps_every_thread_a_smaller_one_does_not(two_threads):

@@ -410,7 +410,10 @@ def _hvp_vector(request: GradientRequest, params: dict[str, torch.Tensor], confi
             for name, p in params.items()}
 
 
-def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, device: torch.device) -> PerSample:
+def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int,
+                device: torch.device) -> tuple[PerSample, dict[str, torch.Tensor]]:
+    """The per-example gradients (norms, or all of them), and their sum or mean (as the losses reduce) for
+    the check against the batch gradient."""
     from torch.func import functional_call, grad, vmap
 
     consts = {n: p.detach() for n, p in prep.model.named_parameters() if n not in params}
@@ -438,13 +441,16 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, devi
                             f"examples ({str(exc).strip().splitlines()[0][:200]}); set per_sample='off'") from None
     norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
     full = prep.options.per_sample == "full"
+    mean = prep.terms[0].reduction == "mean"
+    summed = {n: (g.to(torch.float64).mean(0) if mean else g.to(torch.float64).sum(0)) for n, g in grads.items()}
     return PerSample(norms=tensors.encode(norms),
-                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None)
+                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None), summed
 
 
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
               progress: Progress | None, returned: dict[str, torch.Tensor],
-              reference: dict[str, torch.Tensor] | None = None):
+              reference: dict[str, torch.Tensor] | None = None, job_s: float = 0.0, final: "_Pass | None" = None,
+              hvp_vector: dict[str, torch.Tensor] | None = None, per_sample_sum: dict[str, torch.Tensor] | None = None):
     """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
     them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
@@ -453,8 +459,6 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     mode = opts.numcheck
     if mode == "off":
         return numcheck.unchecked(prep.dtype)
-    if mode == "auto":
-        mode = "exact" if count <= config.numcheck_exact_max else "directional"
     model64 = copy.deepcopy(prep.model).to(torch.float64)
     if prep.graph is not None:
         model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
@@ -473,16 +477,88 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
             out = model64(*x64.tensors)
             return sum(t.weight * t(out, t64.get(t.name)) for t in prep.terms)
 
-    with numcheck.output_elements(model64, on=batchable) as activations:
+    with numcheck.output_elements(model64, on=batchable and prep.graph is None) as activations:
         loss = loss_fn()
+    eval_s = math.inf
+    if mode == "auto":  # the cost of one float64 evaluation, as the check runs them (no grad), after a warm-up
+        with torch.no_grad():
+            for _ in range(2):
+                started = time.perf_counter()
+                loss_fn()
+                eval_s = min(eval_s, time.perf_counter() - started)
     grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), materialize_grads=True)))
     if reference is not None:
         reference.update({n: g.detach().to("cpu") for n, g in grads.items()})
-    batched = numcheck.batched(model64, x64.tensors, t64, prep.terms, activations[0]) if batchable else None
-    return numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
-                        samples=opts.numcheck_samples or config.numcheck_samples,
-                        directions=config.numcheck_directions, seed=seed, progress=progress,
-                        returned=returned, returned_dtype=_computed_dtype(prep), batched=batched)
+    samples = opts.numcheck_samples or config.numcheck_samples
+    directions = config.numcheck_directions
+    if mode == "auto":
+        budget_s = config.numcheck_budget * job_s + config.numcheck_budget_min_s
+        plan = numcheck.plan_auto([p.numel() for p in params.values()], eval_s, budget_s,
+                                  exact_max=config.numcheck_exact_max,
+                                  samples=samples, directions=directions)
+        mode, samples, directions, reason = plan
+        reason = f"auto chose {reason}: within {config.numcheck_budget:g} x the job's forward+backward " \
+                 f"({job_s * 1e3:.3g} ms) + {config.numcheck_budget_min_s:g} s"
+    else:
+        reason = f"{mode}: asked for by options.numcheck"
+    batched = None
+    if batchable:
+        rows = numcheck.graph_output_elements(model64, x64.tensors) if prep.graph is not None else activations[0]
+        batched = numcheck.batched(model64, x64.tensors, t64, prep.terms, rows)
+    check = numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
+                         samples=samples, directions=directions, seed=seed, progress=progress,
+                         returned=returned, returned_dtype=_computed_dtype(prep), batched=batched)
+    check.reason = reason
+    if final is not None:
+        check.quantities = _quantity_checks(prep, final, params, loss_fn, model64, x64, t64, hvp_vector,
+                                            per_sample_sum, seed, device)
+        check.passed = check.passed and all(q.passed for q in check.quantities.values())
+    return check
+
+
+def _quantity_checks(prep: Prepared, final: "_Pass", params: dict[str, torch.Tensor], loss_fn, model64, x64: Batch,
+                     t64: dict[str, torch.Tensor], hvp_vector: dict[str, torch.Tensor] | None,
+                     per_sample_sum: dict[str, torch.Tensor] | None, seed: int, device: torch.device) -> dict:
+    """Each returned quantity besides the gradients, checked its own way (quantities.py)."""
+    from . import quantities
+
+    opts = prep.options
+    exact = numcheck.returned_tolerance(_computed_dtype(prep))  # identities: the returned dtype's tolerance
+    by_differences = max(exact, opts.numcheck_tolerance)  # differences in float64 resolve no better than this
+    out = {}
+    returned = {n: g for n, g in final.grads.items() if n in params}
+    if final.per_loss:
+        with _seeded(seed, device, _is_random(model64)):
+            out_ = model64(*x64.tensors)
+            losses = [t(out_, t64.get(t.name)) for t in prep.terms]
+        reference = {}
+        for k, (term, value) in enumerate(zip(prep.terms, losses)):
+            grads = torch.autograd.grad(value, list(params.values()), retain_graph=k < len(losses) - 1,
+                                        materialize_grads=True)
+            reference[term.name] = dict(zip(params, grads))
+        out["per_loss"] = quantities.per_loss({t: {n: g[n] for n in returned} for t, g in final.per_loss.items()},
+                                              reference, exact)
+    if per_sample_sum is not None and len({t.reduction for t in prep.terms}) == 1:
+        how = ("the per-example gradients " + ("averaged" if prep.terms[0].reduction == "mean" else "summed") +
+               ", against the returned gradients")
+        out["per_sample"] = quantities.per_sample({n: per_sample_sum[n] for n in returned}, returned,
+                                                  exact,
+                                                  how)
+    if hvp_vector is not None and final.hvp:
+        out["hvp"] = quantities.hvp(params, loss_fn, hvp_vector, final.hvp, opts.numcheck_eps, by_differences)
+    if opts.input_grad and final.input_grad:
+        i = x64.floating()[0]
+
+        def loss_at(x: torch.Tensor) -> torch.Tensor:
+            xs = list(x64.tensors)
+            xs[i] = x
+            with _seeded(seed, device, _is_random(model64)):
+                out_ = model64(*xs)
+                return sum(t.weight * t(out_, t64.get(t.name)) for t in prep.terms)
+
+        out["input_gradient"] = quantities.input_gradient(loss_at, x64.tensors[i], torch.cat(final.input_grad),
+                                                          opts.numcheck_eps, by_differences, seed)
+    return out
 
 
 def _computed_dtype(prep: Prepared) -> torch.dtype:
@@ -596,14 +672,16 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     if opts.checkpoint_segments:
         checkpoint = _checkpoint_tradeoff(prep, params, device, seed, final, memory)
 
-    per_sample = None
+    per_sample, per_sample_sum = None, None
     if opts.per_sample != "off":
-        per_sample = _per_sample(prep, params, seed, device)
+        per_sample, per_sample_sum = _per_sample(prep, params, seed, device)
 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = _numcheck(prep, request, config, device, progress, final.grads, reference)
+    check = _numcheck(prep, request, config, device, progress, final.grads, reference,
+                      job_s=final.forward_s + final.backward_s, final=final, hvp_vector=hvp_vector,
+                      per_sample_sum=per_sample_sum)
     numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0
 
     timed = runs[1:] if len(runs) > 1 else runs

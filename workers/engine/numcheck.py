@@ -62,16 +62,68 @@ class Batched(NamedTuple):
         return rows if row <= ROW_ELEMENTS_MAX and rows >= 2 else 0
 
 
+# Graph ops with no vmap rule (per_sample refuses them too), and custom Functions (no vmap staticmethod).
+_UNBATCHABLE_OPS = ("aten.gru.", "aten.lstm.", "aten.rnn_tanh.", "aten.rnn_relu.", "function.")
+
+
 def batchable(model: torch.nn.Module, device: torch.device, *, graph: bool, random: bool) -> bool:
     """Whether the check may evaluate many perturbed losses of `model` in one call (`batched`): only where a
-    loss is a pure function of the parameters. Not graph models (their interpreter applies buffer
-    mutations), random layers (every evaluation forks the same dropout masks), modules with buffers
-    (BatchNorm updates its running statistics in training mode), an Embedding with max_norm (it
-    renormalises its weight in place), recurrent layers (no vmap rule: per_sample refuses them too), nor
-    off the CPU (not measured there)."""
-    return (device.type == "cpu" and not graph and not random and next(model.buffers(), None) is None
+    loss is a pure function of the parameters. Not random models (every evaluation forks the same dropout
+    masks), layer specs with buffers (BatchNorm updates its running statistics in training mode), graphs
+    that write a buffer (buffer mutations), an Embedding with max_norm (it renormalises its weight in
+    place), recurrent layers and custom Functions (no vmap rule), nor off the CPU (not measured there)."""
+    if device.type != "cpu" or random:
+        return False
+    if graph:
+        return not model._graph.mutations and not any(s.op.name.startswith(_UNBATCHABLE_OPS) or s.writes_buffer
+                                                      for s in model._graph.steps)
+    return (next(model.buffers(), None) is None
             and not any(isinstance(m, torch.nn.RNNBase) or (isinstance(m, torch.nn.Embedding) and m.max_norm is not None)
                         for m in model.modules()))
+
+
+def graph_output_elements(model: torch.nn.Module, inputs: tuple) -> int:
+    """What one evaluation of a graph holds: every node's output elements (its modules are holders of
+    parameters, never called, so module hooks would see the root's output alone)."""
+    count = 0
+
+    def visit(_i, out, _args, _kwargs) -> None:
+        nonlocal count
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        count += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+
+    with torch.no_grad():
+        model.run(*inputs, visit=visit)
+    return count
+
+
+class Plan(NamedTuple):
+    """What `auto` chose: the mode, its samples or directions, and why."""
+
+    mode: str
+    samples: int
+    directions: int
+    reason: str
+
+
+def plan_auto(sizes: list[int], eval_s: float, budget_s: float, *, exact_max: int, samples: int,
+              directions: int) -> Plan:
+    """The most thorough mode whose evaluations fit `budget_s` at `eval_s` each (one float64 loss, measured):
+    exact (2 per element, up to `exact_max` elements), sampled (2 per sampled element, `samples` per tensor),
+    directional (2 per direction), else directional with as many directions as fit (at least 2)."""
+    count, tensors = sum(sizes), len(sizes)
+    fits = max(0, int(budget_s / max(eval_s, 1e-9)))  # evaluations the budget buys
+    per_eval = f"{eval_s * 1e3:.3g} ms an evaluation, a budget of {budget_s:.3g} s ({fits} evaluations)"
+    if count <= exact_max and 2 * count <= fits:
+        return Plan("exact", samples, directions, f"exact: {2 * count} evaluations fit ({per_eval})")
+    sampled = 2 * sum(min(n, samples) for n in sizes)
+    if sampled <= fits and sampled < 2 * count:
+        return Plan("sampled", samples, directions,
+                    f"sampled: up to {samples} elements of each of {tensors} tensors, {sampled} evaluations ({per_eval}; "
+                    f"exact would take {2 * count})")
+    d = min(directions, max(2, fits // 2))
+    return Plan("directional", samples, d, f"directional: {d} directions, {2 * d} evaluations ({per_eval}; sampled "
+                f"would take {sampled}, exact {2 * count})")
 
 
 @contextlib.contextmanager
@@ -159,6 +211,17 @@ class Returned(NamedTuple):
     tolerance: float
     floor: float
     passed: bool
+    judged: dict[str, str]
+
+
+def _verdict(size: float, abs_err: float, rel: float, tolerance: float, atol: float) -> str:
+    """How a tensor (or a direction) passes: its values all within atol ("zero": nothing to be relative
+    to), its error within the tolerance of its own scale ("ratio"), its error within atol ("floor")."""
+    if size <= atol:
+        return "zero"
+    if rel <= tolerance:
+        return "ratio"
+    return "floor" if abs_err <= atol else "failed"
 
 
 def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
@@ -174,19 +237,26 @@ def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch
     scale = max((float(r.abs().max()) for r in reference.values() if r.numel()), default=0.0)
     floor = tolerance * scale
     per: dict[str, float] = {}
+    judged: dict[str, str] = {}
     passed = True
+    worst = 0.0
     for name, ref in reference.items():
         got = returned[name].detach().to(ref.device, torch.float64)
         abs_err = float((got - ref).abs().max()) if ref.numel() else 0.0
         per[name] = _rel(abs_err, got, ref)
-        passed = passed and (per[name] <= tolerance or abs_err <= floor)
-    worst = max(per.values(), default=0.0)
+        size = max(float(got.abs().max()), float(ref.abs().max())) if ref.numel() else 0.0
+        judged[name] = _verdict(size, abs_err, per[name], tolerance, floor)
+        passed = passed and judged[name] != "failed"
+        if judged[name] != "zero":  # float32 noise on an exactly zero gradient is not an error ratio
+            worst = max(worst, per[name])
     for got_u, ref_u, terms in along:
         abs_err = abs(got_u - ref_u)
         rel = abs_err / max(abs(got_u), abs(ref_u), 1e-12)
-        worst = max(worst, rel)
-        passed = passed and (rel <= tolerance or abs_err <= tolerance * terms)
-    return Returned(worst, per, tolerance, floor, passed)
+        verdict = _verdict(max(abs(got_u), abs(ref_u)), abs_err, rel, tolerance, tolerance * terms)
+        if verdict != "zero":
+            worst = max(worst, rel)
+        passed = passed and verdict != "failed"
+    return Returned(worst, per, tolerance, floor, passed, judged)
 
 
 def run(
@@ -239,20 +309,26 @@ def run(
             return None
         return out
 
-    def judge(abs_err: float, rel: float, loss_scale: float) -> None:
+    def judge(abs_err: float, rel: float, atol: float, verdict: str) -> None:
         nonlocal worst_abs, worst_rel, worst_floor, passed
-        floor = FLOOR_ROUNDINGS * F64_EPS * max(loss_scale, 1e-300) / eps
-        worst_abs, worst_rel, worst_floor = max(worst_abs, abs_err), max(worst_rel, rel), max(worst_floor, floor)
-        passed = passed and (rel <= tolerance or abs_err <= floor)
+        worst_abs, worst_floor = max(worst_abs, abs_err), max(worst_floor, atol)
+        if verdict != "zero":  # a ratio of noise to noise says nothing
+            worst_rel = max(worst_rel, rel)
+        passed = passed and verdict != "failed"
+
+    def rounding(loss_scale: float) -> float:
+        return FLOOR_ROUNDINGS * F64_EPS * max(loss_scale, 1e-300) / eps
 
     with torch.no_grad():
         if mode == "directional":
             total = 2 * directions
             count = sum(p.numel() for p in params.values())
             scale = 1.0 / math.sqrt(max(count, 1))
-            if returned is not None:  # one float64 copy, and sum |reference * u| (|u| is `scale` everywhere)
+            # sum |reference * u| (|u| is `scale` everywhere): the size of grad . u's terms, which sets what
+            # an error along u is measured against when the terms cancel.
+            terms = scale * sum(float(grads[n].abs().sum()) for n in params)
+            if returned is not None:  # one float64 copy
                 returned64 = {n: returned[n].detach().to(p.device, torch.float64).reshape(-1) for n, p in params.items()}
-                terms = scale * sum(float(grads[n].abs().sum()) for n in params)
             saved = {name: p.detach().clone() for name, p in params.items()}
             # Directions a batched call takes at once (each two evaluations over every parameter); 1: no batching.
             step = max(1, batched.rows(count) // 2) if batched is not None else 1
@@ -291,7 +367,9 @@ def run(
                         along.append((sum(float(torch.dot(returned64[n], us[n].reshape(-1))) for n in params), ad,
                                       terms))
                     abs_err = abs(fd - ad)
-                    judge(abs_err, abs_err / max(abs(fd), abs(ad), 1e-12), max(abs(plus), abs(minus)))
+                    rel = abs_err / max(abs(fd), abs(ad), 1e-12)
+                    atol = max(rounding(max(abs(plus), abs(minus))), tolerance * terms)
+                    judge(abs_err, rel, atol, _verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol))
                     if progress:
                         progress("numcheck", 2 * (k + 1), total)
         else:
@@ -329,6 +407,7 @@ def run(
                                if len(ix) and filled.get(name) == len(ix)}
                 evaluations += sum(2 * len(picks[name]) for name in differences)
                 done = evaluations  # a tensor a failed call left unfinished is redone below, one loss at a time
+            checked: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}  # name -> (fd, ad, loss scale)
             for name, p in params.items():
                 flat = p.view(-1)
                 idx = picks[name]
@@ -349,11 +428,20 @@ def run(
                         done += 2
                         if progress and done % 64 == 0:
                             progress("numcheck", done, total)
-                ad = grads[name].detach().reshape(-1)[idx].to("cpu", torch.float64)
-                abs_err = float((fd - ad).abs().max()) if len(idx) else 0.0
-                rel = _rel(abs_err, fd, ad) if len(idx) else 0.0
-                per[name] = ParameterCheck(max_abs_error=abs_err, max_rel_error=rel, checked=len(idx))
-                judge(abs_err, rel, loss_scale)
+                checked[name] = (fd, grads[name].detach().reshape(-1)[idx].to("cpu", torch.float64), loss_scale)
+            # gradcheck's rule element by element, |fd - ad| <= atol + tolerance |ad|, with atol what float64
+            # and the step resolve for this loss, or the tolerance x the model's largest gradient element.
+            scale = max((float(ad.abs().max()) for _, ad, _ in checked.values() if ad.numel()), default=0.0)
+            for name, (fd, ad, loss_scale) in checked.items():
+                abs_err = float((fd - ad).abs().max()) if ad.numel() else 0.0
+                rel = _rel(abs_err, fd, ad) if ad.numel() else 0.0
+                atol = max(rounding(loss_scale), tolerance * scale)
+                size = max(float(fd.abs().max()), float(ad.abs().max())) if ad.numel() else 0.0
+                verdict = _verdict(size, abs_err, rel, tolerance, atol)
+                if verdict == "failed" and bool(((fd - ad).abs() <= atol + tolerance * ad.abs()).all()):
+                    verdict = "floor"
+                per[name] = ParameterCheck(max_abs_error=abs_err, max_rel_error=rel, checked=ad.numel(), judged=verdict)
+                judge(abs_err, rel, atol, verdict)
     check = Numcheck(
         mode=mode,
         eps=eps,
@@ -371,7 +459,8 @@ def run(
     r = returned_check(returned, grads, returned_dtype, along)
     for name, rel in r.per_parameter.items():
         # Directional mode has no element-wise finite differences: those entries say checked=0.
-        per.setdefault(name, ParameterCheck(max_abs_error=0.0, max_rel_error=0.0, checked=0)).returned_max_rel_error = rel
+        entry = per.setdefault(name, ParameterCheck(max_abs_error=0.0, max_rel_error=0.0, checked=0))
+        entry.returned_max_rel_error, entry.returned_judged = rel, r.judged[name]
     check.returned_max_rel_error, check.returned_tolerance, check.returned_floor = r.max_rel_error, r.tolerance, r.floor
     check.passed = passed and r.passed
     return check

@@ -33,6 +33,8 @@ class EngineConfig:
     numcheck_exact_max: int = 20_000
     numcheck_samples: int = 8
     numcheck_directions: int = 16
+    numcheck_budget: float = 10.0  # auto: evaluations within this many times the job's forward+backward ...
+    numcheck_budget_min_s: float = 0.25  # ... plus this
     max_timing_repeat: int = MAX_TIMING_REPEAT
     init_cache_bytes: int = 1 << 30
 
@@ -563,6 +565,8 @@ def config_from_settings(settings) -> EngineConfig:
         numcheck_exact_max=settings.numcheck_exact_max,
         numcheck_samples=settings.numcheck_samples,
         numcheck_directions=settings.numcheck_directions,
+        numcheck_budget=settings.numcheck_budget,
+        numcheck_budget_min_s=settings.numcheck_budget_min_s,
     )
 
 

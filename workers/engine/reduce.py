@@ -178,7 +178,7 @@ def check_combined(result: GradientResult, references: list[dict[str, Tensor] | 
     for name, rel in r.per_parameter.items():
         entry = check.per_parameter.get(name)
         if entry is not None:
-            entry.returned_max_rel_error = rel
+            entry.returned_max_rel_error, entry.returned_judged = rel, r.judged[name]
     check.returned_max_rel_error, check.returned_tolerance, check.returned_floor = r.max_rel_error, r.tolerance, r.floor
     check.passed = check.passed and r.passed
 

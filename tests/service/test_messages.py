@@ -205,6 +205,25 @@ def test_integer_options_written_as_integral_floats_are_integers_as_json_schema_
     assert r.status_code == 400 and "options.timing_repeat: expected int, got float" in err["message"]
 
 
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_validated(fmt):
+    """Issue 26 item 1: the API took `micro_batch: 1.0` but queued the original bytes, which the worker's strict
+    decode refused (a traceback, then a failed job); the queued body now carries the ints."""
+    import msgspec
+
+    from gradsvc.service.app import _decode
+    from gradsvc.workers.jobs import decode_request
+
+    payload = body(options={"timing_repeat": 2.0, "micro_batch": 1.0})
+    payload["model"]["seed"] = 1.0
+    codec = msgspec.json if fmt == "json" else msgspec.msgpack
+    req, queued = _decode(codec.encode(payload), fmt)
+    worker_req = decode_request(queued, fmt)
+    assert worker_req == req
+    assert (worker_req.options.micro_batch, worker_req.options.timing_repeat, worker_req.model.seed) == (1, 2, 1)
+    assert all(type(v) is int for v in (worker_req.options.micro_batch, worker_req.model.seed))
+
+
 @pytest.fixture(scope="module")
 def roomy_client():
     app = create_app(Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2))

@@ -484,6 +484,21 @@ class _Poll:
         return delay
 
 
+class _Deadline:
+    """gradients()' `timeout` as one deadline over the POST's server-side wait (`wait_s`) and the polling after it."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def wait(self, wait_s: float) -> float:
+        """The POST's `wait`: `wait_s`, cut to what the deadline leaves."""
+        left = self.left()
+        return wait_s if left is None else min(wait_s, left)
+
+
 def _outcome(client: _BaseClient, info: Any, local_names: dict[str, str]) -> GradientResult | None:
     if info.status == "finished":
         return build_result(info.result, local_names)
@@ -552,27 +567,32 @@ class Client(_BaseClient):
         """The gradients of `loss(model(inputs), targets)` for every parameter, computed by the service.
 
         `model`: an nn.Module of allow-listed layers (its weights go with it) or a spec dict; `options`
-        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
-        (up to `timeout` seconds; None: as long as it takes).
+        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job up
+        to `timeout` seconds in all (None: as long as it takes), then raises WaitTimeoutError; `wait_s` is how
+        long the POST itself waits on the server (its `?wait=`, cut to what `timeout` leaves) before polling
+        GET /jobs/{id}.
         """
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
+        deadline = _Deadline(timeout)  # the whole call's, the server-side wait included
         try:
-            return self._gradients(prepared, wait_s, timeout, progress)
+            return self._gradients(prepared, wait_s, deadline, progress)
         except GraphNotFoundError:
             if not self._forget(prepared):
                 raise
-            return self._gradients(self._prepare(*args), wait_s, timeout, progress)  # once, with the graph
+            return self._gradients(self._prepare(*args), wait_s, deadline, progress)  # once, with the graph
 
-    def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None, progress: bool) -> GradientResult:
-        response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait_s},
-                                   extra_s=wait_s, idempotency_key=_new_key())
+    def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline, progress: bool) -> GradientResult:
+        wait = deadline.wait(wait_s)
+        response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                   extra_s=wait, idempotency_key=_new_key())
         if response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
             accepted = self._decode(wire.JobAccepted, response, buf)
-            result = Job(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+            result = Job(self, accepted.job_id, prepared.local_names).result(timeout=deadline.left(),
+                                                                             progress=progress)
         self._remember(prepared, result.graph_ref)
         return result
 
@@ -732,22 +752,24 @@ class AsyncClient(_BaseClient):
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
+        deadline = _Deadline(timeout)  # the whole call's, the server-side wait included
         try:
-            return await self._gradients(prepared, wait_s, timeout, progress)
+            return await self._gradients(prepared, wait_s, deadline, progress)
         except GraphNotFoundError:
             if not self._forget(prepared):
                 raise
-            return await self._gradients(self._prepare(*args), wait_s, timeout, progress)  # once, with the graph
+            return await self._gradients(self._prepare(*args), wait_s, deadline, progress)  # once, with the graph
 
-    async def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None,
+    async def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline,
                          progress: bool) -> GradientResult:
-        response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait_s},
-                                         extra_s=wait_s, idempotency_key=_new_key())
+        wait = deadline.wait(wait_s)
+        response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                         extra_s=wait, idempotency_key=_new_key())
         if response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
             accepted = self._decode(wire.JobAccepted, response, buf)
-            result = await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=timeout,
+            result = await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=deadline.left(),
                                                                                          progress=progress)
         self._remember(prepared, result.graph_ref)
         return result

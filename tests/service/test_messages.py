@@ -214,14 +214,14 @@ def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_v
     from gradsvc.service.app import _decode
     from gradsvc.workers.jobs import decode_request
 
-    payload = body(options={"timing_repeat": 2.0, "micro_batch": 1.0})
+    payload = body(options={"timing_repeat": 2.0, "micro_batch": 1.0, "shards": 2.0})
     payload["model"]["seed"] = 1.0
     codec = msgspec.json if fmt == "json" else msgspec.msgpack
     req, queued = _decode(codec.encode(payload), fmt)
     worker_req = decode_request(queued, fmt)
     assert worker_req == req
     assert (worker_req.options.micro_batch, worker_req.options.timing_repeat, worker_req.model.seed) == (1, 2, 1)
-    assert all(type(v) is int for v in (worker_req.options.micro_batch, worker_req.model.seed))
+    assert all(type(v) is int for v in (worker_req.options.micro_batch, worker_req.model.seed, worker_req.options.shards))
 
 
 @pytest.fixture(scope="module")

@@ -194,7 +194,7 @@ class Numcheck(Struct):
     rounding_floor: float = 0.0
     # The gradients as returned against the float64 reference on the same batch; `passed` needs both
     # checks. Absolute errors below returned_floor (returned_tolerance x the largest reference element)
-    # pass whatever their ratio. Mode "off": nothing was checked and `passed` is false.
+    # pass whatever their ratio. Mode "off": nothing was checked, `passed` is false and both tolerances 0.
     returned_max_rel_error: float = 0.0
     returned_tolerance: float = 0.0
     returned_floor: float = 0.0

@@ -647,22 +647,27 @@ class Client(_BaseClient):
 
 
 class Job:
-    """A submitted request: status(), cancel(), result(timeout=None, progress=False)."""
+    """A submitted request (`job_id`; `id` is its alias): status(), cancel(), result(timeout=None, progress=False)."""
 
     def __init__(self, client: Client, job_id: str, local_names: dict[str, str] | None = None, *,
                  done: GradientResult | None = None, prepared: _Prepared | None = None) -> None:
         self.client = client
-        self.id = job_id
+        self.job_id = job_id
         self.local_names = local_names or {}
         self._done = done
         self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
 
+    @property
+    def id(self) -> str:
+        """An alias of `job_id` (the name the wire and the errors use), kept for code written against `id`."""
+        return self.job_id
+
     def __repr__(self) -> str:
-        return f"Job({self.id!r})"
+        return f"Job({self.job_id!r})"
 
     def info(self) -> Any:
         """GET /jobs/{id}: status, progress {phase, done, total}, error, timestamps (and the raw result)."""
-        response, buf = self.client._send("GET", f"/jobs/{self.id}")
+        response, buf = self.client._send("GET", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf)
 
     def status(self) -> str:
@@ -671,7 +676,7 @@ class Job:
 
     def cancel(self) -> str:
         """DELETE /jobs/{id}: a queued job is canceled at once, a running one at its next step."""
-        response, buf = self.client._send("DELETE", f"/jobs/{self.id}")
+        response, buf = self.client._send("DELETE", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf).status
 
     def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:
@@ -679,7 +684,7 @@ class Job:
         (WaitTimeoutError past `timeout`; the job goes on). progress=True shows the job's phase."""
         if self._done is not None:
             return self._done
-        poll, bar = _Poll(timeout), _Progress(progress, self.id)
+        poll, bar = _Poll(timeout), _Progress(progress, self.job_id)
         try:
             while True:
                 info = self.info()
@@ -690,7 +695,7 @@ class Job:
                     if self._prepared is not None:
                         self.client._remember(self._prepared, result.graph_ref)
                     return result
-                time.sleep(poll.next(self.id))
+                time.sleep(poll.next(self.job_id))
         finally:
             bar.close()
 
@@ -828,29 +833,34 @@ class AsyncJob:
     def __init__(self, client: AsyncClient, job_id: str, local_names: dict[str, str] | None = None, *,
                  done: GradientResult | None = None, prepared: _Prepared | None = None) -> None:
         self.client = client
-        self.id = job_id
+        self.job_id = job_id
         self.local_names = local_names or {}
         self._done = done
         self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
 
+    @property
+    def id(self) -> str:
+        """An alias of `job_id` (the name the wire and the errors use), kept for code written against `id`."""
+        return self.job_id
+
     def __repr__(self) -> str:
-        return f"AsyncJob({self.id!r})"
+        return f"AsyncJob({self.job_id!r})"
 
     async def info(self) -> Any:
-        response, buf = await self.client._send("GET", f"/jobs/{self.id}")
+        response, buf = await self.client._send("GET", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf)
 
     async def status(self) -> str:
         return (await self.info()).status
 
     async def cancel(self) -> str:
-        response, buf = await self.client._send("DELETE", f"/jobs/{self.id}")
+        response, buf = await self.client._send("DELETE", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf).status
 
     async def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:
         if self._done is not None:
             return self._done
-        poll, bar = _Poll(timeout), _Progress(progress, self.id)
+        poll, bar = _Poll(timeout), _Progress(progress, self.job_id)
         try:
             while True:
                 info = await self.info()
@@ -861,7 +871,7 @@ class AsyncJob:
                     if self._prepared is not None:
                         self.client._remember(self._prepared, result.graph_ref)
                     return result
-                await anyio.sleep(poll.next(self.id))
+                await anyio.sleep(poll.next(self.job_id))
         finally:
             bar.close()
 

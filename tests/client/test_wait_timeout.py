@@ -81,3 +81,23 @@ def test_async_timeout_bounds_the_whole_call_including_the_servers_wait():
             return time.monotonic() - start
 
     assert anyio.run(main) < 1.5
+
+
+def test_a_job_is_named_job_id_as_everywhere_else_with_id_as_its_alias():
+    """Issue 26 item 7: the SDK's Job had only `id` where the wire, the errors and the result say `job_id`."""
+    import anyio
+
+    from gradclient import AsyncClient
+
+    with Client("http://gradsvc.test", retries=0, wire_format="json",
+                transport=httpx.MockTransport(queued_forever)) as client:
+        job = client.submit(SPEC, [[1.0, 2.0]], [0])
+        assert job.job_id == job.id == "j-123" and repr(job) == "Job('j-123')"
+
+    async def main():
+        async with AsyncClient("http://gradsvc.test", retries=0, wire_format="json",
+                               transport=httpx.MockTransport(queued_forever)) as client:
+            job = await client.submit(SPEC, [[1.0, 2.0]], [0])
+            assert job.job_id == job.id == "j-123"
+
+    anyio.run(main)

@@ -591,8 +591,8 @@ class Client(_BaseClient):
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
             accepted = self._decode(wire.JobAccepted, response, buf)
-            result = Job(self, accepted.job_id, prepared.local_names).result(timeout=deadline.left(),
-                                                                             progress=progress)
+            job = Job(self, accepted.job_id, prepared.local_names)
+            result = job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
         return result
 
@@ -774,8 +774,8 @@ class AsyncClient(_BaseClient):
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
             accepted = self._decode(wire.JobAccepted, response, buf)
-            result = await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=deadline.left(),
-                                                                                         progress=progress)
+            job = AsyncJob(self, accepted.job_id, prepared.local_names)
+            result = await job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
         return result
 

@@ -221,7 +221,8 @@ def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_v
     worker_req = decode_request(queued, fmt)
     assert worker_req == req
     assert (worker_req.options.micro_batch, worker_req.options.timing_repeat, worker_req.model.seed) == (1, 2, 1)
-    assert all(type(v) is int for v in (worker_req.options.micro_batch, worker_req.model.seed, worker_req.options.shards))
+    opts = worker_req.options
+    assert all(type(v) is int for v in (opts.micro_batch, worker_req.model.seed, opts.shards))
 
 
 @pytest.mark.parametrize("options, option", [({"hvp": {"vector": "ones"}}, "hvp.vector"),

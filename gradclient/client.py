@@ -572,10 +572,10 @@ class Client(_BaseClient):
         long the POST itself waits on the server (its `?wait=`, cut to what `timeout` leaves) before polling
         GET /jobs/{id}.
         """
+        deadline = _Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
-        deadline = _Deadline(timeout)  # the whole call's, the server-side wait included
         try:
             return self._gradients(prepared, wait_s, deadline, progress)
         except GraphNotFoundError:
@@ -754,10 +754,10 @@ class AsyncClient(_BaseClient):
                         losses: list | None = None, dtype: str | None = None, seed: int | None = None, wait_s: float = 30.0,
                         timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
         """Client.gradients, awaited."""
+        deadline = _Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
-        deadline = _Deadline(timeout)  # the whole call's, the server-side wait included
         try:
             return await self._gradients(prepared, wait_s, deadline, progress)
         except GraphNotFoundError:

@@ -484,6 +484,21 @@ class _Poll:
         return delay
 
 
+class _Deadline:
+    """gradients()' `timeout` as one deadline over the POST's server-side wait (`wait_s`) and the polling after it."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def wait(self, wait_s: float) -> float:
+        """The POST's `wait`: `wait_s`, cut to what the deadline leaves."""
+        left = self.left()
+        return wait_s if left is None else min(wait_s, left)
+
+
 def _outcome(client: _BaseClient, info: Any, local_names: dict[str, str]) -> GradientResult | None:
     if info.status == "finished":
         return build_result(info.result, local_names)
@@ -552,27 +567,32 @@ class Client(_BaseClient):
         """The gradients of `loss(model(inputs), targets)` for every parameter, computed by the service.
 
         `model`: an nn.Module of allow-listed layers (its weights go with it) or a spec dict; `options`
-        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job
-        (up to `timeout` seconds; None: as long as it takes).
+        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job up
+        to `timeout` seconds in all (None: as long as it takes), then raises WaitTimeoutError; `wait_s` is how
+        long the POST itself waits on the server (its `?wait=`, cut to what `timeout` leaves) before polling
+        GET /jobs/{id}.
         """
+        deadline = _Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
-            return self._gradients(prepared, wait_s, timeout, progress)
+            return self._gradients(prepared, wait_s, deadline, progress)
         except GraphNotFoundError:
             if not self._forget(prepared):
                 raise
-            return self._gradients(self._prepare(*args), wait_s, timeout, progress)  # once, with the graph
+            return self._gradients(self._prepare(*args), wait_s, deadline, progress)  # once, with the graph
 
-    def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None, progress: bool) -> GradientResult:
-        response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait_s},
-                                   extra_s=wait_s, idempotency_key=_new_key())
+    def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline, progress: bool) -> GradientResult:
+        wait = deadline.wait(wait_s)
+        response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                   extra_s=wait, idempotency_key=_new_key())
         if response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
             accepted = self._decode(wire.JobAccepted, response, buf)
-            result = Job(self, accepted.job_id, prepared.local_names).result(timeout=timeout, progress=progress)
+            job = Job(self, accepted.job_id, prepared.local_names)
+            result = job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
         return result
 
@@ -627,22 +647,27 @@ class Client(_BaseClient):
 
 
 class Job:
-    """A submitted request: status(), cancel(), result(timeout=None, progress=False)."""
+    """A submitted request (`job_id`; `id` is its alias): status(), cancel(), result(timeout=None, progress=False)."""
 
     def __init__(self, client: Client, job_id: str, local_names: dict[str, str] | None = None, *,
                  done: GradientResult | None = None, prepared: _Prepared | None = None) -> None:
         self.client = client
-        self.id = job_id
+        self.job_id = job_id
         self.local_names = local_names or {}
         self._done = done
         self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
 
+    @property
+    def id(self) -> str:
+        """An alias of `job_id` (the name the wire and the errors use), kept for code written against `id`."""
+        return self.job_id
+
     def __repr__(self) -> str:
-        return f"Job({self.id!r})"
+        return f"Job({self.job_id!r})"
 
     def info(self) -> Any:
         """GET /jobs/{id}: status, progress {phase, done, total}, error, timestamps (and the raw result)."""
-        response, buf = self.client._send("GET", f"/jobs/{self.id}")
+        response, buf = self.client._send("GET", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf)
 
     def status(self) -> str:
@@ -651,7 +676,7 @@ class Job:
 
     def cancel(self) -> str:
         """DELETE /jobs/{id}: a queued job is canceled at once, a running one at its next step."""
-        response, buf = self.client._send("DELETE", f"/jobs/{self.id}")
+        response, buf = self.client._send("DELETE", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf).status
 
     def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:
@@ -659,7 +684,7 @@ class Job:
         (WaitTimeoutError past `timeout`; the job goes on). progress=True shows the job's phase."""
         if self._done is not None:
             return self._done
-        poll, bar = _Poll(timeout), _Progress(progress, self.id)
+        poll, bar = _Poll(timeout), _Progress(progress, self.job_id)
         try:
             while True:
                 info = self.info()
@@ -670,7 +695,7 @@ class Job:
                     if self._prepared is not None:
                         self.client._remember(self._prepared, result.graph_ref)
                     return result
-                time.sleep(poll.next(self.id))
+                time.sleep(poll.next(self.job_id))
         finally:
             bar.close()
 
@@ -729,26 +754,28 @@ class AsyncClient(_BaseClient):
                         losses: list | None = None, dtype: str | None = None, seed: int | None = None, wait_s: float = 30.0,
                         timeout: float | None = None, progress: bool = False, **options: Any) -> GradientResult:
         """Client.gradients, awaited."""
+        deadline = _Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
         prepared = self._prepare(*args)
         try:
-            return await self._gradients(prepared, wait_s, timeout, progress)
+            return await self._gradients(prepared, wait_s, deadline, progress)
         except GraphNotFoundError:
             if not self._forget(prepared):
                 raise
-            return await self._gradients(self._prepare(*args), wait_s, timeout, progress)  # once, with the graph
+            return await self._gradients(self._prepare(*args), wait_s, deadline, progress)  # once, with the graph
 
-    async def _gradients(self, prepared: _Prepared, wait_s: float, timeout: float | None,
+    async def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline,
                          progress: bool) -> GradientResult:
-        response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait_s},
-                                         extra_s=wait_s, idempotency_key=_new_key())
+        wait = deadline.wait(wait_s)
+        response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                         extra_s=wait, idempotency_key=_new_key())
         if response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
             accepted = self._decode(wire.JobAccepted, response, buf)
-            result = await AsyncJob(self, accepted.job_id, prepared.local_names).result(timeout=timeout,
-                                                                                         progress=progress)
+            job = AsyncJob(self, accepted.job_id, prepared.local_names)
+            result = await job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
         return result
 
@@ -806,29 +833,34 @@ class AsyncJob:
     def __init__(self, client: AsyncClient, job_id: str, local_names: dict[str, str] | None = None, *,
                  done: GradientResult | None = None, prepared: _Prepared | None = None) -> None:
         self.client = client
-        self.id = job_id
+        self.job_id = job_id
         self.local_names = local_names or {}
         self._done = done
         self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
 
+    @property
+    def id(self) -> str:
+        """An alias of `job_id` (the name the wire and the errors use), kept for code written against `id`."""
+        return self.job_id
+
     def __repr__(self) -> str:
-        return f"AsyncJob({self.id!r})"
+        return f"AsyncJob({self.job_id!r})"
 
     async def info(self) -> Any:
-        response, buf = await self.client._send("GET", f"/jobs/{self.id}")
+        response, buf = await self.client._send("GET", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf)
 
     async def status(self) -> str:
         return (await self.info()).status
 
     async def cancel(self) -> str:
-        response, buf = await self.client._send("DELETE", f"/jobs/{self.id}")
+        response, buf = await self.client._send("DELETE", f"/jobs/{self.job_id}")
         return self.client._decode(wire.JobInfo, response, buf).status
 
     async def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:
         if self._done is not None:
             return self._done
-        poll, bar = _Poll(timeout), _Progress(progress, self.id)
+        poll, bar = _Poll(timeout), _Progress(progress, self.job_id)
         try:
             while True:
                 info = await self.info()
@@ -839,7 +871,7 @@ class AsyncJob:
                     if self._prepared is not None:
                         self.client._remember(self._prepared, result.graph_ref)
                     return result
-                await anyio.sleep(poll.next(self.id))
+                await anyio.sleep(poll.next(self.job_id))
         finally:
             bar.close()
 

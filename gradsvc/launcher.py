@@ -120,7 +120,9 @@ def claim_handoff_dir(path: Path) -> bool:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
-    (path / OWNER_FILE).write_text(str(os.getpid()))
+    fd = os.open(path / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # as the dir's files
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
     return True
 
 

@@ -14,6 +14,8 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
 JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
 MAX_TIMING_REPEAT = 50
+# Each shard is an RQ job carrying the model's weights: a bound on what one request may fan out to.
+MAX_SHARDS = 256
 
 # Constraints the API refuses at decode (400 invalid_body, with the path); the OpenAPI document declares them.
 NonEmpty = Meta(min_length=1)
@@ -149,7 +151,7 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     encoding: Literal["auto", "list", "b64"] = "auto"
     # Split the batch along its first dimension across this many RQ jobs (workers), reduced into one
     # result; "auto": one shard per live worker of the device, each of at least GRADSVC_MIN_SHARD_ROWS rows.
-    shards: int | Literal["auto"] = 1
+    shards: Annotated[int, Meta(ge=1, le=MAX_SHARDS)] | Literal["auto"] = 1
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
@@ -209,7 +211,7 @@ class Numcheck(Struct):
     rounding_floor: float = 0.0
     # The gradients as returned against the float64 reference on the same batch; `passed` needs both
     # checks. Absolute errors below returned_floor (returned_tolerance x the largest reference element)
-    # pass whatever their ratio. Mode "off": nothing was checked and `passed` is false.
+    # pass whatever their ratio. Mode "off": nothing was checked, `passed` is false and both tolerances 0.
     returned_max_rel_error: float = 0.0
     returned_tolerance: float = 0.0
     returned_floor: float = 0.0

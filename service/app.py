@@ -36,11 +36,13 @@ _INLINE_RESULT_PARAMETERS = 1 << 16
 HANDOFF_SWEEP_S = 60.0
 
 
-def _decode(body: bytes, fmt: str) -> GradientRequest:
+def _decode(body: bytes, fmt: str) -> tuple[GradientRequest, bytes]:
+    """The request and the bytes to queue: the body itself, or, when integer fields came as 2.0, the body
+    re-encoded with them made ints, so the workers' strict decode reads what the API validated."""
     if not body:
         raise ServiceError("malformed_body", "the request body is empty; send the JSON object described at /schema")
     try:
-        return _decoders[fmt].decode(body)
+        return _decoders[fmt].decode(body), body
     except msgspec.ValidationError as exc:
         fixed = _with_integral_floats(body, fmt, exc)
         if fixed is not None:
@@ -85,11 +87,13 @@ def _idempotency_key(request: Request) -> str | None:
     return key
 
 
-def _with_integral_floats(body: bytes, fmt: str, exc: msgspec.ValidationError) -> GradientRequest | None:
-    """The request when its only fault was integer fields written as 2.0 (valid JSON Schema integers); runs
-    only after the typed decode failed, so a well-formed body is decoded once."""
+def _with_integral_floats(body: bytes, fmt: str,
+                          exc: msgspec.ValidationError) -> tuple[GradientRequest, bytes] | None:
+    """The request and its re-encoded body when its only fault was integer fields written as 2.0 (valid JSON
+    Schema integers); runs only after the typed decode failed, so a well-formed body is decoded once."""
+    codec = msgspec.json if fmt == "json" else msgspec.msgpack
     try:
-        raw = (msgspec.json if fmt == "json" else msgspec.msgpack).decode(body)
+        raw = codec.decode(body)
     except (msgspec.DecodeError, RecursionError):
         return None
     for _ in range(16):
@@ -97,7 +101,7 @@ def _with_integral_floats(body: bytes, fmt: str, exc: msgspec.ValidationError) -
         if raw is None:
             return None
         try:
-            return msgspec.convert(raw, GradientRequest)
+            return msgspec.convert(raw, GradientRequest), codec.encode(raw)
         except msgspec.ValidationError as again:
             exc = again
     return None
@@ -114,11 +118,14 @@ def create_app(settings: Settings | None = None) -> Litestar:
     layers = [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]
 
     async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
+        """(the bytes to queue, their format, the request)."""
         fmt = body_format(request)  # before reading: a wrong media type is refused without its body
         body = await request.body()
         if len(body) > _INLINE_BODY_BYTES:
-            return body, fmt, await anyio.to_thread.run_sync(_decode, body, fmt)
-        return body, fmt, _decode(body, fmt)
+            req, body = await anyio.to_thread.run_sync(_decode, body, fmt)
+        else:
+            req, body = _decode(body, fmt)
+        return body, fmt, req
 
     async def respond_job(request: Request, body, result, encoding: str = "auto") -> Response:
         if result is not None and result.parameter_count > _INLINE_RESULT_PARAMETERS:

@@ -61,5 +61,7 @@ class Auth:
         count, _ = pipe.execute()
         if count > self.limit:
             retry = max(1, int(60 - now % 60))
-            raise ServiceError("rate_limited", f"more than {self.limit} submissions this minute for this key; "
-                               f"retry in {retry} s", headers={"Retry-After": str(retry)}, retry_after_s=retry)
+            raise ServiceError("rate_limited", f"more than {self.limit} submissions this minute for this key "
+                               f"(GRADSVC_RATE_LIMIT_PER_MINUTE={self.limit}); retry in {retry} s",
+                               headers={"Retry-After": str(retry)}, retry_after_s=retry, limit=self.limit,
+                               setting="GRADSVC_RATE_LIMIT_PER_MINUTE")

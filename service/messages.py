@@ -157,7 +157,7 @@ def explain(exc: msgspec.ValidationError, root: type) -> tuple[str, dict[str, An
     return f"{where}: {what} (see {DOCS})", detail
 
 
-_INT_GOT_FLOAT = re.compile(r"^Expected `int(?: \| null)?`(?: [^,]*)?, got `float` - at `(?P<path>[^`]*)`$")
+_INT_GOT_FLOAT = re.compile(r"^Expected `int(?: \| (?:null|str))*`(?: [^,]*)?, got `float` - at `(?P<path>[^`]*)`$")
 
 
 def integral_floats_as_ints(raw: Any, exc: msgspec.ValidationError, *, tries: int = 16) -> Any | None:

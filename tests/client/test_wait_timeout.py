@@ -35,3 +35,69 @@ def test_a_wait_timeout_names_client_job_and_the_named_method_works():
         assert info.value.job_id == "j-123"
         job = client.job(info.value.job_id)
         assert isinstance(job, Job) and job.status() == "queued" and job.cancel() == "canceled"
+
+
+def _accepted_after_the_wait(request: httpx.Request) -> float | None:
+    """A POST is answered 202 after its `wait`, as the server holds it; None for the other methods."""
+    return float(request.url.params["wait"]) if request.method == "POST" else None
+
+
+def test_timeout_bounds_the_whole_call_including_the_servers_wait():
+    """Issue 26 item 2: timeout=0.3 with wait_s=3 returned after ~3 s (the POST's server-side wait came first)."""
+    import time
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        wait = _accepted_after_the_wait(request)
+        if wait is not None:
+            time.sleep(wait)
+        return queued_forever(request)
+
+    with Client("http://gradsvc.test", retries=0, wire_format="json", transport=httpx.MockTransport(handler)) as client:
+        start = time.monotonic()
+        with pytest.raises(WaitTimeoutError):
+            client.gradients(SPEC, [[1.0, 2.0]], [0], wait_s=3, timeout=0.3)
+        assert time.monotonic() - start < 1.5
+
+
+def test_async_timeout_bounds_the_whole_call_including_the_servers_wait():
+    import time
+
+    import anyio
+
+    from gradclient import AsyncClient
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        wait = _accepted_after_the_wait(request)
+        if wait is not None:
+            await anyio.sleep(wait)
+        return queued_forever(request)
+
+    async def main() -> float:
+        async with AsyncClient("http://gradsvc.test", retries=0, wire_format="json",
+                               transport=httpx.MockTransport(handler)) as client:
+            start = time.monotonic()
+            with pytest.raises(WaitTimeoutError):
+                await client.gradients(SPEC, [[1.0, 2.0]], [0], wait_s=3, timeout=0.3)
+            return time.monotonic() - start
+
+    assert anyio.run(main) < 1.5
+
+
+def test_a_job_is_named_job_id_as_everywhere_else_with_id_as_its_alias():
+    """Issue 26 item 7: the SDK's Job had only `id` where the wire, the errors and the result say `job_id`."""
+    import anyio
+
+    from gradclient import AsyncClient
+
+    with Client("http://gradsvc.test", retries=0, wire_format="json",
+                transport=httpx.MockTransport(queued_forever)) as client:
+        job = client.submit(SPEC, [[1.0, 2.0]], [0])
+        assert job.job_id == job.id == "j-123" and repr(job) == "Job('j-123')"
+
+    async def main():
+        async with AsyncClient("http://gradsvc.test", retries=0, wire_format="json",
+                               transport=httpx.MockTransport(queued_forever)) as client:
+            job = await client.submit(SPEC, [[1.0, 2.0]], [0])
+            assert job.job_id == job.id == "j-123"
+
+    anyio.run(main)

@@ -147,6 +147,23 @@ def test_memory_is_the_largest_shards_and_timings_give_the_critical_path():
     assert got.shards.numcheck_shard in range(3)
 
 
+def test_timings_carry_every_phase_of_the_slowest_shard():
+    """Issue 26 item 4: prepare_ms was left out (0.0) though every shard prepared."""
+    from gradsvc.wire import Timings
+
+    req = request("cross_entropy", memory=True, numcheck="exact")
+    prep = prepare(req, EngineConfig(), "meta")
+    plan = plan_for(prep, [b - a for a, b in split_rows(N, 2)])
+    parts = [compute(req), compute(req)]
+    phases = [f for f in Timings.__struct_fields__ if f != "total_ms"]
+    for k, part in enumerate(parts):  # distinct values per phase, shard 1 the slowest
+        part.timings = Timings(**{f: 1.0 + i + 10 * k for i, f in enumerate(phases)}, total_ms=100.0 + k)
+    got = reduce_results(parts, plan, reduce_ms=2.0)
+    assert {f: getattr(got.timings, f) for f in phases} == {f: getattr(parts[1].timings, f) for f in phases}
+    assert got.timings.total_ms == 103.0
+    assert sharded(req, 2).timings.prepare_ms > 0
+
+
 def test_batch_statistics_dropout_and_too_many_shards_are_refused_with_bad_option():
     bn = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
           {"type": "Linear", "in_features": 8, "out_features": 3}]

@@ -65,3 +65,23 @@ def test_non_finite_job_fails_with_its_code_and_the_layer(http):
     assert out["error"]["code"] == "non_finite" and out["status"] == "failed"
     job = http.get(f"/jobs/{out['job_id']}").json()
     assert job["status"] == "failed" and job["error"]["code"] == "non_finite"
+
+
+@pytest.mark.parametrize("spelling", ["json", "msgpack"])
+def test_integer_fields_written_as_whole_floats_run_as_their_ints(http, spelling):
+    """Issue 26 item 1: `micro_batch: 1.0` (and timing_repeat 2.0, model.seed 1.0) was queued as sent, failed
+    by the worker's strict decode (400 invalid_body with a job_id and status "failed"); it runs as 1."""
+    import msgspec
+
+    x, y = seed_a_batch(4)
+    body = {"model": {"layers": SEED_A_LAYERS, "dtype": "float64", "seed": 1}, "inputs": tensor_json(x),
+            "targets": tensor_json(y), "options": {"numcheck": "off", "micro_batch": 1, "timing_repeat": 2}}
+    want = http.post("/gradients?wait=60", json=body).json()
+    body["model"]["seed"] = 1.0
+    body["options"].update(micro_batch=1.0, timing_repeat=2.0)
+    codec = msgspec.json if spelling == "json" else msgspec.msgpack
+    r = http.post("/gradients?wait=60", content=codec.encode(body), headers={"Content-Type": f"application/{spelling}"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["status"] == "finished" and got["micro_batches"] == 4 and got["seed"] == 1
+    assert got["gradients"] == want["gradients"] and got["loss"] == want["loss"]

@@ -261,6 +261,45 @@ def test_readme_sdk_snippet_prints_the_figures_it_shows(snippet, stack):
     assert not problems, (problems, out.stdout)
 
 
+_NUMBER = re.compile(r"(\d[\d,]*(?:\.\d+)?(?:e[-+]\d+)?)")
+
+
+def printed_lines_agree(shown: str, printed: str) -> list[str]:
+    """Line by line, the words equal and the numbers as the module docstring says: timings any, an error
+    printed as 1.23e-07 within a factor of 10, every other number as printed."""
+    problems = []
+    shown_lines, printed_lines = shown.strip().splitlines(), printed.strip().splitlines()
+    if len(shown_lines) != len(printed_lines):
+        return [f"{len(printed_lines)} lines printed, the README shows {len(shown_lines)}"]
+    for want, got in zip(shown_lines, printed_lines):
+        w, g = _NUMBER.split(want), _NUMBER.split(got)
+        if len(w) != len(g) or w[::2] != g[::2]:
+            problems.append(f"printed {got!r}, the README shows {want!r}")
+            continue
+        for a, b in zip(w[1::2], g[1::2]):
+            if want.startswith("Timings"):
+                continue
+            if re.fullmatch(r"\d\.\d+e-\d+", a) and float(b) > 0 and abs(math.log10(float(b) / float(a))) <= 1:
+                continue
+            if a != b:
+                problems.append(f"{b} printed where the README shows {a}, in {want!r}")
+    return problems
+
+
+def test_examples_summary_prints_the_table_the_readme_shows(stack):
+    """Issue 26 item 6: the README's copy had lost the returned-gradient part of the check's line."""
+    text = README.read_text()
+    shown = re.search(r"From\n`examples/summary.py`, a small CNN at batch 32:\n\n```\n(.*?)```", text, re.S)[1]
+    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0]
+    env = {**os.environ, "GRADSVC_API_KEY": key} if key else dict(os.environ)
+    out = subprocess.run([sys.executable, "examples/summary.py", "--base-url", stack.base_url, "--out", ""],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    problems = printed_lines_agree(shown, out.stdout)
+    assert not problems, (problems, out.stdout)
+    assert printed_lines_agree("max rel error 1.47e-07 (tolerance 1e-06)", "max rel error 1.2e-05 (tolerance 1e-06)")
+
+
 def test_the_route_table_says_get_jobs_is_404_for_an_unknown_job(http):
     """Issue 16 item 10: the table said GET /jobs/{id} is "always 200"."""
     row = next(line for line in README.read_text().splitlines() if line.startswith("| `GET /jobs/{id}`"))

@@ -173,3 +173,17 @@ def test_up_makes_one_dir_per_port_and_claims_it(tmp_path):
     (d / "kept.out").write_bytes(b"x")
     assert not claim_handoff_dir(d)
     assert (d / "kept.out").exists()
+
+
+def test_the_launchers_pid_file_is_mode_0600_as_the_dirs_other_files(tmp_path):
+    """Issue 26 item 7: launcher.pid was written 0644 (the umask's) where the README says files are 0600."""
+    from gradsvc.launcher import OWNER_FILE, claim_handoff_dir
+
+    old = os.umask(0o022)
+    try:
+        assert claim_handoff_dir(tmp_path / "gradsvc-1")
+    finally:
+        os.umask(old)
+    pid_file = tmp_path / "gradsvc-1" / OWNER_FILE
+    assert stat.S_IMODE(pid_file.stat().st_mode) == 0o600 and pid_file.read_text() == str(os.getpid())
+    assert stat.S_IMODE((tmp_path / "gradsvc-1").stat().st_mode) == 0o700

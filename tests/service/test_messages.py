@@ -205,6 +205,46 @@ def test_integer_options_written_as_integral_floats_are_integers_as_json_schema_
     assert r.status_code == 400 and "options.timing_repeat: expected int, got float" in err["message"]
 
 
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_validated(fmt):
+    """Issue 26 item 1: the API took `micro_batch: 1.0` but queued the original bytes, which the worker's strict
+    decode refused (a traceback, then a failed job); the queued body now carries the ints."""
+    import msgspec
+
+    from gradsvc.service.app import _decode
+    from gradsvc.workers.jobs import decode_request
+
+    payload = body(options={"timing_repeat": 2.0, "micro_batch": 1.0, "shards": 2.0})
+    payload["model"]["seed"] = 1.0
+    codec = msgspec.json if fmt == "json" else msgspec.msgpack
+    req, queued = _decode(codec.encode(payload), fmt)
+    worker_req = decode_request(queued, fmt)
+    assert worker_req == req
+    assert (worker_req.options.micro_batch, worker_req.options.timing_repeat, worker_req.model.seed) == (1, 2, 1)
+    opts = worker_req.options
+    assert all(type(v) is int for v in (opts.micro_batch, worker_req.model.seed, opts.shards))
+
+
+@pytest.mark.parametrize("options, option", [({"hvp": {"vector": "ones"}}, "hvp.vector"),
+                                             ({"checkpoint_segments": 5}, "checkpoint_segments")])
+def test_a_bad_option_carries_a_detail_naming_the_option_and_value(client, options, option):
+    """Issue 26 item 8: these answered `"detail": {}`."""
+    r = post(client, body(options=options))
+    err = error_of(r)
+    assert r.status_code == 422 and err["code"] == "bad_option", r.text
+    assert err["detail"]["option"] == option and err["detail"]["value"] in ("ones", 5), err
+
+
+@pytest.mark.parametrize("payload, needle", [
+    (body(targets=None), "the loss (cross_entropy) needs targets"),
+    (body(targets=[0, 1, 2]), "targets for the loss (cross_entropy)"),
+    (body(loss="nope"), "the loss: unknown type 'nope'")])
+def test_a_single_loss_is_called_the_loss_not_loss_loss(client, payload, needle):
+    """Issue 26 item 8: "targets for loss 'loss' ...", "loss 'loss' needs targets"."""
+    err = error_of(post(client, payload))
+    assert needle in err["message"] and "'loss'" not in err["message"], err["message"]
+
+
 @pytest.fixture(scope="module")
 def roomy_client():
     app = create_app(Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2))

@@ -39,3 +39,16 @@ def test_batch_norm_with_a_split_batch_is_a_422_bad_option_naming_the_layer_befo
 def test_the_same_request_without_the_split_reaches_the_queue(api):
     r = api.post("/gradients", json=body())
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_unavailable"
+
+
+@pytest.mark.parametrize("shards", [0, 300, -1])
+def test_shards_outside_1_to_256_is_a_400_invalid_body_as_the_schema_declares(api, shards):
+    """Issue 26 item 3: the range was the engine's (422 bad_option) and missing from GET /schema."""
+    linear = [{"type": "Linear", "in_features": 6, "out_features": 3}]
+    r = api.post("/gradients", json=body(layers=linear, shards=shards))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_body" and "options.shards" in error["message"]
+    assert error["detail"]["path"] == "$.options.shards"
+    declared = api.get("/schema").json()["components"]["schemas"]["Options"]["properties"]["shards"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 256} in declared and {"enum": ["auto"]} in declared

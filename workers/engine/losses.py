@@ -28,6 +28,11 @@ REDUCTIONS = ("mean", "sum")
 OWN_LOSS = "output"
 
 
+def loss_label(name: str) -> str:
+    """How messages name a loss: "the loss" for a request's one `loss` (named "loss" by default), else by name."""
+    return "the loss" if name == "loss" else f"loss {name!r}"
+
+
 @dataclass(frozen=True)
 class LossTerm:
     name: str
@@ -35,6 +40,10 @@ class LossTerm:
     reduction: str
     weight: float
     target: str | None  # key in the targets object; None = the single targets tensor
+
+    @property
+    def label(self) -> str:
+        return loss_label(self.name)
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
         if self.type == OWN_LOSS:
@@ -56,17 +65,17 @@ def own_term(loss) -> LossTerm:
 
 def make_term(name: str, type_: str, reduction: str, weight: float, target: str | None) -> LossTerm:
     if type_ == OWN_LOSS:
-        raise SpecError("bad_loss", f"loss {name!r}: type {OWN_LOSS!r} (the model's own loss) takes the model's "
+        raise SpecError("bad_loss", f"{loss_label(name)}: type {OWN_LOSS!r} (the model's own loss) takes the model's "
                         "whole first output, so it stands alone: give it as 'loss', not in 'losses'",
                         loss=name, type=type_)
     if type_ not in LOSSES:
-        raise SpecError("bad_loss", f"loss {name!r}: unknown type {type_!r}; use one of {', '.join(LOSSES)}, or "
+        raise SpecError("bad_loss", f"{loss_label(name)}: unknown type {type_!r}; use one of {', '.join(LOSSES)}, or "
                         f"{OWN_LOSS!r} for the model's own loss (its first output)", loss=name, type=type_)
     if reduction not in REDUCTIONS:
-        raise SpecError("bad_loss", f"loss {name!r}: reduction {reduction!r} is not supported; use 'mean' or 'sum'",
+        raise SpecError("bad_loss", f"{loss_label(name)}: reduction {reduction!r} is not supported; use 'mean' or 'sum'",
                         loss=name, reduction=reduction)
     if not isinstance(weight, (int, float)) or weight != weight or abs(weight) == float("inf"):
-        raise SpecError("bad_loss", f"loss {name!r}: weight must be a finite number", loss=name)
+        raise SpecError("bad_loss", f"{loss_label(name)}: weight must be a finite number", loss=name)
     return LossTerm(name, type_, reduction, float(weight), target)
 
 
@@ -74,7 +83,7 @@ def prepare_target(term: LossTerm, output: torch.Tensor, target: torch.Tensor, d
     """The target cast for `term`, after checking it fits `output` (which may live on meta)."""
     _, kind = LOSSES[term.type]
     out_shape, tgt_shape = list(output.shape), list(target.shape)
-    where = f"targets for loss {term.name!r} ({term.type})"
+    where = f"targets for {term.label} ({term.type})"
 
     def fail(msg: str, **detail) -> None:
         raise SpecError("bad_target", f"{where}: {msg}", loss=term.name, target_shape=tgt_shape,

@@ -90,17 +90,18 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     if isinstance(targets, dict) and not {"dtype", "shape"} <= set(targets):
         key = term.target or term.name
         if key not in targets:
-            raise SpecError("bad_target", f"loss {term.name!r} needs targets[{key!r}]; targets has "
+            raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets[{key!r}]; targets has "
                             f"{sorted(targets)}. Name it in the loss's 'target' field", loss=term.name)
         raw = targets[key]
         where = f"targets.{key}"
     else:
         if term.target is not None:
-            raise SpecError("bad_target", f"loss {term.name!r} names target {term.target!r}, but 'targets' is a "
+            raise SpecError("bad_target", f"{term.label} names target {term.target!r}, but 'targets' is a "
                             "single tensor; send an object of named targets", loss=term.name)
         raw, where = targets, "targets"
     if raw is None:
-        raise SpecError("bad_target", f"loss {term.name!r} needs targets; add 'targets' to the request", loss=term.name)
+        raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets; add 'targets' to the request",
+                        loss=term.name)
     if isinstance(raw, dict):
         try:
             raw = msgspec.convert(raw, Tensor)
@@ -178,30 +179,35 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
         raise SpecError("bad_option", msg, **detail)
 
     if not (0 < opts.numcheck_eps < 1):
-        bad(f"options.numcheck_eps={opts.numcheck_eps} must lie in (0, 1); 1e-6 suits float64")
+        bad(f"options.numcheck_eps={opts.numcheck_eps} must lie in (0, 1); 1e-6 suits float64",
+            option="numcheck_eps", value=opts.numcheck_eps)
     if opts.numcheck_samples is not None and opts.numcheck_samples < 1:
-        bad("options.numcheck_samples must be at least 1")
+        bad("options.numcheck_samples must be at least 1", option="numcheck_samples", value=opts.numcheck_samples)
     if not (opts.numcheck_tolerance > 0):
-        bad("options.numcheck_tolerance must be positive")
+        bad("options.numcheck_tolerance must be positive", option="numcheck_tolerance", value=opts.numcheck_tolerance)
     if not (1 <= opts.timing_repeat <= config.max_timing_repeat):
-        bad(f"options.timing_repeat must lie in [1, {config.max_timing_repeat}], got {opts.timing_repeat}")
+        bad(f"options.timing_repeat must lie in [1, {config.max_timing_repeat}], got {opts.timing_repeat}",
+            option="timing_repeat", value=opts.timing_repeat, max=config.max_timing_repeat)
     if opts.micro_batch is not None and not (1 <= opts.micro_batch):
-        bad(f"options.micro_batch must be at least 1, got {opts.micro_batch}")
+        bad(f"options.micro_batch must be at least 1, got {opts.micro_batch}", option="micro_batch",
+            value=opts.micro_batch)
     if opts.checkpoint_segments is not None and not (1 <= opts.checkpoint_segments <= top_layers):
         bad(f"options.checkpoint_segments must lie in [1, {top_layers}] (the number of top-level layers), "
-            f"got {opts.checkpoint_segments}")
+            f"got {opts.checkpoint_segments}", option="checkpoint_segments", value=opts.checkpoint_segments,
+            max=top_layers)
     frozen = set()
     for prefix in opts.freeze:
         hit = [n for n in names if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
         if not hit:
             bad(f"options.freeze: prefix {prefix!r} matches no parameter; parameters are {names[:8]}"
-                f"{' ...' if len(names) > 8 else ''}", prefix=prefix)
+                f"{' ...' if len(names) > 8 else ''}", option="freeze", prefix=prefix)
         frozen.update(hit)
     if names and len(frozen) == len(names):
-        bad("options.freeze freezes every parameter; leave at least one trainable")
+        bad("options.freeze freezes every parameter; leave at least one trainable", option="freeze",
+            parameters=len(names))
     if not names and not opts.input_grad:
         bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
-            "the gradient with respect to the inputs")
+            "the gradient with respect to the inputs", option="input_grad")
     del batch
     return frozen
 
@@ -252,7 +258,8 @@ def _check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
     if isinstance(vector, str):
         if vector != "random":
             raise SpecError("bad_option", f"options.hvp.vector={vector!r}: use 'random' or an object "
-                            "{parameter: tensor} with every trainable parameter")
+                            "{parameter: tensor} with every trainable parameter", option="hvp.vector",
+                            value=vector, valid=["random", "{parameter: tensor}"])
         return
     trainable = {n: list(p.shape) for n, p in model.named_parameters() if n not in frozen}
     for name in trainable:

@@ -18,7 +18,7 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor, Timings
+from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
 
 from . import numcheck, tensors
 from .compute import cosines
@@ -257,9 +257,7 @@ def reduce_results(results: list[GradientResult], plan: ShardPlan, *, reduce_ms:
         torch_version=first.torch_version,
         loss=loss,
         gradients=gradients,
-        timings=Timings(queue_ms=slowest.timings.queue_ms, forward_ms=slowest.timings.forward_ms,
-                        backward_ms=slowest.timings.backward_ms, numcheck_ms=slowest.timings.numcheck_ms,
-                        memory_ms=slowest.timings.memory_ms, total_ms=critical_ms),
+        timings=msgspec.structs.replace(slowest.timings, total_ms=critical_ms),  # every phase of the slowest
         micro_batches=sum(r.micro_batches for r in results),
         losses=losses,
         per_loss_gradients=per_loss if plan.per_loss else None,

@@ -130,6 +130,74 @@ class RecurrentLM(nn.Module):
         return self.head(out[:, -1])  # (batch, vocab)
 
 
+class EveryPositionGPT2(nn.Module):
+    """Hugging Face GPT-2 from a config, dropout off: every position's next-token logits, flattened to
+    (batch*seq, vocab), the standard causal LM loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.lm = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                             eos_token_id=0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
+
+
+class TinyViT(nn.Module):
+    """Hugging Face ViT for image classification from a config (4x4 patches of an 8x8 image), dropout off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        self.vit = ViTForImageClassification(ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.vit(pixel_values=pixels).logits  # (batch, 3)
+
+
+class TinyConvNext(nn.Module):
+    """Hugging Face ConvNeXt for image classification from a config (depthwise 7x7 convs, LayerNorm, GELU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ConvNextConfig, ConvNextForImageClassification
+
+        self.net = ConvNextForImageClassification(ConvNextConfig(
+            num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[4, 8], depths=[1, 1], num_labels=3,
+            drop_path_rate=0.0))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net(pixel_values=pixels).logits  # (batch, 3)
+
+
+class MobileNetSE(nn.Module):
+    """A MobileNetV3-style block: pointwise expand, depthwise conv, BatchNorm (training: batch statistics),
+    squeeze-excite, pointwise project, a residual; the convs before BatchNorm have biases, whose gradient
+    BatchNorm makes exactly zero."""
+
+    def __init__(self, c: int = 3, expand: int = 6) -> None:
+        super().__init__()
+        self.expand = nn.Conv2d(c, expand, 1)
+        self.depthwise = nn.Conv2d(expand, expand, 3, padding=1, groups=expand)
+        self.bn = nn.BatchNorm2d(expand)
+        self.squeeze = nn.Linear(expand, 2)
+        self.excite = nn.Linear(2, expand)
+        self.project = nn.Conv2d(expand, c, 1)
+        self.head = nn.Linear(c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.hardswish(self.bn(self.depthwise(self.expand(x))))  # (batch, expand, H, W)
+        w = torch.sigmoid(self.excite(torch.relu(self.squeeze(h.mean((2, 3))))))  # (batch, expand)
+        out = x + self.project(h * w[:, :, None, None])
+        return self.head(out.mean((2, 3)))  # (batch, 3)
+
+
 Case = tuple[nn.Module, torch.Tensor, torch.Tensor, str]
 
 
@@ -163,6 +231,14 @@ CASES: dict[str, Callable[[torch.dtype], Case]] = {
                      lambda g: torch.randint(0, 16, (3,), generator=g), "cross_entropy"),
     "hf_bert": _case(TinyBert, lambda g: torch.randint(0, 16, (2, 4), generator=g),
                      lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
+    "hf_gpt2_every_position": _case(EveryPositionGPT2, lambda g: torch.randint(0, 16, (2, 5), generator=g),
+                                    lambda g: torch.randint(0, 16, (10,), generator=g), "cross_entropy"),
+    "hf_vit": _case(TinyViT, lambda g: torch.randn(2, 3, 8, 8, generator=g),
+                    lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
+    "hf_convnext": _case(TinyConvNext, lambda g: torch.randn(2, 3, 8, 8, generator=g),
+                         lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
+    "mobilenet_se": _case(MobileNetSE, lambda g: torch.randn(4, 3, 4, 4, generator=g),
+                          lambda g: torch.randint(0, 3, (4,), generator=g), "cross_entropy"),
 }
 
 

@@ -459,6 +459,7 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     mode = opts.numcheck
     if mode == "off":
         return numcheck.unchecked(prep.dtype)
+    started = time.perf_counter()
     model64 = copy.deepcopy(prep.model).to(torch.float64)
     if prep.graph is not None:
         model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
@@ -483,17 +484,26 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     if mode == "auto":  # the cost of one float64 evaluation, as the check runs them (no grad), after a warm-up
         with torch.no_grad():
             for _ in range(2):
-                started = time.perf_counter()
+                t0 = time.perf_counter()
                 loss_fn()
-                eval_s = min(eval_s, time.perf_counter() - started)
+                eval_s = min(eval_s, time.perf_counter() - t0)
     grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), materialize_grads=True)))
     if reference is not None:
         reference.update({n: g.detach().to("cpu") for n, g in grads.items()})
     samples = opts.numcheck_samples or config.numcheck_samples
     directions = config.numcheck_directions
+    batched = None
+    if batchable:
+        rows = numcheck.graph_output_elements(model64, x64.tensors) if prep.graph is not None else activations[0]
+        batched = numcheck.batched(model64, x64.tensors, t64, prep.terms, rows)
     if mode == "auto":
+        if batched is not None:  # evaluations many to a call cost less each: measure one call
+            eval_s = min(eval_s, numcheck.batched_eval_s(batched, params))
         budget_s = config.numcheck_budget * job_s + config.numcheck_budget_min_s
-        plan = numcheck.plan_auto([p.numel() for p in params.values()], eval_s, budget_s,
+        # What is left of the budget after the float64 copy and reference, at a margin over the measured cost
+        # of an evaluation: the loop's own work (perturbing, the batched calls' copies) and a loaded machine.
+        left_s = budget_s - (time.perf_counter() - started)
+        plan = numcheck.plan_auto([p.numel() for p in params.values()], EVAL_MARGIN * eval_s, left_s,
                                   exact_max=config.numcheck_exact_max,
                                   samples=samples, directions=directions)
         mode, samples, directions, reason = plan
@@ -501,10 +511,6 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
                  f"({job_s * 1e3:.3g} ms) + {config.numcheck_budget_min_s:g} s"
     else:
         reason = f"{mode}: asked for by options.numcheck"
-    batched = None
-    if batchable:
-        rows = numcheck.graph_output_elements(model64, x64.tensors) if prep.graph is not None else activations[0]
-        batched = numcheck.batched(model64, x64.tensors, t64, prep.terms, rows)
     check = numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                          samples=samples, directions=directions, seed=seed, progress=progress,
                          returned=returned, returned_dtype=_computed_dtype(prep), batched=batched)
@@ -514,6 +520,9 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
                                             per_sample_sum, seed, device)
         check.passed = check.passed and all(q.passed for q in check.quantities.values())
     return check
+
+
+EVAL_MARGIN = 1.5
 
 
 def _quantity_checks(prep: Prepared, final: "_Pass", params: dict[str, torch.Tensor], loss_fn, model64, x64: Batch,

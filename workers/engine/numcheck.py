@@ -97,6 +97,25 @@ def graph_output_elements(model: torch.nn.Module, inputs: tuple) -> int:
     return count
 
 
+def batched_eval_s(batched: Batched, params: dict[str, torch.Tensor]) -> float:
+    """The cost of one evaluation inside a batched call: the largest tensor's, as many rows as a call
+    takes (up to 64), timed once (inf where it cannot be batched or the call fails)."""
+    import time
+
+    name, p = max(params.items(), key=lambda kv: kv[1].numel())
+    rows = min(64, batched.rows(p.numel()))
+    if rows < 2:
+        return math.inf
+    stacked = {name: p.detach().expand(rows, *p.shape).clone()}
+    started = time.perf_counter()
+    try:
+        with torch.no_grad():
+            batched.losses(stacked)
+    except BATCH_FAILURES:
+        return math.inf
+    return (time.perf_counter() - started) / rows
+
+
 class Plan(NamedTuple):
     """What `auto` chose: the mode, its samples or directions, and why."""
 
@@ -193,6 +212,9 @@ def _rel(abs_err: float, fd: torch.Tensor, ad: torch.Tensor) -> float:
 # the difference quotient itself, not a wrong gradient (directional checks at large P sit near it).
 FLOOR_ROUNDINGS = 8
 F64_EPS = 2.220446049250313e-16
+# A returned tensor whose every element is under this many roundings (of its dtype) of the model's largest
+# gradient element is zero to working precision (attention's key bias: softmax is shift-invariant).
+ZERO_ROUNDINGS = 16
 
 
 # The returned gradients' tolerance by dtype. float16 and bfloat16 get 16 machine epsilons (1.6e-2 and
@@ -214,10 +236,11 @@ class Returned(NamedTuple):
     judged: dict[str, str]
 
 
-def _verdict(size: float, abs_err: float, rel: float, tolerance: float, atol: float) -> str:
-    """How a tensor (or a direction) passes: its values all within atol ("zero": nothing to be relative
-    to), its error within the tolerance of its own scale ("ratio"), its error within atol ("floor")."""
-    if size <= atol:
+def _verdict(size: float, abs_err: float, rel: float, tolerance: float, atol: float, zero: float) -> str:
+    """How a tensor (or a direction) passes: every value under `zero`, what the arithmetic resolves ("zero":
+    nothing to be relative to), its error within the tolerance of its own scale ("ratio"), its error
+    within atol ("floor": small beside the model's gradient)."""
+    if size <= zero:
         return "zero"
     if rel <= tolerance:
         return "ratio"
@@ -236,6 +259,7 @@ def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch
     tolerance = returned_tolerance(returned_dtype)
     scale = max((float(r.abs().max()) for r in reference.values() if r.numel()), default=0.0)
     floor = tolerance * scale
+    zero = ZERO_ROUNDINGS * torch.finfo(returned_dtype).eps * scale  # the returned dtype's rounding of the scale
     per: dict[str, float] = {}
     judged: dict[str, str] = {}
     passed = True
@@ -245,15 +269,16 @@ def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch
         abs_err = float((got - ref).abs().max()) if ref.numel() else 0.0
         per[name] = _rel(abs_err, got, ref)
         size = max(float(got.abs().max()), float(ref.abs().max())) if ref.numel() else 0.0
-        judged[name] = _verdict(size, abs_err, per[name], tolerance, floor)
+        judged[name] = _verdict(size, abs_err, per[name], tolerance, floor, zero)
         passed = passed and judged[name] != "failed"
-        if judged[name] != "zero":  # float32 noise on an exactly zero gradient is not an error ratio
+        if judged[name] in ("ratio", "failed"):  # float32 noise on a zero gradient is no error ratio
             worst = max(worst, per[name])
     for got_u, ref_u, terms in along:
         abs_err = abs(got_u - ref_u)
         rel = abs_err / max(abs(got_u), abs(ref_u), 1e-12)
-        verdict = _verdict(max(abs(got_u), abs(ref_u)), abs_err, rel, tolerance, tolerance * terms)
-        if verdict != "zero":
+        verdict = _verdict(max(abs(got_u), abs(ref_u)), abs_err, rel, tolerance, tolerance * terms,
+                           ZERO_ROUNDINGS * torch.finfo(returned_dtype).eps * terms)
+        if verdict in ("ratio", "failed"):
             worst = max(worst, rel)
         passed = passed and verdict != "failed"
     return Returned(worst, per, tolerance, floor, passed, judged)
@@ -312,7 +337,7 @@ def run(
     def judge(abs_err: float, rel: float, atol: float, verdict: str) -> None:
         nonlocal worst_abs, worst_rel, worst_floor, passed
         worst_abs, worst_floor = max(worst_abs, abs_err), max(worst_floor, atol)
-        if verdict != "zero":  # a ratio of noise to noise says nothing
+        if verdict in ("ratio", "failed"):  # zero: noise over noise; floor: small beside the rest (per parameter)
             worst_rel = max(worst_rel, rel)
         passed = passed and verdict != "failed"
 
@@ -369,7 +394,8 @@ def run(
                     abs_err = abs(fd - ad)
                     rel = abs_err / max(abs(fd), abs(ad), 1e-12)
                     atol = max(rounding(max(abs(plus), abs(minus))), tolerance * terms)
-                    judge(abs_err, rel, atol, _verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol))
+                    judge(abs_err, rel, atol, _verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol,
+                                                       rounding(max(abs(plus), abs(minus)))))
                     if progress:
                         progress("numcheck", 2 * (k + 1), total)
         else:
@@ -437,7 +463,7 @@ def run(
                 rel = _rel(abs_err, fd, ad) if ad.numel() else 0.0
                 atol = max(rounding(loss_scale), tolerance * scale)
                 size = max(float(fd.abs().max()), float(ad.abs().max())) if ad.numel() else 0.0
-                verdict = _verdict(size, abs_err, rel, tolerance, atol)
+                verdict = _verdict(size, abs_err, rel, tolerance, atol, rounding(loss_scale))
                 if verdict == "failed" and bool(((fd - ad).abs() <= atol + tolerance * ad.abs()).all()):
                     verdict = "floor"
                 per[name] = ParameterCheck(max_abs_error=abs_err, max_rel_error=rel, checked=ad.numel(), judged=verdict)

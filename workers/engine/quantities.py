@@ -19,20 +19,22 @@ import torch
 
 from gradsvc.wire import QuantityCheck
 
-from .numcheck import F64_EPS, FLOOR_ROUNDINGS, _verdict, returned_check
+from .numcheck import F64_EPS, FLOOR_ROUNDINGS, ZERO_ROUNDINGS, _verdict, returned_check
 
 
 def _tensors(how: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tolerance: float) -> QuantityCheck:
     r = returned_check(got, want, torch.float64)  # the float64 rule; the tolerance is set below
     scale = max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+    dtype = next(iter(got.values())).dtype if got else torch.float64
+    zero = ZERO_ROUNDINGS * torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps * scale
     passed, worst = True, 0.0
     for name, w in want.items():
         g = got[name].detach().to(w.device, torch.float64)
         abs_err = float((g - w).abs().max()) if w.numel() else 0.0
         size = max(float(g.abs().max()), float(w.abs().max())) if w.numel() else 0.0
-        verdict = _verdict(size, abs_err, r.per_parameter[name], tolerance, tolerance * scale)
+        verdict = _verdict(size, abs_err, r.per_parameter[name], tolerance, tolerance * scale, zero)
         passed = passed and verdict != "failed"
-        if verdict != "zero":
+        if verdict in ("ratio", "failed"):
             worst = max(worst, r.per_parameter[name])
     return QuantityCheck(how=how, max_rel_error=worst, tolerance=tolerance, passed=passed)
 
@@ -85,7 +87,8 @@ def input_gradient(loss_at: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
     abs_err = abs(fd - ad)
     rel = abs_err / max(abs(fd), abs(ad), 1e-12)
     atol = max(FLOOR_ROUNDINGS * F64_EPS * max(abs(plus), abs(minus), 1e-300) / eps, tolerance * float((g * u).abs().sum()))
-    verdict = _verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol)
+    verdict = _verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol,
+                       FLOOR_ROUNDINGS * F64_EPS * max(abs(plus), abs(minus), 1e-300) / eps)
     return QuantityCheck(how="central differences of the float64 loss along a random direction of the input, "
                              "against input_gradient . direction", max_rel_error=0.0 if verdict == "zero" else rel,
                          tolerance=tolerance, passed=verdict != "failed")

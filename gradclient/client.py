@@ -415,9 +415,31 @@ def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
                     [*model.named_parameters(), *model.named_buffers()])
     modes = tuple(m.training for m in model.modules())
     xs = [*args, *kwargs.values()]
+    attributes = tuple(_plain_attributes(m) for m in model.modules())
     shapes = tuple((str(x.dtype), tuple(x.shape[1:]) if b else tuple(x.shape), b)
                    for x, b in zip(xs, batched_inputs(xs)))
-    return (type(model), repr(model), tensors, modes, tuple(kwargs), shapes)
+    return (type(model), repr(model), tensors, modes, tuple(kwargs), shapes, attributes)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_attributes(module: Any) -> tuple:
+    """A module's own public attributes that forward may read and repr() does not show: numbers, strings
+    and flags by value, classes and functions (a custom autograd Function it applies) by name."""
+    import torch
+
+    out = []
+    for k, v in vars(module).items():
+        if k.startswith("_") or isinstance(v, (torch.Tensor, torch.nn.Module)):
+            continue
+        if isinstance(v, _PLAIN):
+            out.append((k, v))
+        elif isinstance(v, type) or callable(v):
+            out.append((k, f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"))
+        else:
+            out.append((k, type(v).__qualname__))
+    return tuple(out)
 
 
 def _call_seed(model: Any) -> int:

@@ -225,3 +225,40 @@ def test_a_recurrent_language_model_passes_the_numerical_check_and_has_a_memory_
     rnn = next(row for row in result.memory.layers if row.name == "rnn")
     assert rnn.type == "LSTM" and rnn.saved_bytes > 0
     assert rnn.output_shape == [3, 5, 6]  # the output sequence, not h_n or c_n
+
+
+class _Last(nn.Module):
+    """A linear layer whose output goes through `last` (detach, argmax, a comparison) before it is returned."""
+
+    def __init__(self, last) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.last = last
+
+    def forward(self, x):
+        return self.last(self.lin(x))
+
+
+class _NoGradHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.lin(x)
+
+
+@pytest.mark.parametrize("model, why", [
+    (_Last(lambda t: t.detach()), "does not depend on any parameter"),
+    (_NoGradHead(), "does not depend on any parameter"),
+    (_Last(lambda t: t.argmax(-1)), "dtype int64"),
+    (_Last(lambda t: t > 0), "dtype bool"),
+])
+def test_a_first_output_without_a_gradient_is_refused_on_meta_as_no_gradient(model, why):
+    x, y = torch.randn(2, 3, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64)
+    req = request(model.double(), x, y, "mse")
+    for check in (lambda: prepare(req, CONFIG, "meta"), lambda: estimate(req, CONFIG)):
+        with pytest.raises(SpecError) as err:
+            check()
+        assert err.value.code == "no_gradient" and why in err.value.message, err.value.message

@@ -194,18 +194,30 @@ def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(unet):
     store = GraphStore(redis, "t", ttl_s=100)
     data = graphref.encode(req.model.graph)
     ref = graphref.digest(data)
-    store.put(ref, req.model.graph, data)
-    key = keys.graph_key("t", ref)
+    store.put("alice", ref, req.model.graph, data)
+    key = keys.graph_key("t", "alice", ref)
     assert redis.get(key) == data and 0 < redis.ttl(key) <= 100
     redis.expire(key, 5)
-    assert store.get(ref) is req.model.graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
+    assert store.get("alice", ref) is req.model.graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
     other = GraphStore(redis, "t", ttl_s=100)  # another process: read from Redis, decoded, checked
-    assert other.get(ref) == req.model.graph
+    assert other.get("alice", ref) == req.model.graph
     redis.delete(key)
-    assert GraphStore(redis, "t", ttl_s=100).get(ref) is None
-    assert store.get(ref) is req.model.graph and redis.get(key) == data  # still held here: stored again
-    redis.set(keys.graph_key("t", "0" * 64), data)  # bytes that do not hash to their key are not a graph
-    assert GraphStore(redis, "t", ttl_s=100).get("0" * 64) is None
+    assert GraphStore(redis, "t", ttl_s=100).get("alice", ref) is None
+    assert store.get("alice", ref) is req.model.graph and redis.get(key) == data  # still held here: stored again
+    redis.set(keys.graph_key("t", "alice", "0" * 64), data)  # bytes that do not hash to their key are not a graph
+    assert GraphStore(redis, "t", ttl_s=100).get("alice", "0" * 64) is None
+
+
+def test_a_graph_ref_is_unknown_to_another_owner_in_redis_and_in_the_lru(unet):
+    *_, req = unet
+    redis = fakeredis.FakeRedis()
+    store = GraphStore(redis, "t", ttl_s=100)
+    data = graphref.encode(req.model.graph)
+    ref = graphref.digest(data)
+    store.put("alice", ref, req.model.graph, data)
+    assert store.get("bob", ref) is None and GraphStore(redis, "t", ttl_s=100).get("bob", ref) is None
+    assert store.resolver("bob")(ref) is None and store.resolver("alice")(ref) is req.model.graph
+    assert redis.get(keys.graph_key("t", "bob", ref)) is None  # bob's miss stored nothing for him
 
 
 def test_an_integer_beyond_64_bits_in_a_graph_is_bad_option_not_a_crash():

@@ -274,3 +274,28 @@ def test_a_first_output_without_a_gradient_is_refused_on_meta_as_no_gradient(mod
         with pytest.raises(SpecError) as err:
             check()
         assert err.value.code == "no_gradient" and why in err.value.message, err.value.message
+
+
+def _chain_request(n: int) -> GradientRequest:
+    nodes = [{"name": "n0", "op": "aten.linear.default", "args": [{"node": "x"}, {"node": "w"}]}]
+    nodes += [{"name": f"n{i}", "op": "aten.tanh.default", "args": [{"node": f"n{i - 1}"}]} for i in range(1, n)]
+    graph = {"inputs": [{"name": "x", "kind": "input", "dtype": "float32", "shape": [-1, 3]},
+                        {"name": "w", "kind": "parameter", "target": "w", "dtype": "float32", "shape": [4, 3]}],
+             "nodes": nodes, "outputs": [{"node": nodes[-1]["name"]}], "dtype": "float32"}
+    body = {"model": {"graph": graph, "weights": {"w": {"dtype": "float32", "shape": [4, 3], "data": [[0.1] * 3] * 4}}},
+            "inputs": [[0.1, 0.2, 0.3]] * 2, "targets": [[0.0] * 4] * 2, "loss": "mse", "options": {"numcheck": "off"}}
+    return msgspec.json.decode(msgspec.json.encode(body), type=GradientRequest)
+
+
+def test_a_graph_over_the_node_budget_is_too_large_before_any_node_runs():
+    from gradsvc.settings import Settings
+    from gradsvc.workers.engine import config_from_settings
+
+    config = config_from_settings(Settings())
+    assert config.limits.max_graph_nodes == 5_000  # ~3 s of API CPU for the costliest op (bench/graph_validation.py)
+    with pytest.raises(SpecError) as err:
+        prepare(_chain_request(5_001), config, "meta")
+    assert err.value.code == "too_large" and err.value.detail["limit"] == 5_000, err.value.message
+    prepare(_chain_request(50), config_from_settings(Settings(max_graph_nodes=50)), "meta")
+    with pytest.raises(SpecError):
+        prepare(_chain_request(51), config_from_settings(Settings(max_graph_nodes=50)), "meta")

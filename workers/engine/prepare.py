@@ -559,7 +559,8 @@ def config_from_settings(settings) -> EngineConfig:
     """The engine's limits from the process's Settings (passed in; the engine reads no environment)."""
     return EngineConfig(
         limits=Limits(max_parameters=settings.max_parameters, max_layers=settings.max_layers,
-                      max_depth=settings.max_depth, max_elements=settings.max_elements),
+                      max_depth=settings.max_depth, max_elements=settings.max_elements,
+                      max_graph_nodes=settings.max_graph_nodes),
         numcheck_exact_max=settings.numcheck_exact_max,
         numcheck_samples=settings.numcheck_samples,
         numcheck_directions=settings.numcheck_directions,

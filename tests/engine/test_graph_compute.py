@@ -188,35 +188,37 @@ def test_prepare_from_eight_threads_sees_no_error_and_the_right_shapes():
     assert not errors and len(shapes) == 96 and all(shapes)
 
 
-def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(unet):
-    *_, req = unet
+@pytest.fixture()
+def stored(unet):
+    """(Redis, a GraphStore, the graph, its bytes and ref), the graph put for owner "alice"."""
+    graph = unet[-1].model.graph
     redis = fakeredis.FakeRedis()
     store = GraphStore(redis, "t", ttl_s=100)
-    data = graphref.encode(req.model.graph)
+    data = graphref.encode(graph)
     ref = graphref.digest(data)
-    store.put("alice", ref, req.model.graph, data)
+    store.put("alice", ref, graph, data)
+    return redis, store, graph, data, ref
+
+
+def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(stored):
+    redis, store, graph, data, ref = stored
     key = keys.graph_key("t", "alice", ref)
     assert redis.get(key) == data and 0 < redis.ttl(key) <= 100
     redis.expire(key, 5)
-    assert store.get("alice", ref) is req.model.graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
+    assert store.get("alice", ref) is graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
     other = GraphStore(redis, "t", ttl_s=100)  # another process: read from Redis, decoded, checked
-    assert other.get("alice", ref) == req.model.graph
+    assert other.get("alice", ref) == graph
     redis.delete(key)
     assert GraphStore(redis, "t", ttl_s=100).get("alice", ref) is None
-    assert store.get("alice", ref) is req.model.graph and redis.get(key) == data  # still held here: stored again
+    assert store.get("alice", ref) is graph and redis.get(key) == data  # still held here: stored again
     redis.set(keys.graph_key("t", "alice", "0" * 64), data)  # bytes that do not hash to their key are not a graph
     assert GraphStore(redis, "t", ttl_s=100).get("alice", "0" * 64) is None
 
 
-def test_a_graph_ref_is_unknown_to_another_owner_in_redis_and_in_the_lru(unet):
-    *_, req = unet
-    redis = fakeredis.FakeRedis()
-    store = GraphStore(redis, "t", ttl_s=100)
-    data = graphref.encode(req.model.graph)
-    ref = graphref.digest(data)
-    store.put("alice", ref, req.model.graph, data)
+def test_a_graph_ref_is_unknown_to_another_owner_in_redis_and_in_the_lru(stored):
+    redis, store, graph, _, ref = stored
     assert store.get("bob", ref) is None and GraphStore(redis, "t", ttl_s=100).get("bob", ref) is None
-    assert store.resolver("bob")(ref) is None and store.resolver("alice")(ref) is req.model.graph
+    assert store.resolver("bob")(ref) is None and store.resolver("alice")(ref) is graph
     assert redis.get(keys.graph_key("t", "bob", ref)) is None  # bob's miss stored nothing for him
 
 

@@ -2,8 +2,9 @@
 
 The hash is the sha256 of the graph's canonical MessagePack (map keys sorted), so the same graph
 sent by JSON or MessagePack, with its keys in any order, has one ref once decoded. The API stores
-every graph it validated under keys.graph_key(ref) with a TTL (GRADSVC_GRAPH_TTL_S) that each use
-refreshes; a worker given a graph_ref reads it from there. Each process keeps an LRU of parsed
+every graph it validated under keys.graph_key(owner, ref) with a TTL (GRADSVC_GRAPH_TTL_S) that each
+use refreshes; a worker given a graph_ref reads it from there, for the job's owner. A ref is usable
+only by the owner (API key) that sent the graph: for another it is unknown, as if never sent. Each process keeps an LRU of parsed
 graphs (GraphStore) and the engine one of validated graphs, so a graph seen before is neither
 fetched, decoded nor validated again. No torch, and no Redis import: GraphStore is handed a client.
 """
@@ -68,7 +69,8 @@ class LRU(Generic[T]):
 
 
 class GraphStore:
-    """Validated graphs in Redis by ref (never pickled: canonical MessagePack, decoded into the Struct)."""
+    """Validated graphs in Redis by owner and ref (never pickled: canonical MessagePack, decoded into the
+    Struct). The LRU is keyed by both too: a graph this process holds for one owner is not another's."""
 
     def __init__(self, redis, prefix: str, ttl_s: int, entries: int = 64) -> None:
         self.redis = redis
@@ -76,15 +78,20 @@ class GraphStore:
         self.ttl_s = ttl_s
         self.parsed: LRU[GraphSpec] = LRU(entries)
 
-    def put(self, ref: str, graph: GraphSpec, data: bytes) -> None:
-        """Keeps `graph` (its canonical bytes `data`, whose sha256 is `ref`) for the TTL."""
-        self.redis.set(keys.graph_key(self.prefix, ref), data, ex=self.ttl_s)
-        self.parsed.put(ref, graph)
+    def put(self, owner: str, ref: str, graph: GraphSpec, data: bytes) -> None:
+        """Keeps `graph` (its canonical bytes `data`, whose sha256 is `ref`) for `owner`, for the TTL."""
+        self.redis.set(keys.graph_key(self.prefix, owner, ref), data, ex=self.ttl_s)
+        self.parsed.put((owner, ref), graph)
 
-    def get(self, ref: str) -> GraphSpec | None:
-        """The graph stored under `ref`, its TTL refreshed; None when it is unknown or expired."""
-        key = keys.graph_key(self.prefix, ref)
-        graph = self.parsed.get(ref)
+    def resolver(self, owner: str):
+        """`get` for one owner: what the engine's prepare() takes as `graphs` (ref -> graph or None)."""
+        return lambda ref: self.get(owner, ref)
+
+    def get(self, owner: str, ref: str) -> GraphSpec | None:
+        """The graph `owner` stored under `ref`, its TTL refreshed; None when it is unknown, expired or
+        another owner's."""
+        key = keys.graph_key(self.prefix, owner, ref)
+        graph = self.parsed.get((owner, ref))
         if graph is not None:
             if not self.redis.expire(key, self.ttl_s):
                 # Expired in Redis while this process still held it: store it again rather than refuse it.
@@ -97,5 +104,5 @@ class GraphStore:
         if data is None or digest(data) != ref:
             return None
         graph = decode(data)
-        self.parsed.put(ref, graph)
+        self.parsed.put((owner, ref), graph)
         return graph

@@ -74,6 +74,11 @@ def idempotency_key(prefix: str, owner: str, key: str) -> str:
     return f"{prefix}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
 
 
-def graph_key(prefix: str, digest: str) -> str:
-    """A validated graph's canonical MessagePack, kept under its content hash (`model.graph_ref`)."""
-    return f"{prefix}:graph:{digest}"
+# The owner of requests sent without API keys (GRADSVC_API_KEYS empty): every caller is one owner.
+ANONYMOUS_OWNER = "anonymous"
+
+
+def graph_key(prefix: str, owner: str, digest: str) -> str:
+    """A validated graph's canonical MessagePack, kept under its content hash (`model.graph_ref`) for the
+    owner (API key digest) that sent it: another owner's same ref names another entry, so it reads as unknown."""
+    return f"{prefix}:graph:{owner}:{digest}"

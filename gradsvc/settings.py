@@ -29,6 +29,10 @@ class Settings:
     max_elements: int = 64_000_000
     max_layers: int = 512
     max_depth: int = 8
+    # Nodes in one graph model (its Functions' graphs included). The API checks a new graph on the meta
+    # device at 50-600 us of CPU per node, by op (bench/graph_validation.py): 5,000 nodes stay within ~3 s
+    # for the costliest op measured (layer_norm), where 20,000 took 12 s.
+    max_graph_nodes: int = 5_000
     max_result_bytes: int = 512 * 1024 * 1024
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
@@ -90,8 +94,8 @@ class Settings:
 
     def validate(self) -> None:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
-                    "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers", "redis_timeout_s",
-                    "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
+                    "max_graph_nodes", "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers",
+                    "redis_timeout_s", "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
                     "graph_ttl_s", "keep_alive_s", "numcheck_budget"]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -414,6 +414,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "bad_target": ErrorCode(422, "BadTargetError", "request", "the targets do not fit the loss"),
     "bad_option": ErrorCode(422, "BadOptionError", "request", "an option is invalid or cannot apply to the model"),
     "unsupported_op": ErrorCode(422, "UnsupportedOpError", "request", "a graph node names an op outside the allow-list"),
+    "no_gradient": ErrorCode(422, "NoGradientError", "request",
+                             "the graph's first output has no gradient (an integer tensor, or detached)"),
     "graph_not_found": ErrorCode(422, "GraphNotFoundError", "request",
                                  "model.graph_ref names no graph this service keeps; send the graph again"),
     "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),

@@ -151,13 +151,14 @@ def create_app(settings: Settings | None = None) -> Litestar:
     def enqueue_in_thread(req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None,
                           prep: Prepared | None = None) -> tuple[str, bool]:
         """Validation and enqueue in one thread hop. Validation on the meta device: an invalid spec never
-        reaches the queue. A graph_ref is looked up (and its TTL refreshed) here; a graph sent whole is kept
-        under its ref for the next request. `prep`: the request already validated on the event loop."""
+        reaches the queue. A graph_ref is looked up among this owner's graphs (and its TTL refreshed) here;
+        a graph sent whole is kept under its ref, for this owner, for the next request. `prep`: the request
+        already validated on the event loop."""
         if prep is None:
-            prep = prepare(req, config, "meta", graphs=graphs.get)
+            prep = prepare(req, config, "meta", graphs=graphs.resolver(owner))
         auth.check_rate(owner)
         if prep.graph_data is not None:
-            graphs.put(prep.graph.ref, req.model.graph, prep.graph_data)
+            graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
         sharded = (req, prep) if req.options.shards != 1 else None
         return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
                              result_bytes=prep.gradient_bytes)
@@ -199,7 +200,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         if _small_layer_spec(req, body):
             result = estimate(req, config)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
         else:
-            result = await anyio.to_thread.run_sync(lambda: estimate(req, config, graphs=graphs.get))
+            result = await anyio.to_thread.run_sync(lambda: estimate(req, config, graphs=graphs.resolver(owner)))
         return respond(request, result)
 
     @route("/jobs/{job_id:str}", http_method=["OPTIONS"], include_in_schema=False)

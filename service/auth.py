@@ -17,7 +17,7 @@ from gradsvc.settings import Settings
 
 from .errors import ServiceError
 
-ANONYMOUS = "anonymous"
+ANONYMOUS = keys.ANONYMOUS_OWNER
 
 
 class Auth:

@@ -3,6 +3,7 @@ queue depth / workers by state, read from Redis when /metrics is scraped (not pe
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     from .jobs import JobStore
 
 # API latencies: sub-millisecond validation answers up to long synchronous waits.
+# The status label of a request whose client closed the connection before its answer started (nginx's 499).
+CLIENT_CLOSED = 499
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -52,25 +55,52 @@ class ApiMetrics:
         self.registry.register(_RedisCollector(store))
 
     def middleware(self, app):
-        """ASGI middleware: times each HTTP request, labelled by Litestar's route template."""
+        """ASGI middleware: times each HTTP request, labelled by Litestar's route template. A request whose
+        client went away before its answer started (mid-body, or while it waited for its job) is counted
+        under 499, nginx's "client closed request", not under whatever the app then tried to send."""
 
         async def wrapped(scope, receive, send):
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
             start = time.perf_counter()
-            status = [500]
+            state = {"status": 500, "started": False, "gone": False}
+            watcher: asyncio.Task | None = None
+
+            def seen(message) -> None:
+                if message["type"] == "http.disconnect" and not state["started"]:
+                    state["gone"] = True
+
+            async def watch():
+                message = await receive()
+                seen(message)
+                return message
+
+            async def receive_wrapper():
+                nonlocal watcher
+                if watcher is not None:  # the body is read: what comes next is the watcher's message
+                    return await asyncio.shield(watcher)
+                message = await receive()
+                seen(message)
+                if message["type"] == "http.request" and not message.get("more_body", False):
+                    # The whole body is in: the next message can only be the client leaving (or, after the
+                    # answer, the server's own end of the cycle), so listen for it while the handler waits.
+                    watcher = asyncio.get_running_loop().create_task(watch())
+                return message
 
             async def send_wrapper(message):
                 if message["type"] == "http.response.start":
-                    status[0] = message["status"]
+                    state["status"], state["started"] = message["status"], True
                 await send(message)
 
             try:
-                await app(scope, receive, send_wrapper)
+                await app(scope, receive_wrapper, send_wrapper)
             finally:
+                if watcher is not None and not watcher.done():
+                    watcher.cancel()
                 route = scope.get("path_template") or "unmatched"
-                self.requests.labels(scope["method"], route, str(status[0])).inc()
+                status = CLIENT_CLOSED if state["gone"] else state["status"]
+                self.requests.labels(scope["method"], route, str(status)).inc()
                 self.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
 
         return wrapped

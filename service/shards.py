@@ -145,7 +145,7 @@ def _enqueue(store: "JobStore", queue: Queue, plan, count: int, owner: str, job_
         Queue.prepare_data(SHARD_FUNCTION, (body,), job_id=sid, on_failure=Callback(SHARD_FAILED),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
                            meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
-                                           "prefix": store.prefix}}, **ttls)
+                                           "prefix": store.prefix, "owner": owner}}, **ttls)
         for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, bounds))]
     reduce = queue.create_job(REDUCE_FUNCTION, args=(dataclasses.asdict(plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,

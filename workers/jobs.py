@@ -51,10 +51,12 @@ class WorkerContext:
     handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/handoff.py)
 
 
-def _graphs(ctx: WorkerContext, job: Job) -> GraphStore:
+def _graphs(ctx: WorkerContext, job: Job):
+    """model.graph_ref resolved among the graphs of the job's owner (a shard's is in its shard meta)."""
     if ctx.graphs is None:
         ctx.graphs = GraphStore(job.connection, ctx.settings.queue_prefix, ctx.settings.graph_ttl_s)
-    return ctx.graphs
+    owner = job.meta.get("owner") or job.meta.get("shard", {}).get("owner") or keys.ANONYMOUS_OWNER
+    return ctx.graphs.resolver(owner)
 
 
 _context: WorkerContext | None = None
@@ -188,7 +190,7 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
     request = decode_request(job_input(job, ctx, body, cancel_id), fmt)
     result = compute(request, ctx.config, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
-                     device=ctx.device, graphs=_graphs(ctx, job).get, reference=reference)
+                     device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
     return result
 

@@ -130,3 +130,15 @@ def test_non_finite_loss_is_reported_as_such():
         compute(request(layers, x.float(), torch.zeros(4, 3), dtype="float32", loss="mse"))
     assert info.value.code == "non_finite"
     assert "the loss" in info.value.message
+
+
+@pytest.mark.parametrize("shape", [[2**64, 0], [2**62, 4, 0], [0, 2**63], [0, 2**26, 2**26, 2**26]])
+@pytest.mark.parametrize("given", [{"b64": ""}, {"data": b""}, {"data": []}, {}])
+def test_an_empty_tensor_whose_other_sizes_overflow_is_too_large(shape, given):
+    from gradsvc.wire import Tensor
+
+    with pytest.raises(SpecError) as err:
+        decode(Tensor(dtype="float32", shape=shape, **given), where="inputs", max_elements=1 << 20, shape_only=True)
+    assert err.value.code == "too_large" and "zero size" in err.value.message
+    assert decode(Tensor(dtype="float32", shape=[0, 1 << 20], b64=""), where="inputs", max_elements=1 << 20).shape == \
+        (0, 1 << 20)

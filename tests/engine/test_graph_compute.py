@@ -188,24 +188,38 @@ def test_prepare_from_eight_threads_sees_no_error_and_the_right_shapes():
     assert not errors and len(shapes) == 96 and all(shapes)
 
 
-def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(unet):
-    *_, req = unet
+@pytest.fixture()
+def stored(unet):
+    """(Redis, a GraphStore, the graph, its bytes and ref), the graph put for owner "alice"."""
+    graph = unet[-1].model.graph
     redis = fakeredis.FakeRedis()
     store = GraphStore(redis, "t", ttl_s=100)
-    data = graphref.encode(req.model.graph)
+    data = graphref.encode(graph)
     ref = graphref.digest(data)
-    store.put(ref, req.model.graph, data)
-    key = keys.graph_key("t", ref)
+    store.put("alice", ref, graph, data)
+    return redis, store, graph, data, ref
+
+
+def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(stored):
+    redis, store, graph, data, ref = stored
+    key = keys.graph_key("t", "alice", ref)
     assert redis.get(key) == data and 0 < redis.ttl(key) <= 100
     redis.expire(key, 5)
-    assert store.get(ref) is req.model.graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
+    assert store.get("alice", ref) is graph and redis.ttl(key) > 5  # an LRU hit refreshes the TTL
     other = GraphStore(redis, "t", ttl_s=100)  # another process: read from Redis, decoded, checked
-    assert other.get(ref) == req.model.graph
+    assert other.get("alice", ref) == graph
     redis.delete(key)
-    assert GraphStore(redis, "t", ttl_s=100).get(ref) is None
-    assert store.get(ref) is req.model.graph and redis.get(key) == data  # still held here: stored again
-    redis.set(keys.graph_key("t", "0" * 64), data)  # bytes that do not hash to their key are not a graph
-    assert GraphStore(redis, "t", ttl_s=100).get("0" * 64) is None
+    assert GraphStore(redis, "t", ttl_s=100).get("alice", ref) is None
+    assert store.get("alice", ref) is graph and redis.get(key) == data  # still held here: stored again
+    redis.set(keys.graph_key("t", "alice", "0" * 64), data)  # bytes that do not hash to their key are not a graph
+    assert GraphStore(redis, "t", ttl_s=100).get("alice", "0" * 64) is None
+
+
+def test_a_graph_ref_is_unknown_to_another_owner_in_redis_and_in_the_lru(stored):
+    redis, store, graph, _, ref = stored
+    assert store.get("bob", ref) is None and GraphStore(redis, "t", ttl_s=100).get("bob", ref) is None
+    assert store.resolver("bob")(ref) is None and store.resolver("alice")(ref) is graph
+    assert redis.get(keys.graph_key("t", "bob", ref)) is None  # bob's miss stored nothing for him
 
 
 def test_an_integer_beyond_64_bits_in_a_graph_is_bad_option_not_a_crash():
@@ -225,3 +239,65 @@ def test_a_recurrent_language_model_passes_the_numerical_check_and_has_a_memory_
     rnn = next(row for row in result.memory.layers if row.name == "rnn")
     assert rnn.type == "LSTM" and rnn.saved_bytes > 0
     assert rnn.output_shape == [3, 5, 6]  # the output sequence, not h_n or c_n
+
+
+class _Last(nn.Module):
+    """A linear layer whose output goes through `last` (detach, argmax, a comparison) before it is returned."""
+
+    def __init__(self, last) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.last = last
+
+    def forward(self, x):
+        return self.last(self.lin(x))
+
+
+class _NoGradHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.lin(x)
+
+
+@pytest.mark.parametrize("model, why", [
+    (_Last(lambda t: t.detach()), "does not depend on any parameter"),
+    (_NoGradHead(), "does not depend on any parameter"),
+    (_Last(lambda t: t.argmax(-1)), "dtype int64"),
+    (_Last(lambda t: t > 0), "dtype bool"),
+])
+def test_a_first_output_without_a_gradient_is_refused_on_meta_as_no_gradient(model, why):
+    x, y = torch.randn(2, 3, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64)
+    req = request(model.double(), x, y, "mse")
+    for check in (lambda: prepare(req, CONFIG, "meta"), lambda: estimate(req, CONFIG)):
+        with pytest.raises(SpecError) as err:
+            check()
+        assert err.value.code == "no_gradient" and why in err.value.message, err.value.message
+
+
+def _chain_request(n: int) -> GradientRequest:
+    nodes = [{"name": "n0", "op": "aten.linear.default", "args": [{"node": "x"}, {"node": "w"}]}]
+    nodes += [{"name": f"n{i}", "op": "aten.tanh.default", "args": [{"node": f"n{i - 1}"}]} for i in range(1, n)]
+    graph = {"inputs": [{"name": "x", "kind": "input", "dtype": "float32", "shape": [-1, 3]},
+                        {"name": "w", "kind": "parameter", "target": "w", "dtype": "float32", "shape": [4, 3]}],
+             "nodes": nodes, "outputs": [{"node": nodes[-1]["name"]}], "dtype": "float32"}
+    body = {"model": {"graph": graph, "weights": {"w": {"dtype": "float32", "shape": [4, 3], "data": [[0.1] * 3] * 4}}},
+            "inputs": [[0.1, 0.2, 0.3]] * 2, "targets": [[0.0] * 4] * 2, "loss": "mse", "options": {"numcheck": "off"}}
+    return msgspec.json.decode(msgspec.json.encode(body), type=GradientRequest)
+
+
+def test_a_graph_over_the_node_budget_is_too_large_before_any_node_runs():
+    from gradsvc.settings import Settings
+    from gradsvc.workers.engine import config_from_settings
+
+    config = config_from_settings(Settings())
+    assert config.limits.max_graph_nodes == 5_000  # ~3 s of API CPU for the costliest op (bench/graph_validation.py)
+    with pytest.raises(SpecError) as err:
+        prepare(_chain_request(5_001), config, "meta")
+    assert err.value.code == "too_large" and err.value.detail["limit"] == 5_000, err.value.message
+    prepare(_chain_request(50), config_from_settings(Settings(max_graph_nodes=50)), "meta")
+    with pytest.raises(SpecError):
+        prepare(_chain_request(51), config_from_settings(Settings(max_graph_nodes=50)), "meta")

@@ -16,7 +16,7 @@ from ..nets import SEED_A_LAYERS
 
 INPUT_CODES = {"malformed_body", "invalid_body", "bad_request", "body_too_large", "unknown_layer", "shape_mismatch",
                "bad_weights", "bad_tensor", "bad_loss", "bad_target", "bad_option", "too_large", "non_finite",
-               "device_unavailable", "result_too_large", "unsupported_media_type"}
+               "device_unavailable", "result_too_large", "unsupported_media_type", "no_gradient"}
 
 
 def good() -> dict:
@@ -151,13 +151,72 @@ HOSTILE = {
     "device cuda on a cpu box": mutated(setp("options", "device", "cuda")),
 }
 
+# An empty tensor whose other sizes overflow int64 (the API's decode once answered 500 for these).
+ZERO_AND_HUGE = {"[2^64-1, 0]": [2**64 - 1, 0], "[2^62, 4, 0]": [2**62, 4, 0], "[0, 2^63]": [0, 2**63]}
+W = {"dtype": "float64", "shape": [4, 3], "data": [[0.1, -0.2, 0.3]] * 4}
+XS = [[0.1, 0.2, 0.3], [0.3, 0.2, 0.1]]
+X = {"dtype": "float64", "shape": [2, 3], "data": XS}
 
-def _send(http, case):
+
+def graph_body(last: dict | None = None, two_inputs: bool = False) -> dict:
+    """A graph model: linear(x (+ z)) -> `last` (an op node on it, if given), weights and a batch of two."""
+    inputs = [{"name": "x", "kind": "input", "dtype": "float64", "shape": [-1, 3]},
+              {"name": "w", "kind": "parameter", "target": "weight", "dtype": "float64", "shape": [4, 3]}]
+    nodes = [{"name": "lin", "op": "aten.linear.default", "args": [{"node": "x"}, {"node": "w"}]}]
+    if two_inputs:
+        inputs.insert(1, {"name": "z", "kind": "input", "dtype": "float64", "shape": [-1, 3]})
+        nodes.insert(0, {"name": "s", "op": "aten.add.Tensor", "args": [{"node": "x"}, {"node": "z"}]})
+        nodes[1]["args"][0] = {"node": "s"}
+    if last is not None:
+        nodes.append({"name": "out", "args": [{"node": "lin"}], **last})
+    graph = {"inputs": inputs, "nodes": nodes, "outputs": [{"node": nodes[-1]["name"]}], "dtype": "float64"}
+    return {"model": {"graph": graph, "dtype": "float64", "weights": {"weight": W}},
+            "inputs": [X, X] if two_inputs else XS, "targets": [[0.0] * 4, [1.0] * 4], "loss": "mse",
+            "options": {"numcheck": "off"}}
+
+
+def empty(shape: list[int], msgpack: bool = False) -> dict:
+    return {"dtype": "float64", "shape": shape, **({"data": b""} if msgpack else {"b64": ""})}
+
+
+def _zero_and_huge_cases() -> dict:
+    cases = {}
+    for label, shape in ZERO_AND_HUGE.items():
+        for fmt in ("json", "msgpack"):
+            packed = fmt == "msgpack"
+            forms = {
+                "inputs": mutated(setp("inputs", empty(shape, packed))),
+                "targets": mutated(setp("targets", empty(shape, packed))),
+                "graph inputs list": dict(graph_body(two_inputs=True), inputs=[X, empty(shape, packed)]),
+                "graph inputs by name": dict(graph_body(two_inputs=True), inputs={"x": X, "z": empty(shape, packed)}),
+                "graph targets": dict(graph_body(), targets=empty(shape, packed)),
+            }
+            for form, body in forms.items():
+                name = f"empty {form} of shape {label} ({fmt})"
+                cases[name] = raw(msgspec.msgpack.encode(body), "application/msgpack") if packed else body
+    return cases
+
+
+HOSTILE.update(_zero_and_huge_cases())
+HOSTILE["empty inputs of shape [2^64, 0] (json)"] = mutated(setp("inputs", {"dtype": "float64", "shape": [2**64, 0],
+                                                                           "b64": ""}))
+HOSTILE.update({
+    # graphs whose first output has no gradient (the worker once failed them as internal_error)
+    "graph output detached": graph_body({"op": "aten.detach.default"}),
+    "graph output argmax (int64)": graph_body({"op": "aten.argmax.default", "args": [{"node": "lin"}, 1]}),
+    "graph output a comparison (bool)": graph_body({"op": "aten.gt.Scalar", "args": [{"node": "lin"}, 0.0]}),
+    "graph output detached, the model's own loss": dict(graph_body({"op": "aten.detach.default"}), loss="output"),
+})
+# Refused before the queue with exactly this code, on POST /gradients and POST /estimate alike.
+REFUSED = {**{name: "too_large" for name in HOSTILE if name.startswith("empty ") and "2^64," not in name},
+           **{name: "no_gradient" for name in HOSTILE if name.startswith("graph output ")}}
+
+
+def _send(http, case, path: str = "/gradients?wait=60"):
     if isinstance(case, tuple):
         content, content_type = case
-        return http.post("/gradients?wait=60", content=content, headers={"content-type": content_type})
-    return http.post("/gradients?wait=60", content=json.dumps(case).encode(),
-                     headers={"content-type": "application/json"})
+        return http.post(path, content=content, headers={"content-type": content_type})
+    return http.post(path, content=json.dumps(case).encode(), headers={"content-type": "application/json"})
 
 
 def _final_job(http, job_id: str) -> dict:
@@ -186,6 +245,16 @@ def test_hostile_input_gets_a_coded_4xx_or_a_coded_failed_job(http, stack, name)
     assert 400 <= r.status_code < 500, f"{name}: {r.status_code} {body}"
     assert body["error"]["code"] in INPUT_CODES | {"unauthorized", "rate_limited"}, body
     assert len(body["error"]["message"]) > 10, body
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize("path", ["/gradients?wait=60", "/estimate"])
+def test_zero_sized_overflowing_shapes_and_gradient_free_outputs_are_refused_before_the_queue(http, stack, name,
+                                                                                             path):
+    r = _send(http, HOSTILE[name], path)
+    assert r.status_code == 422, f"{name}: {r.status_code} {r.text[:500]}"
+    error = r.json()["error"]
+    assert error["code"] == REFUSED[name] and "job_id" not in r.json(), r.json()
 
 
 def test_no_hostile_input_took_the_worker_down(http, stack):

@@ -277,3 +277,48 @@ def test_prometheus_evaluates_every_dashboard_query_and_the_phase_panels_show_da
     for dashboard, title, expr in dashboard_exprs():
         r = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5)
         assert r.status_code == 200 and r.json()["status"] == "success", (dashboard, title, r.text)
+
+
+def _disconnect_mid_body(stack, body: bytes) -> None:
+    """A client that announces the whole body, sends a tenth of it and closes the connection."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", stack.api_port), timeout=10) as sock:
+        sock.sendall(b"POST /gradients HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + b"".join(f"{k}: {v}\r\n".encode() for k, v in stack.auth_headers().items())
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 10])
+        time.sleep(0.3)
+
+
+def _disconnect_mid_wait(stack, body: bytes) -> None:
+    """A client that sends a whole request, waiting for its job (?wait=60), and closes before the answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", stack.api_port), timeout=10) as sock:
+        sock.sendall(b"POST /gradients?wait=60 HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + b"".join(f"{k}: {v}\r\n".encode() for k, v in stack.auth_headers().items())
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.3)
+
+
+def test_client_disconnects_are_counted_as_499_not_500(stack, http):
+    import json
+
+    wait_until_idle(http)
+    before = samples(http.get("/metrics").text)
+    # A job that keeps the one worker busy for a while, so the second request waits behind it.
+    slow = {"model": {"layers": [{"type": "Linear", "in_features": 100, "out_features": 190}], "dtype": "float64"},
+            "inputs": [[0.1] * 100] * 4, "targets": [[0.0] * 190] * 4, "loss": "mse", "options": {"numcheck": "exact"}}
+    busy = http.post("/gradients?wait=0", json=slow)
+    assert busy.status_code == 202, busy.text
+    body = json.dumps(seed_a_body(numcheck="off")).encode()
+    _disconnect_mid_body(stack, body)
+    _disconnect_mid_wait(stack, body)
+    counted = lambda status: value(samples(http.get("/metrics").text), "gradsvc_http_requests_total",  # noqa: E731
+                                   method="POST", route="/gradients", status=status) - value(
+        before, "gradsvc_http_requests_total", method="POST", route="/gradients", status=status)
+    deadline = time.monotonic() + 60  # the waiting request is counted once its handler ends (the job ran)
+    while counted("499") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert counted("499") == 2 and counted("500") == 0, (counted("499"), counted("500"))
+    wait_until_idle(http)

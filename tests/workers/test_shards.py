@@ -61,7 +61,8 @@ def test_fan_out_queues_every_shard_in_a_group_and_defers_the_reduce_job(store):
     assert fetch(store, job_id).get_status() == JobStatus.DEFERRED
     assert {j.id for j in Group.fetch(job_id, store.redis).get_jobs()} == set(ids)
     shard = fetch(store, ids[2])
-    assert shard.meta["shard"] == {"parent": job_id, "index": 2, "count": 3, "rows": [7, 10], "prefix": "gradsvc"}
+    assert shard.meta["shard"] == {"parent": job_id, "index": 2, "count": 3, "rows": [7, 10], "prefix": "gradsvc",
+                                   "owner": "owner"}  # its graph_ref is looked up among this owner's graphs
     body = msgspec.msgpack.decode(shard.args[0], type=GradientRequest)
     assert body.options.shards == 1 and len(body.inputs) == 3 and body.targets == [1, 2, 0]
     job = info(store, job_id)

@@ -698,7 +698,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits | None = None) -> torch.Tensor:
     """Runs the graph on the meta device: any node that cannot take its inputs is a shape_mismatch naming
-    the node, op, module path and input shapes; intermediates beyond the limits are too_large."""
+    the node, op, module path and input shapes; intermediates beyond the limits are too_large. The first
+    output is returned, its requires_grad as autograd set it."""
     limits = limits or Limits()
     steps = model._graph.steps
     total = [0]
@@ -721,7 +722,9 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
                             "smaller batch or model", node=step.name, limit=limits.max_graph_intermediate_bytes)
 
     try:
-        with torch.no_grad(), torch.device("meta"):
+        # With grad on (as the worker runs it, and no slower on meta): the output's requires_grad then says
+        # whether a backward pass can start from it (prepare refuses a detached one before the queue).
+        with torch.enable_grad(), torch.device("meta"):
             outs = model.run(*x_meta, visit=visit)
     except SpecError:
         raise

@@ -568,7 +568,8 @@ def config_from_settings(settings) -> EngineConfig:
     """The engine's limits from the process's Settings (passed in; the engine reads no environment)."""
     return EngineConfig(
         limits=Limits(max_parameters=settings.max_parameters, max_layers=settings.max_layers,
-                      max_depth=settings.max_depth, max_elements=settings.max_elements),
+                      max_depth=settings.max_depth, max_elements=settings.max_elements,
+                      max_graph_nodes=settings.max_graph_nodes),
         numcheck_exact_max=settings.numcheck_exact_max,
         numcheck_samples=settings.numcheck_samples,
         numcheck_directions=settings.numcheck_directions,
@@ -597,7 +598,7 @@ class GraphTemplate:
 # (ref, dtype) -> GraphTemplate and (ref, dtype, input shape, input dtype) -> (output shape, dtype).
 # Both are graphref.LRU: locked, since the API prepares requests from several threads at once.
 _templates: graphref.LRU[GraphTemplate] = graphref.LRU(64)
-_graph_shapes: graphref.LRU[tuple[torch.Size, torch.dtype]] = graphref.LRU(SHAPE_CACHE_ENTRIES)
+_graph_shapes: graphref.LRU[tuple[torch.Size, torch.dtype, bool]] = graphref.LRU(SHAPE_CACHE_ENTRIES)
 
 
 _REF = re.compile(r"[0-9a-f]{64}")
@@ -734,9 +735,37 @@ def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, li
     if hit is None:
         out = check_graph_shapes(_fresh(template, "meta", dtype), *[x.to("meta") for x in inputs.tensors],
                                  limits=limits)
-        hit = (out.shape, out.dtype)
+        hit = (out.shape, out.dtype, out.requires_grad)
         _graph_shapes.put(key, hit)
-    return torch.empty(hit[0], dtype=hit[1], device="meta")
+    shape, out_dtype, requires_grad = hit
+    _check_differentiable(template, out_dtype, requires_grad)
+    return torch.empty(shape, dtype=out_dtype, device="meta")
+
+
+def _check_differentiable(template: GraphTemplate, out_dtype: torch.dtype, requires_grad: bool) -> None:
+    """The loss differentiates the first output: one of integers (argmax, a comparison) or one cut off from
+    every parameter (aten.detach last, a no_grad region) has no gradient; else the worker's backward fails."""
+    last = _output_producer(template)
+    where = f" (made by node {last.name!r}, {last.op.name}{f' in module {last.module!r}' if last.module else ''})" \
+        if last is not None else ""
+    if not out_dtype.is_floating_point:
+        name = str(out_dtype).removeprefix("torch.")
+        raise SpecError("no_gradient", f"model.graph: the first output is a tensor of dtype {name}{where}, which has no "
+                        "gradient; the loss applies to the first output, so return the floating-point logits or "
+                        "loss first (and argmax or compare after the service call)", output_dtype=name,
+                        node=last.name if last is not None else None)
+    if not requires_grad:
+        raise SpecError("no_gradient", f"model.graph: the first output{where} does not depend on any parameter "
+                        "through a differentiable path (it is detached, or computed under no_grad), so it has no "
+                        "gradient; return the output before .detach() or torch.no_grad()",
+                        node=last.name if last is not None else None)
+
+
+def _output_producer(template: GraphTemplate):
+    """The step whose value is the graph's first output (None when it is an input)."""
+    first = template.spec.outputs[0] if template.spec.outputs else None
+    name = first.get("node") if isinstance(first, dict) else None
+    return next((s for s in template.compiled.steps if s.name == name), None)
 
 
 def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype,

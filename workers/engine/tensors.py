@@ -68,6 +68,18 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             shape=shape,
         )
     numel = math.prod(shape)
+    # A zero size makes numel 0 whatever the others are, but torch still multiplies them all out (as an
+    # int64 storage size): [2**64, 0] or [2**62, 4, 0] would overflow it. The other sizes count as well.
+    spanned = math.prod(n for n in shape if n)
+    if spanned > max_elements and numel == 0:
+        raise SpecError(
+            "too_large",
+            f"{where}: shape {shape} has a zero size, but its other sizes multiply to {spanned}, above the element "
+            f"limit of {max_elements}; an empty tensor's other sizes must stay within the limit too",
+            where=where,
+            shape=shape,
+            limit=max_elements,
+        )
     if numel > max_elements:
         raise SpecError(
             "too_large",

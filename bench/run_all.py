@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["engine_overhead", "small_job", "request_cost", "medium_job", "throughput", "payload", "numcheck_cost", "sharding", "first_job",
+BENCHES = ["engine_overhead", "small_job", "request_cost", "medium_job", "throughput", "payload", "numcheck_cost", "numcheck_auto", "sharding", "first_job",
            "graph_overhead", "summary"]  # summary last: `make bench` ends with its one table
 
 

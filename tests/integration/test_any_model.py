@@ -60,9 +60,12 @@ def rq_jobs(stack) -> int:
 
 
 def assert_close(got: dict, want: dict, tol: float) -> None:
+    """Each tensor within tol of its largest gradient; a tensor whose gradient is zero (a bias in front of
+    BatchNorm: both sides hold rounding noise) within tol of a thousandth of the model's largest."""
     assert set(got) == set(want)
+    model_scale = max(float(g.abs().max()) for g in want.values())
     for name, g in want.items():
-        scale = max(float(g.abs().max()), 1e-30)
+        scale = max(float(g.abs().max()), 1e-3 * model_scale, 1e-30)
         err = float((got[name].to(g.dtype) - g).abs().max())
         assert err <= tol * scale, f"{name}: max error {err:.3g} against scale {scale:.3g}"
 

@@ -208,7 +208,7 @@ HOSTILE.update({
     "graph output detached, the model's own loss": dict(graph_body({"op": "aten.detach.default"}), loss="output"),
 })
 # Refused before the queue with exactly this code, on POST /gradients and POST /estimate alike.
-REFUSED = {**{name: "too_large" for name in HOSTILE if name.startswith("empty ") and "2^64," not in name},
+REFUSED = {**{name: "too_large" for name in HOSTILE if " of shape " in name and "2^64," not in name},
            **{name: "no_gradient" for name in HOSTILE if name.startswith("graph output ")}}
 
 

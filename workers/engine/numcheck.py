@@ -181,7 +181,10 @@ def batched(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targets: d
     outputs = vmap(output)
 
     def losses(perturbed: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = outputs(perturbed)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):  # attention as matmuls and softmax, which vmap batches
+            out = outputs(perturbed)
         return sum(t.weight * _rows_loss(t, out, targets.get(t.name)) for t in terms)
 
     return Batched(losses, row_elements)

@@ -331,3 +331,18 @@ def test_inputs_the_sdk_cannot_send_get_a_typed_error_naming_the_argument(client
         client.gradients(model, {"a": torch.randn(2, 6), "b": "not a tensor"}, loss="output")
     with pytest.raises(UnsupportedModuleError, match="'b'"):
         client.gradients(model, {"a": torch.randn(2, 6)}, loss="output")  # b missing: named before sending
+
+
+def test_named_inputs_and_every_position_targets_split_across_shards_and_per_sample(client):
+    torch.manual_seed(0)
+    model = EveryPositionLM()
+    ids = torch.randint(0, 61, (4, 6))
+    y = torch.randint(0, 61, (24,))
+    want = local(model, lambda: F.cross_entropy(model(ids), y))
+    sharded = client.gradients(model, {"ids": ids}, y, numcheck="off", shards=2)
+    assert sharded.shards is not None and sharded.shards.count == 2
+    assert_close(sharded, want)
+    per = client.gradients(model, ids, y, numcheck="off", per_sample="full")
+    total = {n: torch.as_tensor(g).mean(0) for n, g in per.per_sample.gradients.items()}
+    for name, g in want.items():  # the per-example gradients average to the batch's (mean loss)
+        assert float((total[name] - g).abs().max()) <= TOL * max(float(g.abs().max()), 1e-30), name

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import anyio
 import httpx
@@ -28,11 +28,13 @@ from .errors import (
     ConnectionFailedError,
     GradientClientError,
     GraphNotFoundError,
+    TensorNotFoundError,
     UnsupportedModuleError,
     WaitTimeoutError,
     error_for,
 )
 from .result import GradientResult, build_result
+from .refs import MIN_BYTES, TensorRefs
 from .tensors import decode_type, inputs_to_wire, several_inputs, to_wire
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -90,6 +92,10 @@ class _Prepared(msgspec.Struct):
     local_names: dict[str, str]
     graph_key: Any = None  # the export cache's key when the model went as a graph
     by_ref: bool = False  # sent as graph_ref, without the graph
+    uploads: list = msgspec.field(default_factory=list)  # (sha256, bytes) of weight pieces to PUT first
+    refs: list = msgspec.field(default_factory=list)  # every piece the body names by reference
+    sent_bytes: int = 0  # the uploaded pieces' bytes
+    body_bytes: int = 0  # the body's, once encoded
 
     @property
     def content(self) -> bytes:
@@ -145,7 +151,7 @@ _EXPORTS_KEPT = 32
 class _BaseClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
                  retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, ref_min_bytes: int | None = MIN_BYTES) -> None:
         if wire_format not in ("msgpack", "json"):
             raise ValueError(f"wire_format must be 'msgpack' or 'json', got {wire_format!r}")
         self.base_url = (base_url or os.environ.get("GRADSVC_URL") or DEFAULT_URL).rstrip("/")
@@ -163,6 +169,8 @@ class _BaseClient:
         self._buffer_lock = threading.Lock()
         self._decoders: dict[tuple[Any, bool], Any] = {}
         self._exports: dict[Any, _Export] = {}
+        # A module's weights of at least ref_min_bytes go up once, by reference (refs.py); None: in every body.
+        self._refs = TensorRefs(ref_min_bytes) if ref_min_bytes is not None else None
 
     # --- requests ---------------------------------------------------------------------------------
     def _prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
@@ -170,6 +178,7 @@ class _BaseClient:
         fmt = self.wire_format
         options = dict(options)
         local_names: dict[str, str] = {}
+        uploads: list = []
         graph_key, by_ref = None, False
         if isinstance(model, wire.ModelSpec):
             model = msgspec.structs.asdict(model)
@@ -189,7 +198,7 @@ class _BaseClient:
                     raise
                 c = None
             if c is None:  # any other nn.Module goes as an exported graph with its weights
-                spec, graph_key, by_ref = self._graph_spec(model, inputs)
+                spec, graph_key, by_ref = self._graph_spec(model, inputs, uploads)
                 if "freeze" not in options:
                     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
                     if frozen:
@@ -197,7 +206,7 @@ class _BaseClient:
             else:
                 spec = {"layers": c.layers, "dtype": c.dtype}
                 if c.weights:
-                    spec["weights"] = {k: to_wire(v, fmt) for k, v in c.weights.items()}
+                    spec["weights"] = {k: self._weight(v, uploads) for k, v in c.weights.items()}
                 local_names = c.local_names
                 if "freeze" in options:
                     options["freeze"] = _service_prefixes(options["freeze"], local_names)
@@ -214,10 +223,21 @@ class _BaseClient:
             body["losses"] = losses
         else:
             body["loss"] = loss
+        refs = [r for w in spec.get("weights", {}).values() if isinstance(w, wire.Tensor) and w.refs for r in w.refs]
         return _Prepared(body=body, encoder=self._encoder, local_names=local_names, graph_key=graph_key,
-                         by_ref=by_ref)
+                         by_ref=by_ref, uploads=uploads, refs=refs)
 
-    def _graph_spec(self, model: Any, inputs: Any) -> tuple[dict[str, Any], Any, bool]:
+    def _weight(self, t: Any, uploads: list) -> Any:
+        """A weight as the request carries it: by reference when large (its new pieces into `uploads`)."""
+        if self._refs is not None:
+            by_ref = self._refs.wire(t)  # the parameter itself: its version counter says when it changed
+            if by_ref is not None:
+                value, pending = by_ref
+                uploads.extend(pending)
+                return value
+        return to_wire(t.detach(), self.wire_format)
+
+    def _graph_spec(self, model: Any, inputs: Any, uploads: list) -> tuple[dict[str, Any], Any, bool]:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights."""
         from .export import example_inputs, export_graph
@@ -238,7 +258,7 @@ class _BaseClient:
             self._exports[key] = entry
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **dict(model.named_buffers(remove_duplicate=False))}
-        weights = {n: to_wire(state[n].detach(), self.wire_format) for n in entry.names}
+        weights = {n: self._weight(state[n], uploads) for n in entry.names}
         spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
         if entry.ref is not None:
             spec["graph_ref"] = entry.ref
@@ -251,6 +271,16 @@ class _BaseClient:
         entry = self._exports.get(prepared.graph_key) if prepared.graph_key is not None else None
         if entry is not None and graph_ref:
             entry.ref = graph_ref
+
+    def _lost(self, prepared: _Prepared, exc: GradientClientError) -> bool:
+        """Whether the request is worth sending again after `exc`: a graph sent by ref (the graph goes
+        whole next), or pieces the service lost (they go up again next)."""
+        if isinstance(exc, GraphNotFoundError):
+            return self._forget(prepared)
+        if prepared.refs and self._refs is not None:
+            self._refs.forget(prepared.refs)
+            return True
+        return False
 
     def _forget(self, prepared: _Prepared) -> bool:
         """The service no longer knows the graph sent by ref: True when the request is worth one resend
@@ -282,7 +312,9 @@ class _BaseClient:
             yield kw
             return
         if not self._buffer_lock.acquire(blocking=False):
-            yield {**kw, "content": prepared.content}
+            content = prepared.content
+            prepared.body_bytes = len(content)
+            yield {**kw, "content": content}
             return
         view = None
         try:
@@ -291,6 +323,7 @@ class _BaseClient:
             except BufferError:  # a view of it outlived its request (a caller kept one): leave it to them
                 self._buffer = bytearray()
                 self._encoder.encode_into(prepared.body, self._buffer)
+            prepared.body_bytes = len(self._buffer)
             if len(self._buffer) < _KEPT_BUFFER_MIN:
                 yield {**kw, "content": bytes(self._buffer)}
             else:
@@ -538,8 +571,10 @@ class Client(_BaseClient):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
                  retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
-                 headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None) -> None:
+                 headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None,
+                 ref_min_bytes: int | None = MIN_BYTES) -> None:
         super().__init__(base_url, api_key, timeout=timeout, retries=retries, backoff_s=backoff_s,
+                         ref_min_bytes=ref_min_bytes,
                          wire_format=wire_format, headers=headers)
         self._http = httpx.Client(base_url=self.base_url, headers=self.headers, transport=transport)
 
@@ -597,13 +632,28 @@ class Client(_BaseClient):
         deadline = _Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        return self._resending(args, lambda prepared: self._gradients(prepared, wait_s, deadline, progress))
+
+    def _resending(self, args: tuple, call: Callable[[_Prepared], Any]) -> Any:
+        """call(the request prepared, its new pieces uploaded); once more, prepared anew, when the service
+        answers that it lost the graph or a piece the request names (_lost)."""
         prepared = self._prepare(*args)
+        self._upload(prepared)
         try:
-            return self._gradients(prepared, wait_s, deadline, progress)
-        except GraphNotFoundError:
-            if not self._forget(prepared):
+            return call(prepared)
+        except (GraphNotFoundError, TensorNotFoundError) as exc:
+            if not self._lost(prepared, exc):
                 raise
-            return self._gradients(self._prepare(*args), wait_s, deadline, progress)  # once, with the graph
+            prepared = self._prepare(*args)
+            self._upload(prepared)
+            return call(prepared)
+
+    def _upload(self, prepared: _Prepared) -> None:
+        for ref, data in prepared.uploads:
+            if ref not in self._refs.uploaded:
+                self._send("PUT", f"/tensors/{ref}", content=_Pieces(data))
+                self._refs.uploaded.add(ref)
+                prepared.sent_bytes += len(data)
 
     def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline, progress: bool) -> GradientResult:
         wait = deadline.wait(wait_s)
@@ -616,6 +666,7 @@ class Client(_BaseClient):
             job = Job(self, accepted.job_id, prepared.local_names)
             result = job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
+        result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
         return result
 
     def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
@@ -623,16 +674,9 @@ class Client(_BaseClient):
         """Queues the request and returns at once with its Job."""
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        prepared = self._prepare(*args)
-        try:
-            response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": 0},
-                                   idempotency_key=_new_key())
-        except GraphNotFoundError:  # one POST per body, each under its own key: the refused one made no job
-            if not self._forget(prepared):
-                raise
-            prepared = self._prepare(*args)
-            response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": 0},
-                                   idempotency_key=_new_key())
+        # One POST per body, each under its own key: a refused one made no job.
+        prepared, (response, buf) = self._resending(args, lambda p: (p, self._send(
+            "POST", "/gradients", content=p, params={"wait": 0}, idempotency_key=_new_key())))
         if response.status_code == 200:  # a server that answered anyway: keep the result in the handle
             raw = self._decode(wire.GradientResult, response, buf)
             self._remember(prepared, raw.graph_ref)
@@ -649,13 +693,7 @@ class Client(_BaseClient):
                  **options: Any) -> wire.Estimate:
         """Parameter count and per-layer activation memory, predicted on the meta device; nothing is queued."""
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        prepared = self._prepare(*args)
-        try:
-            response, buf = self._send("POST", "/estimate", content=prepared)
-        except GraphNotFoundError:
-            if not self._forget(prepared):
-                raise
-            response, buf = self._send("POST", "/estimate", content=self._prepare(*args))
+        response, buf = self._resending(args, lambda p: self._send("POST", "/estimate", content=p))
         return self._decode(wire.Estimate, response, buf)
 
     def layers(self) -> list[wire.LayerInfo]:
@@ -727,8 +765,10 @@ class AsyncClient(_BaseClient):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
                  retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
-                 headers: dict[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 headers: dict[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 ref_min_bytes: int | None = MIN_BYTES) -> None:
         super().__init__(base_url, api_key, timeout=timeout, retries=retries, backoff_s=backoff_s,
+                         ref_min_bytes=ref_min_bytes,
                          wire_format=wire_format, headers=headers)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, transport=transport)
 
@@ -779,13 +819,27 @@ class AsyncClient(_BaseClient):
         deadline = _Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
+        return await self._resending(args, lambda prepared: self._gradients(prepared, wait_s, deadline, progress))
+
+    async def _resending(self, args: tuple, call: Callable[[_Prepared], Any]) -> Any:
+        """Client._resending, awaited."""
         prepared = self._prepare(*args)
+        await self._upload(prepared)
         try:
-            return await self._gradients(prepared, wait_s, deadline, progress)
-        except GraphNotFoundError:
-            if not self._forget(prepared):
+            return await call(prepared)
+        except (GraphNotFoundError, TensorNotFoundError) as exc:
+            if not self._lost(prepared, exc):
                 raise
-            return await self._gradients(self._prepare(*args), wait_s, deadline, progress)  # once, with the graph
+            prepared = self._prepare(*args)
+            await self._upload(prepared)
+            return await call(prepared)
+
+    async def _upload(self, prepared: _Prepared) -> None:
+        for ref, data in prepared.uploads:
+            if ref not in self._refs.uploaded:
+                await self._send("PUT", f"/tensors/{ref}", content=_AsyncPieces(data))
+                self._refs.uploaded.add(ref)
+                prepared.sent_bytes += len(data)
 
     async def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline,
                          progress: bool) -> GradientResult:
@@ -799,6 +853,7 @@ class AsyncClient(_BaseClient):
             job = AsyncJob(self, accepted.job_id, prepared.local_names)
             result = await job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
+        result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
         return result
 
     async def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
@@ -807,16 +862,10 @@ class AsyncClient(_BaseClient):
         """Client.submit, awaited."""
         seed = _call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        prepared = self._prepare(*args)
-        try:
-            response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": 0},
-                                         idempotency_key=_new_key())
-        except GraphNotFoundError:  # one POST per body, each under its own key: the refused one made no job
-            if not self._forget(prepared):
-                raise
-            prepared = self._prepare(*args)
-            response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": 0},
-                                         idempotency_key=_new_key())
+        async def post(p: _Prepared):  # one POST per body, each under its own key: a refused one made no job
+            return p, await self._send("POST", "/gradients", content=p, params={"wait": 0}, idempotency_key=_new_key())
+
+        prepared, (response, buf) = await self._resending(args, post)
         if response.status_code == 200:
             raw = self._decode(wire.GradientResult, response, buf)
             self._remember(prepared, raw.graph_ref)
@@ -831,13 +880,7 @@ class AsyncClient(_BaseClient):
                        losses: list | None = None, dtype: str | None = None, seed: int = 0,
                        **options: Any) -> wire.Estimate:
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        prepared = self._prepare(*args)
-        try:
-            response, buf = await self._send("POST", "/estimate", content=prepared)
-        except GraphNotFoundError:
-            if not self._forget(prepared):
-                raise
-            response, buf = await self._send("POST", "/estimate", content=self._prepare(*args))
+        response, buf = await self._resending(args, lambda p: self._send("POST", "/estimate", content=p))
         return self._decode(wire.Estimate, response, buf)
 
     async def layers(self) -> list[wire.LayerInfo]:

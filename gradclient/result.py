@@ -44,6 +44,7 @@ class GradientResult:
     shards: ShardsInfo | None = None  # how a request sent with shards=N ran (None when it was not split)
     graph_ref: str | None = None  # graph models: the service's handle on the graph (the SDK resends it for you)
     seed: int = 0  # the seed the job ran with (dropout masks): pass seed= to repeat the call exactly
+    upload_bytes: int = 0  # what this call sent: the body and the weight pieces the service did not hold yet
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical

@@ -74,6 +74,22 @@ def idempotency_key(prefix: str, owner: str, key: str) -> str:
     return f"{prefix}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
 
 
+def blob_key(prefix: str, owner: str, digest: str) -> str:
+    """A piece of tensor bytes uploaded by PUT /tensors/{digest}, per owner: another key's same digest is
+    another entry (a reference is usable only by the owner that sent the bytes)."""
+    return f"{prefix}:blob:{owner}:{digest}"
+
+
+def blob_index_key(prefix: str, owner: str) -> str:
+    """The owner's pieces by last use (a sorted set): the byte budget evicts the least recently used."""
+    return f"{prefix}:blobs:{owner}"
+
+
+def blob_sizes_key(prefix: str, owner: str) -> str:
+    """The owner's pieces' sizes (a hash), for the byte budget."""
+    return f"{prefix}:blob-sizes:{owner}"
+
+
 # The owner of requests sent without API keys (GRADSVC_API_KEYS empty): every caller is one owner.
 ANONYMOUS_OWNER = "anonymous"
 

@@ -41,6 +41,12 @@ class Settings:
     failure_ttl_s: int = 86400
     # How long the API keeps a validated graph for `model.graph_ref` after its last use.
     graph_ttl_s: int = 86400
+    # Tensors by reference (gradsvc/blobs.py): how long an uploaded piece stays after its last use, the
+    # bytes one owner's pieces may hold in Redis (the least recently used go first), and what each worker
+    # keeps of the pieces it used.
+    tensor_ttl_s: int = 3600
+    tensor_budget_bytes: int = 4 << 30
+    tensor_cache_bytes: int = 2 << 30
     numcheck_exact_max: int = 20_000
     numcheck_directions: int = 16
     numcheck_samples: int = 8
@@ -96,7 +102,7 @@ class Settings:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
                     "max_graph_nodes", "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers",
                     "redis_timeout_s", "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
-                    "graph_ttl_s", "keep_alive_s", "numcheck_budget"]
+                    "graph_ttl_s", "keep_alive_s", "numcheck_budget", "tensor_ttl_s", "tensor_budget_bytes"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"GRADSVC_{name.upper()}={getattr(self, name)!r}: must be positive")

@@ -24,12 +24,14 @@ AtLeastOne = Annotated[int, Meta(ge=1)]
 
 class Tensor(Struct, omit_defaults=True):
     """A tensor on the wire: nested `data` lists or raw little-endian C-order bytes (`data` in
-    MessagePack, `b64` in JSON)."""
+    MessagePack, `b64` in JSON), or `refs`: the sha256 (64 hex digits) of each piece of those raw bytes,
+    in order, as uploaded before by PUT /tensors/{sha256} (a tensor sent once, used by reference)."""
 
     dtype: str
     shape: list[int]
     data: list | bytes | None = None
     b64: str | None = None
+    refs: list[str] | None = None
 
 
 # A bare nested list (or a scalar) is accepted for inputs and targets.
@@ -418,6 +420,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
                              "the graph's first output has no gradient (an integer tensor, or detached)"),
     "graph_not_found": ErrorCode(422, "GraphNotFoundError", "request",
                                  "model.graph_ref names no graph this service keeps; send the graph again"),
+    "tensor_not_found": ErrorCode(422, "TensorNotFoundError", "request",
+                                  "a tensor's refs name bytes this service does not keep; upload them again"),
     "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),
     "device_unavailable": ErrorCode(422, "DeviceUnavailableError", "request", "the requested device is not there"),
     "rate_limited": ErrorCode(429, "RateLimitedError", "request", "this API key sent too many jobs; see Retry-After"),

@@ -8,10 +8,12 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 import msgspec
-from litestar import Litestar, Request, Response, delete, get, post, route
+from litestar import Litestar, Request, Response, delete, get, post, put, route
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gradsvc import blobs as tensor_refs
+from gradsvc.blobs import BlobError, BlobStore
 from gradsvc.graphref import GraphStore
 from gradsvc.malloc import keep_large_buffers
 from gradsvc.settings import Settings
@@ -64,8 +66,16 @@ _EVENT_LOOP_BODY_BYTES = 16 << 10
 
 
 def _small_layer_spec(req: GradientRequest, body: bytes) -> bool:
-    """A body small enough to check on the event loop, of a layer spec (a graph may need a Redis look-up)."""
-    return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None
+    """A body small enough to check on the event loop, of a layer spec (a graph may need a Redis look-up),
+    with no tensor by reference (its pieces are looked up in Redis)."""
+    return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None and not tensor_refs.has_refs(req)
+
+
+def _check_refs(pieces: BlobStore, owner: str, req: GradientRequest) -> None:
+    try:
+        pieces.check(owner, req)
+    except BlobError as exc:
+        raise ServiceError(exc.code, exc.message, **exc.detail) from None
 
 
 def _inline(req: GradientRequest, body: bytes, key: str | None, auth: Auth) -> bool:
@@ -111,6 +121,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
     store = JobStore(settings)
     graphs = GraphStore(store.redis, settings.queue_prefix, settings.graph_ttl_s)
+    pieces = BlobStore(store.redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
     auth = Auth(settings, store.redis)
     metrics = ApiMetrics(store)
     config = config_from_settings(settings)
@@ -155,6 +166,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         a graph sent whole is kept under its ref, for this owner, for the next request. `prep`: the request
         already validated on the event loop."""
         if prep is None:
+            _check_refs(pieces, owner, req)
             prep = prepare(req, config, "meta", graphs=graphs.resolver(owner))
         auth.check_rate(owner)
         if prep.graph_data is not None:
@@ -200,8 +212,51 @@ def create_app(settings: Settings | None = None) -> Litestar:
         if _small_layer_spec(req, body):
             result = estimate(req, config)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
         else:
-            result = await anyio.to_thread.run_sync(lambda: estimate(req, config, graphs=graphs.resolver(owner)))
+            def checked_estimate():
+                _check_refs(pieces, owner, req)
+                return estimate(req, config, graphs=graphs.resolver(owner))
+
+            result = await anyio.to_thread.run_sync(checked_estimate)
         return respond(request, result)
+
+    @put("/tensors/{ref:str}", status_code=201)
+    async def upload_tensor(request: Request, owner: str, ref: str) -> Response:
+        """One piece of tensor bytes, stored under its sha256 for this API key (GRADSVC_TENSOR_TTL_S, within
+        GRADSVC_TENSOR_BUDGET_BYTES); a request's tensors then name it in `refs`."""
+        if not tensor_refs.DIGEST.fullmatch(ref):
+            raise ServiceError("invalid_parameter", f"/tensors/{ref[:80]}: the path names a piece by its sha256, 64 "
+                               "lowercase hex digits", parameter="ref")
+        data = await request.body()
+
+        def store_piece() -> int:
+            got = tensor_refs.digest(data)
+            if got != ref:
+                raise ServiceError("bad_tensor", f"the body's sha256 is {got}, not the {ref} the path names; send "
+                                   "the piece's raw bytes under their own digest", expected=ref, got=got)
+            try:
+                evicted = pieces.put(owner, ref, data)
+            except BlobError as exc:
+                raise ServiceError(exc.code, exc.message, **exc.detail) from None
+            metrics.tensor_uploads.inc()
+            metrics.tensor_upload_bytes.inc(len(data))
+            metrics.tensor_evictions.inc(evicted)
+            return evicted
+
+        evicted = await anyio.to_thread.run_sync(store_piece)
+        return respond(request, {"ref": ref, "bytes": len(data), "evicted": evicted}, status=201)
+
+    @post("/tensors/missing", status_code=200)
+    async def missing_tensors(request: Request, owner: str) -> Response:
+        """Which of `refs` this API key has not uploaded (or whose pieces expired or were evicted)."""
+        body = await request.body()
+        try:
+            asked = msgspec.json.decode(body, type=dict[str, list[str]]) if body_format(request) == "json" else \
+                msgspec.msgpack.decode(body, type=dict[str, list[str]])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ServiceError("invalid_body", f'the body is {{"refs": [sha256, ...]}}: {exc}') from None
+        refs = [r for r in asked.get("refs", []) if tensor_refs.DIGEST.fullmatch(r)][:100_000]
+        missing = await anyio.to_thread.run_sync(lambda: pieces.missing(owner, refs))
+        return respond(request, {"missing": missing})
 
     @route("/jobs/{job_id:str}", http_method=["OPTIONS"], include_in_schema=False)
     async def job_options() -> Response:
@@ -274,7 +329,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     app = Litestar(
         route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz,
-                        readyz, metrics_route, schema],
+                        readyz, metrics_route, schema, upload_tensor, missing_tensors],
         dependencies={"owner": Provide(auth.owner, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -52,6 +52,13 @@ class ApiMetrics:
                                  ["method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.jobs_submitted = Counter("gradsvc_jobs_submitted_total", "Jobs accepted onto the queue.",
                                       registry=self.registry)
+        self.tensor_uploads = Counter("gradsvc_tensor_uploads_total", "Tensor pieces uploaded (PUT /tensors).",
+                                      registry=self.registry)
+        self.tensor_upload_bytes = Counter("gradsvc_tensor_upload_bytes_total", "Bytes of tensor pieces uploaded.",
+                                           registry=self.registry)
+        self.tensor_evictions = Counter("gradsvc_tensor_evictions_total",
+                                        "Tensor pieces evicted by an owner's byte budget (GRADSVC_TENSOR_BUDGET_BYTES).",
+                                        registry=self.registry)
         self.registry.register(_RedisCollector(store))
 
     def middleware(self, app):

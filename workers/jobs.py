@@ -18,6 +18,7 @@ from rq.timeouts import JobTimeoutException
 
 from gradsvc import handoff as handoff_files
 from gradsvc import keys
+from gradsvc.blobs import BlobError, BlobStore
 from gradsvc.graphref import GraphStore
 from gradsvc.handoff import Handoff, HandoffError
 from gradsvc.queue import GradientJob
@@ -48,15 +49,34 @@ class WorkerContext:
     device: torch.device
     metrics: WorkerMetrics
     graphs: GraphStore | None = None  # model.graph_ref look-ups, over the worker's Redis connection
+    pieces: BlobStore | None = None  # tensors by reference, with this worker's LRU of the pieces it used
     handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/handoff.py)
 
 
+def _owner(job: Job) -> str:
+    """The job's owner (a shard's is in its shard meta)."""
+    return job.meta.get("owner") or job.meta.get("shard", {}).get("owner") or keys.ANONYMOUS_OWNER
+
+
 def _graphs(ctx: WorkerContext, job: Job):
-    """model.graph_ref resolved among the graphs of the job's owner (a shard's is in its shard meta)."""
+    """model.graph_ref resolved among the graphs of the job's owner."""
     if ctx.graphs is None:
         ctx.graphs = GraphStore(job.connection, ctx.settings.queue_prefix, ctx.settings.graph_ttl_s)
-    owner = job.meta.get("owner") or job.meta.get("shard", {}).get("owner") or keys.ANONYMOUS_OWNER
-    return ctx.graphs.resolver(owner)
+    return ctx.graphs.resolver(_owner(job))
+
+
+def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> GradientRequest:
+    """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces."""
+    if ctx.pieces is None:
+        s = ctx.settings
+        ctx.pieces = BlobStore(job.connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
+                               cache_bytes=s.tensor_cache_bytes)
+    try:
+        resolved = ctx.pieces.resolved(_owner(job), request)
+    except BlobError as exc:
+        raise SpecError(exc.code, exc.message, **exc.detail) from None
+    ctx.metrics.observe_tensor_cache(ctx.pieces.cache)
+    return resolved
 
 
 _context: WorkerContext | None = None
@@ -188,7 +208,7 @@ def gradient_job(body: bytes | str, fmt: str) -> dict:
 
 def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
-    request = decode_request(job_input(job, ctx, body, cancel_id), fmt)
+    request = _with_pieces(ctx, job, decode_request(job_input(job, ctx, body, cancel_id), fmt))
     result = compute(request, ctx.config, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
                      device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s

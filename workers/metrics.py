@@ -36,6 +36,21 @@ class WorkerMetrics:
                                         "Largest relative error of the numerical check per job.",
                                         buckets=REL_ERROR_BUCKETS, registry=self.registry)
         self.busy = Gauge("gradsvc_worker_busy", "1 while this worker runs a job.", registry=self.registry)
+        self.tensor_cache_bytes = Gauge("gradsvc_tensor_cache_bytes", "Bytes of tensor pieces this worker keeps "
+                                        "(GRADSVC_TENSOR_CACHE_BYTES).", registry=self.registry)
+        self.tensor_cache_hits = Counter("gradsvc_tensor_cache_hits_total", "Tensor pieces found in this worker's "
+                                         "cache.", registry=self.registry)
+        self.tensor_cache_misses = Counter("gradsvc_tensor_cache_misses_total", "Tensor pieces fetched from Redis.",
+                                           registry=self.registry)
+        self._cache_seen = (0, 0)
+
+    def observe_tensor_cache(self, cache) -> None:
+        """The cache's bytes, and its hits and misses since the last call."""
+        hits, misses = cache.hits, cache.misses
+        self.tensor_cache_hits.inc(hits - self._cache_seen[0])
+        self.tensor_cache_misses.inc(misses - self._cache_seen[1])
+        self._cache_seen = (hits, misses)
+        self.tensor_cache_bytes.set(cache.bytes)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

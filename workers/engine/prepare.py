@@ -288,7 +288,7 @@ def _decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dty
                             parameter=name, shape=list(t.shape), expected=want)
         if name in parameters:
             t = t.to(dtype)
-            if not tensors.all_finite(t):
+            if not t.is_meta and not tensors.all_finite(t):
                 raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
         else:
             t = t.to(state[name].dtype)

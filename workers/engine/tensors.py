@@ -115,7 +115,9 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             flat = torch.frombuffer(raw, dtype=torch.uint8 if dtype == torch.bool else dtype)
         return flat.view(torch.bool).reshape(shape) if dtype == torch.bool else flat.reshape(shape)
     if value.data is None:
-        if shape_only:
+        if shape_only or value.refs is not None:
+            # A tensor by reference is checked where its bytes are (the API checks that they exist and add
+            # up; a worker puts them in place before the engine): here its dtype and shape stand for it.
             return torch.empty(shape, dtype=dtype, device="meta")
         raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
     tensor = _from_nested(value.data, dtype, where=where, max_elements=max_elements)

@@ -1,0 +1,55 @@
+"""Weights sent by reference: a large tensor goes up once, in pieces (PUT /tensors/{sha256}), and a request
+names its pieces (`{"dtype", "shape", "refs": [...]}`) instead of carrying its bytes.
+
+The digests of a tensor are computed again only when the tensor changed since they were computed: torch
+counts in-place writes in `tensor._version` (an optimizer step, `copy_`, `add_`), and a new storage moves
+`data_ptr()`; a frozen backbone is hashed once. What the service holds is remembered per client; a piece it
+lost (expired, evicted) is a 422 `tensor_not_found`, which the client answers by uploading again, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Any
+
+from gradsvc import wire
+
+from .tensors import _torch_bytes
+
+PIECE_BYTES = 32 << 20  # well under GRADSVC_MAX_BODY_BYTES: a piece is one PUT
+MIN_BYTES = 64 << 10  # smaller tensors go in the body, as before
+
+
+class TensorRefs:
+    def __init__(self, min_bytes: int = MIN_BYTES, piece_bytes: int = PIECE_BYTES) -> None:
+        self.min_bytes, self.piece_bytes = min_bytes, piece_bytes
+        self.uploaded: set[str] = set()  # pieces this client sent to the service (and has not heard it lost)
+        self._known: dict[int, tuple[Any, tuple, list[str]]] = {}  # id(tensor) -> (weakref, state, digests)
+        self.hashed_bytes = 0  # bytes hashed so far (what "only what changed" saves shows here)
+
+    def wire(self, t: Any) -> tuple[wire.Tensor, list[tuple[str, memoryview]]] | None:
+        """`t` by reference and its pieces the service does not hold yet, or None for a small tensor."""
+        if t.numel() * t.element_size() < self.min_bytes:
+            return None
+        name, shape, raw = _torch_bytes(t)
+        digests = self._digests(t, raw)
+        step = self.piece_bytes
+        pending = [(d, raw[i * step:(i + 1) * step]) for i, d in enumerate(digests) if d not in self.uploaded]
+        return wire.Tensor(dtype=name, shape=shape, refs=digests), pending
+
+    def _digests(self, t: Any, raw: memoryview) -> list[str]:
+        state = (t._version, t.data_ptr(), tuple(t.shape), str(t.dtype), str(t.device))
+        hit = self._known.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == state:
+            return hit[2]
+        step = self.piece_bytes
+        digests = [hashlib.sha256(raw[a:a + step]).hexdigest() for a in range(0, len(raw), step)]
+        self.hashed_bytes += len(raw)
+        if len(self._known) > 100_000:  # drop the entries of tensors gone since
+            self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
+        self._known[id(t)] = (weakref.ref(t), state, digests)
+        return digests
+
+    def forget(self, digests: list[str]) -> None:
+        self.uploaded.difference_update(digests)

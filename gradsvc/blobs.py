@@ -1,0 +1,266 @@
+"""Tensors by reference: pieces of tensor bytes uploaded once (PUT /tensors/{sha256}) and named by their
+sha256 in a request's tensors (`{"dtype", "shape", "refs": [sha256, ...]}`), as graph_ref names a graph.
+
+A piece is stored per owner (API key) under keys.blob_key with a TTL (GRADSVC_TENSOR_TTL_S) that each use
+refreshes, within a byte budget per owner (GRADSVC_TENSOR_BUDGET_BYTES: over it, the owner's least
+recently used pieces go). Every worker reads them from Redis, and keeps the pieces it used in a local
+LRU bounded by bytes (GRADSVC_TENSOR_CACHE_BYTES), so a frozen backbone stays on the worker between
+calls. A reference another owner sent, or one that expired or was evicted, is unknown: a 422
+`tensor_not_found` that the SDK answers by uploading the pieces again. No torch here, no Redis import:
+the store is handed a client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Iterator
+
+from gradsvc import keys
+from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
+
+DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def digest(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def request_tensors(req: GradientRequest) -> Iterator[tuple[str, Any]]:
+    """(where, value) of every tensor a request carries: the weights, the inputs (one, a list, an object),
+    the targets (one or an object) and the HVP vector. Values may be wire Tensors or their plain dicts."""
+    for name, t in (req.model.weights or {}).items():
+        yield f"model.weights[{name!r}]", t
+    yield from _each("inputs", req.inputs)
+    yield from _each("targets", req.targets)
+    hvp = req.options.hvp
+    if hvp is not None and isinstance(hvp.vector, dict):
+        for name, t in hvp.vector.items():
+            yield f"options.hvp.vector[{name!r}]", t
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
+
+
+def _each(where: str, value: Any) -> Iterator[tuple[str, Any]]:
+    if _is_tensor(value):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if _is_tensor(v):
+                yield f"{where}.{k}", v
+    elif isinstance(value, list) and value and all(_is_tensor(v) for v in value):
+        for i, v in enumerate(value):
+            yield f"{where}[{i}]", v
+
+
+def refs_of(value: Any) -> list[str] | None:
+    return value.refs if isinstance(value, Tensor) else (value.get("refs") if isinstance(value, dict) else None)
+
+
+def has_refs(req: GradientRequest) -> bool:
+    return any(refs_of(v) is not None for _, v in request_tensors(req))
+
+
+class BlobError(Exception):
+    """A reference that cannot be used: `code` (tensor_not_found, bad_tensor) and what to say."""
+
+    def __init__(self, code: str, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.code, self.message, self.detail = code, message, detail
+
+
+def _expected_bytes(value: Any) -> int:
+    shape = value.shape if isinstance(value, Tensor) else value.get("shape")
+    dtype = value.dtype if isinstance(value, Tensor) else value.get("dtype")
+    n = 1
+    for s in shape or []:
+        n *= int(s) if isinstance(s, int) and s >= 0 else 0
+    return n * ITEMSIZE.get(dtype, 0)
+
+
+class BytesLRU:
+    """Pieces by (owner, digest), least recently used out once their bytes pass `max_bytes`; locked (the
+    API's threads share it). Content-addressed: an entry is never stale."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self._items: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> bytes | None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._items.move_to_end(key)
+            return data
+
+    def put(self, key: tuple[str, str], data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = data
+            self.bytes += len(data)
+            while self.bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self.bytes -= len(old)
+
+
+class BlobStore:
+    """The owners' pieces in Redis (put, missing, check, fetch), with a local LRU of what was fetched."""
+
+    def __init__(self, redis, prefix: str, ttl_s: int, budget_bytes: int, cache_bytes: int = 0) -> None:
+        self.redis, self.prefix, self.ttl_s, self.budget_bytes = redis, prefix, ttl_s, budget_bytes
+        self.cache = BytesLRU(cache_bytes)
+        self.evictions = 0
+
+    def put(self, owner: str, ref: str, data: bytes) -> int:
+        """Stores one piece (its digest checked by the caller); returns how many of the owner's least
+        recently used pieces the budget evicted to make room."""
+        if len(data) > self.budget_bytes:
+            raise BlobError("too_large", f"a piece of {len(data)} bytes is over GRADSVC_TENSOR_BUDGET_BYTES="
+                            f"{self.budget_bytes}; upload it in smaller pieces", bytes=len(data),
+                            limit=self.budget_bytes)
+        index, sizes = keys.blob_index_key(self.prefix, owner), keys.blob_sizes_key(self.prefix, owner)
+        pipe = self.redis.pipeline()
+        pipe.set(keys.blob_key(self.prefix, owner, ref), data, ex=self.ttl_s)
+        pipe.zadd(index, {ref: time.time()})
+        pipe.hset(sizes, ref, len(data))
+        pipe.expire(index, self.ttl_s)
+        pipe.expire(sizes, self.ttl_s)
+        pipe.hvals(sizes)
+        total = sum(int(v) for v in pipe.execute()[-1])
+        evicted = 0
+        while total > self.budget_bytes:
+            oldest = self.redis.zpopmin(index)
+            if not oldest:
+                break
+            old = oldest[0][0].decode() if isinstance(oldest[0][0], bytes) else oldest[0][0]
+            if old == ref:  # the piece just stored is the newest: the rest went already
+                self.redis.zadd(index, {ref: time.time()})
+                break
+            size = self.redis.hget(sizes, old)
+            pipe = self.redis.pipeline()
+            pipe.delete(keys.blob_key(self.prefix, owner, old))
+            pipe.hdel(sizes, old)
+            pipe.execute()
+            total -= int(size or 0)
+            evicted += 1
+        self.evictions += evicted
+        return evicted
+
+    def missing(self, owner: str, refs: list[str]) -> list[str]:
+        """The refs of `refs` this owner has not uploaded (or whose pieces expired or were evicted)."""
+        if not refs:
+            return []
+        pipe = self.redis.pipeline()
+        for ref in refs:
+            pipe.exists(keys.blob_key(self.prefix, owner, ref))
+        return [ref for ref, there in zip(refs, pipe.execute()) if not there]
+
+    def check(self, owner: str, req: GradientRequest) -> None:
+        """Every ref of the request is this owner's and its pieces add up to the tensor's bytes (the API,
+        before the queue; each use refreshes the pieces' TTL). BlobError otherwise."""
+        tensors = [(where, v, refs_of(v)) for where, v in request_tensors(req) if refs_of(v) is not None]
+        if not tensors:
+            return
+        for where, _, refs in tensors:
+            bad = next((r for r in refs if not isinstance(r, str) or not DIGEST.fullmatch(r)), None)
+            if bad is not None or not refs:
+                raise BlobError("bad_tensor", f"{where}: refs must be a non-empty list of sha256 digests (64 "
+                                f"lowercase hex digits) as PUT /tensors/{{sha256}} took them, got "
+                                f"{str(bad)[:80]!r}", where=where)
+        unique = list(dict.fromkeys(r for _, _, refs in tensors for r in refs))
+        pipe = self.redis.pipeline()
+        for ref in unique:
+            key = keys.blob_key(self.prefix, owner, ref)
+            pipe.strlen(key)
+            pipe.expire(key, self.ttl_s)
+        pipe.zadd(keys.blob_index_key(self.prefix, owner), dict.fromkeys(unique, time.time()), xx=True)
+        answers = pipe.execute()[:-1]
+        sizes = dict(zip(unique, answers[0::2]))
+        lost = [r for r in unique if not sizes[r]]
+        if lost:
+            raise BlobError("tensor_not_found", f"{len(lost)} tensor piece(s) named by refs are not kept here "
+                            f"(never uploaded by this API key, expired after GRADSVC_TENSOR_TTL_S or evicted by "
+                            f"GRADSVC_TENSOR_BUDGET_BYTES): {', '.join(r[:12] for r in lost[:4])}"
+                            f"{' ...' if len(lost) > 4 else ''}; upload them again with PUT /tensors/{{sha256}}",
+                            refs=lost[:64])
+        for where, value, refs in tensors:
+            got, want = sum(int(sizes[r]) for r in refs), _expected_bytes(value)
+            if got != want:
+                raise BlobError("bad_tensor", f"{where}: its refs hold {got} bytes, its dtype and shape need {want}",
+                                where=where, got_bytes=got, expected_bytes=want)
+
+    def fetch(self, owner: str, refs: list[str]) -> dict[str, bytes]:
+        """The pieces, from the local LRU or Redis (one round trip for the rest); BlobError if one is gone."""
+        out: dict[str, bytes] = {}
+        wanted = []
+        for ref in dict.fromkeys(refs):
+            data = self.cache.get((owner, ref))
+            if data is None:
+                wanted.append(ref)
+            else:
+                out[ref] = data
+        if wanted:
+            pipe = self.redis.pipeline()
+            for ref in wanted:
+                key = keys.blob_key(self.prefix, owner, ref)
+                pipe.get(key)
+                pipe.expire(key, self.ttl_s)
+            values = pipe.execute()[0::2]
+            lost = [r for r, v in zip(wanted, values) if v is None]
+            if lost:
+                raise BlobError("tensor_not_found", f"{len(lost)} tensor piece(s) went away before the job ran "
+                                f"(expired or evicted): {', '.join(r[:12] for r in lost[:4])}; upload them again",
+                                refs=lost[:64])
+            for ref, data in zip(wanted, values):
+                out[ref] = data
+                self.cache.put((owner, ref), data)
+        return out
+
+    def resolved(self, owner: str, req: GradientRequest) -> GradientRequest:
+        """The request with every referenced tensor's bytes in place (a worker, before the engine)."""
+        if not has_refs(req):
+            return req
+        import msgspec
+
+        pieces = self.fetch(owner, [r for _, v in request_tensors(req) for r in (refs_of(v) or [])])
+
+        def fill(value: Any) -> Any:
+            refs = refs_of(value)
+            if refs is None:
+                return value
+            t = value if isinstance(value, Tensor) else msgspec.convert(value, Tensor)
+            data = pieces[refs[0]] if len(refs) == 1 else b"".join(pieces[r] for r in refs)
+            return Tensor(dtype=t.dtype, shape=t.shape, data=data)
+
+        def fill_each(value: Any) -> Any:
+            if _is_tensor(value):
+                return fill(value)
+            if isinstance(value, dict):
+                return {k: fill(v) if _is_tensor(v) else v for k, v in value.items()}
+            if isinstance(value, list) and value and all(_is_tensor(v) for v in value):
+                return [fill(v) for v in value]
+            return value
+
+        model = req.model
+        if model.weights:
+            model = msgspec.structs.replace(model, weights={k: fill(v) for k, v in model.weights.items()})
+        options = req.options
+        if options.hvp is not None and isinstance(options.hvp.vector, dict):
+            options = msgspec.structs.replace(options, hvp=msgspec.structs.replace(
+                options.hvp, vector={k: fill(v) for k, v in options.hvp.vector.items()}))
+        return msgspec.structs.replace(req, model=model, inputs=fill_each(req.inputs),
+                                       targets=fill_each(req.targets), options=options)

@@ -154,6 +154,9 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Split the batch along its first dimension across this many RQ jobs (workers), reduced into one
     # result; "auto": one shard per live worker of the device, each of at least GRADSVC_MIN_SHARD_ROWS rows.
     shards: Annotated[int, Meta(ge=1, le=MAX_SHARDS)] | Literal["auto"] = 1
+    # The dtype of the returned gradients (smaller answers: bfloat16 and float16 halve float32's); the
+    # returned-gradient check judges them at that dtype's tolerance. Default: the model's dtype.
+    gradient_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional

@@ -147,3 +147,11 @@ def test_auto_plans_within_its_budget_and_says_why():
     assert tight.mode == "directional" and tight.directions == 5  # 10 evaluations fit
     check = compute(graph_request("hf_bert", numcheck="auto"), EngineConfig()).numcheck
     assert check.reason.startswith("auto chose") and check.mode in check.reason and check.passed
+
+
+def test_gradients_returned_in_a_smaller_dtype_are_judged_at_its_tolerance():
+    result = _seed_a_check(numcheck="exact", gradient_dtype="bfloat16")
+    assert all(g.dtype == "bfloat16" for g in result.gradients.values())
+    check = result.numcheck
+    assert check.returned_tolerance == numcheck.returned_tolerance(torch.bfloat16) and check.passed
+    assert check.returned_max_rel_error > 1e-4  # bfloat16's rounding shows, within its own tolerance

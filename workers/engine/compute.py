@@ -572,7 +572,16 @@ def _quantity_checks(prep: Prepared, final: "_Pass", params: dict[str, torch.Ten
 
 def _computed_dtype(prep: Prepared) -> torch.dtype:
     """The least precise float dtype the returned gradients went through: the model's, or for a graph
-    run as captured, a lower one its own casts name (HF Llama's float32 RMSNorm in a float64 model)."""
+    run as captured, a lower one its own casts name (HF Llama's float32 RMSNorm in a float64 model), or
+    options.gradient_dtype where that is less precise."""
+    computed = _model_computed_dtype(prep)
+    asked = prep.options.gradient_dtype
+    if asked is not None and torch.finfo(tensors.TORCH_DTYPES[asked]).eps > torch.finfo(computed).eps:
+        return tensors.TORCH_DTYPES[asked]
+    return computed
+
+
+def _model_computed_dtype(prep: Prepared) -> torch.dtype:
     if prep.graph is None or prep.dtype != prep.graph.compiled.dtype:
         return prep.dtype  # a graph run in another dtype than captured maps its casts to that dtype
     from .graph import FloatDType
@@ -670,6 +679,8 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     runs = _timed_passes(prep, params, device, hvp_vector, seed, progress)
     final = runs[-1]
     _check_gradients(final)
+    if opts.gradient_dtype is not None:  # what the caller gets, and what the returned-gradient check judges
+        final.grads = {n: g.to(tensors.TORCH_DTYPES[opts.gradient_dtype]) for n, g in final.grads.items()}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     memory, memory_s = None, 0.0  # a phase that did not run took no time, not a timer's jitter
     if final.meter:

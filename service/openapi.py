@@ -53,7 +53,9 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
             option.update(contentEncoding="base64", pattern=_BASE64)
 
 
-def build(max_wait_s: float) -> dict[str, Any]:
+def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: bool = False) -> dict[str, Any]:
+    """`keys_required`: GRADSVC_API_KEYS is set, so every route but the probes (and /metrics unless
+    `metrics_require_key`) declares the Bearer key: /docs's Authorize button sends it."""
     (_, _, _, _, _, _, _), components = msgspec.json.schema_components(
         [GradientRequest, GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo], ref_template=_REF)
     _declare_rules(components)
@@ -66,7 +68,7 @@ def build(max_wait_s: float) -> dict[str, Any]:
     body = {"required": True, "content": {"application/json": json_body,
                                           "application/msgpack": {"schema": _ref("GradientRequest")}}}
     common = (400, 401, 413, 422, 429, 503)
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {"title": "gradsvc", "version": __version__,
                  "description": "Gradients, a float64 finite-difference check, activation memory and timings."},
@@ -100,3 +102,11 @@ def build(max_wait_s: float) -> dict[str, Any]:
         },
         "components": {"schemas": components},
     }
+    if keys_required:
+        doc["components"]["securitySchemes"] = {"apiKey": {
+            "type": "http", "scheme": "bearer", "description": "one of GRADSVC_API_KEYS"}}
+        doc["security"] = [{"apiKey": []}]
+        open_routes = ["/healthz", "/readyz"] + ([] if metrics_require_key else ["/metrics"])
+        for path in open_routes:
+            doc["paths"][path]["get"]["security"] = []
+    return doc

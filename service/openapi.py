@@ -44,6 +44,7 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
     layers = next(s for s in schemas["ModelSpec"]["properties"]["layers"]["anyOf"] if s.get("type") == "array")
     layers["items"] = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}},
                        "description": "a layer: `type` from GET /layers, the other keys its constructor arguments"}
+    _declare_targets(schemas["GradientRequest"])
     tensor = schemas["Tensor"]["properties"]
     for option in tensor["data"]["anyOf"]:
         if option.get("type") == "string":
@@ -51,6 +52,24 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
     for option in tensor["b64"]["anyOf"]:
         if option.get("type") == "string":
             option.update(contentEncoding="base64", pattern=_BASE64)
+
+
+_OWN_LOSS = {"anyOf": [{"const": "output"},
+                       {"type": "object", "required": ["type"], "properties": {"type": {"const": "output"}}}]}
+
+
+def _declare_targets(request: dict[str, Any]) -> None:
+    """`targets` as the engine reads it (workers/engine/prepare.py): the model's own loss ("output") takes
+    none, every other loss (cross_entropy when `loss` is absent or null) needs them. Said as if/then/else,
+    so a generated request with `targets: null` and cross_entropy is invalid, as the API answers (422)."""
+    request["properties"]["targets"]["description"] = (
+        "a tensor ({dtype, shape, data|b64} or a bare nested list), or an object of named targets (a loss's "
+        "`target`); required by every loss but the model's own (`output`), which takes none")
+    request["if"] = {"anyOf": [
+        {"required": ["loss"], "properties": {"loss": _OWN_LOSS}},
+        {"required": ["losses"], "properties": {"losses": {"type": "array", "contains": _OWN_LOSS}}}]}
+    request["then"] = {"properties": {"targets": {"type": "null"}}}
+    request["else"] = {"required": ["targets"], "properties": {"targets": {"not": {"type": "null"}}}}
 
 
 def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: bool = False) -> dict[str, Any]:

@@ -98,3 +98,15 @@ def graph_key(prefix: str, owner: str, digest: str) -> str:
     """A validated graph's canonical MessagePack, kept under its content hash (`model.graph_ref`) for the
     owner (API key digest) that sent it: another owner's same ref names another entry, so it reads as unknown."""
     return f"{prefix}:graph:{owner}:{digest}"
+
+
+def owner_jobs_key(prefix: str, owner: str) -> str:
+    """A sorted set of the owner's recent job ids, scored by submission time (service/recent.py keeps it
+    bounded); the job pages list it."""
+    return f"{prefix}:jobs:{owner}"
+
+
+def session_key(prefix: str, token: str) -> str:
+    """A browser session (service/sessions.py) -> its owner. The cookie's token is hashed, so what the
+    browser holds never becomes part of a Redis key."""
+    return f"{prefix}:session:{hashlib.sha256(token.encode()).hexdigest()}"

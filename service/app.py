@@ -21,13 +21,14 @@ from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
 from gradsvc.workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
 from gradsvc.workers.engine.prepare import Prepared
 
-from . import openapi
+from . import docs, openapi, pages
 from .auth import Auth
 from .encoding import MSGPACK, body_format, respond, wants_msgpack
 from .errors import ServiceError, error_response, handle_exception, wait_message
 from .jobs import JobStore
 from .messages import explain, integral_floats_as_ints
 from .metrics import ApiMetrics
+from .sessions import Sessions
 
 log = logging.getLogger("gradsvc.api")
 _decoders = {"json": msgspec.json.Decoder(GradientRequest), "msgpack": msgspec.msgpack.Decoder(GradientRequest)}
@@ -125,7 +126,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
     auth = Auth(settings, store.redis)
     metrics = ApiMetrics(store)
     config = config_from_settings(settings)
-    schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s))
+    sessions = Sessions(auth, store.aredis, settings.queue_prefix)
+    schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
+                                                   metrics_require_key=settings.metrics_require_key))
     layers = [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]
 
     async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
@@ -302,7 +305,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @get("/schema")
-    async def schema(owner: str) -> Response:
+    async def schema(request: Request, viewer: str | None) -> Response:
+        if viewer is None:  # the Bearer key, or the session cookie of a browser on /docs
+            auth.owner(request)  # raises the 401 that names the header
         return Response(schema_doc, media_type="application/json")
 
     @asynccontextmanager
@@ -329,8 +334,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     app = Litestar(
         route_handlers=[submit_gradients, estimate_memory, job_options, get_job, cancel_job, list_layers, healthz,
-                        readyz, metrics_route, schema, upload_tensor, missing_tensors],
-        dependencies={"owner": Provide(auth.owner, sync_to_thread=False)},
+                        readyz, metrics_route, schema, upload_tensor, missing_tensors, *docs.ROUTES,
+                        *pages.ROUTES],
+        dependencies={"owner": Provide(auth.owner, sync_to_thread=False), "viewer": Provide(sessions.owner),
+                      "store": Provide(lambda: store, sync_to_thread=False),
+                      "sessions": Provide(lambda: sessions, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
         middleware=[metrics.middleware],

@@ -39,14 +39,19 @@ class Auth:
         if scheme.lower() != "bearer" or not token.strip():
             raise ServiceError("unauthorized", "missing API key; send 'Authorization: Bearer <key>'",
                                headers={"WWW-Authenticate": "Bearer"})
-        given = token.strip().encode()
-        ok = False
-        for key in self.keys:  # every key compared, each in constant time
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
+        owner = self.owner_of_key(token.strip())
+        if owner is None:
             raise ServiceError("unauthorized", "unknown API key; check the key or ask the operator for one",
                                headers={"WWW-Authenticate": "Bearer"})
-        return hashlib.sha256(given).hexdigest()[:24]
+        return owner
+
+    def owner_of_key(self, key: str) -> str | None:
+        """The owner id of a configured key, None for any other (the browser login form checks it too)."""
+        given = key.encode()
+        ok = False
+        for known in self.keys:  # every key compared, each in constant time
+            ok |= hmac.compare_digest(given, known)
+        return hashlib.sha256(given).hexdigest()[:24] if ok else None
 
     def check_rate(self, owner: str) -> None:
         """Fixed one-minute windows per key, counted in Redis so every API process shares them."""

@@ -34,7 +34,7 @@ from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from gradsvc.queue import (JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, cancel_shards, lease_s, settle,
                            sync_redis)
 
-from . import shards
+from . import recent, shards
 from .errors import ServiceError
 
 log = logging.getLogger("gradsvc.api")
@@ -100,6 +100,7 @@ class JobStore:
             d: Queue(keys.domain_queue_name(self.prefix, d, self.handoff.domain), connection=self.redis,
                      serializer=MsgpackSerializer, job_class=GradientJob) for d in keys.QUEUE_DEVICES}
         self._routes: dict[str, tuple[float, bool]] = {}
+        self.index_ttl_s = max(settings.result_ttl_s, settings.failure_ttl_s)
 
     async def close(self) -> None:
         await self.aredis.aclose()
@@ -194,6 +195,7 @@ class JobStore:
             description="gradients",
             pipeline=pipe,
         )
+        recent.record(pipe, self.prefix, owner, job_id, self.index_ttl_s)
 
     def large_result(self, result_bytes: int) -> bool:
         """Whether a job with a result this large may be handed off (then it is enqueued from a thread, since

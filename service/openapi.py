@@ -44,6 +44,7 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
     layers = next(s for s in schemas["ModelSpec"]["properties"]["layers"]["anyOf"] if s.get("type") == "array")
     layers["items"] = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}},
                        "description": "a layer: `type` from GET /layers, the other keys its constructor arguments"}
+    _declare_targets(schemas["GradientRequest"])
     tensor = schemas["Tensor"]["properties"]
     for option in tensor["data"]["anyOf"]:
         if option.get("type") == "string":
@@ -53,7 +54,27 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
             option.update(contentEncoding="base64", pattern=_BASE64)
 
 
-def build(max_wait_s: float) -> dict[str, Any]:
+_OWN_LOSS = {"anyOf": [{"const": "output"},
+                       {"type": "object", "required": ["type"], "properties": {"type": {"const": "output"}}}]}
+
+
+def _declare_targets(request: dict[str, Any]) -> None:
+    """`targets` as the engine reads it (workers/engine/prepare.py): the model's own loss ("output") takes
+    none, every other loss (cross_entropy when `loss` is absent or null) needs them. Said as if/then/else,
+    so a generated request with `targets: null` and cross_entropy is invalid, as the API answers (422)."""
+    request["properties"]["targets"]["description"] = (
+        "a tensor ({dtype, shape, data|b64} or a bare nested list), or an object of named targets (a loss's "
+        "`target`); required by every loss but the model's own (`output`), which takes none")
+    request["if"] = {"anyOf": [
+        {"required": ["loss"], "properties": {"loss": _OWN_LOSS}},
+        {"required": ["losses"], "properties": {"losses": {"type": "array", "contains": _OWN_LOSS}}}]}
+    request["then"] = {"properties": {"targets": {"type": "null"}}}
+    request["else"] = {"required": ["targets"], "properties": {"targets": {"not": {"type": "null"}}}}
+
+
+def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: bool = False) -> dict[str, Any]:
+    """`keys_required`: GRADSVC_API_KEYS is set, so every route but the probes (and /metrics unless
+    `metrics_require_key`) declares the Bearer key: /docs's Authorize button sends it."""
     (_, _, _, _, _, _, _), components = msgspec.json.schema_components(
         [GradientRequest, GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo], ref_template=_REF)
     _declare_rules(components)
@@ -66,7 +87,7 @@ def build(max_wait_s: float) -> dict[str, Any]:
     body = {"required": True, "content": {"application/json": json_body,
                                           "application/msgpack": {"schema": _ref("GradientRequest")}}}
     common = (400, 401, 413, 422, 429, 503)
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {"title": "gradsvc", "version": __version__,
                  "description": "Gradients, a float64 finite-difference check, activation memory and timings."},
@@ -100,3 +121,11 @@ def build(max_wait_s: float) -> dict[str, Any]:
         },
         "components": {"schemas": components},
     }
+    if keys_required:
+        doc["components"]["securitySchemes"] = {"apiKey": {
+            "type": "http", "scheme": "bearer", "description": "one of GRADSVC_API_KEYS"}}
+        doc["security"] = [{"apiKey": []}]
+        open_routes = ["/healthz", "/readyz"] + ([] if metrics_require_key else ["/metrics"])
+        for path in open_routes:
+            doc["paths"][path]["get"]["security"] = []
+    return doc

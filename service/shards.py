@@ -29,6 +29,8 @@ from gradsvc.workers.engine.prepare import Prepared
 from gradsvc.workers.engine.reduce import check_shardable, plan_for, split_rows
 from gradsvc.queue import REDUCE_FUNCTION, SHARD_FAILED, SHARD_FUNCTION, shard_job_id
 
+from . import recent
+
 if TYPE_CHECKING:
     from .jobs import JobStore
 
@@ -158,6 +160,7 @@ def _enqueue(store: "JobStore", queue: Queue, plan, count: int, owner: str, job_
     with store.redis.pipeline() as pipe:
         reduce.save(pipeline=pipe)
         reduce.register_dependency(pipeline=pipe)
+        recent.record(pipe, store.prefix, owner, job_id, store.index_ttl_s)
         Group(store.redis, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)
 
 

@@ -1,0 +1,121 @@
+"""The job pages for a browser: log in once, the owner's recent jobs, one page per job (its status while it
+runs, then the loss, the check per parameter, memory bars per layer, timings and the grad_fn chain)."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+from litestar import Request, Response, get, post
+from litestar.response import Redirect
+from markupsafe import Markup
+
+from gradsvc.wire import JobInfo
+
+from . import graph_svg, html, recent
+from .errors import ServiceError
+from .jobs import JobStore
+from .sessions import SESSION_TTL_S, Sessions
+
+# A running job's page reloads itself this often (a <meta> refresh: no script).
+REFRESH_S = 2
+# How each check judged a parameter (ParameterCheck.judged / returned_judged; docs/api.md, Result).
+VERDICTS = {
+    "ratio": "its error relative to its own scale is within the tolerance",
+    "floor": "element by element within atol + tolerance x |gradient|: a tensor small beside the model's gradient",
+    "zero": "its gradient is zero to working precision: no ratio is meaningful; the headline errors leave it out",
+    "failed": "its error is outside the tolerance",
+    "": "this check did not look at it",
+}
+_PHASES = ("queue_ms", "prepare_ms", "forward_ms", "backward_ms", "memory_ms", "numcheck_ms", "total_ms")
+_PAGE_PATHS = ("/ui/", "/docs")
+
+
+def login_redirect(request: Request) -> Redirect:
+    return Redirect(f"/ui/login?next={quote(request.url.path)}", status_code=303)
+
+
+def _next_path(given: str | None) -> str:
+    """Where a login sends the browser: one of this service's pages, never another host."""
+    if given and given.startswith(_PAGE_PATHS) and "//" not in given and "\\" not in given:
+        return given
+    return "/ui/jobs"
+
+
+@get("/ui/login", include_in_schema=False)
+async def login_form(request: Request, sessions: Sessions) -> Response:
+    nxt = _next_path(request.query_params.get("next"))
+    if not sessions.auth.enabled:
+        return Redirect(nxt, status_code=303)
+    return html.page("login.html", next=nxt, failed=False, ttl_h=SESSION_TTL_S // 3600, logged_in=False)
+
+
+@post("/ui/login", include_in_schema=False, status_code=303)
+async def login(request: Request, sessions: Sessions) -> Response:
+    form = await request.form()
+    nxt = _next_path(form.get("next"))
+    token = await sessions.login(str(form.get("key", "")))
+    if token is None:
+        return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=SESSION_TTL_S // 3600,
+                         logged_in=False)
+    return Redirect(nxt, status_code=303, cookies=[Sessions.cookie(request, token)])
+
+
+@post("/ui/logout", include_in_schema=False, status_code=303)
+async def logout(request: Request, sessions: Sessions) -> Response:
+    await sessions.logout(request)
+    return Redirect("/ui/login", status_code=303, cookies=[Sessions.cookie(request, "", max_age=0)])
+
+
+@get("/ui/jobs", include_in_schema=False)
+async def job_list(request: Request, viewer: str | None, store: JobStore, sessions: Sessions) -> Response:
+    if viewer is None:
+        return login_redirect(request)
+    jobs = []
+    for job_id in await recent.recent(store.aredis, store.prefix, viewer):
+        try:
+            jobs.append(await store.info(job_id, viewer, with_result=False))
+        except ServiceError:  # expired since it was listed
+            continue
+    return html.page("jobs.html", jobs=jobs, limit=recent.RECENT_JOBS, logged_in=sessions.auth.enabled)
+
+
+@get("/ui/jobs/{job_id:str}", include_in_schema=False)
+async def job_page(request: Request, viewer: str | None, store: JobStore, sessions: Sessions,
+                   job_id: str) -> Response:
+    if viewer is None:
+        return login_redirect(request)
+    try:
+        job = await store.info(job_id, viewer)  # GET /jobs/{id}'s rule: another key's job reads as unknown
+    except ServiceError as exc:
+        if exc.code != "not_found":
+            raise
+        return html.page("missing.html", status_code=404, message=exc.message, logged_in=sessions.auth.enabled)
+    return html.page("job.html", logged_in=sessions.auth.enabled, **job_context(job))
+
+
+def job_context(job: JobInfo) -> dict:
+    """What job.html shows: the job, and for a result its bars (percentages of the largest) and chain."""
+    r = job.result
+    context = {"job": job, "r": r, "running": job.status in ("queued", "started"), "refresh_s": REFRESH_S,
+               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None}
+    if r is None:
+        return context
+    if r.memory is not None:
+        top = max((layer.saved_bytes for layer in r.memory.layers), default=0) or 1
+        context["memory_rows"] = [{"layer": layer, "pct": round(100 * layer.saved_bytes / top, 1)}
+                                  for layer in r.memory.layers]
+    times = {phase: getattr(r.timings, phase) for phase in _PHASES}
+    top_ms = max(times.values()) or 1
+    context["timing_rows"] = [{"phase": phase.removesuffix("_ms"), "ms": ms, "pct": round(100 * ms / top_ms, 1)}
+                              for phase, ms in times.items()]
+    if r.graph:
+        context["graph_svg"] = Markup(graph_svg.render(r.graph))  # names escaped by graph_svg itself
+    return context
+
+
+@get("/ui/static/{name:str}", include_in_schema=False)
+async def page_asset(name: str) -> Response:
+    return html.asset(html.STATIC, {"pages.css": "text/css"}, name)
+
+
+ROUTES = [login_form, login, logout, job_list, job_page, page_asset]

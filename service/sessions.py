@@ -1,0 +1,60 @@
+"""Browser sessions for the HTML pages: the login form trades an API key for an HttpOnly cookie.
+
+The cookie holds a random token, never the key; Redis maps the token's hash to the owner id for
+SESSION_TTL_S. The cookie is SameSite=Strict, so no other site's page can make the browser send it, and
+it is honoured only by the read-only pages (GET /ui/..., /docs, /schema), never by the API's POST routes.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from litestar import Request
+from litestar.datastructures import Cookie
+
+from gradsvc import keys
+
+from .auth import ANONYMOUS, Auth
+
+COOKIE = "gradsvc_session"
+# A working day: long enough to watch a few jobs, short enough that a forgotten browser loses access.
+SESSION_TTL_S = 8 * 3600
+
+
+class Sessions:
+    def __init__(self, auth: Auth, aredis, prefix: str) -> None:
+        self.auth = auth
+        self.aredis = aredis
+        self.prefix = prefix
+
+    async def login(self, key: str) -> str | None:
+        """A new session's token for a configured key, None for any other."""
+        owner = self.auth.owner_of_key(key.strip())
+        if owner is None:
+            return None
+        token = secrets.token_urlsafe(32)
+        await self.aredis.set(keys.session_key(self.prefix, token), owner, ex=SESSION_TTL_S)
+        return token
+
+    async def logout(self, request: Request) -> None:
+        token = request.cookies.get(COOKIE)
+        if token:
+            await self.aredis.delete(keys.session_key(self.prefix, token))
+
+    async def owner(self, request: Request) -> str | None:
+        """Who a page request is: the Bearer key when it sends one (a 401 if it is wrong), else its session
+        cookie's owner, else anonymous when no keys are configured; None: the browser must log in."""
+        if not self.auth.enabled:
+            return ANONYMOUS
+        if request.headers.get("authorization"):
+            return self.auth.owner(request)
+        token = request.cookies.get(COOKIE)
+        if not token:
+            return None
+        owner = await self.aredis.get(keys.session_key(self.prefix, token))
+        return owner.decode() if owner else None
+
+    @staticmethod
+    def cookie(request: Request, token: str, max_age: int = SESSION_TTL_S) -> Cookie:
+        return Cookie(key=COOKIE, value=token, max_age=max_age, path="/", httponly=True, samesite="strict",
+                      secure=request.url.scheme == "https")

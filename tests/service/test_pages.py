@@ -1,0 +1,100 @@
+"""The job page's HTML on its own (service/pages.py, service/graph_svg.py): what came from a request is
+escaped, a running job's page reloads itself, each verdict says why; the login keeps its redirect on this
+host and the session cookie HttpOnly and SameSite=Strict. The browser tests (tests/integration/
+test_pages_browser.py) look at the same pages in Chromium."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+from markupsafe import escape
+
+from gradsvc.launcher import free_port
+from gradsvc.settings import Settings
+from gradsvc.service import html, pages
+from gradsvc.service.app import create_app
+from gradsvc.service.graph_svg import render
+from gradsvc.wire import (GradientResult, GraphNode, JobInfo, LayerMemory, Memory, Numcheck, ParameterCheck,
+                          Progress, Timings)
+
+EVIL = '<script>alert("x")</script>'
+
+
+def _result() -> GradientResult:
+    check = ParameterCheck(max_abs_error=1e-12, max_rel_error=1e-9, checked=4, judged="floor", returned_judged="zero")
+    return GradientResult(
+        device="cpu", dtype="float64", parameter_count=4, torch_version="2", loss=0.5, gradients={},
+        timings=Timings(prepare_ms=1.0, forward_ms=2.0, total_ms=4.0),
+        numcheck=Numcheck(mode="exact", eps=1e-6, dtype="float64", evaluations=8, max_abs_error=1e-12,
+                          max_rel_error=1e-9, passed=True, tolerance=1e-6, per_parameter={f"{EVIL}.weight": check},
+                          reason=f"asked for {EVIL}"),
+        memory=Memory(layers=[LayerMemory(name=EVIL, type="Linear", saved_bytes=10, output_bytes=8, parameter_bytes=4),
+                              LayerMemory(name="b", type="Tanh", saved_bytes=40, output_bytes=8, parameter_bytes=0)],
+                      saved_bytes_total=50),
+        graph=[GraphNode(id=0, name=EVIL, next=[1]), GraphNode(id=1, name="AccumulateGrad", next=[])])
+
+
+def _page(job: JobInfo) -> str:
+    return html.page("job.html", logged_in=False, **pages.job_context(job)).content
+
+
+def test_everything_from_the_request_is_escaped_in_the_page_and_the_svg():
+    text = _page(JobInfo(job_id="j", status="finished", result=_result()))
+    assert "<script" not in text
+    assert text.count("&lt;script&gt;") >= 4  # the parameter, the reason, the layer, the graph node
+    svg = render(_result().graph)
+    assert "<svg" in text and "<script" not in svg and "&lt;script&gt;" in svg
+
+
+def test_the_verdicts_say_why_and_the_bars_scale_to_the_largest_layer():
+    text = _page(JobInfo(job_id="j", status="finished", result=_result()))
+    assert str(escape(pages.VERDICTS["floor"])) in text and str(escape(pages.VERDICTS["zero"])) in text
+    assert 'style="width: 25.0%"' in text and 'style="width: 100.0%"' in text
+    assert "http-equiv=\"refresh\"" not in text
+
+
+@pytest.mark.parametrize("status", ["queued", "started"])
+def test_a_running_jobs_page_reloads_itself_and_shows_its_progress(status):
+    text = _page(JobInfo(job_id="j", status=status, progress=Progress(phase="numcheck", done=3, total=8)))
+    assert f'<meta http-equiv="refresh" content="{pages.REFRESH_S}">' in text
+    assert '<progress max="8" value="3">' in text and "numcheck" in text
+
+
+def test_the_grad_fn_svg_draws_a_box_per_node_and_an_arrow_per_edge():
+    nodes = [GraphNode(id=0, name="NllLossBackward0", next=[1]), GraphNode(id=1, name="AddmmBackward0", next=[2, 3]),
+             GraphNode(id=2, name="AccumulateGrad", next=[]), GraphNode(id=3, name="TBackward0", next=[2])]
+    svg = render(nodes)
+    assert svg.count('class="grad-fn"') == 4 and svg.count("<line") == 4
+
+
+@pytest.fixture(scope="module")
+def keyed() -> TestClient:
+    # A dead Redis: the login form's failure and the redirects need none.
+    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1, api_keys=("k",))
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/ui/jobs", "/ui/jobs/some-id", "/docs"])
+def test_a_page_without_a_key_or_session_redirects_to_the_login_form(keyed, path):
+    r = keyed.get(path, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"].startswith("/ui/login?next=")
+
+
+def test_a_wrong_key_at_the_login_form_is_a_401_page_and_sets_no_cookie(keyed):
+    r = keyed.post("/ui/login", data={"key": "wrong", "next": "/ui/jobs"}, follow_redirects=False)
+    assert r.status_code == 401 and "set-cookie" not in r.headers and 'id="login-error"' in r.text
+
+
+@pytest.mark.parametrize("given", ["//evil.example/ui/", "https://evil.example/", "/ui/../x\\y", None])
+def test_the_login_redirects_only_to_this_services_pages(given):
+    assert pages._next_path(given) == "/ui/jobs"
+
+
+def test_the_pages_and_docs_allow_nothing_from_another_origin(keyed):
+    r = keyed.get("/ui/login")
+    assert r.headers["content-security-policy"] == html.CSP and "default-src 'self'" in html.CSP
+    for asset in ("/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css", "/docs/assets/docs.js",
+                  "/ui/static/pages.css"):
+        assert keyed.get(asset).status_code == 200, asset
+    assert keyed.get("/docs/assets/index.html").status_code == 404  # an allow-list, not the package's folder

@@ -72,6 +72,10 @@ def _small_layer_spec(req: GradientRequest, body: bytes) -> bool:
     return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None and not tensor_refs.has_refs(req)
 
 
+class _MissingRefs(msgspec.Struct, forbid_unknown_fields=True):
+    refs: list[str] = []
+
+
 def _check_refs(pieces: BlobStore, owner: str, req: GradientRequest) -> None:
     try:
         pieces.check(owner, req)
@@ -253,11 +257,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
         """Which of `refs` this API key has not uploaded (or whose pieces expired or were evicted)."""
         body = await request.body()
         try:
-            asked = msgspec.json.decode(body, type=dict[str, list[str]]) if body_format(request) == "json" else \
-                msgspec.msgpack.decode(body, type=dict[str, list[str]])
+            asked = msgspec.json.decode(body, type=_MissingRefs) if body_format(request) == "json" else \
+                msgspec.msgpack.decode(body, type=_MissingRefs)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ServiceError("invalid_body", f'the body is {{"refs": [sha256, ...]}}: {exc}') from None
-        refs = [r for r in asked.get("refs", []) if tensor_refs.DIGEST.fullmatch(r)][:100_000]
+        refs = [r for r in asked.refs if tensor_refs.DIGEST.fullmatch(r)][:100_000]
         missing = await anyio.to_thread.run_sync(lambda: pieces.missing(owner, refs))
         return respond(request, {"missing": missing})
 

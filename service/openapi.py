@@ -112,6 +112,27 @@ def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: b
             "/layers": {"get": {"operationId": "getLayers", "responses": {
                 "200": {"description": "allowed layer types",
                         "content": _json({"type": "array", "items": _ref("LayerInfo")})}, **_errors(401)}}},
+            "/tensors/{ref}": {"put": {
+                "operationId": "putTensorPiece", "description": "one piece of a tensor's raw bytes, stored for this "
+                "API key under its sha256; a request's tensors then name it in `refs`",
+                "parameters": [{"name": "ref", "in": "path", "required": True,
+                                "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}],
+                "requestBody": {"required": True, "content": {"application/octet-stream": {
+                    "schema": {"type": "string", "format": "binary"}}}},
+                "responses": {"201": {"description": "stored", "content": _json({
+                    "type": "object", "required": ["ref", "bytes", "evicted"],
+                    "properties": {"ref": {"type": "string"}, "bytes": {"type": "integer"},
+                                   "evicted": {"type": "integer"}}})},
+                              **_errors(400, 401, 413, 422, 503)}}},
+            "/tensors/missing": {"post": {
+                "operationId": "postTensorsMissing",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"refs": {"type": "array", "items": {"type": "string"}}}}}}},
+                "responses": {"200": {"description": "the refs this API key does not hold", "content": _json({
+                    "type": "object", "required": ["missing"],
+                    "properties": {"missing": {"type": "array", "items": {"type": "string"}}}})},
+                              **_errors(400, 401, 413, 415, 503)}}},
             "/healthz": {"get": {"operationId": "healthz", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"operationId": "readyz", "responses": {
                 "200": {"description": "Redis reachable and a worker alive"}, **_errors(503)}}},

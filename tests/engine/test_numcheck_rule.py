@@ -155,3 +155,10 @@ def test_gradients_returned_in_a_smaller_dtype_are_judged_at_its_tolerance():
     check = result.numcheck
     assert check.returned_tolerance == numcheck.returned_tolerance(torch.bfloat16) and check.passed
     assert check.returned_max_rel_error > 1e-4  # bfloat16's rounding shows, within its own tolerance
+
+
+def test_a_step_float64_cannot_resolve_fails_the_check_and_says_why():
+    check = _seed_a_check(numcheck="exact", numcheck_eps=5e-324).numcheck
+    assert not check.passed and "too small for float64" in check.reason
+    assert check.rounding_floor < float("inf")  # JSON has no infinity
+    assert _seed_a_check(numcheck="exact", numcheck_eps=1e-6).numcheck.passed

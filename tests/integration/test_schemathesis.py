@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 MAX_EXAMPLES = 30
 OPERATIONS = ["POST /gradients", "POST /estimate", "GET /jobs/{job_id}", "DELETE /jobs/{job_id}", "GET /layers",
+              "PUT /tensors/{ref}", "POST /tensors/missing",
               "GET /healthz", "GET /readyz", "GET /metrics"]
 
 

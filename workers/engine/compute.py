@@ -514,7 +514,7 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     check = numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
                          samples=samples, directions=directions, seed=seed, progress=progress,
                          returned=returned, returned_dtype=_computed_dtype(prep), batched=batched)
-    check.reason = reason
+    check.reason = f"{reason}; {check.reason}" if check.reason else reason
     if final is not None:
         check.quantities = _quantity_checks(prep, final, params, loss_fn, model64, x64, t64, hvp_vector,
                                             per_sample_sum, seed, device)

@@ -471,6 +471,13 @@ def run(
                     verdict = "floor"
                 per[name] = ParameterCheck(max_abs_error=abs_err, max_rel_error=rel, checked=ad.numel(), judged=verdict)
                 judge(abs_err, rel, atol, verdict)
+    # A step too small (or too large) for float64 to resolve the gradients: its rounding floor is over the
+    # largest gradient element, so every tensor would read as "zero". Nothing was checked; say so.
+    gradient_scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    rounding_only = FLOOR_ROUNDINGS * F64_EPS / eps  # the floor per unit of loss
+    unresolved = not math.isfinite(worst_floor) or (gradient_scale > 0 and worst_floor >= gradient_scale
+                                                    and worst_floor > tolerance * gradient_scale * 2
+                                                    and rounding_only > tolerance)
     check = Numcheck(
         mode=mode,
         eps=eps,
@@ -478,10 +485,13 @@ def run(
         evaluations=evaluations,
         max_abs_error=worst_abs,
         max_rel_error=worst_rel,
-        passed=passed,
+        passed=passed and not unresolved,
         tolerance=tolerance,
         per_parameter=per,
-        rounding_floor=worst_floor,
+        rounding_floor=min(worst_floor, 1.0e308),  # JSON has no infinity
+        reason=(f"eps={eps:g} is too small for float64 to resolve these gradients (its rounding floor "
+                f"{min(worst_floor, 1e308):.3g} is over the largest gradient element {gradient_scale:.3g}); nothing "
+                "was checked: use numcheck_eps near 1e-6") if unresolved else "",
     )
     if returned is None:
         return check
@@ -491,7 +501,7 @@ def run(
         entry = per.setdefault(name, ParameterCheck(max_abs_error=0.0, max_rel_error=0.0, checked=0))
         entry.returned_max_rel_error, entry.returned_judged = rel, r.judged[name]
     check.returned_max_rel_error, check.returned_tolerance, check.returned_floor = r.max_rel_error, r.tolerance, r.floor
-    check.passed = passed and r.passed
+    check.passed = check.passed and r.passed
     return check
 
 

@@ -308,10 +308,14 @@ class _BaseClient:
             self._buffer_lock.release()
 
     def _request(self, method: str, path: str, *, content: bytes | _Pieces | None = None,
-                 params: dict | None = None, extra_s: float = 0.0,
-                 idempotency_key: str | None = None) -> httpx.Request:
+                 params: dict | None = None, extra_s: float = 0.0, idempotency_key: str | None = None,
+                 key_age_s: float | None = None) -> httpx.Request:
         timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        if idempotency_key and key_age_s is not None:
+            # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
+            # job may have run, rather than run it a second time under a key it no longer knows.
+            headers["Idempotency-Key-Age"] = f"{key_age_s:.3f}"
         if isinstance(content, _Pieces):  # a stream of known length: Content-Length, not chunked
             headers["Content-Length"] = str(len(content))
         return self._http.build_request(method, path, content=content, params=params, timeout=timeout,
@@ -366,6 +370,10 @@ class _BaseClient:
     def _replayable(method: str, path: str, kw: dict[str, Any]) -> bool:
         """Whether sending the request again cannot create a second job. POST /estimate creates nothing."""
         return method != "POST" or path == "/estimate" or kw.get("idempotency_key") is not None
+
+    @staticmethod
+    def _age(attempt: int, started: float) -> dict[str, float]:
+        return {"key_age_s": time.monotonic() - started} if attempt else {}
 
     def _budget_left(self, attempt: int, started: float, delay: float) -> bool:
         """Whether another try fits: within `retries` (when set) and, its pause included, within
@@ -592,7 +600,7 @@ class Client(_BaseClient):
         replayable = self._replayable(method, path, kw)
         while True:
             try:
-                response = self._http.send(self._request(method, path, **kw), stream=True)
+                response = self._http.send(self._request(method, path, **kw, **self._age(attempt, started)), stream=True)
                 try:
                     body = _Body(response)
                     for chunk in response.iter_bytes():
@@ -792,7 +800,8 @@ class AsyncClient(_BaseClient):
         replayable = self._replayable(method, path, kw)
         while True:
             try:
-                response = await self._http.send(self._request(method, path, **kw), stream=True)
+                response = await self._http.send(self._request(method, path, **kw, **self._age(attempt, started)),
+                                                 stream=True)
                 try:
                     body = _Body(response)
                     async for chunk in response.aiter_bytes():

@@ -82,3 +82,15 @@ def graph_key(prefix: str, owner: str, digest: str) -> str:
     """A validated graph's canonical MessagePack, kept under its content hash (`model.graph_ref`) for the
     owner (API key digest) that sent it: another owner's same ref names another entry, so it reads as unknown."""
     return f"{prefix}:graph:{owner}:{digest}"
+
+
+def epoch_key(prefix: str) -> str:
+    """The current data epoch: "<8 hex> <unix time it began>", created when missing. Redis restarted
+    empty has none, so the next reader starts a new epoch: job ids carry the epoch they were issued in
+    (their first 8 hex digits), which tells a job Redis lost from one that never existed."""
+    return f"{prefix}:epoch"
+
+
+def past_epochs_key(prefix: str) -> str:
+    """The epochs before the current one that an API process remembered when it started a new one."""
+    return f"{prefix}:epochs"

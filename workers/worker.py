@@ -313,8 +313,12 @@ class GradientWorker(SimpleWorker):
         with self.connection.pipeline() as pipe:
             pipe.hset(self.key, "last_heartbeat", utcformat(now()))
             pipe.expire(self.key, self.lease_s)
-            created, _ = pipe.execute()
-        if created:  # the hash had expired, or Redis came back empty: register again
+            # Not hset's "created": the running job's heartbeat above writes last_heartbeat into a hash it
+            # makes anew when Redis came back empty, and the worker then never registered again.
+            pipe.sismember(worker_registration.REDIS_WORKER_KEYS, self.key)
+            pipe.hexists(self.key, "queues")
+            _, _, listed, registered = pipe.execute()
+        if not (listed and registered):  # the hash had expired, or Redis came back empty: register again
             self._register_again()
         self.reap_abandoned()
 

@@ -49,6 +49,8 @@ _IDEMPOTENT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteErr
 # 503 codes that mean "nothing ran, ask again"; worker_lost is a job that failed (perhaps by killing its
 # worker): it reaches the caller as WorkerLostError and is never sent again.
 _TRANSIENT_CODES = frozenset({"queue_unavailable", "not_ready"})
+# The longest pause between two tries: an API back after a restart (`gradsvc up`: ~6 s) is found within it.
+_MAX_DELAY_S = 2.0
 
 
 # An answer at least this large is read into uninitialised memory from numpy, which asks Linux for huge
@@ -150,14 +152,16 @@ _EXPORTS_KEPT = 32
 
 class _BaseClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
-                 headers: dict[str, str] | None = None, ref_min_bytes: int | None = MIN_BYTES) -> None:
+                 retries: int | None = None, retry_for_s: float = 20.0, backoff_s: float = 0.25,
+                 wire_format: str = "msgpack", headers: dict[str, str] | None = None,
+                 ref_min_bytes: int | None = MIN_BYTES) -> None:
         if wire_format not in ("msgpack", "json"):
             raise ValueError(f"wire_format must be 'msgpack' or 'json', got {wire_format!r}")
         self.base_url = (base_url or os.environ.get("GRADSVC_URL") or DEFAULT_URL).rstrip("/")
         api_key = api_key if api_key is not None else os.environ.get("GRADSVC_API_KEY")
         self.timeout = timeout
-        self.retries = retries
+        self.retries = retries  # None: as many as retry_for_s allows
+        self.retry_for_s = retry_for_s
         self.backoff_s = backoff_s
         self.wire_format = wire_format
         media = MSGPACK if wire_format == "msgpack" else JSON
@@ -338,10 +342,14 @@ class _BaseClient:
             self._buffer_lock.release()
 
     def _request(self, method: str, path: str, *, content: bytes | _Pieces | None = None,
-                 params: dict | None = None, extra_s: float = 0.0,
-                 idempotency_key: str | None = None) -> httpx.Request:
+                 params: dict | None = None, extra_s: float = 0.0, idempotency_key: str | None = None,
+                 key_age_s: float | None = None) -> httpx.Request:
         timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        if idempotency_key and key_age_s is not None:
+            # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
+            # job may have run, rather than run it a second time under a key it no longer knows.
+            headers["Idempotency-Key-Age"] = f"{key_age_s:.3f}"
         if isinstance(content, _Pieces):  # a stream of known length: Content-Length, not chunked
             headers["Content-Length"] = str(len(content))
         return self._http.build_request(method, path, content=content, params=params, timeout=timeout,
@@ -383,7 +391,7 @@ class _BaseClient:
         return error_for(info.error.code, info.error.message, detail)
 
     def _delay(self, attempt: int, response: httpx.Response | None = None) -> float:
-        delay = min(self.backoff_s * 2**attempt, 8.0) * random.uniform(0.8, 1.2)
+        delay = min(self.backoff_s * 2**attempt, _MAX_DELAY_S) * random.uniform(0.8, 1.2)
         retry_after = response.headers.get("retry-after") if response is not None else None
         if retry_after:
             try:
@@ -397,23 +405,48 @@ class _BaseClient:
         """Whether sending the request again cannot create a second job. POST /estimate creates nothing."""
         return method != "POST" or path == "/estimate" or kw.get("idempotency_key") is not None
 
-    def _may_retry(self, exc: Exception, attempt: int, replayable: bool) -> bool:
-        if attempt >= self.retries:
+    @staticmethod
+    def _age(attempt: int, started: float) -> dict[str, float]:
+        return {"key_age_s": time.monotonic() - started} if attempt else {}
+
+    def _budget_left(self, attempt: int, started: float, delay: float) -> bool:
+        """Whether another try fits: within `retries` (when set) and, its pause included, within
+        `retry_for_s` of the first try."""
+        if self.retries is not None and attempt >= self.retries:
+            return False
+        return time.monotonic() - started + delay <= self.retry_for_s
+
+    def _may_retry(self, exc: Exception, attempt: int, replayable: bool, started: float, delay: float) -> bool:
+        if not self._budget_left(attempt, started, delay):
             return False
         return isinstance(exc, _CONNECT_ERRORS) or (replayable and isinstance(exc, _IDEMPOTENT_ERRORS))
 
-    def _may_retry_503(self, response: httpx.Response, body: _Body, attempt: int, replayable: bool) -> bool:
-        if response.status_code != 503 or attempt >= self.retries or not replayable:
+    def _may_retry_503(self, response: httpx.Response, body: _Body, attempt: int, replayable: bool,
+                       started: float, delay: float) -> bool:
+        if response.status_code != 503 or not replayable or not self._budget_left(attempt, started, delay):
             return False
         try:
-            code = self._decode(wire.ErrorBody, response, body.done()).error.code
+            error = self._decode(wire.ErrorBody, response, body.done())
         except GradientClientError:
             return True  # not the API's answer (a proxy's): nothing ran behind it
-        return code in _TRANSIENT_CODES
+        if error.job_id or error.error.detail.get("job_id"):
+            # A job exists (Redis went away while the request waited on it): the caller waits on that job
+            # (GET /jobs/{id}) rather than sending the POST again, which, were the Idempotency-Key's record
+            # lost with Redis's data, would run the request a second time.
+            return False
+        return error.error.code in _TRANSIENT_CODES
 
-    def _connection_failed(self, method: str, path: str, exc: Exception) -> ConnectionFailedError:
-        return ConnectionFailedError(f"{method} {self.base_url}{path} failed: {type(exc).__name__}: {exc}",
-                                     detail={"attempts": self.retries + 1})
+    def _connection_failed(self, method: str, path: str, exc: Exception, attempts: int,
+                           started: float) -> ConnectionFailedError:
+        return ConnectionFailedError(f"{method} {self.base_url}{path} failed after {attempts} tries over "
+                                     f"{time.monotonic() - started:.1f} s (retry_for_s={self.retry_for_s}): "
+                                     f"{type(exc).__name__}: {exc}", detail={"attempts": attempts})
+
+
+def _resumable(exc: GradientClientError) -> bool:
+    """A POST /gradients that failed transiently (Redis away while it waited) after its job was created:
+    the answer names the job, which the caller then waits on."""
+    return exc.code in _TRANSIENT_CODES and exc.job_id is not None
 
 
 def _new_key() -> str:
@@ -563,18 +596,23 @@ def _outcome(client: _BaseClient, info: Any, local_names: dict[str, str]) -> Gra
 
 
 class Client(_BaseClient):
-    """The sync SDK client. `Client(base_url, api_key=None, timeout=30.0, retries=3)`; a context manager.
+    """The sync SDK client. `Client(base_url, api_key=None, timeout=30.0, retry_for_s=20.0)`; a context manager.
+
+    A request that could not reach the API (or got a transient 503) is tried again with backoff (0.25 s
+    doubling to 2 s) for up to `retry_for_s` seconds in all, which covers an API restart (`gradsvc up`: ~6 s);
+    `retries` also caps the number of tries again when set.
 
     `wire_format="msgpack"` (raw tensor bytes, the default) or "json"; `transport` is an httpx transport
     (e.g. httpx.MockTransport in tests). base_url and api_key default to $GRADSVC_URL and $GRADSVC_API_KEY.
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
+                 retries: int | None = None, retry_for_s: float = 20.0, backoff_s: float = 0.25,
+                 wire_format: str = "msgpack",
                  headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None,
                  ref_min_bytes: int | None = MIN_BYTES) -> None:
-        super().__init__(base_url, api_key, timeout=timeout, retries=retries, backoff_s=backoff_s,
-                         ref_min_bytes=ref_min_bytes,
+        super().__init__(base_url, api_key, timeout=timeout, retries=retries, retry_for_s=retry_for_s,
+                         backoff_s=backoff_s, ref_min_bytes=ref_min_bytes,
                          wire_format=wire_format, headers=headers)
         self._http = httpx.Client(base_url=self.base_url, headers=self.headers, transport=transport)
 
@@ -593,11 +631,11 @@ class Client(_BaseClient):
             return self._send_encoded(method, path, **kw)
 
     def _send_encoded(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray | memoryview]:
-        attempt = 0
+        attempt, started = 0, time.monotonic()
         replayable = self._replayable(method, path, kw)
         while True:
             try:
-                response = self._http.send(self._request(method, path, **kw), stream=True)
+                response = self._http.send(self._request(method, path, **kw, **self._age(attempt, started)), stream=True)
                 try:
                     body = _Body(response)
                     for chunk in response.iter_bytes():
@@ -605,13 +643,15 @@ class Client(_BaseClient):
                 finally:
                     response.close()
             except httpx.TransportError as exc:
-                if not self._may_retry(exc, attempt, replayable):
-                    raise self._connection_failed(method, path, exc) from exc
-                time.sleep(self._delay(attempt))
+                delay = self._delay(attempt)
+                if not self._may_retry(exc, attempt, replayable, started, delay):
+                    raise self._connection_failed(method, path, exc, attempt + 1, started) from exc
+                time.sleep(delay)
                 attempt += 1
                 continue
-            if self._may_retry_503(response, body, attempt, replayable):
-                time.sleep(self._delay(attempt, response))
+            delay = self._delay(attempt, response) if response.status_code == 503 else 0.0
+            if self._may_retry_503(response, body, attempt, replayable, started, delay):
+                time.sleep(delay)
                 attempt += 1
                 continue
             if response.status_code >= 400:
@@ -657,13 +697,20 @@ class Client(_BaseClient):
 
     def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline, progress: bool) -> GradientResult:
         wait = deadline.wait(wait_s)
-        response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait},
-                                   extra_s=wait, idempotency_key=_new_key())
-        if response.status_code == 200:
+        try:
+            response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                       extra_s=wait, idempotency_key=_new_key())
+        except GradientClientError as exc:
+            if not _resumable(exc):
+                raise
+            response, buf = None, None  # the job exists: wait on it, never POST it again
+            job_id = exc.job_id
+        if response is not None and response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
-            accepted = self._decode(wire.JobAccepted, response, buf)
-            job = Job(self, accepted.job_id, prepared.local_names)
+            if response is not None:
+                job_id = self._decode(wire.JobAccepted, response, buf).job_id
+            job = Job(self, job_id, prepared.local_names)
             result = job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
         result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
@@ -764,11 +811,12 @@ class AsyncClient(_BaseClient):
     """Client's methods as coroutines: `async with AsyncClient(url) as c: r = await c.gradients(...)`."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.25, wire_format: str = "msgpack",
+                 retries: int | None = None, retry_for_s: float = 20.0, backoff_s: float = 0.25,
+                 wire_format: str = "msgpack",
                  headers: dict[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None,
                  ref_min_bytes: int | None = MIN_BYTES) -> None:
-        super().__init__(base_url, api_key, timeout=timeout, retries=retries, backoff_s=backoff_s,
-                         ref_min_bytes=ref_min_bytes,
+        super().__init__(base_url, api_key, timeout=timeout, retries=retries, retry_for_s=retry_for_s,
+                         backoff_s=backoff_s, ref_min_bytes=ref_min_bytes,
                          wire_format=wire_format, headers=headers)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, transport=transport)
 
@@ -787,11 +835,12 @@ class AsyncClient(_BaseClient):
             return await self._send_encoded(method, path, **kw)
 
     async def _send_encoded(self, method: str, path: str, **kw: Any) -> tuple[httpx.Response, bytearray | memoryview]:
-        attempt = 0
+        attempt, started = 0, time.monotonic()
         replayable = self._replayable(method, path, kw)
         while True:
             try:
-                response = await self._http.send(self._request(method, path, **kw), stream=True)
+                response = await self._http.send(self._request(method, path, **kw, **self._age(attempt, started)),
+                                                 stream=True)
                 try:
                     body = _Body(response)
                     async for chunk in response.aiter_bytes():
@@ -799,13 +848,15 @@ class AsyncClient(_BaseClient):
                 finally:
                     await response.aclose()
             except httpx.TransportError as exc:
-                if not self._may_retry(exc, attempt, replayable):
-                    raise self._connection_failed(method, path, exc) from exc
-                await anyio.sleep(self._delay(attempt))
+                delay = self._delay(attempt)
+                if not self._may_retry(exc, attempt, replayable, started, delay):
+                    raise self._connection_failed(method, path, exc, attempt + 1, started) from exc
+                await anyio.sleep(delay)
                 attempt += 1
                 continue
-            if self._may_retry_503(response, body, attempt, replayable):
-                await anyio.sleep(self._delay(attempt, response))
+            delay = self._delay(attempt, response) if response.status_code == 503 else 0.0
+            if self._may_retry_503(response, body, attempt, replayable, started, delay):
+                await anyio.sleep(delay)
                 attempt += 1
                 continue
             if response.status_code >= 400:
@@ -844,13 +895,20 @@ class AsyncClient(_BaseClient):
     async def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline,
                          progress: bool) -> GradientResult:
         wait = deadline.wait(wait_s)
-        response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait},
-                                         extra_s=wait, idempotency_key=_new_key())
-        if response.status_code == 200:
+        try:
+            response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                             extra_s=wait, idempotency_key=_new_key())
+        except GradientClientError as exc:
+            if not _resumable(exc):
+                raise
+            response, buf = None, None  # the job exists: wait on it, never POST it again
+            job_id = exc.job_id
+        if response is not None and response.status_code == 200:
             result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
         else:
-            accepted = self._decode(wire.JobAccepted, response, buf)
-            job = AsyncJob(self, accepted.job_id, prepared.local_names)
+            if response is not None:
+                job_id = self._decode(wire.JobAccepted, response, buf).job_id
+            job = AsyncJob(self, job_id, prepared.local_names)
             result = await job.result(timeout=deadline.left(), progress=progress)
         self._remember(prepared, result.graph_ref)
         result.upload_bytes = prepared.body_bytes + prepared.sent_bytes

@@ -110,3 +110,15 @@ def session_key(prefix: str, token: str) -> str:
     """A browser session (service/sessions.py) -> its owner. The cookie's token is hashed, so what the
     browser holds never becomes part of a Redis key."""
     return f"{prefix}:session:{hashlib.sha256(token.encode()).hexdigest()}"
+
+
+def epoch_key(prefix: str) -> str:
+    """The current data epoch: "<8 hex> <unix time it began>", created when missing. Redis restarted
+    empty has none, so the next reader starts a new epoch: job ids carry the epoch they were issued in
+    (their first 8 hex digits), which tells a job Redis lost from one that never existed."""
+    return f"{prefix}:epoch"
+
+
+def past_epochs_key(prefix: str) -> str:
+    """The epochs before the current one that an API process remembered when it started a new one."""
+    return f"{prefix}:epochs"

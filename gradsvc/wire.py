@@ -432,6 +432,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "canceled": ErrorCode(409, "CanceledError", "job", "the job was canceled"),
     "result_too_large": ErrorCode(413, "ResultTooLargeError", "job", "the result is over GRADSVC_MAX_RESULT_BYTES"),
     "worker_lost": ErrorCode(503, "WorkerLostError", "job", "the worker running the job died or was cut off"),
+    "job_lost": ErrorCode(410, "JobLostError", "job",
+                          "Redis lost the job's record (restarted without its data); whether it ran is unknown"),
     "input_lost": ErrorCode(410, "InputLostError", "job",
                             "the job's body, handed over as a file (GRADSVC_HANDOFF_DIR), was gone when it ran"),
     "timeout": ErrorCode(504, "JobTimeoutError", "job", "the job ran past GRADSVC_JOB_TIMEOUT_S"),

@@ -102,6 +102,21 @@ def _idempotency_key(request: Request) -> str | None:
     return key
 
 
+def _key_age_s(request: Request) -> float | None:
+    """Idempotency-Key-Age: the SDK's retry of a POST says how many seconds ago it first sent its key."""
+    raw = request.headers.get("idempotency-key-age")
+    if raw is None:
+        return None
+    try:
+        age = float(raw)
+    except ValueError:
+        age = float("nan")
+    if not 0 <= age < 1e9:
+        raise ServiceError("bad_request", f"the Idempotency-Key-Age header must be the seconds since the key was "
+                           f"first sent (a number >= 0), got {raw[:40]!r}", header="Idempotency-Key-Age")
+    return age
+
+
 def _with_integral_floats(body: bytes, fmt: str,
                           exc: msgspec.ValidationError) -> tuple[GradientRequest, bytes] | None:
     """The request and its re-encoded body when its only fault was integer fields written as 2.0 (valid JSON
@@ -167,7 +182,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         return min(wait, settings.max_wait_s)
 
     def enqueue_in_thread(req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None,
-                          prep: Prepared | None = None) -> tuple[str, bool]:
+                          prep: Prepared | None = None, key_age_s: float | None = None) -> tuple[str, bool]:
         """Validation and enqueue in one thread hop. Validation on the meta device: an invalid spec never
         reaches the queue. A graph_ref is looked up among this owner's graphs (and its TTL refreshed) here;
         a graph sent whole is kept under its ref, for this owner, for the next request. `prep`: the request
@@ -180,13 +195,14 @@ def create_app(settings: Settings | None = None) -> Litestar:
             graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
         sharded = (req, prep) if req.options.shards != 1 else None
         return store.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
-                             result_bytes=prep.gradient_bytes)
+                             result_bytes=prep.gradient_bytes, key_age_s=key_age_s)
 
     @post("/gradients", status_code=200)
     async def submit_gradients(request: Request, owner: str) -> Response:
         wait = wait_s(request)
         body, fmt, req = await read_request(request)
         key = _idempotency_key(request)
+        key_age_s = _key_age_s(request) if key is not None else None
         prep = prepare(req, config, "meta") if _inline(req, body, key, auth) else None
         if prep is not None and not store.large_result(prep.gradient_bytes):
             # A small layer-spec request that needs nothing else of Redis: checked on the event loop (a
@@ -194,7 +210,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             job_id, created = await store.enqueue_async(body, fmt, owner), True
         else:
             job_id, created = await anyio.to_thread.run_sync(lambda: enqueue_in_thread(req, body, fmt, owner, key,
-                                                                                        prep))
+                                                                                        prep, key_age_s))
         if created:
             metrics.jobs_submitted.inc()
         ended, raw = await store.wait(job_id, wait)
@@ -294,6 +310,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     async def readyz(request: Request) -> Response:  # a probe: no API key, as /healthz
         def check() -> int:
             store.ping()
+            store.epochs.refresh()  # Redis restarted empty: a new epoch, and ids of the old one read as lost
             return len(store.workers())
 
         n = await anyio.to_thread.run_sync(check)

@@ -35,6 +35,7 @@ from gradsvc.queue import (JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSeri
                            sync_redis)
 
 from . import recent, shards
+from .epochs import Epochs
 from .errors import ServiceError
 
 log = logging.getLogger("gradsvc.api")
@@ -57,6 +58,8 @@ _STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "qu
            "canceled": "canceled"}
 _result_decoder = msgspec.msgpack.Decoder(GradientResult)
 _FIELDS = ("status", "meta", "enqueued_at", "started_at", "ended_at", "origin", "last_heartbeat")
+_JOB_LOST = {"code": "job_lost", "message": "Redis lost this job's record (it was restarted without its data); whether "
+             "the job ran is unknown and its result, if any, is gone; submit it again", "detail": {}}
 _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job was lost (killed, crashed, or cut off "
                 "from Redis) before it finished; submit it again", "detail": {}}
 
@@ -101,6 +104,7 @@ class JobStore:
                      serializer=MsgpackSerializer, job_class=GradientJob) for d in keys.QUEUE_DEVICES}
         self._routes: dict[str, tuple[float, bool]] = {}
         self.index_ttl_s = max(settings.result_ttl_s, settings.failure_ttl_s)
+        self.epochs = Epochs(self.redis, self.prefix)
 
     async def close(self) -> None:
         await self.aredis.aclose()
@@ -108,18 +112,19 @@ class JobStore:
         self.redis.close()
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
-                sharded=None, result_bytes: int = 0) -> tuple[str, bool]:
+                sharded=None, result_bytes: int = 0, key_age_s: float | None = None) -> tuple[str, bool]:
         """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
         names the job it enqueued then, which is returned instead of enqueueing the same body again.
         `sharded`: (request, prepared on meta) when options.shards may split the batch (service/shards.py).
         `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
-        the job goes through the handoff domain's queue, whatever its body's size)."""
+        the job goes through the handoff domain's queue, whatever its body's size). `key_age_s`: a retry's
+        Idempotency-Key-Age, the seconds since the SDK first sent this key (see _claim)."""
         if device != "auto" and not Worker.all(queue=self.queues[device]):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
                                f"{self.queues[device].name!r}); use options.device='auto' or start a {device} worker",
                                device=device)
-        job_id = str(uuid.uuid4())
+        job_id = self.epochs.new_job_id()
         claim = keys.idempotency_key(self.prefix, owner, idempotency_key) if idempotency_key is not None else None
         digest = _body_digest(body) if claim is not None else None
         ref = None
@@ -132,7 +137,7 @@ class JobStore:
                                            self.settings.min_shard_rows)
                 if count > 1:
                     if claim is not None:
-                        earlier = self._claim(claim, job_id, digest.result())
+                        earlier = self._claim(claim, job_id, digest.result(), key_age_s)
                         if earlier is not None:
                             return earlier, False
                         claimed = True
@@ -150,7 +155,7 @@ class JobStore:
                     else:
                         arg = ref
             if claim is not None:  # the body's file is written: the digest was computed meanwhile
-                earlier = self._claim(claim, job_id, digest.result())
+                earlier = self._claim(claim, job_id, digest.result(), key_age_s)
                 if earlier is not None:
                     if ref is not None:
                         self.handoff.delete(ref)
@@ -173,7 +178,9 @@ class JobStore:
     async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
         """enqueue() of a plain job to the shared queue, over the async connection: RQ writes the job into a
         pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop."""
-        job_id = str(uuid.uuid4())
+        job_id = self.epochs.current and self.epochs.new_job_id()
+        if not job_id:
+            job_id = await anyio.to_thread.run_sync(self.epochs.new_job_id)
         recorder = self.redis.pipeline()
         self._enqueue_plain(recorder, self.queues["auto"], body, fmt, owner, job_id)
         commands, recorder.command_stack = recorder.command_stack, []
@@ -250,10 +257,18 @@ class JobStore:
                                "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
                                job_id=job_id) from None
 
-    def _claim(self, claim: str, job_id: str, digest: str) -> str | None:
-        """Binds the key to `job_id` (None), or returns the job an earlier request bound it to."""
+    def _claim(self, claim: str, job_id: str, digest: str, key_age_s: float | None = None) -> str | None:
+        """Binds the key to `job_id` (None), or returns the job an earlier request bound it to. A retry
+        (`key_age_s`) whose key is unknown while Redis's data is younger than the key was first sent may
+        have had its record lost with that data: refused `job_lost` rather than run a second time."""
         for _ in range(3):  # an earlier claim can expire between SET NX and GET: claim again
             if self.redis.set(claim, f"{job_id} {digest}", nx=True, ex=self.settings.idempotency_ttl_s):
+                if key_age_s is not None and self.epochs.began_within(key_age_s):
+                    self.redis.delete(claim)
+                    raise ServiceError("job_lost", f"this retry's Idempotency-Key was first sent {key_age_s:.1f} s "
+                                       "ago, and Redis lost its data since (restarted empty): whether the first "
+                                       "attempt's job ran is unknown, so it is not run again; submit it with a new "
+                                       "key if it should run", header="Idempotency-Key")
                 return None
             earlier = self.redis.get(claim)
             if earlier is None:
@@ -334,6 +349,11 @@ class JobStore:
                               {"phase": "reduce", "done": total, "total": total})
             if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
                 status = b"started"
+        if meta_raw is None and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
+            # No record, or only what a worker wrote after Redis lost it (a heartbeat, an end), for an id an
+            # API issued before Redis restarted empty: lost. Its owner went with the record.
+            return JobInfo(job_id=job_id, status="failed", error=ErrorInfo(**_JOB_LOST), progress=None, result=None,
+                           enqueued_at=None, started_at=None, ended_at=_iso(ended))
         if status is None or meta.get("owner") != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
             raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "

@@ -7,6 +7,12 @@ job for 3 heartbeats and renews the lease from a thread every GRADSVC_WORKER_HEA
 job stays alive while a dead worker's job expires within seconds; the same thread reaps expired
 leases (RQ fails them with AbandonedJobError, which the API reports as `worker_lost`). Losing Redis
 is waited out: the worker retries until it comes back instead of exiting.
+
+The same thread is the job's hard deadline. RQ's timeout (SIGALRM) and DELETE's cancel flag act only
+between Python steps, so a single long C++ op outlives both; past the job's timeout + HARD_STOP_GRACE_S,
+or CANCEL_GRACE_S after its cancel flag appeared, the thread fails the job `timeout`/`canceled` through
+RQ's own failure path, unregisters the worker and ends the process (os._exit), as RQ's forking worker
+kills its work horse. Its supervisor (`gradsvc up`, compose's restart policy) starts a fresh worker.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from redis import Redis
@@ -28,6 +35,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
 from rq.utils import now, utcformat
+from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc import keys
@@ -42,6 +50,29 @@ from .jobs import make_context, set_context
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
 SUSPENSION_CHECK_S = 1.0
+# A job past its timeout gets this long for RQ's own timeout to stop it between steps; then it is stopped hard.
+HARD_STOP_GRACE_S = 2.0
+# A running job whose cancel flag is set gets this long to stop at its next step; then it is stopped hard.
+CANCEL_GRACE_S = 2.0
+# How often the heartbeat thread looks at the running job's deadline and cancel flag.
+WATCHDOG_S = 0.5
+# The exit status of a worker that stopped a job hard (its supervisor restarts it).
+HARD_STOP_EXIT = 70
+
+
+@dataclass
+class _Running:
+    """The job this worker runs, as its heartbeat thread watches it."""
+
+    job: Job
+    execution: Execution
+    started: float  # time.monotonic()
+    cancel_key: str
+    canceled_at: float | None = None  # when the heartbeat thread first saw the cancel flag
+
+    def overdue(self, at: float) -> bool:
+        timeout = self.job.timeout
+        return timeout is not None and timeout > 0 and at - self.started > timeout + HARD_STOP_GRACE_S
 
 
 class GradientWorker(SimpleWorker):
@@ -51,14 +82,16 @@ class GradientWorker(SimpleWorker):
     exponential_backoff_factor = 1.5
     max_connection_wait_time = 3.0
 
-    def __init__(self, *args, heartbeat_s: int = 2, **kwargs) -> None:
+    def __init__(self, *args, heartbeat_s: int = 2, prefix: str = "gradsvc", **kwargs) -> None:
         # worker_ttl sets the idle BLPOP to worker_ttl - 15 s; the heartbeat thread keeps the key alive.
         kwargs.setdefault("worker_ttl", 30)
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)
         super().__init__(*args, **kwargs)
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s(heartbeat_s)  # a worker or job silent this long is lost
-        self._running: tuple[Job, Execution] | None = None
+        self.prefix = prefix
+        self._running: _Running | None = None
+        self._stopping_hard = threading.Event()  # the heartbeat thread is failing the job and ending the process
         self._starting = None  # prepare_execution's open pipeline, executed by prepare_job_execution
         self._started: _SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet
         self._suspension_checked = float("-inf")
@@ -105,7 +138,9 @@ class GradientWorker(SimpleWorker):
         self.executions[execution.id] = execution
         self.set_state(WorkerStatus.BUSY, pipeline=pipe)
         self._starting = pipe
-        self._running = (job, execution)
+        # A shard stops on its parent job's flag (DELETE, or a failed sibling), as workers/jobs.py polls it.
+        cancel_id = (job.meta.get("shard") or {}).get("parent") or job.id
+        self._running = _Running(job, execution, time.monotonic(), keys.cancel_key(self.prefix, cancel_id))
         return execution
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
@@ -144,10 +179,15 @@ class GradientWorker(SimpleWorker):
         job.ended_at = now()
         job.last_heartbeat = job.ended_at
 
+    def handle_job_failure(self, job: Job, queue: Queue, *args, **kwargs) -> None:
+        self._yield_to_hard_stop()
+        super().handle_job_failure(job, queue, *args, **kwargs)
+
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry, execution: Execution) -> None:
         """RQ's, for a job nothing depends on (a plain gradient job; shards have their reduce job): no WATCH
         on, and no read of, the dependents set (two round trips), and the worker's IDLE state written in the
         same transaction. Other jobs take RQ's own path."""
+        self._yield_to_hard_stop()
         if job.func_name != JOB_FUNCTION or job.repeats_left:
             super().handle_job_success(job, queue, started_job_registry, execution)
             if isinstance(job, GradientJob):
@@ -201,26 +241,84 @@ class GradientWorker(SimpleWorker):
             log.warning("worker %s: could not register its death, Redis unreachable (%s)", self.name, exc)
 
     def _beat_loop(self) -> None:
+        next_beat = time.monotonic()
         while self._beating.is_set():
             try:
-                self.beat()
+                self.watch()
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.heartbeat_s
+                    self.beat()
             except REDIS_ERRORS as exc:
                 log.warning("worker %s: heartbeat failed, Redis unreachable (%s); retrying", self.name, exc)
             except Exception:  # the thread must outlive any surprise, or every job would be reaped
                 log.exception("worker %s: heartbeat failed", self.name)
-            time.sleep(self.heartbeat_s)
+            time.sleep(min(WATCHDOG_S, self.heartbeat_s))
+
+    def watch(self) -> None:
+        """The running job's hard deadline and cancel: past them the job is failed and the process ends."""
+        running = self._running
+        if running is None:
+            return
+        at = time.monotonic()
+        if running.overdue(at):
+            self.stop_hard(running, "timeout", f"the job ran past its timeout of {running.job.timeout} s "
+                           "(GRADSVC_JOB_TIMEOUT_S) inside one operation, so its worker was restarted; use a "
+                           "smaller model or batch, numcheck='directional' or 'off'")
+        if self.connection.exists(running.cancel_key):
+            running.canceled_at = running.canceled_at or at
+            if at - running.canceled_at > CANCEL_GRACE_S:
+                self.stop_hard(running, "canceled", "the job was canceled by DELETE /jobs/{id} while running "
+                               "inside one operation, so its worker was restarted")
+
+    def stop_hard(self, running: _Running, code: str, message: str) -> None:
+        """Fails the job with `code` through RQ's failure path (status, FailedJobRegistry, the results stream
+        a waiting POST reads, a shard's failure callback), unregisters this worker and ends the process: the
+        op cannot be interrupted otherwise. With Redis unreachable the process ends all the same; the lapsed
+        lease then reports the job worker_lost."""
+        self._stopping_hard.set()
+        job = running.job
+        log.error("worker %s: job %s %s; failing it and exiting for the supervisor to restart this worker",
+                  self.name, job.id, "ran past its timeout" if code == "timeout" else "was canceled")
+        try:
+            job.meta["error"] = {"code": code, "message": message, "detail": {"hard_stop": True}}
+            job.save_meta()
+            job.ended_at = now()
+            if job.failure_callback is not None:  # a shard: fail (or, canceled, settle) its job
+                try:
+                    job.failure_callback(job, self.connection, JobTimeoutException, None, None)
+                except Exception:
+                    log.exception("worker %s: failure callback of job %s failed", self.name, job.id)
+            queue = Queue(job.origin, connection=self.connection, serializer=self.serializer, job_class=self.job_class)
+            SimpleWorker.handle_job_failure(self, job, queue, exc_string=f"HardStop: {code}: {message}",
+                                            execution=running.execution)
+            self.register_death()
+        except Exception:
+            log.exception("worker %s: could not record the hard stop of job %s", self.name, job.id)
+        finally:
+            logging.shutdown()
+            os._exit(HARD_STOP_EXIT)
+
+    def _yield_to_hard_stop(self) -> None:
+        """The job's own thread, back from its op while the heartbeat thread stops it hard: it records
+        nothing more (the process is ending)."""
+        if self._stopping_hard.is_set() and threading.current_thread() is not self._beat_thread:
+            while True:
+                time.sleep(60)
 
     def beat(self) -> None:
         """Renews this worker's lease and its running job's, then fails any job whose lease lapsed."""
         running = self._running
-        if running is not None:
-            job, execution = running
-            self.maintain_heartbeats(job, execution)
+        if running is not None and not running.overdue(time.monotonic()):  # a wedged job's lease lapses
+            self.maintain_heartbeats(running.job, running.execution)
         with self.connection.pipeline() as pipe:
             pipe.hset(self.key, "last_heartbeat", utcformat(now()))
             pipe.expire(self.key, self.lease_s)
-            created, _ = pipe.execute()
-        if created:  # the hash had expired, or Redis came back empty: register again
+            # Not hset's "created": the running job's heartbeat above writes last_heartbeat into a hash it
+            # makes anew when Redis came back empty, and the worker then never registered again.
+            pipe.sismember(worker_registration.REDIS_WORKER_KEYS, self.key)
+            pipe.hexists(self.key, "queues")
+            _, _, listed, registered = pipe.execute()
+        if not (listed and registered):  # the hash had expired, or Redis came back empty: register again
             self._register_again()
         self.reap_abandoned()
 
@@ -293,7 +391,7 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
               for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
     return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
-                          name=name, heartbeat_s=settings.worker_heartbeat_s)
+                          name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix)
 
 
 def _wait_for_redis(settings: Settings) -> None:

@@ -42,8 +42,10 @@ class Stub:
                     self.connection.shutdown(2)
                     return
                 status, what = answer
+                # A job's failure names its job; an outage before the enqueue names none, as the API's do.
+                job_id = None if what in ("queue_unavailable", "not_ready") else "job-1"
                 body = what if isinstance(what, dict) else {"error": {"code": what, "message": f"{what} (stub)",
-                                                                      "detail": {}}, "job_id": "job-1",
+                                                                      "detail": {}}, "job_id": job_id,
                                                             "status": "failed"}
                 raw = json.dumps(body).encode()
                 self.send_response(status)
@@ -116,6 +118,20 @@ def test_a_queue_outage_is_retried_under_one_key_per_call(stub_for):
     keys = stub.posts()
     assert len(keys) == 2 * 4  # each call: the first try and 3 retries
     assert len(set(keys[:4])) == 1 and len(set(keys[4:])) == 1 and keys[0] != keys[4] and None not in keys
+
+
+def test_a_queue_outage_while_the_post_waited_on_its_job_resumes_on_that_job_without_a_second_post(stub_for):
+    outage = {"error": {"code": "queue_unavailable", "message": "Redis stopped answering (stub)",
+                        "detail": {"job_id": "job-7"}}}
+    done = {"job_id": "job-7", "status": "failed", "progress": None, "result": None,
+            "error": {"code": "timeout", "message": "ran too long (stub)", "detail": {}}}
+    stub = stub_for({("POST", "/gradients"): [(503, outage)],
+                     ("GET", "/jobs"): [(503, "queue_unavailable"), (200, done)]})
+    with client(stub) as c:
+        with pytest.raises(errors.JobTimeoutError) as info:
+            c.gradients(SPEC, X, Y)
+    assert len(stub.posts()) == 1 and info.value.job_id == "job-7"
+    assert [p for m, p, _ in stub.seen if m == "GET"] == ["/jobs/job-7"] * 2  # the outage retried, then its end
 
 
 def test_a_post_whose_answer_was_lost_is_sent_again_under_its_key(stub_for):

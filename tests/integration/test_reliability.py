@@ -283,7 +283,8 @@ def _cmdline(pid: int) -> str:
 def test_gradsvc_up_restarts_a_worker_killed_with_sigkill(tmp_path):
     port = free_port()
     env = {**os.environ, "GRADSVC_PORT": str(port), "GRADSVC_WORKER_METRICS_PORT": str(free_port()),
-           "GRADSVC_LOG_LEVEL": "warning", "PYTHONPATH": str(ROOT)}
+           "GRADSVC_LOG_LEVEL": "warning",
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
     env.pop("GRADSVC_REDIS_URL", None)
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen([sys.executable, "-m", "gradsvc", "up"], cwd=tmp_path, env=env, stdout=log,

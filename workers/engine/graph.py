@@ -696,9 +696,25 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits | None = None) -> torch.Tensor:
+def attention_elements(step: Step, args: list, kwargs: dict) -> int:
+    """The attention matrix scaled_dot_product_attention's math kernel builds: batch x heads x L x S elements
+    (query (..., L, E), key (..., S, E)); 0 for any other op. Node outputs do not show it: a [1, 1, 9000, 1]
+    query outputs 9,000 elements and builds 81M."""
+    if step.op.name != "aten.scaled_dot_product_attention.default" or len(args) < 2:
+        return 0
+    q, k = args[0], args[1]
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() < 2 or k.dim() < 2:
+        return 0
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    return math.prod(lead) * q.shape[-2] * k.shape[-2]
+
+
+def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits | None = None,
+                       math_attention: bool = False) -> torch.Tensor:
     """Runs the graph on the meta device: any node that cannot take its inputs is a shape_mismatch naming
-    the node, op, module path and input shapes; intermediates beyond the limits are too_large. The first
+    the node, op, module path and input shapes; intermediates beyond the limits are too_large. With
+    `math_attention` (options.hvp: attention runs its math kernel, which has a double backward), the
+    attention matrix each scaled_dot_product_attention builds counts as an intermediate too. The first
     output is returned, its requires_grad as autograd set it."""
     limits = limits or Limits()
     steps = model._graph.steps
@@ -706,6 +722,14 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
 
     def visit(i: int, out: Any, args: list, kwargs: dict) -> None:
         step = steps[i]
+        inner = attention_elements(step, args, kwargs) if math_attention else 0
+        if inner > limits.max_elements:
+            raise SpecError("too_large", f"model.graph: {_where_step(step)} builds an attention matrix of {inner} "
+                            f"elements (batch x heads x query length x key length) for options.hvp, above the limit "
+                            f"of {limits.max_elements}; send shorter sequences or a smaller batch, or leave "
+                            "options.hvp out (the fused kernels do not build it)", node=step.name, elements=inner,
+                            limit=limits.max_elements)
+        total[0] += inner * (args[0].element_size() if inner else 0)
         if step.op.aliases_input and _shares_storage(out, args):
             return  # a view or an in-place result: no new memory (contiguous/reshape/to may copy instead)
         for t in _tensors(out):

@@ -85,12 +85,16 @@ def batchable(model: torch.nn.Module, device: torch.device, *, graph: bool, rand
 def graph_output_elements(model: torch.nn.Module, inputs: tuple) -> int:
     """What one evaluation of a graph holds: every node's output elements (its modules are holders of
     parameters, never called, so module hooks would see the root's output alone)."""
-    count = 0
+    from .graph import attention_elements
 
-    def visit(_i, out, _args, _kwargs) -> None:
+    count = 0
+    steps = model._graph.steps
+
+    def visit(i, out, args, kwargs) -> None:
         nonlocal count
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        count += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+        # batched calls run attention on its math kernel, which builds the attention matrix too
+        count += sum(t.numel() for t in outs if isinstance(t, torch.Tensor)) + attention_elements(steps[i], args, kwargs)
 
     with torch.no_grad():
         model.run(*inputs, visit=visit)

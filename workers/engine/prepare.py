@@ -725,16 +725,17 @@ def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torc
     return Batch(xs, batched, tuple(names))
 
 
-def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, limits) -> torch.Tensor:
+def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, limits,
+                  math_attention: bool = False) -> torch.Tensor:
     """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
     signature (on a private copy of the shared model: a run writes its program cache)."""
     from .graph import check_graph_shapes
 
-    key = (template.ref, dtype, inputs.signature)
+    key = (template.ref, dtype, inputs.signature, math_attention)
     hit = _graph_shapes.get(key)
     if hit is None:
         out = check_graph_shapes(_fresh(template, "meta", dtype), *[x.to("meta") for x in inputs.tensors],
-                                 limits=limits)
+                                 limits=limits, math_attention=math_attention)
         hit = (out.shape, out.dtype, out.requires_grad)
         _graph_shapes.put(key, hit)
     shape, out_dtype, requires_grad = hit
@@ -839,7 +840,7 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
     ref, spec, data = _graph_spec(request, dtype, graphs)
     template = _graph_template(ref, spec, dtype, config)
     inputs = _graph_inputs(request, template, dtype, limits, shape_only)
-    out = _graph_output(template, dtype, inputs, limits)
+    out = _graph_output(template, dtype, inputs, limits, math_attention=request.options.hvp is not None)
     terms = _terms(request)
     targets = _targets(request, terms, out, dtype, limits.max_elements, shape_only)
     _refuse_own_loss_split(request.options, terms, inputs.rows)

@@ -14,6 +14,7 @@ import math
 import operator
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from gradsvc import wire
 
 from .errors import BadTensorError, UnsupportedModuleError
 from .functions import Capture
-from .tensors import to_wire
+from .tensors import several_inputs, to_wire
 
 _SCALAR_TYPES = (int, float, bool, str, type(None))
 
@@ -39,20 +40,14 @@ class ExportedGraph:
 def example_inputs(inputs) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     """The SDK's `inputs` as export's (args, kwargs): one tensor, a tuple or list of tensors (positional
     arguments) or a mapping of named tensors (keyword arguments, a Hugging Face batch)."""
-    import collections.abc
-
-    if isinstance(inputs, collections.abc.Mapping):
+    if not several_inputs(inputs):
+        return (_example(inputs, "inputs"),), {}
+    if isinstance(inputs, Mapping):
         kwargs = {k: _example(v, f"inputs[{k!r}]") for k, v in inputs.items()}
         if not kwargs:
             raise BadTensorError("inputs: an empty mapping; give the model's inputs by name")
         return (), kwargs
-    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(v, torch.Tensor) or _is_array(v) for v in inputs):
-        return tuple(_example(v, f"inputs[{i}]") for i, v in enumerate(inputs)), {}
-    return (_example(inputs, "inputs"),), {}
-
-
-def _is_array(v) -> bool:
-    return type(v).__module__ == "numpy" and type(v).__name__ == "ndarray"
+    return tuple(_example(v, f"inputs[{i}]") for i, v in enumerate(inputs)), {}
 
 
 def _example(v, where: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from gradsvc import keys
 from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
+from gradsvc.wire import is_tensor as _is_tensor
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -40,10 +41,6 @@ def request_tensors(req: GradientRequest) -> Iterator[tuple[str, Any]]:
     if hvp is not None and isinstance(hvp.vector, dict):
         for name, t in hvp.vector.items():
             yield f"options.hvp.vector[{name!r}]", t
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
 
 
 def _each(where: str, value: Any) -> Iterator[tuple[str, Any]]:

@@ -38,6 +38,11 @@ class Tensor(Struct, omit_defaults=True):
 TensorLike = Tensor | list | float
 
 
+def is_tensor(value: Any) -> bool:
+    """A tensor object: the Struct, or (inside a field typed Any: inputs, targets) the plain map of one."""
+    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
+
+
 class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One input of an exported graph (a placeholder of `torch.export`'s graph). `name` is what the
     nodes refer to; `target` is the state_dict name (parameter, buffer) or the `constants` key.

@@ -24,7 +24,7 @@ from rq.job import Dependency, Job, JobStatus
 from rq.utils import now
 
 from gradsvc import handoff as handoff_files
-from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor
+from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor
 from gradsvc.workers.engine.prepare import Prepared
 from gradsvc.workers.engine.reduce import check_shardable, plan_for, split_rows
 from gradsvc.queue import REDUCE_FUNCTION, SHARD_FAILED, SHARD_FUNCTION, shard_job_id
@@ -66,14 +66,10 @@ def slice_rows(value: Any, a: int, b: int) -> Any:
     return value[a:b]
 
 
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
-
-
 def _slice_targets(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
     targets = req.targets
     k = prep.rows_per_example or 1  # check_shardable refused a model whose output rows do not map
-    if isinstance(targets, dict) and not _is_tensor(targets):
+    if isinstance(targets, dict) and not is_tensor(targets):
         used = {t.target or t.name for t in prep.terms}  # the engine reads no other entry
         return {name: slice_rows(v, a * k, b * k) for name, v in targets.items() if name in used}
     return slice_rows(targets, a * k, b * k)
@@ -82,7 +78,7 @@ def _slice_targets(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
 def _slice_inputs(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
     """Rows a:b of every batched input, in the form the request gave them (one, a list, an object)."""
     inputs, batch = req.inputs, prep.inputs
-    if isinstance(inputs, dict) and not _is_tensor(inputs):
+    if isinstance(inputs, dict) and not is_tensor(inputs):
         batched = dict(zip(batch.names, batch.batched))
         return {name: slice_rows(v, a, b) if batched[name] else v for name, v in inputs.items()}
     if isinstance(inputs, list) and len(batch.names) > 1:

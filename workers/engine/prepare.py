@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradsvc import graphref
-from gradsvc.wire import MAX_TIMING_REPEAT, GradientRequest, GraphSpec, LossSpec, Options, Tensor
+from gradsvc.wire import MAX_TIMING_REPEAT, GradientRequest, GraphSpec, LossSpec, Options, Tensor, is_tensor
 
 from . import tensors
 from .batch import Batch
@@ -87,7 +87,7 @@ def _terms(request: GradientRequest) -> list[LossTerm]:
 
 
 def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool) -> torch.Tensor:
-    if isinstance(targets, dict) and not {"dtype", "shape"} <= set(targets):
+    if isinstance(targets, dict) and not is_tensor(targets):
         key = term.target or term.name
         if key not in targets:
             raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets[{key!r}]; targets has "
@@ -102,12 +102,8 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     if raw is None:
         raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets; add 'targets' to the request",
                         loss=term.name)
-    if isinstance(raw, dict):
-        try:
-            raw = msgspec.convert(raw, Tensor)
-        except msgspec.ValidationError as exc:
-            raise SpecError("bad_tensor", f"{where}: {exc}", where=where) from None
-    return tensors.decode(raw, where=where, max_elements=max_elements, shape_only=shape_only)
+    return tensors.decode(_as_tensor_value(raw, where), where=where, max_elements=max_elements,
+                          shape_only=shape_only)
 
 
 def _targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, dtype: torch.dtype,
@@ -150,7 +146,7 @@ def _refuse_own_loss_split(opts: Options, terms: list[LossTerm], rows: int) -> N
                         f"{split[0]}, or return per-example outputs and use a built-in loss", option=split[0])
 
 
-def _rows_per_example(opts: Options, terms: list[LossTerm], inputs: Batch, out: torch.Tensor,
+def _rows_per_example(opts: Options, inputs: Batch, out: torch.Tensor,
                       out_batch: tuple[int, int] | None) -> int | None:
     """How many output rows each batch row owns, when the output's rows follow the batch's in order
     (`out_batch` is where the batch sits in the output: (dim, rows per example)); refuses an option that
@@ -162,7 +158,6 @@ def _rows_per_example(opts: Options, terms: list[LossTerm], inputs: Batch, out: 
     split = _splits(opts, n)
     if not split:
         return k
-    _refuse_own_loss_split(opts, terms, n)
     if not any(inputs.batched):
         raise SpecError("bad_option", f"{split[0]}: no input of the model carries a batch dimension, so there are "
                         f"no rows to split; remove {split[0]}", option=split[0])
@@ -356,7 +351,8 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     out = _output_on_meta(spec_key, request, meta, inputs, limits.max_elements)
     terms = _terms(request)
     targets = _targets(request, terms, out, dtype, limits.max_elements, shape_only)
-    rows = _rows_per_example(request.options, terms, Batch.of(inputs), out, (0, 1))
+    _refuse_own_loss_split(request.options, terms, inputs.shape[0])
+    rows = _rows_per_example(request.options, Batch.of(inputs), out, (0, 1))
     names = facts.names
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
     _check_hvp(request.options, meta, frozen)
@@ -382,10 +378,6 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
                     frozen=frozen, reuse_key=reuse_key, rows_per_example=rows)
 
 
-def _is_tensor_object(value) -> bool:
-    return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))
-
-
 def _input_values(value, names: list[str], *, what: str) -> list[tuple[str, object]]:
     """`inputs` as (name, wire value) in `forward`'s order: one tensor, a list of tensor objects (the
     positional arguments) or an object of named tensors (the keyword arguments), for the `names` the model
@@ -393,7 +385,7 @@ def _input_values(value, names: list[str], *, what: str) -> list[tuple[str, obje
     takes = f"{what} takes {len(names)} input{'s' if len(names) != 1 else ''} ({', '.join(names)})"
     if value is None:
         raise SpecError("bad_tensor", f"inputs: missing; {takes}", where="inputs")
-    if isinstance(value, dict) and not _is_tensor_object(value):
+    if isinstance(value, dict) and not is_tensor(value):
         unknown = [k for k in value if k not in names]
         if unknown:
             raise SpecError("bad_tensor", f"inputs: {unknown[0]!r} is not an input of the model; {takes}",
@@ -403,7 +395,7 @@ def _input_values(value, names: list[str], *, what: str) -> list[tuple[str, obje
             raise SpecError("bad_tensor", f"inputs: {missing[0]!r} is missing; {takes}, by name",
                             where=f"inputs.{missing[0]}", inputs=names)
         return [(f"inputs.{n}", value[n]) for n in names]
-    if isinstance(value, list) and value and all(_is_tensor_object(v) for v in value):
+    if isinstance(value, list) and value and all(is_tensor(v) for v in value):
         if len(value) != len(names):
             raise SpecError("bad_tensor", f"inputs: a list of {len(value)} tensors, but {takes}; send them in that "
                             "order, or as an object by name", where="inputs", inputs=names)
@@ -849,7 +841,7 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
         check_graph_split(template, dtype, inputs, "options.shards", across_jobs=True)
     maybe_split = _splits(request.options, inputs.rows) or request.options.shards == "auto"
     out_batch = _batch_flow(template, dtype, inputs)[1] if maybe_split and any(inputs.batched) else None
-    rows = _rows_per_example(request.options, terms, inputs, out, out_batch)
+    rows = _rows_per_example(request.options, inputs, out, out_batch)
     names = [n for n in template.state if n in template.parameters]
     frozen = _check_options(request.options, config, inputs.rows, 1, names)
     _check_hvp(request.options, template.model, frozen)

@@ -255,15 +255,17 @@ def _verdict(size: float, abs_err: float, rel: float, tolerance: float, atol: fl
 
 
 def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
-                   returned_dtype: torch.dtype, along: list[tuple[float, float, float]] = ()) -> Returned:
+                   returned_dtype: torch.dtype, along: list[tuple[float, float, float]] = (),
+                   tolerance: float | None = None) -> Returned:
     """`returned` (what the caller gets) against `reference` (float64 autograd, full batch, same point).
 
     A tensor passes when its relative error is within the dtype's tolerance, or when its absolute error
     is under tolerance x the largest reference element of the whole model (`floor`): a gradient that
     cancels to ~0 (a bias before BatchNorm) has no scale of its own to be relative to. `along` holds
     (returned . u, reference . u, sum |reference * u|) per direction of a directional check; a direction
-    passes within tolerance, or under tolerance x that sum of terms."""
-    tolerance = returned_tolerance(returned_dtype)
+    passes within tolerance, or under tolerance x that sum of terms. `tolerance`: another than the dtype's
+    (the returned quantities checked against finite differences, quantities.py)."""
+    tolerance = returned_tolerance(returned_dtype) if tolerance is None else tolerance
     scale = max((float(r.abs().max()) for r in reference.values() if r.numel()), default=0.0)
     floor = tolerance * scale
     zero = ZERO_ROUNDINGS * torch.finfo(returned_dtype).eps * scale  # the returned dtype's rounding of the scale

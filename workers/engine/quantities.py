@@ -19,24 +19,14 @@ import torch
 
 from gradsvc.wire import QuantityCheck
 
-from .numcheck import F64_EPS, FLOOR_ROUNDINGS, ZERO_ROUNDINGS, _verdict, returned_check
+from .numcheck import F64_EPS, FLOOR_ROUNDINGS, _verdict, returned_check
 
 
 def _tensors(how: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tolerance: float) -> QuantityCheck:
-    r = returned_check(got, want, torch.float64)  # the float64 rule; the tolerance is set below
-    scale = max((float(w.abs().max()) for w in want.values() if w.numel()), default=0.0)
+    """numcheck.returned_check's rule at `tolerance`, zero judged at the rounding of `got`'s dtype."""
     dtype = next(iter(got.values())).dtype if got else torch.float64
-    zero = ZERO_ROUNDINGS * torch.finfo(dtype if dtype.is_floating_point else torch.float64).eps * scale
-    passed, worst = True, 0.0
-    for name, w in want.items():
-        g = got[name].detach().to(w.device, torch.float64)
-        abs_err = float((g - w).abs().max()) if w.numel() else 0.0
-        size = max(float(g.abs().max()), float(w.abs().max())) if w.numel() else 0.0
-        verdict = _verdict(size, abs_err, r.per_parameter[name], tolerance, tolerance * scale, zero)
-        passed = passed and verdict != "failed"
-        if verdict in ("ratio", "failed"):
-            worst = max(worst, r.per_parameter[name])
-    return QuantityCheck(how=how, max_rel_error=worst, tolerance=tolerance, passed=passed)
+    r = returned_check(got, want, dtype if dtype.is_floating_point else torch.float64, tolerance=tolerance)
+    return QuantityCheck(how=how, max_rel_error=r.max_rel_error, tolerance=tolerance, passed=r.passed)
 
 
 def per_loss(per_term: dict[str, dict[str, torch.Tensor]], reference: dict[str, dict[str, torch.Tensor]],

@@ -276,6 +276,24 @@ class _BaseClient:
         if entry is not None and graph_ref:
             entry.ref = graph_ref
 
+    def _answer(self, prepared: _Prepared, response: httpx.Response, buf: bytearray | memoryview) -> "GradientResult | str":
+        """A POST /gradients answer: the result (200), or the id of the job to wait on (202)."""
+        if response.status_code == 200:
+            return build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
+        return self._decode(wire.JobAccepted, response, buf).job_id
+
+    @staticmethod
+    def _job_to_wait_on(exc: GradientClientError) -> str:
+        """The job a POST that failed after creating it names (the caller waits on it, never POSTs again)."""
+        if not _resumable(exc):
+            raise exc
+        return exc.job_id
+
+    def _finished(self, prepared: _Prepared, result: GradientResult) -> GradientResult:
+        self._remember(prepared, result.graph_ref)
+        result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
+        return result
+
     def _lost(self, prepared: _Prepared, exc: GradientClientError) -> bool:
         """Whether the request is worth sending again after `exc`: a graph sent by ref (the graph goes
         whole next), or pieces the service lost (they go up again next)."""
@@ -698,23 +716,13 @@ class Client(_BaseClient):
     def _gradients(self, prepared: _Prepared, wait_s: float, deadline: _Deadline, progress: bool) -> GradientResult:
         wait = deadline.wait(wait_s)
         try:
-            response, buf = self._send("POST", "/gradients", content=prepared, params={"wait": wait},
-                                       extra_s=wait, idempotency_key=_new_key())
+            answer = self._answer(prepared, *self._send("POST", "/gradients", content=prepared, params={"wait": wait},
+                                                        extra_s=wait, idempotency_key=_new_key()))
         except GradientClientError as exc:
-            if not _resumable(exc):
-                raise
-            response, buf = None, None  # the job exists: wait on it, never POST it again
-            job_id = exc.job_id
-        if response is not None and response.status_code == 200:
-            result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
-        else:
-            if response is not None:
-                job_id = self._decode(wire.JobAccepted, response, buf).job_id
-            job = Job(self, job_id, prepared.local_names)
-            result = job.result(timeout=deadline.left(), progress=progress)
-        self._remember(prepared, result.graph_ref)
-        result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
-        return result
+            answer = self._job_to_wait_on(exc)
+        if isinstance(answer, str):
+            answer = Job(self, answer, prepared.local_names).result(timeout=deadline.left(), progress=progress)
+        return self._finished(prepared, answer)
 
     def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                losses: list | None = None, dtype: str | None = None, seed: int | None = None, **options: Any) -> "Job":
@@ -896,23 +904,15 @@ class AsyncClient(_BaseClient):
                          progress: bool) -> GradientResult:
         wait = deadline.wait(wait_s)
         try:
-            response, buf = await self._send("POST", "/gradients", content=prepared, params={"wait": wait},
-                                             extra_s=wait, idempotency_key=_new_key())
+            answer = self._answer(prepared, *await self._send("POST", "/gradients", content=prepared,
+                                                              params={"wait": wait}, extra_s=wait,
+                                                              idempotency_key=_new_key()))
         except GradientClientError as exc:
-            if not _resumable(exc):
-                raise
-            response, buf = None, None  # the job exists: wait on it, never POST it again
-            job_id = exc.job_id
-        if response is not None and response.status_code == 200:
-            result = build_result(self._decode(wire.GradientResult, response, buf), prepared.local_names)
-        else:
-            if response is not None:
-                job_id = self._decode(wire.JobAccepted, response, buf).job_id
-            job = AsyncJob(self, job_id, prepared.local_names)
-            result = await job.result(timeout=deadline.left(), progress=progress)
-        self._remember(prepared, result.graph_ref)
-        result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
-        return result
+            answer = self._job_to_wait_on(exc)
+        if isinstance(answer, str):
+            answer = await AsyncJob(self, answer, prepared.local_names).result(timeout=deadline.left(),
+                                                                                progress=progress)
+        return self._finished(prepared, answer)
 
     async def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                      losses: list | None = None, dtype: str | None = None, seed: int | None = None,

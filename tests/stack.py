@@ -168,6 +168,35 @@ def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: boo
     return stack
 
 
+def start_up(cwd: Path, **env_overrides: str) -> tuple[subprocess.Popen, str]:
+    """`gradsvc up` as a user runs it (its embedded Redis, free ports, this checkout importable), logging to
+    cwd/up.log: (the process, the API's base URL)."""
+    port = free_port()
+    env = {**os.environ, "GRADSVC_PORT": str(port), "GRADSVC_WORKER_METRICS_PORT": str(free_port()),
+           "GRADSVC_LOG_LEVEL": "warning",
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
+           **env_overrides}
+    env.pop("GRADSVC_REDIS_URL", None)
+    with open(cwd / "up.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gradsvc", "up"], cwd=cwd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(http: httpx.Client, timeout_s: float = 60, why=lambda: "/readyz never answered 200") -> float:
+    """GET /readyz every 0.2 s until it answers 200 (asserting within timeout_s, `why()` the message): the
+    seconds it took."""
+    started = time.monotonic()
+    while True:
+        try:
+            if http.get("/readyz").status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - started < timeout_s, why()
+        time.sleep(0.2)
+
+
 def wait_status(http: httpx.Client, job_id: str, statuses: tuple[str, ...] = ("finished", "failed", "canceled"),
                 timeout_s: float = 60) -> dict:
     """GET /jobs/{id} every 0.2 s until its status is one of `statuses` (or timeout_s passed): the last answer."""

@@ -4,18 +4,14 @@ the next job. Through `gradsvc up` itself, since its supervisor is part of what 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from gradsvc.launcher import free_port
-
-from ..stack import ROOT, wait_status
+from ..stack import start_up, wait_ready, wait_status
 from .test_reliability import small_body
 
 JOB_TIMEOUT_S = 5
@@ -43,15 +39,8 @@ def wedging_body(n: int = 300_000) -> dict:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up")
-    port = free_port()
-    env = {**os.environ, "GRADSVC_PORT": str(port), "GRADSVC_WORKER_METRICS_PORT": str(free_port()),
-           "GRADSVC_LOG_LEVEL": "warning", "GRADSVC_JOB_TIMEOUT_S": str(JOB_TIMEOUT_S),
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
-    env.pop("GRADSVC_REDIS_URL", None)
-    log = open(tmp / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gradsvc", "up"], cwd=tmp, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=90)
+    proc, url = start_up(tmp, GRADSVC_JOB_TIMEOUT_S=str(JOB_TIMEOUT_S))
+    http = httpx.Client(base_url=url, timeout=90)
     try:
         _wait_ready(http, tmp)
         yield http, tmp
@@ -65,15 +54,7 @@ def up(tmp_path_factory):
 
 
 def _wait_ready(http: httpx.Client, tmp, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if http.get("/readyz").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, (tmp / "up.log").read_text()
-        time.sleep(0.25)
+    wait_ready(http, timeout_s, lambda: (tmp / "up.log").read_text())
 
 
 def _submit_started(http: httpx.Client) -> str:

@@ -4,12 +4,10 @@ never existed), and a retry under an Idempotency-Key that vanished is refused ra
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
-from ..stack import start_stack, wait_status
+from ..stack import start_stack, wait_ready, wait_status
 from .test_hard_deadline import wedging_body
 from .test_reliability import small_body, submit
 
@@ -34,16 +32,8 @@ def test_redis_restarted_empty_reports_vanished_jobs_lost_and_the_stack_recovers
 
     stack.redis.stop()
     stack.redis.start()  # same port, no data
-    back = time.monotonic()
-    while True:
-        try:
-            if http.get("/readyz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() - back < 15, f"/readyz did not recover; logs in {stack.logdir}"
-        time.sleep(0.2)
-    print(f"/readyz 200 again {time.monotonic() - back:.1f} s after Redis came back empty")
+    back = wait_ready(http, 15, lambda: f"/readyz did not recover; logs in {stack.logdir}")
+    print(f"/readyz 200 again {back:.1f} s after Redis came back empty")
 
     for job_id in (queued, keyed):
         r = http.get(f"/jobs/{job_id}")

@@ -7,7 +7,6 @@ import copy
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gradsvc.launcher import free_port
-
 from ..nets import SEED_A_LAYERS
-from ..stack import ROOT, Stack, start_stack, wait_status
+from ..stack import Stack, start_stack, start_up, wait_ready, wait_status
 
 HEARTBEAT_S = 2  # a job lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -281,26 +278,10 @@ def _cmdline(pid: int) -> str:
 
 
 def test_gradsvc_up_restarts_a_worker_killed_with_sigkill(tmp_path):
-    port = free_port()
-    env = {**os.environ, "GRADSVC_PORT": str(port), "GRADSVC_WORKER_METRICS_PORT": str(free_port()),
-           "GRADSVC_LOG_LEVEL": "warning",
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
-    env.pop("GRADSVC_REDIS_URL", None)
-    log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "gradsvc", "up"], cwd=tmp_path, env=env, stdout=log,
-                          stderr=subprocess.STDOUT)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    up, url = start_up(tmp_path)
+    http = httpx.Client(base_url=url, timeout=30)
     try:
-        def ready() -> bool:
-            try:
-                return http.get("/readyz").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        deadline = time.monotonic() + 60
-        while not ready():
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.25)
+        wait_ready(http, 60, lambda: (tmp_path / "up.log").read_text())
         workers = [p for p in _children(up.pid) if " worker" in _cmdline(p)]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)

@@ -6,7 +6,6 @@ import base64
 import hashlib
 import logging
 import time
-import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone

@@ -455,7 +455,6 @@ def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, de
     them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
     trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
-    count = sum(p.numel() for n, p in prep.model.named_parameters() if n in trainable)
     mode = opts.numcheck
     if mode == "off":
         return numcheck.unchecked(prep.dtype)

@@ -48,8 +48,8 @@ RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'
 # The code last (a few hundred kB): run from /app on PYTHONPATH, no install step.
 WORKDIR /app
 COPY gradsvc/ /app/gradsvc/
-COPY service/ /app/gradsvc/service/
-COPY workers/ /app/gradsvc/workers/
+COPY service/ /app/service/
+COPY workers/ /app/workers/
 COPY gradclient/ /app/gradclient/
 COPY deploy/healthcheck.py /app/healthcheck.py
 

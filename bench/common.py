@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # The benches' stacks (tests/stack.py) run as `gradsvc up` configures them: large payloads handed over in
-# a per-stack dir under /dev/shm (GRADSVC_HANDOFF_DIR, gradsvc/handoff.py) unless the environment sets it
+# a per-stack dir under /dev/shm (GRADSVC_HANDOFF_DIR, gradsvc/broker/handoff.py) unless the environment sets it
 # (GRADSVC_HANDOFF_DIR= for the path through Redis alone).
 import tests.stack  # noqa: E402
 

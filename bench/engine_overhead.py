@@ -29,7 +29,7 @@ from torch import nn
 
 from common import footer, header, median, raw_tensor, table, verdict, wide_layers
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute
+from workers.engine import EngineConfig, compute
 
 CPU = torch.device("cpu")
 

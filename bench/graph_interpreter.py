@@ -24,9 +24,9 @@ from torch import nn
 from common import footer, header, median, table, verdict
 from gradclient.export import export_graph
 from gradsvc import wire
-from gradsvc.workers.engine import SpecError
-from gradsvc.workers.engine.graph import batch_mixing_nodes, build_graph, check_graph_shapes, compile_graph, load_weights
-from gradsvc.workers.engine.spec import Limits
+from workers.engine import SpecError
+from workers.engine.graph import batch_mixing_nodes, build_graph, check_graph_shapes, compile_graph, load_weights
+from workers.engine.spec import Limits
 
 LIMITS = Limits()
 

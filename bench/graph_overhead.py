@@ -33,9 +33,9 @@ from torch import nn
 from common import footer, header, median, raw_tensor, table, verdict
 from gradclient.export import export_graph
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute, prepare
+from workers.engine import EngineConfig, compute, prepare
 
-prepare_module = importlib.import_module("gradsvc.workers.engine.prepare")  # the package's `prepare` is the function
+prepare_module = importlib.import_module("workers.engine.prepare")  # the package's `prepare` is the function
 
 CONFIG = EngineConfig()
 torch.set_num_threads(1)  # on a shared machine, OpenMP threads waiting on busy cores swamp the ratio

@@ -16,9 +16,9 @@ import msgspec
 import torch
 
 from common import footer, header, table
-from gradsvc.settings import Settings
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import config_from_settings, prepare, warm_up_shape_check
+from workers.engine import config_from_settings, prepare, warm_up_shape_check
 
 # One node of each kind reading the previous node `p` (and, for add, the one 7 before `q`).
 OPS = {

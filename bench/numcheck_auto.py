@@ -18,7 +18,7 @@ from common import footer, header, median, table
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute
+from workers.engine import EngineConfig, compute
 from tests.graph_models import CASES
 
 REPEAT = 3

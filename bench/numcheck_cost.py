@@ -19,7 +19,7 @@ import torch
 
 from common import footer, header, median, raw_tensor, table
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute
+from workers.engine import EngineConfig, compute
 
 HIDDEN = [2, 24, 240, 2400, 24000]  # P = 43H + 10: 96, 1042, 10330, 103210, 1032010
 EXACT_MEASURED_MAX = 2_000  # above, exact is extrapolated (10,090 parameters would take ~15 s)

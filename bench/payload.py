@@ -19,8 +19,8 @@ import torch
 
 from common import footer, header, median, table, timed, verdict
 from gradsvc.wire import Tensor
-from gradsvc.service.encoding import for_json
-from gradsvc.workers.engine import tensors
+from service.encoding import for_json
+from workers.engine import tensors
 
 N = 10_000_000
 

@@ -36,7 +36,7 @@ from torch import nn
 from common import footer, header, median, percentile, seed_a_body, table, verdict
 from gradclient import Client
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute
+from workers.engine import EngineConfig, compute
 from tests.stack import Stack, start_stack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only answer bytes, only read

@@ -23,9 +23,9 @@ import msgspec
 from redis import Redis
 
 from common import footer, header, seed_a_body, table
-from gradsvc import keys
-from gradsvc.settings import Settings
-from gradsvc.service.jobs import JobStore
+from gradsvc.broker import keys
+from gradsvc.runtime.settings import Settings
+from service.jobs import JobStore
 from tests.stack import Stack, start_stack
 
 JOBS = 300

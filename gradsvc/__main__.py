@@ -1,3 +1,3 @@
-from .cli import main
+from gradsvc.runtime.cli import main
 
 main()

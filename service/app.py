@@ -12,14 +12,14 @@ from litestar import Litestar, Request, Response, delete, get, post, put, route
 from litestar.di import Provide
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gradsvc import blobs as tensor_refs
-from gradsvc.blobs import BlobError, BlobStore
-from gradsvc.graphref import GraphStore
-from gradsvc.malloc import keep_large_buffers
-from gradsvc.settings import Settings
+from gradsvc.broker import blobs as tensor_refs
+from gradsvc.broker.blobs import BlobError, BlobStore
+from gradsvc.broker.graphs import GraphStore
+from gradsvc.runtime.malloc import keep_large_buffers
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
-from gradsvc.workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
-from gradsvc.workers.engine.prepare import Prepared
+from workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
+from workers.engine.prepare import Prepared
 
 from . import docs, openapi, pages
 from .auth import Auth

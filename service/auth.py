@@ -12,8 +12,8 @@ import time
 from litestar import Request
 from redis import Redis
 
-from gradsvc import keys
-from gradsvc.settings import Settings
+from gradsvc.broker import keys
+from gradsvc.runtime.settings import Settings
 
 from .errors import ServiceError
 

@@ -8,7 +8,7 @@ import msgspec
 from litestar import Request, Response
 
 from gradsvc.wire import GradientResult, PerSample, Tensor
-from gradsvc.workers.engine import tensors
+from workers.engine import tensors
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"

@@ -9,7 +9,7 @@ import uuid
 
 from redis import Redis
 
-from gradsvc import keys
+from gradsvc.broker import keys
 
 EPOCH_HEX = 8  # a job id's first 8 hex digits: its epoch (the other 90 random bits keep it unguessable)
 

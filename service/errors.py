@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gradsvc.wire import ERROR_CODES, ErrorBody, ErrorInfo
-from gradsvc.workers.engine import EngineError
+from workers.engine import EngineError
 
 from .encoding import respond
 

@@ -15,7 +15,6 @@ import anyio.to_thread
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis import Redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -25,13 +24,16 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import utcparse
 
-from gradsvc import handoff as handoff_files
-from gradsvc import keys
-from gradsvc.handoff import Handoff, HandoffError
-from gradsvc.settings import Settings
+from gradsvc.broker import handoff as handoff_files
+from gradsvc.broker import keys
+from gradsvc.broker.handoff import Handoff, HandoffError
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
-from gradsvc.queue import (JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, cancel_shards, lease_s, settle,
-                           sync_redis)
+from gradsvc.broker.connection import sync_redis
+from gradsvc.broker.fanin import cancel_shards, settle
+from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
+from gradsvc.broker.leases import LeaseRegistry, lease_s
+from workers.jobs import gradient_job
 
 from . import recent, shards
 from .epochs import Epochs
@@ -95,7 +97,7 @@ class JobStore:
                                 job_class=GradientJob)
                        for d in keys.QUEUE_DEVICES}
         # GRADSVC_HANDOFF_DIR: large bodies go to a file and their jobs to this domain's queues
-        # (gradsvc/handoff.py), as long as every live worker of the device drains them.
+        # (gradsvc/broker/handoff.py), as long as every live worker of the device drains them.
         self.handoff: Handoff | None = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
         handoff_files.install(self.handoff)  # for a shard's failure callback run by this process (a reap)
         self.domain_queues = {} if self.handoff is None else {
@@ -192,7 +194,7 @@ class JobStore:
     def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, fmt: str, owner: str, job_id: str) -> None:
         """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""
         queue.enqueue(
-            JOB_FUNCTION, arg, fmt,
+            gradient_job, arg, fmt,
             job_id=job_id,
             job_timeout=self.settings.job_timeout_s,
             result_ttl=self.settings.result_ttl_s,
@@ -237,7 +239,7 @@ class JobStore:
         return ok
 
     def sweep_handoff(self) -> int:
-        """Deletes the handoff files that outlived their TTL (gradsvc.handoff.sweep_ages); the app runs it
+        """Deletes the handoff files that outlived their TTL (gradsvc.broker.handoff.sweep_ages); the app runs it
         once a minute in a thread, as each worker does after its jobs."""
         if self.handoff is None:
             return 0

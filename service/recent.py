@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from gradsvc import keys
+from gradsvc.broker import keys
 
 # The index keeps an owner's newest jobs only: a page lists them, and a key that submits thousands of
 # jobs must not grow a Redis entry without bound.

@@ -12,7 +12,7 @@ import secrets
 from litestar import Request
 from litestar.datastructures import Cookie
 
-from gradsvc import keys
+from gradsvc.broker import keys
 
 from .auth import ANONYMOUS, Auth
 

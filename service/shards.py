@@ -23,11 +23,12 @@ from rq.group import Group
 from rq.job import Dependency, Job, JobStatus
 from rq.utils import now
 
-from gradsvc import handoff as handoff_files
+from gradsvc.broker import handoff as handoff_files
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor
-from gradsvc.workers.engine.prepare import Prepared
-from gradsvc.workers.engine.reduce import check_shardable, plan_for, split_rows
-from gradsvc.queue import REDUCE_FUNCTION, SHARD_FAILED, SHARD_FUNCTION, shard_job_id
+from workers.engine.prepare import Prepared
+from workers.engine.reduce import check_shardable, plan_for, split_rows
+from gradsvc.broker.fanin import shard_failed, shard_job_id
+from workers.shards import reduce_job, shard_job
 
 from . import recent
 
@@ -140,12 +141,12 @@ def _enqueue(store: "JobStore", queue: Queue, plan, count: int, owner: str, job_
     ttls = {"timeout": settings.job_timeout_s, "result_ttl": settings.result_ttl_s,
             "failure_ttl": settings.failure_ttl_s}
     shard_jobs = [
-        Queue.prepare_data(SHARD_FUNCTION, (body,), job_id=sid, on_failure=Callback(SHARD_FAILED),
+        Queue.prepare_data(shard_job, (body,), job_id=sid, on_failure=Callback(shard_failed),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
                            meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
                                            "prefix": store.prefix, "owner": owner}}, **ttls)
         for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, bounds))]
-    reduce = queue.create_job(REDUCE_FUNCTION, args=(dataclasses.asdict(plan), shard_ids), job_id=job_id,
+    reduce = queue.create_job(reduce_job, args=(dataclasses.asdict(plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
                               description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
                               **ttls)

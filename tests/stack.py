@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from gradsvc.launcher import claim_handoff_dir, free_port, handoff_dir, redis_server_binary, wait_port
+from gradsvc.runtime.launcher import claim_handoff_dir, free_port, handoff_dir, redis_server_binary, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,7 +141,7 @@ HANDOFF_BY_DEFAULT = False
 def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool | None = None,
                 **env_overrides: str) -> Stack:
     """`handoff=True`: the stack as `gradsvc up` configures it, large payloads handed over in a per-stack
-    dir under /dev/shm (gradsvc/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
+    dir under /dev/shm (gradsvc/broker/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
     tests: off)."""
     if handoff is None:
         handoff = HANDOFF_BY_DEFAULT

@@ -16,13 +16,13 @@ from rq import get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
-from gradsvc import handoff as handoff_files
-from gradsvc import keys
-from gradsvc.blobs import BlobError, BlobStore
-from gradsvc.graphref import GraphStore
-from gradsvc.handoff import Handoff, HandoffError
-from gradsvc.queue import GradientJob
-from gradsvc.settings import Settings
+from gradsvc.broker import handoff as handoff_files
+from gradsvc.broker import keys
+from gradsvc.broker.blobs import BlobError, BlobStore
+from gradsvc.broker.graphs import GraphStore
+from gradsvc.broker.handoff import Handoff, HandoffError
+from gradsvc.broker.jobs import GradientJob
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
 from .engine import ComputeError, EngineConfig, EngineError, SpecError, compute, config_from_settings, resolve_device
@@ -50,7 +50,7 @@ class WorkerContext:
     metrics: WorkerMetrics
     graphs: GraphStore | None = None  # model.graph_ref look-ups, over the worker's Redis connection
     pieces: BlobStore | None = None  # tensors by reference, with this worker's LRU of the pieces it used
-    handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/handoff.py)
+    handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/broker/handoff.py)
 
 
 def _owner(job: Job) -> str:
@@ -90,7 +90,7 @@ def make_context(settings: Settings) -> WorkerContext:
         # than 1 on 2 cores).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
     handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
-    handoff_files.install(handoff)  # for RQ's failure callbacks (gradsvc.queue.shard_failed)
+    handoff_files.install(handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
     return WorkerContext(settings=settings, config=config_from_settings(settings), device=device,
                          metrics=WorkerMetrics(), handoff=handoff)
 
@@ -152,7 +152,7 @@ def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | 
 
 def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | None = None) -> bytes:
     """The request's bytes: the job's argument itself, or the file a handoff ref names (read, then deleted).
-    A ref is never a path: gradsvc/handoff.py checks its domain and name and joins it to this worker's dir."""
+    A ref is never a path: gradsvc/broker/handoff.py checks its domain and name and joins it to this worker's dir."""
     if not isinstance(body, str):
         return body
     if ctx.handoff is None:
@@ -190,7 +190,7 @@ def store_value(job: Job, ctx: WorkerContext, key: str, kind: str, data: bytes) 
 
 
 def sweep_handoff(ctx: WorkerContext) -> None:
-    """At most once a minute: delete the handoff files that outlived their TTL (gradsvc.handoff.sweep_ages)."""
+    """At most once a minute: delete the handoff files that outlived their TTL (gradsvc.broker.handoff.sweep_ages)."""
     handoff = ctx.handoff
     if handoff is None or not handoff.sweep_due():
         return

@@ -2,7 +2,7 @@
 computed as any job), the reduce job (the shards' results -> the job's result) and the fan-in of a
 failure (a failed or lost shard fails the job, naming itself, and cancels its siblings).
 
-A failure reaches `gradsvc.queue.shard_failed` through RQ's on_failure callback, from the worker that ran the shard
+A failure reaches `gradsvc.broker.fanin.shard_failed` through RQ's on_failure callback, from the worker that ran the shard
 or, for a shard whose worker died, from whichever process reaps its lapsed lease (a worker's
 heartbeat thread, or the API reading the job): both reap through `LeaseRegistry`.
 """
@@ -15,8 +15,8 @@ import time
 import msgspec
 from rq.job import Job
 
-from gradsvc import handoff as handoff_files
-from gradsvc import keys
+from gradsvc.broker import handoff as handoff_files
+from gradsvc.broker import keys
 from gradsvc.wire import GradientResult, Tensor
 
 from .engine import ComputeError

@@ -38,14 +38,18 @@ from rq.utils import now, utcformat
 from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker, WorkerStatus
 
-from gradsvc import keys
-from gradsvc.malloc import keep_large_buffers
-from gradsvc.settings import Settings
-
-from gradsvc.queue import JOB_FUNCTION, GradientJob, LeaseRegistry, MsgpackSerializer, lease_s, sync_redis
+from gradsvc.broker import keys
+from gradsvc.broker.connection import sync_redis
+from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
+from gradsvc.broker.leases import LeaseRegistry, lease_s
+from gradsvc.runtime.malloc import keep_large_buffers
+from gradsvc.runtime.settings import Settings
 
 from .engine import warm_up_shape_check
-from .jobs import make_context, set_context
+from .jobs import gradient_job, make_context, set_context
+
+# RQ records a job's function by its dotted path; the pipelined dequeue compares it to this one's.
+_JOB_FUNCTION = f"{gradient_job.__module__}.{gradient_job.__qualname__}"
 
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
@@ -188,7 +192,7 @@ class GradientWorker(SimpleWorker):
         on, and no read of, the dependents set (two round trips), and the worker's IDLE state written in the
         same transaction. Other jobs take RQ's own path."""
         self._yield_to_hard_stop()
-        if job.func_name != JOB_FUNCTION or job.repeats_left:
+        if job.func_name != _JOB_FUNCTION or job.repeats_left:
             super().handle_job_success(job, queue, started_job_registry, execution)
             if isinstance(job, GradientJob):
                 if not job.result_flushed:

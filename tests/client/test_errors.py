@@ -13,9 +13,9 @@ from torch import nn
 import gradclient
 from gradclient import Client, errors
 from gradsvc import wire
-from gradsvc.service.errors import STATUS
+from service.errors import STATUS
 
-from gradsvc.launcher import free_port
+from gradsvc.runtime.launcher import free_port
 
 from ..stack import RedisServer, Stack, start_stack
 

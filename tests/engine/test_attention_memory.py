@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, SpecError, prepare
-from gradsvc.workers.engine.spec import Limits
+from workers.engine import EngineConfig, SpecError, prepare
+from workers.engine.spec import Limits
 
 
 class Attend(nn.Module):

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from gradclient.export import example_inputs, export_graph
 from gradclient.tensors import from_wire, inputs_to_wire, to_wire
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, SpecError, compute, prepare
+from workers.engine import EngineConfig, SpecError, compute, prepare
 
 
 class Scaled(nn.Module):

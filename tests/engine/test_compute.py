@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import ComputeError, EngineConfig, SpecError, compute, estimate
-from gradsvc.workers.engine.tensors import decode
+from workers.engine import ComputeError, EngineConfig, SpecError, compute, estimate
+from workers.engine.tensors import decode
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 

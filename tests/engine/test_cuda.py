@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import ComputeError, EngineConfig, Limits, compute
-from gradsvc.workers.engine.tensors import decode
+from workers.engine import ComputeError, EngineConfig, Limits, compute
+from workers.engine.tensors import decode
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 

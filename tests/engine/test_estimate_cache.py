@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import SpecError, estimate
+from workers.engine import SpecError, estimate
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
-compute_module = importlib.import_module("gradsvc.workers.engine.compute")  # the module (the package re-exports a function of that name)
+compute_module = importlib.import_module("workers.engine.compute")  # the module (the package re-exports a function of that name)
 
 
 def request(layers, x, y, **kw) -> GradientRequest:
@@ -90,8 +90,8 @@ def test_threads_share_the_cache_and_agree():
 
 
 def test_the_meta_model_is_built_once_per_spec_and_limits_still_apply():
-    from gradsvc.workers.engine import EngineConfig, prepare
-    from gradsvc.workers.engine.spec import Limits
+    from workers.engine import EngineConfig, prepare
+    from workers.engine.spec import Limits
 
     x, y = seed_a_batch(4)
     req = request(SEED_A_LAYERS, x, y)
@@ -104,7 +104,7 @@ def test_the_meta_model_is_built_once_per_spec_and_limits_still_apply():
 
 
 def test_estimate_leaves_the_shared_meta_model_as_built():
-    from gradsvc.workers.engine import EngineConfig, prepare
+    from workers.engine import EngineConfig, prepare
 
     layers = [{"type": "Linear", "in_features": 6, "out_features": 8},
               {"type": "BatchNorm1d", "num_features": 8, "momentum": None},

@@ -12,12 +12,12 @@ import torch
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc import wire
-from gradsvc.workers.engine import SpecError
-from gradsvc.workers.engine import tensors as engine_tensors
-from gradsvc.workers.engine.graph import (GraphModel, batch_mixing_nodes, build_graph, check_graph_shapes, load_weights,
+from workers.engine import SpecError
+from workers.engine import tensors as engine_tensors
+from workers.engine.graph import (GraphModel, batch_mixing_nodes, build_graph, check_graph_shapes, load_weights,
                                   validate_graph)
-from gradsvc.workers.engine.ops import OPS, SKIPPED
-from gradsvc.workers.engine.spec import Limits
+from workers.engine.ops import OPS, SKIPPED
+from workers.engine.spec import Limits
 
 from .. import graph_nets
 

@@ -14,10 +14,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
-from gradsvc import graphref, keys
+from gradsvc import hashing
+from gradsvc.broker import keys
 from gradsvc.wire import GradientRequest
-from gradsvc.graphref import GraphStore
-from gradsvc.workers.engine import EngineConfig, SpecError, compute, estimate, prepare
+from gradsvc.broker.graphs import GraphStore
+from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
 
 from ..graph_models import CASES, local_gradients
 
@@ -55,7 +56,7 @@ def test_graph_gradients_come_back_under_state_dict_names_with_a_ref(unet):
     model, x, y, loss, req = unet
     result = compute(req, CONFIG)
     assert close(grads(result), local_gradients(model, x, y, loss), 1e-12)
-    assert result.graph_ref == graphref.digest(graphref.encode(req.model.graph))
+    assert result.graph_ref == hashing.digest(hashing.encode(req.model.graph))
 
 
 def test_missing_weights_are_refused_saying_there_is_no_default_init(unet):
@@ -194,8 +195,8 @@ def stored(unet):
     graph = unet[-1].model.graph
     redis = fakeredis.FakeRedis()
     store = GraphStore(redis, "t", ttl_s=100)
-    data = graphref.encode(graph)
-    ref = graphref.digest(data)
+    data = hashing.encode(graph)
+    ref = hashing.digest(data)
     store.put("alice", ref, graph, data)
     return redis, store, graph, data, ref
 
@@ -290,8 +291,8 @@ def _chain_request(n: int) -> GradientRequest:
 
 
 def test_a_graph_over_the_node_budget_is_too_large_before_any_node_runs():
-    from gradsvc.settings import Settings
-    from gradsvc.workers.engine import config_from_settings
+    from gradsvc.runtime.settings import Settings
+    from workers.engine import config_from_settings
 
     config = config_from_settings(Settings())
     assert config.limits.max_graph_nodes == 5_000  # ~3 s of API CPU for the costliest op (bench/graph_validation.py)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gradclient.export import export_graph
-from gradsvc.workers.engine.graph import batch_mixing_nodes, build_graph, draws_masks
+from workers.engine.graph import batch_mixing_nodes, build_graph, draws_masks
 
 from ..graph_models import RecurrentLM
 from .test_graph import LIMITS, assert_grads_close, grads, graph_model, over_the_wire

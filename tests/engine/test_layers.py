@@ -11,10 +11,10 @@ from torch import nn
 
 from gradsvc.modules import LSTM
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import SpecError, compute, estimate
-from gradsvc.workers.engine.errors import EngineError
-from gradsvc.workers.engine.spec import Limits, build, check_shapes
-from gradsvc.workers.engine.tensors import decode
+from workers.engine import SpecError, compute, estimate
+from workers.engine.errors import EngineError
+from workers.engine.spec import Limits, build, check_shapes
+from workers.engine.tensors import decode
 
 from ..layer_samples import every_argument_value, input_shape
 from ..nets import tensor_json

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import ComputeError, compute
-from gradsvc.workers.engine.prepare import EngineConfig, _built, prepare
-from gradsvc.workers.engine.tensors import decode
+from workers.engine import ComputeError, compute
+from workers.engine.prepare import EngineConfig, _built, prepare
+from workers.engine.tensors import decode
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 

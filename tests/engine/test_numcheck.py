@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute, numcheck
-from gradsvc.workers.engine.tensors import decode
-from gradsvc.workers.engine.prepare import _init_cache
+from workers.engine import EngineConfig, compute, numcheck
+from workers.engine.tensors import decode
+from workers.engine.prepare import _init_cache
 
 from ..nets import seed_a_batch, seed_a_module, tensor_json
 

@@ -11,8 +11,8 @@ import torch
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, compute
-from gradsvc.workers.engine import numcheck, quantities
+from workers.engine import EngineConfig, compute
+from workers.engine import numcheck, quantities
 
 from ..graph_models import CASES
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, SpecError, compute, estimate, prepare
-from gradsvc.workers.engine.spec import Residual
-from gradsvc.workers.engine.tensors import decode
+from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
+from workers.engine.spec import Residual
+from workers.engine.tensors import decode
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 

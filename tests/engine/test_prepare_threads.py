@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import EngineConfig, prepare
-from gradsvc.workers.engine.spec import Limits, build
+from workers.engine import EngineConfig, prepare
+from workers.engine.spec import Limits, build
 
-prepare_module = importlib.import_module("gradsvc.workers.engine.prepare")  # the package exports the function
+prepare_module = importlib.import_module("workers.engine.prepare")  # the package exports the function
 
 
 def spec(width: int, batch: int, seed: int) -> GradientRequest:

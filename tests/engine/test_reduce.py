@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest, GradientResult
-from gradsvc.service.shards import shard_requests
-from gradsvc.workers.engine import SpecError, compute, prepare
-from gradsvc.workers.engine.prepare import EngineConfig
-from gradsvc.workers.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
-from gradsvc.workers.engine.tensors import decode
+from service.shards import shard_requests
+from workers.engine import SpecError, compute, prepare
+from workers.engine.prepare import EngineConfig
+from workers.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
+from workers.engine.tensors import decode
 
 from ..nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
 

@@ -10,11 +10,11 @@ import torch
 from importlib import import_module
 
 from gradsvc.wire import GradientRequest, GradientResult
-from gradsvc.workers.engine import EngineConfig, SpecError, compute, prepare
+from workers.engine import EngineConfig, SpecError, compute, prepare
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 
-prepare_module = import_module("gradsvc.workers.engine.prepare")  # the module (the package exports the function)
+prepare_module = import_module("workers.engine.prepare")  # the module (the package exports the function)
 
 
 def request(layers=SEED_A_LAYERS, x=None, y=None, **options) -> GradientRequest:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from gradsvc.layers import read_args
-from gradsvc.workers.engine.errors import SpecError
-from gradsvc.workers.engine.spec import LAYERS, Limits, build, check_shapes, layer_catalogue
+from workers.engine.errors import SpecError
+from workers.engine.spec import LAYERS, Limits, build, check_shapes, layer_catalogue
 
 
 def test_parameter_names_equal_nn_sequential_state_dict():

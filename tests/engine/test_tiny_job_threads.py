@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from gradsvc.workers.engine import compute
+from workers.engine import compute
 
 from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
-compute_module = importlib.import_module("gradsvc.workers.engine.compute")  # the module (the package re-exports a function of that name)
+compute_module = importlib.import_module("workers.engine.compute")  # the module (the package re-exports a function of that name)
 
 
 def request(layers, x, y, **kw) -> GradientRequest:

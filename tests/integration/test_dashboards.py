@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gradsvc.launcher import free_port
+from gradsvc.runtime.launcher import free_port
 
 from ..stack import ROOT
 from .test_metrics import NEEDS_PROMETHEUS, samples, seed_a_body

@@ -1,4 +1,4 @@
-"""Large payloads handed over outside Redis (GRADSVC_HANDOFF_DIR, gradsvc/handoff.py) through the live stack:
+"""Large payloads handed over outside Redis (GRADSVC_HANDOFF_DIR, gradsvc/broker/handoff.py) through the live stack:
 a private redis-server, the API over HTTP and two real RQ workers sharing a handoff dir, with a small
 GRADSVC_HANDOFF_MIN_BYTES. The answers equal local float64 autograd; Redis holds refs, not bodies; nothing
 is left behind by sharded, canceled or killed jobs; a worker outside the domain turns the handoff off."""
@@ -19,8 +19,8 @@ import torch
 from redis import Redis
 from rq.job import Job
 
-from gradsvc import handoff as hf
-from gradsvc import keys
+from gradsvc.broker import handoff as hf
+from gradsvc.broker import keys
 
 from ..stack import ROOT, client_fixtures, start_stack, wait_started, wait_status
 
@@ -343,7 +343,7 @@ def test_a_worker_outside_the_domain_turns_the_handoff_off_and_jobs_still_succee
 
 def test_gradsvc_up_hands_off_in_a_per_port_dir_and_removes_it_at_exit(tmp_path):
     """`gradsvc up` sets GRADSVC_HANDOFF_DIR for its children (launcher.handoff_dir) and removes it on Ctrl-C."""
-    from gradsvc.launcher import free_port, handoff_dir as up_dir
+    from gradsvc.runtime.launcher import free_port, handoff_dir as up_dir
 
     port = free_port()
     path = up_dir(port)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gradsvc.launcher import free_port, wait_port
-from gradsvc.workers.metrics import PHASE_BUCKETS, PHASES
+from gradsvc.runtime.launcher import free_port, wait_port
+from workers.metrics import PHASE_BUCKETS, PHASES
 
 from ..nets import SEED_A_LAYERS, seed_a_batch
 

@@ -23,7 +23,7 @@ from torch.utils import _pytree
 from gradclient.errors import UnsupportedModuleError
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
-from gradsvc.workers.engine.ops import OPS
+from workers.engine.ops import OPS
 
 from ..nets import from_wire
 

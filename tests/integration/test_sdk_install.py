@@ -29,9 +29,11 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
-def test_the_wheel_keeps_its_modules_under_the_projects_own_names(wheel):
+def test_the_wheel_holds_the_four_packages_each_under_its_folders_name(wheel):
+    """The import path is the folder a reader opens (README, Decisions): gradsvc/ and gradclient/, and the
+    server's service/ and workers/; nothing else lands at the top of site-packages."""
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist() if not name.startswith("gradsvc-")}
-    assert tops == {"gradsvc", "gradclient"}
+    assert tops == {"gradsvc", "gradclient", "service", "workers"}
 
 
 def test_the_sdk_alone_installs_without_the_server_and_computes_gradients(wheel, stack, tmp_path):

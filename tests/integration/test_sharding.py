@@ -15,7 +15,7 @@ import torch
 from redis import Redis
 from rq.job import Job
 
-from gradsvc import keys
+from gradsvc.broker import keys
 
 from ..nets import SEED_A_LAYERS, TWO_LOSSES, from_wire, tensor_json
 from ..stack import client_fixtures, start_stack, wait_started, wait_status
@@ -297,6 +297,6 @@ def test_a_killed_shard_worker_ends_the_job_worker_lost_naming_the_shard_and_can
     for sid in ids:
         if sid != victim_shard:  # canceled while queued (RQ's canceled) or stopped while running (code canceled)
             status = redis.hget(Job.key_for(sid), "status")
-            meta = Job.fetch(sid, connection=redis, serializer="gradsvc.queue.MsgpackSerializer").meta
+            meta = Job.fetch(sid, connection=redis, serializer="gradsvc.broker.jobs.MsgpackSerializer").meta
             assert status == b"canceled" or meta.get("error", {}).get("code") == "canceled", (sid, status, meta)
     shard_stack.start_worker()

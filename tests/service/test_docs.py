@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from gradsvc import wire
-from gradsvc.settings import Settings
-from gradsvc.service.errors import STATUS
+from gradsvc.runtime.settings import Settings
+from service.errors import STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "api.md"
@@ -61,7 +61,7 @@ def test_every_setting_is_documented(doc):
 
 
 def test_every_route_is_documented(doc):
-    from gradsvc.service import openapi
+    from service import openapi
 
     for path, methods in openapi.build(300)["paths"].items():
         for method in methods:
@@ -84,7 +84,7 @@ def test_the_202_body_is_documented_with_every_field_it_carries(doc):
 
 def test_the_readme_counts_the_layer_types_get_layers_lists():
     """Issue 26 item 7: "91 types" against the 93 entries of GET /layers (the containers, unsaid)."""
-    from gradsvc.workers.engine import layer_catalogue
+    from workers.engine import layer_catalogue
 
     entries = layer_catalogue()
     text = (ROOT / "README.md").read_text()

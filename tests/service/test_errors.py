@@ -12,12 +12,12 @@ import torch
 from litestar import Litestar, Request, get
 from litestar.testing import TestClient
 
-from gradsvc.launcher import free_port
-from gradsvc.settings import Settings
+from gradsvc.runtime.launcher import free_port
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
-from gradsvc.service.app import create_app
-from gradsvc.service.errors import STATUS, ServiceError, error_response, handle_exception
-from gradsvc.workers.engine import ComputeError, EngineConfig, compute, resolve_device
+from service.app import create_app
+from service.errors import STATUS, ServiceError, error_response, handle_exception
+from workers.engine import ComputeError, EngineConfig, compute, resolve_device
 
 from ..nets import SEED_A_LAYERS
 

@@ -1,5 +1,5 @@
-"""gradsvc/handoff.py alone (no Redis): the domain, files by ref, hostile refs, the sweep, the result marker;
-the routing names in gradsvc/keys.py; `gradsvc up`'s per-stack dir."""
+"""gradsvc/broker/handoff.py alone (no Redis): the domain, files by ref, hostile refs, the sweep, the result marker;
+the routing names in gradsvc/broker/keys.py; `gradsvc up`'s per-stack dir."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import time
 import msgspec
 import pytest
 
-from gradsvc import handoff as hf
-from gradsvc import keys
-from gradsvc.handoff import Handoff, HandoffError
-from gradsvc.launcher import claim_handoff_dir, handoff_dir
-from gradsvc.settings import Settings, SettingsError
+from gradsvc.broker import handoff as hf
+from gradsvc.broker import keys
+from gradsvc.broker.handoff import Handoff, HandoffError
+from gradsvc.runtime.launcher import claim_handoff_dir, handoff_dir
+from gradsvc.runtime.settings import Settings, SettingsError
 from gradsvc.wire import GradientResult, Timings
 
 
@@ -177,7 +177,7 @@ def test_up_makes_one_dir_per_port_and_claims_it(tmp_path):
 
 def test_the_launchers_pid_file_is_mode_0600_as_the_dirs_other_files(tmp_path):
     """Issue 26 item 7: launcher.pid was written 0644 (the umask's) where the README says files are 0600."""
-    from gradsvc.launcher import OWNER_FILE, claim_handoff_dir
+    from gradsvc.runtime.launcher import OWNER_FILE, claim_handoff_dir
 
     old = os.umask(0o022)
     try:

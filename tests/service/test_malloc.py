@@ -1,4 +1,4 @@
-"""gradsvc.malloc: the service's processes keep large buffers in the heap (glibc), and nothing breaks."""
+"""gradsvc.runtime.malloc: the service's processes keep large buffers in the heap (glibc), and nothing breaks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 CHILD = """
 import os, time
-from gradsvc.malloc import keep_large_buffers
+from gradsvc.runtime.malloc import keep_large_buffers
 assert keep_large_buffers()
 raw = os.urandom(40_000_000)
 for _ in range(3):
@@ -37,7 +37,7 @@ def test_the_api_and_the_workers_turn_it_on():
 THREADS = """
 import os, resource, sys
 from concurrent.futures import ThreadPoolExecutor
-from gradsvc.malloc import keep_large_buffers
+from gradsvc.runtime.malloc import keep_large_buffers
 assert keep_large_buffers(one_arena=sys.argv[1] == "one")
 raw = os.urandom(30_000_000)
 def work():

@@ -14,9 +14,9 @@ import pytest
 from litestar.testing import TestClient
 from msgspec import inspect as mi
 
-from gradsvc.settings import Settings
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import Options
-from gradsvc.service.app import create_app
+from service.app import create_app
 
 from ..nets import SEED_A_LAYERS
 from .test_security_limits import dead_redis_url
@@ -211,8 +211,8 @@ def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_v
     decode refused (a traceback, then a failed job); the queued body now carries the ints."""
     import msgspec
 
-    from gradsvc.service.app import _decode
-    from gradsvc.workers.jobs import decode_request
+    from service.app import _decode
+    from workers.jobs import decode_request
 
     payload = body(options={"timing_repeat": 2.0, "micro_batch": 1.0, "shards": 2.0})
     payload["model"]["seed"] = 1.0

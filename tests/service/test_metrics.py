@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rq.worker import WorkerStatus
 
-from gradsvc.service.metrics import ApiMetrics
+from service.metrics import ApiMetrics
 
 
 class _Worker:

@@ -8,7 +8,7 @@ import copy
 import jsonschema_rs  # schemathesis 4 (the dev extra) validates with it
 import pytest
 
-from gradsvc.service import openapi
+from service import openapi
 
 
 def _validator() -> "jsonschema_rs.Draft202012Validator":

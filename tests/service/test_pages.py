@@ -9,11 +9,11 @@ import pytest
 from litestar.testing import TestClient
 from markupsafe import escape
 
-from gradsvc.launcher import free_port
-from gradsvc.settings import Settings
-from gradsvc.service import html, pages
-from gradsvc.service.app import create_app
-from gradsvc.service.graph_svg import render
+from gradsvc.runtime.launcher import free_port
+from gradsvc.runtime.settings import Settings
+from service import html, pages
+from service.app import create_app
+from service.graph_svg import render
 from gradsvc.wire import (GradientResult, GraphNode, JobInfo, LayerMemory, Memory, Numcheck, ParameterCheck,
                           Progress, Timings)
 

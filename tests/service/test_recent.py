@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import fakeredis
 
-from gradsvc import keys
-from gradsvc.service import recent
+from gradsvc.broker import keys
+from service import recent
 
 
 async def test_the_index_keeps_each_owners_newest_jobs_only_and_expires():

@@ -12,11 +12,11 @@ import fakeredis
 import pytest
 from litestar.testing import TestClient
 
-from gradsvc.launcher import free_port
-from gradsvc.settings import Settings, SettingsError
-from gradsvc.service.app import create_app
-from gradsvc.service.auth import ANONYMOUS, Auth
-from gradsvc.service.errors import ServiceError
+from gradsvc.runtime.launcher import free_port
+from gradsvc.runtime.settings import Settings, SettingsError
+from service.app import create_app
+from service.auth import ANONYMOUS, Auth
+from service.errors import ServiceError
 
 from ..nets import SEED_A_LAYERS
 
@@ -62,7 +62,7 @@ def test_missing_or_wrong_key_is_unauthorized(header):
 
 
 def test_keys_are_compared_in_constant_time(monkeypatch):
-    import gradsvc.service.auth as auth_module
+    import service.auth as auth_module
 
     compared = []
     real = auth_module.hmac.compare_digest
@@ -233,7 +233,7 @@ def test_gradsvc_serve_with_a_bad_log_level_exits_with_a_message_not_a_traceback
     import sys
 
     env = {**os.environ, "GRADSVC_LOG_LEVEL": "loud"}
-    out = subprocess.run([sys.executable, "-m", "gradsvc.cli", "serve"], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-m", "gradsvc.runtime.cli", "serve"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert out.returncode == 2
     assert "GRADSVC_LOG_LEVEL='loud'" in out.stderr and "Traceback" not in out.stderr

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from litestar.testing import TestClient
 
-from gradsvc.launcher import free_port
-from gradsvc.settings import Settings
-from gradsvc.service.app import create_app
+from gradsvc.runtime.launcher import free_port
+from gradsvc.runtime.settings import Settings
+from service.app import create_app
 
 BATCH_NORM_NET = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
                   {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]

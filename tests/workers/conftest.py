@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradsvc.launcher import free_port
+from gradsvc.runtime.launcher import free_port
 
 from ..stack import RedisServer
 

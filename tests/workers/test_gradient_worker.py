@@ -20,18 +20,18 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 
-from gradsvc import keys
-from gradsvc.settings import Settings
+from gradsvc.broker import keys
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
-from gradsvc.service.jobs import JobStore
-from gradsvc.workers import jobs as worker_jobs
-from gradsvc.queue import MsgpackSerializer
-from gradsvc.workers.worker import GradientWorker
+from service.jobs import JobStore
+from workers import jobs as worker_jobs
+from gradsvc.broker.jobs import MsgpackSerializer
+from workers.worker import GradientWorker
 
 from ..nets import SEED_A_LAYERS
 from ..stack import ROOT
 
-engine_compute = importlib.import_module("gradsvc.workers.engine.compute")
+engine_compute = importlib.import_module("workers.engine.compute")
 
 
 @pytest.fixture()
@@ -180,7 +180,7 @@ def test_jobs_cross_redis_as_msgpack_never_pickle(settings):
         assert not raw.startswith(b"\x80"), f"{name} looks like a pickle"  # pickle protocol 2+ header
         msgspec.msgpack.decode(raw)  # and it is MessagePack
     func, _instance, args, _kwargs = msgspec.msgpack.decode(data)
-    assert func == "gradsvc.workers.jobs.gradient_job"
+    assert func == "workers.jobs.gradient_job"
     assert msgspec.json.decode(args[0], type=GradientRequest).model.layers[0]["type"] == "Linear"
     # Anything stored under a job is readable without pickle: no key holds a pickle header.
     for key in conn.keys("*"):
@@ -209,7 +209,7 @@ def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
     offenders = [str(p.relative_to(ROOT)) for d in ("service", "workers", "gradsvc", "gradclient")
                  for p in (ROOT / d).rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
-    assert Path(ROOT / "gradsvc" / "queue.py").read_text().count("msgspec.msgpack") >= 2
+    assert Path(ROOT / "gradsvc" / "broker" / "jobs.py").read_text().count("msgspec.msgpack") >= 2
 
 
 def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(settings):
@@ -219,8 +219,8 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
     from rq.registry import FinishedJobRegistry
     from rq.results import Result
 
-    from gradsvc.queue import GradientJob
-    from gradsvc.workers.worker import build_worker
+    from gradsvc.broker.jobs import GradientJob
+    from workers.worker import build_worker
 
     store = JobStore(settings)
     conn = store.redis
@@ -257,7 +257,7 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     """The worker sends its start transaction and reads the reply when the job ends: while the job runs, Redis
     has already marked it started (registry, status, lease); a refused command in it surfaces as an error at
     the job's end, and its connection goes back to the pool either way."""
-    from gradsvc.workers.worker import _SentTransaction
+    from workers.worker import _SentTransaction
 
     store = JobStore(settings)
     worker, queue = make_worker(settings)

@@ -14,12 +14,14 @@ from rq.group import Group
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
-from gradsvc import keys
-from gradsvc.settings import Settings
+from gradsvc.broker import keys
+from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
-from gradsvc.service.jobs import JobStore
-from gradsvc.workers.engine import EngineConfig, prepare
-from gradsvc.queue import LeaseRegistry, MsgpackSerializer, shard_job_id
+from service.jobs import JobStore
+from workers.engine import EngineConfig, prepare
+from gradsvc.broker.fanin import shard_job_id
+from gradsvc.broker.jobs import MsgpackSerializer
+from gradsvc.broker.leases import LeaseRegistry
 
 from ..nets import SEED_A_LAYERS
 

@@ -17,7 +17,8 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc import graphref
+from gradsvc import hashing
+from gradsvc.lru import LRU
 from gradsvc.wire import MAX_TIMING_REPEAT, GradientRequest, GraphSpec, LossSpec, Options, Tensor, is_tensor
 
 from . import tensors
@@ -588,9 +589,9 @@ class GraphTemplate:
 
 
 # (ref, dtype) -> GraphTemplate and (ref, dtype, input shape, input dtype) -> (output shape, dtype).
-# Both are graphref.LRU: locked, since the API prepares requests from several threads at once.
-_templates: graphref.LRU[GraphTemplate] = graphref.LRU(64)
-_graph_shapes: graphref.LRU[tuple[torch.Size, torch.dtype, bool]] = graphref.LRU(SHAPE_CACHE_ENTRIES)
+# Both are LRU: locked, since the API prepares requests from several threads at once.
+_templates: LRU[GraphTemplate] = LRU(64)
+_graph_shapes: LRU[tuple[torch.Size, torch.dtype, bool]] = LRU(SHAPE_CACHE_ENTRIES)
 
 
 _REF = re.compile(r"[0-9a-f]{64}")
@@ -601,11 +602,11 @@ def _graph_spec(request: GradientRequest, dtype: torch.dtype,
     """(ref, graph, canonical bytes) for model.graph, or model.graph_ref resolved through `graphs`."""
     if request.model.graph is not None:
         try:
-            data = graphref.encode(request.model.graph)
+            data = hashing.encode(request.model.graph)
         except OverflowError:  # JSON integers have no bound; no op takes one beyond 64 bits
             raise SpecError("bad_option", "model.graph: an integer in the graph lies outside the 64-bit range; "
                             "sizes, dims and other integer arguments must fit in int64") from None
-        return graphref.digest(data), request.model.graph, data
+        return hashing.digest(data), request.model.graph, data
     ref = request.model.graph_ref
     if not _REF.fullmatch(ref):
         raise SpecError("graph_not_found", f"model.graph_ref {ref[:80]!r} is not a graph_ref (64 hex digits, as a "
@@ -648,7 +649,7 @@ def _fresh(template: GraphTemplate, device: str | torch.device, dtype: torch.dty
     return GraphModel(template.compiled, device=device, dtype=dtype)
 
 
-_mixing: graphref.LRU[tuple] = graphref.LRU(SHAPE_CACHE_ENTRIES)
+_mixing: LRU[tuple] = LRU(SHAPE_CACHE_ENTRIES)
 
 
 def _batch_flow(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -> tuple[list, tuple[int, int] | None]:

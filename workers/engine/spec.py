@@ -31,7 +31,7 @@ class Limits:
     max_layers: int = 512
     max_depth: int = 8
     max_elements: int = 64_000_000
-    # Graph models: nodes in one graph (GRADSVC_MAX_GRAPH_NODES; its cost: gradsvc/settings.py), and the
+    # Graph models: nodes in one graph (GRADSVC_MAX_GRAPH_NODES; its cost: gradsvc/runtime/settings.py), and the
     # bytes of all its intermediates together (meta-checked).
     max_graph_nodes: int = 5_000
     max_graph_intermediate_bytes: int = 16 << 30

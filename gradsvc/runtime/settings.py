@@ -41,7 +41,7 @@ class Settings:
     failure_ttl_s: int = 86400
     # How long the API keeps a validated graph for `model.graph_ref` after its last use.
     graph_ttl_s: int = 86400
-    # Tensors by reference (gradsvc/blobs.py): how long an uploaded piece stays after its last use, the
+    # Tensors by reference (gradsvc/broker/blobs.py): how long an uploaded piece stays after its last use, the
     # bytes one owner's pieces may hold in Redis (the least recently used go first), and what each worker
     # keeps of the pieces it used.
     tensor_ttl_s: int = 3600
@@ -71,7 +71,7 @@ class Settings:
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False
     # Large bodies and results handed over as files when the API and the workers share a host
-    # (gradsvc/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
+    # (gradsvc/broker/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
     # dir under /dev/shm. Smaller payloads go through Redis as before.
     handoff_dir: str = ""
     handoff_min_bytes: int = 1 << 20

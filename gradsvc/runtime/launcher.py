@@ -97,7 +97,7 @@ def start_redis(port: int, pidfile: Path) -> subprocess.Popen:
 
 
 def handoff_dir(port: int) -> Path:
-    """The stack's handoff dir (gradsvc/handoff.py): on the tmpfs /dev/shm, else under the temp dir; one per
+    """The stack's handoff dir (gradsvc/broker/handoff.py): on the tmpfs /dev/shm, else under the temp dir; one per
     API port, so two stacks on one machine keep their files apart."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
@@ -165,7 +165,7 @@ class Launcher:
         env["GRADSVC_WORKERS"] = str(self.settings.workers)  # workers split the CPU cores between them
         if "GRADSVC_HANDOFF_DIR" not in os.environ:
             # The API and the workers share this machine: large bodies and results go through a file
-            # (gradsvc/handoff.py). Set GRADSVC_HANDOFF_DIR (empty: off) to choose otherwise.
+            # (gradsvc/broker/handoff.py). Set GRADSVC_HANDOFF_DIR (empty: off) to choose otherwise.
             path = handoff_dir(self.settings.port)
             if claim_handoff_dir(path):
                 self.handoff_dir = path

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from . import __version__
+from gradsvc import __version__
 from .settings import Settings, SettingsError
 
 # flag -> Settings field; each subcommand takes the flags that mean something to it, with the same help.
@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         import uvicorn
 
-        uvicorn.run("gradsvc.service.app:app_factory", factory=True, host=settings.host, port=settings.port,
+        uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
                     log_level=settings.log_level.lower(), access_log=False,
                     timeout_keep_alive=settings.keep_alive_s)
     elif args.command == "worker":
-        from gradsvc.workers.worker import run
+        from workers.worker import run
 
         run(settings, index=args.index, burst=args.burst)
     else:

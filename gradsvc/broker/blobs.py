@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
 import time
-from collections import OrderedDict
 from typing import Any, Iterator
 
-from gradsvc import keys
+from gradsvc.broker import keys
+from gradsvc.lru import LRU
 from gradsvc.wire import ITEMSIZE, GradientRequest, Tensor
 from gradsvc.wire import is_tensor as _is_tensor
 
@@ -80,46 +79,12 @@ def _expected_bytes(value: Any) -> int:
     return n * ITEMSIZE.get(dtype, 0)
 
 
-class BytesLRU:
-    """Pieces by (owner, digest), least recently used out once their bytes pass `max_bytes`; locked (the
-    API's threads share it). Content-addressed: an entry is never stale."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = self.misses = 0
-        self._items: OrderedDict[tuple[str, str], bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str]) -> bytes | None:
-        with self._lock:
-            data = self._items.get(key)
-            if data is None:
-                self.misses += 1
-                return None
-            self.hits += 1
-            self._items.move_to_end(key)
-            return data
-
-    def put(self, key: tuple[str, str], data: bytes) -> None:
-        if len(data) > self.max_bytes:
-            return
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = data
-            self.bytes += len(data)
-            while self.bytes > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self.bytes -= len(old)
-
-
 class BlobStore:
     """The owners' pieces in Redis (put, missing, check, fetch), with a local LRU of what was fetched."""
 
     def __init__(self, redis, prefix: str, ttl_s: int, budget_bytes: int, cache_bytes: int = 0) -> None:
         self.redis, self.prefix, self.ttl_s, self.budget_bytes = redis, prefix, ttl_s, budget_bytes
-        self.cache = BytesLRU(cache_bytes)
+        self.cache: LRU[bytes] = LRU(max_bytes=cache_bytes)
         self.evictions = 0
 
     def put(self, owner: str, ref: str, data: bytes) -> int:

@@ -13,7 +13,7 @@ def queue_name(prefix: str, device: str) -> str:
 
 
 def domain_queue_name(prefix: str, device: str, domain: str) -> str:
-    """A queue only the workers of one handoff domain drain (gradsvc/handoff.py): jobs whose body or result
+    """A queue only the workers of one handoff domain drain (gradsvc/broker/handoff.py): jobs whose body or result
     is handed over as a file go there, so no worker that cannot open the file takes them."""
     return f"{queue_name(prefix, device)}@{domain}"
 

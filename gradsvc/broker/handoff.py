@@ -10,7 +10,7 @@ The domain: the dir holds a file `domain` with a random id, created once (first 
 Processes that read the same id see the same files: the same host and the same tmpfs. A process on
 another machine (or in another container) with the same path reads another id, so it never gets a ref
 it could not open: the API hands a job off only through its domain's queues, which only workers of the
-domain drain (gradsvc.keys.worker_queues).
+domain drain (gradsvc.broker.keys.worker_queues).
 
 A ref is "<domain>/<name>", name a job or shard id and a kind (.in: a job's body, .out: a result, .ref: a
 shard's float64 reference). Refs come out of Redis, so none is opened as it is: the domain must be this

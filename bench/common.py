@@ -16,11 +16,11 @@ if str(ROOT) not in sys.path:
 # The benches' stacks (tests/stack.py) run as `gradsvc up` configures them: large payloads handed over in
 # a per-stack dir under /dev/shm (GRADSVC_HANDOFF_DIR, gradsvc/broker/handoff.py) unless the environment sets it
 # (GRADSVC_HANDOFF_DIR= for the path through Redis alone).
-import tests.stack  # noqa: E402
+import tests.support.stack  # noqa: E402
 
-tests.stack.HANDOFF_BY_DEFAULT = "GRADSVC_HANDOFF_DIR" not in os.environ
+tests.support.stack.HANDOFF_BY_DEFAULT = "GRADSVC_HANDOFF_DIR" not in os.environ
 
-from tests.nets import SEED_A_LAYERS, seed_a_body  # noqa: E402,F401  (the benches' seed [A] request)
+from tests.support.nets import SEED_A_LAYERS, seed_a_body  # noqa: E402,F401  (the benches' seed [A] request)
 
 
 def wide_layers(depth: int, width: int) -> list[dict]:

@@ -13,7 +13,7 @@ import time
 
 from common import footer, header, seed_a_body, table
 
-from tests.stack import start_stack
+from tests.support.stack import start_stack
 
 
 def one_round(n: int = 6) -> tuple[float, float, dict]:

@@ -45,7 +45,7 @@ class SmallTransformer(nn.Module):
 
 
 def cases():
-    from tests import graph_nets
+    from tests.support import graph_nets
 
     torch.manual_seed(0)
     yield "small transformer d64 L2, b8 s32", SmallTransformer().train(), torch.randint(0, 100, (8, 32)), 20

@@ -26,7 +26,7 @@ from torch import nn
 
 from common import footer, header, median, table
 from gradclient import Client
-from tests.stack import start_stack
+from tests.support.stack import start_stack
 
 STEPS = 3
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from common import footer, header, median, raw_tensor, table, verdict, wide_layers
 from gradsvc.wire import GradientRequest
-from tests.stack import start_stack
+from tests.support.stack import start_stack
 from workers.engine import EngineConfig, compute
 
 DEPTH, WIDTH, BATCH = 8, 1024, 256

@@ -19,7 +19,7 @@ from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.wire import GradientRequest
 from workers.engine import EngineConfig, compute
-from tests.graph_models import CASES
+from tests.support.models import CASES
 
 REPEAT = 3
 

@@ -25,7 +25,7 @@ import psutil
 import redis
 
 from common import footer, header, seed_a_body, table
-from tests.stack import start_stack
+from tests.support.stack import start_stack
 
 N, WARMUP = 400, 100
 

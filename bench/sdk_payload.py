@@ -68,7 +68,7 @@ def main() -> None:
     x, y = torch.randn(2, WIDTH), torch.tensor([0, 1])
     stack = None
     if args.base_url is None:
-        from tests.stack import start_stack
+        from tests.support.stack import start_stack
 
         stack = start_stack(workers=1)
     try:

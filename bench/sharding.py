@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from common import footer, header, median, raw_tensor, table, verdict, wide_layers
-from tests.stack import start_stack
+from tests.support.stack import start_stack
 
 DEPTH, WIDTH, BATCH = 8, 1024, 4096
 ROUNDS = 5

@@ -24,7 +24,7 @@ import torch
 
 from common import footer, header, median, percentile, seed_a_body, table, verdict
 from gradsvc.wire import GradientRequest
-from tests.stack import start_stack
+from tests.support.stack import start_stack
 from workers.engine import EngineConfig, compute
 
 REQUESTS = 300

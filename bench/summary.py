@@ -37,7 +37,7 @@ from common import footer, header, median, percentile, seed_a_body, table, verdi
 from gradclient import Client
 from gradsvc.wire import GradientRequest
 from workers.engine import EngineConfig, compute
-from tests.stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only answer bytes, only read
 QUICK = "--quick" in sys.argv[1:]

@@ -26,7 +26,7 @@ from common import footer, header, seed_a_body, table
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from service.jobs import JobStore
-from tests.stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 
 JOBS = 300
 CLIENTS = 4

@@ -21,7 +21,7 @@ from gradclient import Client
 from gradclient.errors import BadTensorError, UnsupportedModuleError
 from gradclient.export import export_graph
 
-from ..graph_models import CASES, local_gradients
+from tests.support.models import CASES, local_gradients
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,7 +12,7 @@ import pytest
 
 from gradclient import Client
 
-from ..stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 from .test_hard_deadline import wedging_body
 
 DOWN_S = 6.0  # how long `gradsvc up` takes to bring a dead API back

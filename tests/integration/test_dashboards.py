@@ -17,7 +17,7 @@ import pytest
 
 from gradsvc.runtime.launcher import free_port
 
-from ..stack import ROOT
+from tests.support.stack import ROOT
 from .test_metrics import NEEDS_PROMETHEUS, samples, seed_a_body
 
 DEPLOY = ROOT / "deploy"

@@ -10,7 +10,7 @@ import redis
 import torch
 import torch.nn.functional as F
 
-from ..nets import SEED_A_LAYERS, from_wire, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
+from tests.support.nets import SEED_A_LAYERS, from_wire, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 
 
 def seed_a_body(**options) -> dict:

@@ -22,7 +22,7 @@ from rq.job import Job
 from gradsvc.broker import handoff as hf
 from gradsvc.broker import keys
 
-from ..stack import ROOT, client_fixtures, start_stack, wait_started, wait_status
+from tests.support.stack import ROOT, client_fixtures, start_stack, wait_started, wait_status
 
 MIN_BYTES = 4096
 REL = 1e-12

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from ..stack import start_up, wait_ready, wait_status
+from tests.support.stack import start_up, wait_ready, wait_status
 from .test_reliability import small_body
 
 JOB_TIMEOUT_S = 5

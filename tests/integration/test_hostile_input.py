@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 
 INPUT_CODES = {"malformed_body", "invalid_body", "bad_request", "body_too_large", "unknown_layer", "shape_mismatch",
                "bad_weights", "bad_tensor", "bad_loss", "bad_target", "bad_option", "too_large", "non_finite",

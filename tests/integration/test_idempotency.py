@@ -12,8 +12,8 @@ from rq import Worker
 
 from gradclient import Client
 
-from ..nets import SEED_A_LAYERS
-from ..stack import Stack
+from tests.support.nets import SEED_A_LAYERS
+from tests.support.stack import Stack
 from .test_reliability import long_body, wait_status
 
 

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 
 REQUESTS = 2000
 CONCURRENCY = 32

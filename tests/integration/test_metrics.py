@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gradsvc.runtime.launcher import free_port, wait_port
 from workers.metrics import PHASE_BUCKETS, PHASES
 
-from ..nets import SEED_A_LAYERS, seed_a_batch
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch
 
 NEEDS_PROMETHEUS = "needs promtool and prometheus from Debian's `prometheus` package (apt-get install prometheus)"
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=NEEDS_PROMETHEUS)

@@ -19,7 +19,7 @@ from torch.testing._internal import common_modules  # needs expecttest (a dev de
 from gradsvc.layers import LAYERS, ArgumentError, canonical
 from gradsvc.modules import layer_class
 
-from ..nets import from_wire, tensor_json
+from tests.support.nets import from_wire, tensor_json
 
 MIN_CLASSES = 45
 TOL = 1e-9

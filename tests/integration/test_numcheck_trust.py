@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from gradclient import Client
 
-from ..graph_models import CASES
+from tests.support.models import CASES
 
 pytestmark = pytest.mark.timeout(600)
 

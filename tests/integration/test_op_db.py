@@ -25,7 +25,7 @@ from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from workers.engine.ops import OPS
 
-from ..nets import from_wire
+from tests.support.nets import from_wire
 
 MIN_CONFORMING = 185  # measured 186 of 224 (README, "Any model")
 SAMPLES_PER_OP = 2

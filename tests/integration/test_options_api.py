@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ..engine.test_options import CNN, RESIDUAL
-from ..nets import SEED_A_LAYERS, from_wire, seed_a_batch, seed_a_module, tensor_json
+from tests.workers.engine.test_options import CNN, RESIDUAL
+from tests.support.nets import SEED_A_LAYERS, from_wire, seed_a_batch, seed_a_module, tensor_json
 
 
 def test_several_losses_hvp_and_input_gradient_through_the_api_equal_local(http):

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..stack import start_stack
+from tests.support.stack import start_stack
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
 from selenium.webdriver.common.by import By  # noqa: E402

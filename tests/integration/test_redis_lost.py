@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ..stack import start_stack, wait_ready, wait_status
+from tests.support.stack import start_stack, wait_ready, wait_status
 from .test_hard_deadline import wedging_body
 from .test_reliability import small_body, submit
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..nets import SEED_A_LAYERS
-from ..stack import Stack, start_stack, start_up, wait_ready, wait_status
+from tests.support.nets import SEED_A_LAYERS
+from tests.support.stack import Stack, start_stack, start_up, wait_ready, wait_status
 
 HEARTBEAT_S = 2  # a job lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")

@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.config import SchemathesisConfig
 
-from ..stack import start_stack
+from tests.support.stack import start_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 

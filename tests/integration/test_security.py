@@ -7,8 +7,8 @@ import copy
 import httpx
 import pytest
 
-from ..nets import SEED_A_LAYERS
-from ..stack import Stack, start_stack
+from tests.support.nets import SEED_A_LAYERS
+from tests.support.stack import Stack, start_stack
 
 KEYS = ("alpha-key-0123456789", "beta-key-0123456789", "gamma-key-0123456789", "delta-key-0123456789",
         "epsilon-key-0123456789")

@@ -17,8 +17,8 @@ from rq.job import Job
 
 from gradsvc.broker import keys
 
-from ..nets import SEED_A_LAYERS, TWO_LOSSES, from_wire, tensor_json
-from ..stack import client_fixtures, start_stack, wait_started, wait_status
+from tests.support.nets import SEED_A_LAYERS, TWO_LOSSES, from_wire, tensor_json
+from tests.support.stack import client_fixtures, start_stack, wait_started, wait_status
 
 HEARTBEAT_S = 2  # a job's lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -140,7 +140,7 @@ def test_a_msgpack_request_is_sharded_from_its_raw_bytes_and_answers_the_same(ht
 def test_the_sdk_sends_shards_and_reads_back_how_the_job_ran(shard_stack):
     from gradclient import Client
 
-    from ..nets import seed_a_module
+    from tests.support.nets import seed_a_module
 
     model = seed_a_module()
     g = torch.Generator().manual_seed(2)

@@ -17,7 +17,7 @@ from gradclient import Client
 from gradclient.refs import MIN_BYTES
 from gradsvc.broker import blobs
 
-from ..stack import Stack, start_stack
+from tests.support.stack import Stack, start_stack
 
 KEYS = ("owner-a-0123456789", "owner-b-0123456789")
 BUDGET = 4 << 20

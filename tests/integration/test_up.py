@@ -13,7 +13,7 @@ import psutil
 
 from gradsvc.runtime.launcher import free_port
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 
 
 def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl_c(tmp_path):

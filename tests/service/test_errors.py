@@ -19,7 +19,7 @@ from service.app import create_app
 from service.errors import STATUS, ServiceError, error_response, handle_exception
 from workers.engine import ComputeError, EngineConfig, compute, resolve_device
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 
 
 def body(**changes) -> dict:

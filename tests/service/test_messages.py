@@ -18,7 +18,7 @@ from gradsvc.runtime.settings import Settings
 from gradsvc.wire import Options
 from service.app import create_app
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 from .test_security_limits import dead_redis_url
 
 STOCK_PHRASES = ("Request Entity Too Large", "Method Not Allowed", "Not Found", "Validation failed", "Bad Request",

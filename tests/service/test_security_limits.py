@@ -18,7 +18,7 @@ from service.app import create_app
 from service.auth import ANONYMOUS, Auth
 from service.errors import ServiceError
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 
 
 def body(**model) -> dict:

@@ -28,8 +28,8 @@ from workers import jobs as worker_jobs
 from gradsvc.broker.jobs import MsgpackSerializer
 from workers.worker import GradientWorker
 
-from ..nets import SEED_A_LAYERS
-from ..stack import ROOT
+from tests.support.nets import SEED_A_LAYERS
+from tests.support.stack import ROOT
 
 engine_compute = importlib.import_module("workers.engine.compute")
 

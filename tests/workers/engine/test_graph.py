@@ -19,7 +19,7 @@ from workers.engine.graph import (GraphModel, batch_mixing_nodes, build_graph, c
 from workers.engine.ops import OPS, SKIPPED
 from workers.engine.spec import Limits
 
-from .. import graph_nets
+from tests.support import graph_nets
 
 LIMITS = Limits()
 _EXPORTS: dict[str, tuple] = {}

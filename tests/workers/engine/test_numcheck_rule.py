@@ -14,8 +14,8 @@ from gradsvc.wire import GradientRequest
 from workers.engine import EngineConfig, compute
 from workers.engine import numcheck, quantities
 
-from ..graph_models import CASES
-from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json
+from tests.support.models import CASES
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 
 
 def graph_request(case: str, dtype=torch.float32, **options) -> GradientRequest:

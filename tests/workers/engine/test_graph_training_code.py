@@ -13,7 +13,7 @@ from torch import nn
 from gradclient.export import export_graph
 from workers.engine.graph import batch_mixing_nodes, build_graph, draws_masks
 
-from ..graph_models import RecurrentLM
+from tests.support.models import RecurrentLM
 from .test_graph import LIMITS, assert_grads_close, grads, graph_model, over_the_wire
 
 CELLS = [("gru", True), ("gru", False), ("lstm", True), ("lstm", False), ("rnn_tanh", True), ("rnn_relu", False)]

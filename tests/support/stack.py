@@ -16,7 +16,7 @@ import httpx
 
 from gradsvc.runtime.launcher import claim_handoff_dir, free_port, handoff_dir, redis_server_binary, wait_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

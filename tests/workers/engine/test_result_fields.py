@@ -12,7 +12,7 @@ from importlib import import_module
 from gradsvc.wire import GradientRequest, GradientResult
 from workers.engine import EngineConfig, SpecError, compute, prepare
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 
 prepare_module = import_module("workers.engine.prepare")  # the module (the package exports the function)
 

@@ -12,7 +12,7 @@ from gradclient import LSTM, Residual, UnsupportedModuleError
 from gradclient.convert import convert, from_spec, to_spec
 from gradsvc.layers import LAYERS, canonical
 
-from ..layer_samples import every_argument_value
+from tests.support.layer_samples import every_argument_value
 
 
 def test_sequential_converts_to_layers_with_their_arguments_and_state_dict_weights():

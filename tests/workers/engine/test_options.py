@@ -13,7 +13,7 @@ from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
 from workers.engine.spec import Residual
 from workers.engine.tensors import decode
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 
 TOL = 1e-10
 

@@ -12,7 +12,7 @@ import torch
 from gradsvc.wire import GradientRequest
 from workers.engine import compute
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
 compute_module = importlib.import_module("workers.engine.compute")  # the module (the package re-exports a function of that name)
 

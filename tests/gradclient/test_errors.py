@@ -17,7 +17,7 @@ from service.errors import STATUS
 
 from gradsvc.runtime.launcher import free_port
 
-from ..stack import RedisServer, Stack, start_stack
+from tests.support.stack import RedisServer, Stack, start_stack
 
 LINEAR = [{"type": "Linear", "in_features": 6, "out_features": 3}]
 X = [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]

@@ -15,7 +15,7 @@ from gradsvc.wire import GradientRequest
 from workers.engine import EngineConfig, compute, numcheck
 from workers.engine.prepare import prepare
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json
 
 EPS = 1e-6
 
@@ -122,7 +122,7 @@ def test_batched_check_gives_the_sequential_figures(net, mode, batched_calls, mo
 
 
 def test_seed_a_counts_each_perturbed_loss_and_batches_in_one_call(batched_calls):
-    from ..nets import seed_a_body
+    from tests.support.nets import seed_a_body
 
     for mode, evaluations in (("exact", 166), ("sampled", 54), ("auto", 166)):
         batched_calls.clear()

@@ -29,7 +29,7 @@ def test_large_buffers_are_reused_and_correct():
 def test_the_api_and_the_workers_turn_it_on():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     assert "keep_large_buffers(one_arena=True)" in (root / "service" / "app.py").read_text()
     assert "keep_large_buffers()" in (root / "workers" / "worker.py").read_text()
 

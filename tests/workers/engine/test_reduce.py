@@ -15,7 +15,7 @@ from workers.engine.prepare import EngineConfig
 from workers.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
 from workers.engine.tensors import decode
 
-from ..nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
+from tests.support.nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
 
 N = 23  # divides by none of 2, 3, 7
 REL = 1e-12

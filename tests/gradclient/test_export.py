@@ -13,7 +13,7 @@ from gradsvc import wire
 from workers.engine.graph import build_graph, load_weights
 from workers.engine.spec import Limits
 
-from .. import graph_nets
+from tests.support import graph_nets
 
 
 def run_graph(eg, x: torch.Tensor) -> torch.Tensor:

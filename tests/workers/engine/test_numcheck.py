@@ -11,7 +11,7 @@ from workers.engine import EngineConfig, compute, numcheck
 from workers.engine.tensors import decode
 from workers.engine.prepare import _init_cache
 
-from ..nets import seed_a_batch, seed_a_module, tensor_json
+from tests.support.nets import seed_a_batch, seed_a_module, tensor_json
 
 
 def _setup():

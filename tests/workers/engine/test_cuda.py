@@ -13,7 +13,7 @@ from gradsvc.wire import GradientRequest
 from workers.engine import ComputeError, EngineConfig, Limits, compute
 from workers.engine.tensors import decode
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda", 0)

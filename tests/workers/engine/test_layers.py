@@ -16,8 +16,8 @@ from workers.engine.errors import EngineError
 from workers.engine.spec import Limits, build, check_shapes
 from workers.engine.tensors import decode
 
-from ..layer_samples import every_argument_value, input_shape
-from ..nets import tensor_json
+from tests.support.layer_samples import every_argument_value, input_shape
+from tests.support.nets import tensor_json
 
 RNN_STACK = [{"type": "LSTM", "input_size": 3, "hidden_size": 4, "num_layers": 2, "dropout": 0.5, "batch_first": True},
              {"type": "Flatten"}, {"type": "Linear", "in_features": 20, "out_features": 2}]

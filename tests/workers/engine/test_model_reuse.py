@@ -14,7 +14,7 @@ from workers.engine import ComputeError, compute
 from workers.engine.prepare import EngineConfig, _built, prepare
 from workers.engine.tensors import decode
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, tensor_json
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 
 BN_LAYERS = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
              {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]

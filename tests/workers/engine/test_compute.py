@@ -11,7 +11,7 @@ from gradsvc.wire import GradientRequest
 from workers.engine import ComputeError, EngineConfig, SpecError, compute, estimate
 from workers.engine.tensors import decode
 
-from ..nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
+from tests.support.nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 
 
 def request(layers, x, y, **kw) -> GradientRequest:

@@ -23,7 +23,7 @@ from gradsvc.broker.fanin import shard_job_id
 from gradsvc.broker.jobs import MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry
 
-from ..nets import SEED_A_LAYERS
+from tests.support.nets import SEED_A_LAYERS
 
 
 @pytest.fixture()

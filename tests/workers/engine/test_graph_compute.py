@@ -20,7 +20,7 @@ from gradsvc.wire import GradientRequest
 from gradsvc.broker.graphs import GraphStore
 from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
 
-from ..graph_models import CASES, local_gradients
+from tests.support.models import CASES, local_gradients
 
 CONFIG = EngineConfig()
 

@@ -45,15 +45,15 @@ class SmallTransformer(nn.Module):
 
 
 def cases():
-    from tests.support import graph_nets
+    from tests.support import models
 
     torch.manual_seed(0)
     yield "small transformer d64 L2, b8 s32", SmallTransformer().train(), torch.randint(0, 100, (8, 32)), 20
-    yield "tiny pre-norm block, b8", graph_nets.PreNormBlock().train(), torch.randn(8, 5, 8), 30
-    yield "ResNet block (BN train), b16", graph_nets.ResNetBlock(16).train(), torch.randn(16, 16, 16, 16), 20
+    yield "tiny pre-norm block, b8", models.PreNormBlock().train(), torch.randn(8, 5, 8), 30
+    yield "ResNet block (BN train), b16", models.ResNetBlock(16).train(), torch.randn(16, 16, 16, 16), 20
     try:
-        model, x = graph_nets.build("hf_llama")
-        yield "HF Llama tiny, b4 s7", model, x, 20
+        llama = models.TinyLlama(vocab=50, hidden=16, layers=2).train()
+        yield "HF Llama tiny, b4 s7", llama, torch.randint(0, 50, (4, 7)), 20
     except ImportError:
         pass
 

@@ -1,4 +1,4 @@
-"""The numerical check `auto` chooses on the zoo of real models (tests/graph_models.py), and what it costs
+"""The numerical check `auto` chooses on the zoo of real models (tests/support/models.py), and what it costs
 against its budget (GRADSVC_NUMCHECK_BUDGET x the job's forward+backward + GRADSVC_NUMCHECK_BUDGET_MIN_S).
 
 One compute() per model in this process (the service adds nothing to the check), float32, the default

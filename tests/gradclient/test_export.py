@@ -13,7 +13,7 @@ from gradsvc import wire
 from workers.engine.graph import build_graph, load_weights
 from workers.engine.spec import Limits
 
-from tests.support import graph_nets
+from tests.support import models
 
 
 def run_graph(eg, x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def run_graph(eg, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_one_dynamic_export_serves_batch_3_and_7():
-    model, _ = graph_nets.build("resnet_block")
+    model, _ = models.build("resnet_block")
     model.eval()
     eg = export_graph(model, (torch.randn(4, 4, 6, 6),))
     assert eg.dynamic_batch
@@ -32,7 +32,7 @@ def test_one_dynamic_export_serves_batch_3_and_7():
 
 
 def test_a_batch_of_one_still_exports_a_dynamic_batch():
-    model, x = graph_nets.build("prenorm_block")
+    model, x = models.build("prenorm_block")
     eg = export_graph(model, (x[:1],))
     assert eg.dynamic_batch
     for batch in (1, 5):
@@ -60,7 +60,7 @@ def test_unexportable_module_raises_unsupported_module_with_torchs_reason():
 
 
 def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
-    model, x = graph_nets.build("resnet_block")
+    model, x = models.build("resnet_block")
     eg = export_graph(model, (x,))
     raw = msgspec.json.encode(eg.graph)
     assert msgspec.json.decode(raw, type=wire.GraphSpec) == eg.graph
@@ -83,17 +83,17 @@ def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
 
 
 def test_frozen_parameters_are_listed():
-    model, x = graph_nets.build("prenorm_block")
+    model, x = models.build("prenorm_block")
     model.ln1.requires_grad_(False)
     assert export_graph(model, (x,)).frozen == ["ln1.weight", "ln1.bias"]
-    assert export_graph(graph_nets.build("prenorm_block")[0], (x,)).frozen == []
+    assert export_graph(models.build("prenorm_block")[0], (x,)).frozen == []
 
 
 def test_tied_weights_are_one_parameter():
-    model, x = graph_nets.build("hf_gpt2")
+    model, x = models.build("hf_gpt2_every_position")
     eg = export_graph(model, (x,))
     targets = [i.target for i in eg.graph.inputs if i.kind == "parameter"]
-    assert "transformer.wte.weight" in targets and "lm_head.weight" not in targets
+    assert "lm.transformer.wte.weight" in targets and "lm.lm_head.weight" not in targets
     assert set(targets) == {n for n, _ in model.named_parameters()}
 
 
@@ -130,7 +130,7 @@ def test_modules_with_non_tensor_outputs_or_input_mutation_are_refused():
 
 def test_what_export_gives_for_attention_transformer_encoder_dropout_and_train_mode_batch_norm():
     """The ops the interpreter must cover, as the default export IR of torch 2.13 gives them."""
-    model, x = graph_nets.build("prenorm_block")
+    model, x = models.build("prenorm_block")
     ops = {n.op for n in export_graph(model, (x,)).graph.nodes}
     assert {"aten.scaled_dot_product_attention.default", "aten.linear.default", "aten.layer_norm.default",
             "aten.sym_size.int", "operator.mul", "aten.expand.default", "aten.cat.default"} <= ops

@@ -1,7 +1,12 @@
-"""Models with their own forward, of several families, tiny enough for an exact float64 check.
+"""The model zoo: models with their own forward, of several families, tiny enough for an exact float64
+check, each defined once.
 
-Each entry builds (model, inputs, targets, loss): the model seeded, in training mode unless it says
-otherwise. Shared by tests/integration/test_any_model.py and bench/graph_overhead.py.
+Each entry of CASES builds (model, inputs, targets, loss): the model seeded, in training mode unless it
+says otherwise, dropout off where gradients are compared (BatchNorm stays in training mode). `build`
+gives (model, inputs) for the tests that export or run a model without a loss. Shared by the engine
+tests (tests/workers/engine), the exporter tests (tests/gradclient/test_export.py), the live-stack tests
+(tests/integration/test_any_model.py, test_numcheck_trust.py) and the benches (bench/numcheck_auto.py,
+bench/graph_interpreter.py).
 """
 
 from __future__ import annotations
@@ -13,55 +18,60 @@ from torch import nn
 
 
 class ResNetBlock(nn.Module):
-    """A ResNet basic block (conv, batch norm, relu(x + f(x))) and a linear head; BatchNorm trains."""
+    """A ResNet basic block (conv, batch norm, relu(x + f(x))), mean-pooled into a linear head; BatchNorm
+    trains."""
 
-    def __init__(self, c: int = 3) -> None:
+    def __init__(self, channels: int = 4) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-        self.head = nn.Linear(c * 4 * 4, 3)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.head = nn.Linear(channels, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.bn1(self.conv1(x)))
         h = self.bn2(self.conv2(h))
-        return self.head(torch.relu(x + h).flatten(1))  # (batch, 3)
+        h = torch.relu(x + h)  # (batch, channels, h, w)
+        return self.head(h.mean(dim=(2, 3)))  # (batch, 3)
 
 
 class UNetSkip(nn.Module):
-    """A U-Net step: down, up, and the skip joined by concatenation along channels."""
+    """A U-Net step: down (max pool), up (transposed conv), and the skip joined by concatenation along
+    channels."""
 
     def __init__(self, c: int = 2) -> None:
         super().__init__()
-        self.enc = nn.Conv2d(c, 3, 3, padding=1)
-        self.down = nn.Conv2d(3, 3, 2, stride=2)
-        self.up = nn.ConvTranspose2d(3, 3, 2, stride=2)
-        self.dec = nn.Conv2d(6, 2, 3, padding=1)
+        self.enc = nn.Conv2d(c, 4, 3, padding=1)
+        self.down = nn.MaxPool2d(2)
+        self.mid = nn.Conv2d(4, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.dec = nn.Conv2d(8, c, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = torch.relu(self.enc(x))  # (batch, 3, 4, 4)
-        h = self.up(torch.tanh(self.down(skip)))  # (batch, 3, 4, 4)
-        return self.dec(torch.cat([skip, h], dim=1))  # (batch, 2, 4, 4)
+        skip = torch.relu(self.enc(x))  # (batch, 4, h, w)
+        h = self.up(torch.tanh(self.mid(self.down(skip))))  # (batch, 4, h, w)
+        return self.dec(torch.cat([skip, h], dim=1))  # (batch, c, h, w)
 
 
 class PreNormBlock(nn.Module):
-    """A pre-norm transformer block with nn.MultiheadAttention and a learned class token."""
+    """A pre-norm transformer block with nn.MultiheadAttention, a learned class token and a positional table."""
 
-    def __init__(self, d: int = 8, heads: int = 2, classes: int = 3) -> None:
+    def __init__(self, dim: int = 8, heads: int = 2, seq: int = 5, classes: int = 3) -> None:
         super().__init__()
-        self.cls = nn.Parameter(torch.randn(1, 1, d) * 0.1)
-        self.norm1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.norm2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.head = nn.Linear(d, classes)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        self.pos = nn.Parameter(torch.randn(1, seq + 1, dim) * 0.1)
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)  # (batch, 1 + seq, d)
-        h = self.norm1(x)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos  # (batch, seq+1, dim)
+        h = self.ln1(x)
         x = x + self.attn(h, h, h, need_weights=False)[0]
-        x = x + self.mlp(self.norm2(x))
+        x = x + self.mlp(self.ln2(x))
         return self.head(x[:, 0])  # (batch, classes)
 
 
@@ -81,13 +91,13 @@ class Encoder(nn.Module):
 class TinyLlama(nn.Module):
     """Hugging Face Llama from a config (nothing downloaded): the last position's next-token logits."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 16, hidden: int = 8, layers: int = 1) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        self.lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                               num_attention_heads=2, num_key_value_heads=1,
-                                               max_position_embeddings=16))
+        self.lm = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                               num_hidden_layers=layers, num_attention_heads=2,
+                                               num_key_value_heads=1, max_position_embeddings=16))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, use_cache=False).logits[:, -1, :]  # (batch, vocab)
@@ -215,11 +225,11 @@ def _case(cls: Callable[[], nn.Module], inputs: Callable[[torch.Generator], torc
 
 
 CASES: dict[str, Callable[[torch.dtype], Case]] = {
-    "resnet_block": _case(ResNetBlock, lambda g: torch.randn(4, 3, 4, 4, generator=g),
+    "resnet_block": _case(ResNetBlock, lambda g: torch.randn(4, 4, 6, 6, generator=g),
                           lambda g: torch.randint(0, 3, (4,), generator=g), "cross_entropy"),
     "unet_skip": _case(UNetSkip, lambda g: torch.randn(2, 2, 4, 4, generator=g),
                        lambda g: torch.randn(2, 2, 4, 4, generator=g), "mse"),
-    "prenorm_block": _case(PreNormBlock, lambda g: torch.randn(2, 3, 8, generator=g),
+    "prenorm_block": _case(PreNormBlock, lambda g: torch.randn(2, 5, 8, generator=g),
                            lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
     "transformer_encoder": _case(Encoder, lambda g: torch.randn(2, 3, 8, generator=g),
                                  lambda g: torch.randint(0, 3, (2,), generator=g), "cross_entropy"),
@@ -240,6 +250,12 @@ CASES: dict[str, Callable[[torch.dtype], Case]] = {
     "mobilenet_se": _case(MobileNetSE, lambda g: torch.randn(4, 3, 4, 4, generator=g),
                           lambda g: torch.randint(0, 3, (4,), generator=g), "cross_entropy"),
 }
+
+
+def build(name: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.Tensor]:
+    """CASES[name]'s model and inputs, for the tests that export or run it without a loss."""
+    model, x, _, _ = CASES[name](dtype)
+    return model, x
 
 
 def local_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str) -> dict[str, torch.Tensor]:

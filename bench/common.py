@@ -1,4 +1,5 @@
-"""What every bench shares: the repo on sys.path, the reference specs, timing helpers and the table printer."""
+"""What every bench shares: the repo on sys.path, the reference nets and a private stack (from the test
+support, tests/support/), timing helpers and the table printer."""
 
 from __future__ import annotations
 
@@ -13,21 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The benches' stacks (tests/stack.py) run as `gradsvc up` configures them: large payloads handed over in
-# a per-stack dir under /dev/shm (GRADSVC_HANDOFF_DIR, gradsvc/broker/handoff.py) unless the environment sets it
-# (GRADSVC_HANDOFF_DIR= for the path through Redis alone).
-import tests.support.stack  # noqa: E402
-
-tests.support.stack.HANDOFF_BY_DEFAULT = "GRADSVC_HANDOFF_DIR" not in os.environ
-
-from tests.support.nets import SEED_A_LAYERS, seed_a_body  # noqa: E402,F401  (the benches' seed [A] request)
+from tests.support import stack  # noqa: E402
+from tests.support.nets import SEED_A_LAYERS, seed_a_body, wide_stack_layers  # noqa: E402,F401  (the benches' nets)
+from tests.support.stack import Stack  # noqa: E402,F401
 
 
-def wide_layers(depth: int, width: int) -> list[dict]:
-    layers: list[dict] = []
-    for _ in range(depth):
-        layers += [{"type": "Linear", "in_features": width, "out_features": width}, {"type": "ReLU"}]
-    return layers
+def start_stack(workers: int = 1, **kwargs) -> Stack:
+    """A private stack (tests/support/stack.py) as `gradsvc up` configures it: large payloads handed over in
+    a per-stack dir under /dev/shm (gradsvc/broker/handoff.py) unless the environment sets GRADSVC_HANDOFF_DIR
+    (GRADSVC_HANDOFF_DIR= for the path through Redis alone)."""
+    return stack.start_stack(workers, **{"handoff": True, **kwargs})
 
 
 def raw_tensor(t) -> dict:

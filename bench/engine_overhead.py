@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import footer, header, median, raw_tensor, table, verdict, wide_layers
+from common import footer, header, median, raw_tensor, table, verdict, wide_stack_layers
 from gradsvc.wire import GradientRequest
 from workers.engine import EngineConfig, compute
 
@@ -55,8 +55,8 @@ def cnn_medium() -> list[dict]:
 CASES = [
     ("MLP 784-128-10, b64", [{"type": "Linear", "in_features": 784, "out_features": 128}, {"type": "ReLU"},
                              {"type": "Linear", "in_features": 128, "out_features": 10}], (64, 784), 10, 60),
-    ("MLP 4x512, b128", wide_layers(4, 512), (128, 512), 512, 40),
-    ("MLP 8x1024, b256", wide_layers(8, 1024), (256, 1024), 1024, 8),
+    ("MLP 4x512, b128", wide_stack_layers(4, 512), (128, 512), 512, 40),
+    ("MLP 8x1024, b256", wide_stack_layers(8, 1024), (256, 1024), 1024, 8),
     ("CNN 2 conv 28x28, b32", cnn_small(), (32, 1, 28, 28), 10, 40),
     ("CNN 3 conv 32x32, b64", cnn_medium(), (64, 3, 32, 32), 10, 8),
 ]

@@ -11,9 +11,8 @@ import statistics
 import sys
 import time
 
-from common import footer, header, seed_a_body, table
+from common import footer, header, seed_a_body, start_stack, table
 
-from tests.support.stack import start_stack
 
 
 def one_round(n: int = 6) -> tuple[float, float, dict]:

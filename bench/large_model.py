@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import footer, header, median, table
+from common import footer, header, median, start_stack, table
 from gradclient import Client
-from tests.support.stack import start_stack
 
 STEPS = 3
 

@@ -1,7 +1,7 @@
 """Medium job end to end: 8 x (Linear(1024, 1024) + ReLU), batch 256, float32, MSE, numcheck off,
 sent and answered in MessagePack (raw tensor bytes both ways; 8.4 M parameters, 33.6 MB of gradients).
 
-A private stack (tests/stack.py) on loopback; one httpx client. Each round runs, one after another,
+A private stack (tests/support/stack.py) on loopback; one httpx client. Each round runs, one after another,
 a plain step, compute() in process and the request, so load from other processes hits all three.
   e2e        client wall time: POST /gradients?wait=120 (MessagePack body, Accept MessagePack) until
              the answer is decoded into torch tensors (torch.frombuffer over the received bytes).
@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import footer, header, median, raw_tensor, table, verdict, wide_layers
+from common import footer, header, median, raw_tensor, start_stack, table, verdict, wide_stack_layers
 from gradsvc.wire import GradientRequest
-from tests.support.stack import start_stack
 from workers.engine import EngineConfig, compute
 
 DEPTH, WIDTH, BATCH = 8, 1024, 256
@@ -38,7 +37,7 @@ def body() -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, WIDTH, generator=g)
     y = torch.randn(BATCH, WIDTH, generator=g)
-    return {"model": {"layers": wide_layers(DEPTH, WIDTH), "dtype": "float32", "seed": 0},
+    return {"model": {"layers": wide_stack_layers(DEPTH, WIDTH), "dtype": "float32", "seed": 0},
             "inputs": raw_tensor(x), "targets": raw_tensor(y), "loss": "mse", "options": {"numcheck": "off"}}
 
 

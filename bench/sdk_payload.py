@@ -5,7 +5,7 @@ One request = the model's 40 MB of float32 weights up, its 40 MB gradient down (
   end-to-end  Client.gradients() wall time, and MB/s of tensor data moved (80 MB raw per call)
   wire MB     request + response bytes on the wire
   SDK codec   the SDK's own work (encode the request, decode the answer into torch tensors), MB/s
-and the msgpack/JSON ratios. Starts a private stack (tests/stack.py) unless --base-url is given.
+and the msgpack/JSON ratios. Starts a private stack (tests/support/stack.py) unless --base-url is given.
 
 Run: .venv/bin/python bench/sdk_payload.py [--base-url URL] [--repeat 3]
 """

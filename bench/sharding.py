@@ -2,7 +2,7 @@
 on one worker (`shards: 1`), end to end, on the same stack.
 
 8 x (Linear(1024, 1024) + ReLU), batch 4096, float32, MSE, numcheck off, MessagePack both ways (16 MB
-of inputs, 16 MB of targets, 33.6 MB of gradients). A private stack (tests/stack.py) with two workers
+of inputs, 16 MB of targets, 33.6 MB of gradients). A private stack (tests/support/stack.py) with two workers
 and GRADSVC_WORKERS=2, as `gradsvc up --workers 2` starts them: each CPU worker takes cores / 2
 intra-op threads, so one worker alone uses half the machine. Rounds interleave the two requests so
 that load from other processes hits both alike; each row is the median, the ratio the median of
@@ -23,8 +23,7 @@ import httpx
 import msgspec
 import torch
 
-from common import footer, header, median, raw_tensor, table, verdict, wide_layers
-from tests.support.stack import start_stack
+from common import footer, header, median, raw_tensor, start_stack, table, verdict, wide_stack_layers
 
 DEPTH, WIDTH, BATCH = 8, 1024, 4096
 ROUNDS = 5
@@ -36,7 +35,7 @@ def body(shards: int) -> bytes:
     x = torch.randn(BATCH, WIDTH, generator=g)
     y = torch.randn(BATCH, WIDTH, generator=g)
     return msgspec.msgpack.encode(
-        {"model": {"layers": wide_layers(DEPTH, WIDTH), "dtype": "float32", "seed": 0},
+        {"model": {"layers": wide_stack_layers(DEPTH, WIDTH), "dtype": "float32", "seed": 0},
          "inputs": raw_tensor(x), "targets": raw_tensor(y), "loss": "mse",
          "options": {"numcheck": "off", "shards": shards}})
 

@@ -1,7 +1,7 @@
 """Small job end to end: seed 003 [A]'s 6-8-3 tanh float64 net (83 parameters, batch 4), POST
 /gradients with a sync wait, against the same request computed in this process.
 
-A private stack (tests/stack.py: redis-server, the API on uvicorn, one worker) on loopback; one
+A private stack (tests/support/stack.py: redis-server, the API on uvicorn, one worker) on loopback; one
 httpx client with keep-alive sends the requests one after another.
   in-process  workers.engine.compute() on the same request, decoded as the worker decodes it, run
               just before each request (interleaved, so load from other processes hits both).
@@ -22,9 +22,8 @@ import httpx
 import msgspec
 import torch
 
-from common import footer, header, median, percentile, seed_a_body, table, verdict
+from common import footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradsvc.wire import GradientRequest
-from tests.support.stack import start_stack
 from workers.engine import EngineConfig, compute
 
 REQUESTS = 300

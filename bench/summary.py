@@ -33,11 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import footer, header, median, percentile, seed_a_body, table, verdict
+from common import Stack, footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradclient import Client
 from gradsvc.wire import GradientRequest
 from workers.engine import EngineConfig, compute
-from tests.support.stack import Stack, start_stack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only answer bytes, only read
 QUICK = "--quick" in sys.argv[1:]

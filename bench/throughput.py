@@ -1,6 +1,6 @@
 """Throughput of tiny jobs (seed [A]'s 83-parameter net, numcheck off) with 1 and 2 workers, jobs/s.
 
-A private stack (tests/stack.py) per row. "2 workers" runs with GRADSVC_WORKERS=2, as `gradsvc up`
+A private stack (tests/support/stack.py) per row. "2 workers" runs with GRADSVC_WORKERS=2, as `gradsvc up`
 starts them: each CPU worker then takes cores / 2 intra-op threads; the last row leaves
 GRADSVC_WORKERS unset (each worker on all cores, as before that setting was honoured) to show why.
   queue -> result  the bench enqueues N jobs straight onto the RQ queue, as the API does
@@ -22,11 +22,10 @@ import httpx
 import msgspec
 from redis import Redis
 
-from common import footer, header, seed_a_body, table
+from common import Stack, footer, header, seed_a_body, start_stack, table
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from service.jobs import JobStore
-from tests.support.stack import Stack, start_stack
 
 JOBS = 300
 CLIENTS = 4

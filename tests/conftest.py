@@ -1,11 +1,14 @@
-"""Shared fixtures: a real stack (private Redis, API over HTTP, a worker) for integration tests, and a
-private redis-server per module for the tests that drive the queue side in this process."""
+"""The shared fixtures: one real stack for the session (a private Redis, the API over HTTP, a worker), an
+httpx client and an SDK client on it, and a private redis-server per module for the tests that drive the
+queue side in this process. A module that needs other settings starts its own with
+tests/support/stack.py's start_stack and names why."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from gradclient import Client
 from gradsvc.runtime.launcher import free_port
 from tests.support.stack import RedisServer, Stack, start_stack
 
@@ -19,8 +22,14 @@ def stack() -> Stack:
 
 @pytest.fixture()
 def http(stack: Stack) -> httpx.Client:
-    with httpx.Client(base_url=stack.base_url, timeout=120, headers=stack.auth_headers()) as client:
+    with stack.http_client() as client:
         yield client
+
+
+@pytest.fixture()
+def client(stack: Stack) -> Client:
+    with stack.sdk_client() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

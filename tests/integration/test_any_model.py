@@ -17,7 +17,6 @@ import redis
 import torch
 from torch import nn
 
-from gradclient import Client
 from gradclient.errors import BadTensorError, UnsupportedModuleError
 from gradclient.export import export_graph
 
@@ -46,8 +45,7 @@ def recorder() -> Recorder:
 
 @pytest.fixture()
 def client(stack, recorder):
-    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None
-    with Client(stack.base_url, api_key=key, timeout=300, transport=recorder) as c:
+    with stack.sdk_client(transport=recorder) as c:
         yield c
 
 
@@ -82,7 +80,7 @@ def test_any_model_gradients_match_local_autograd(client, case, dtype):
     before = {n: b.clone() for n, b in model.named_buffers()}
     float64 = dtype == torch.float64
     # The float64 check perturbs 3 elements of every tensor: exact over ~1000 parameters would take a
-    # minute per model on a loaded 2-core machine (tests/engine checks exact mode on graphs).
+    # minute per model on a loaded 2-core machine (tests/workers/engine checks exact mode on graphs).
     result = client.gradients(model, x, y, loss=loss, numcheck="sampled" if float64 else "off", numcheck_samples=3)
     assert_close(result.gradients, want, 1e-10 if float64 else 1e-4)
     assert result.dtype == str(dtype).removeprefix("torch.")
@@ -130,8 +128,7 @@ async def test_the_async_client_sends_graph_then_ref(stack):
 
     recorder = Recorder()
     model, x, y, loss = CASES["unet_skip"](torch.float32)
-    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None
-    async with AsyncClient(stack.base_url, api_key=key, timeout=300,
+    async with AsyncClient(stack.base_url, api_key=stack.api_key, timeout=300,
                            transport=AsyncRecorder(recorder)) as client:
         first = await client.gradients(model, x, y, loss=loss, numcheck="off")
         job = await client.submit(model, x, y, loss=loss, numcheck="off")

@@ -65,7 +65,7 @@ def metric_names(expr: str) -> set[str]:
 @pytest.fixture(scope="module")
 def exported(stack) -> set[str]:
     """Every sample name (with _bucket/_sum/_count/_total) the API and the worker export after a real job."""
-    with httpx.Client(base_url=stack.base_url, timeout=120, headers=stack.auth_headers()) as http:
+    with stack.http_client() as http:
         r = http.post("/gradients", json=seed_a_body(numcheck="exact"))
         assert r.status_code == 200, r.text
         api = http.get("/metrics").text

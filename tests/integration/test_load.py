@@ -61,7 +61,7 @@ def test_2000_submissions_at_concurrency_32_lose_no_job(stack):
     assert len(job_ids) == REQUESTS and "" not in job_ids
 
     # Every job, answered 200 or 202, ends finished.
-    with httpx.Client(base_url=stack.base_url, headers=stack.auth_headers(), timeout=60) as http:
+    with stack.http_client(timeout=60) as http:
         pending = {job_id for status, job_id in answers.values() if status == 202}
         deadline = time.monotonic() + 120
         while pending and time.monotonic() < deadline:

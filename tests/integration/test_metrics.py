@@ -91,7 +91,7 @@ def scraped(stack, http):
 
 @pytest.fixture(scope="module")
 def http(stack):
-    with httpx.Client(base_url=stack.base_url, timeout=120, headers=stack.auth_headers()) as client:
+    with stack.http_client() as client:  # module-scoped: the module-scoped fixtures above scrape with it
         yield client
 
 

@@ -12,18 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradclient import Client
 
 from tests.support.models import CASES
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None
-    with Client(stack.base_url, api_key=key, timeout=300) as c:
-        yield c
 
 
 @pytest.mark.parametrize("case", list(CASES))

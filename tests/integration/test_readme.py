@@ -252,8 +252,7 @@ def test_the_first_requests_abridged_answer_is_what_comes_back(stack):
 @pytest.mark.parametrize("snippet", sdk_snippets(), ids=lambda b: b.split("\n")[0][:60])
 def test_readme_sdk_snippet_prints_the_figures_it_shows(snippet, stack):
     code = snippet.replace("http://127.0.0.1:8000", stack.base_url)
-    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0]
-    env = {**os.environ, "GRADSVC_API_KEY": key} if key else dict(os.environ)
+    env = {**os.environ, "GRADSVC_API_KEY": stack.api_key} if stack.api_key else dict(os.environ)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     shown = expected_lines(snippet)
@@ -290,8 +289,7 @@ def test_examples_summary_prints_the_table_the_readme_shows(stack):
     """Issue 26 item 6: the README's copy had lost the returned-gradient part of the check's line."""
     text = README.read_text()
     shown = re.search(r"From\n`examples/summary.py`, a small CNN at batch 32:\n\n```\n(.*?)```", text, re.S)[1]
-    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0]
-    env = {**os.environ, "GRADSVC_API_KEY": key} if key else dict(os.environ)
+    env = {**os.environ, "GRADSVC_API_KEY": stack.api_key} if stack.api_key else dict(os.environ)
     out = subprocess.run([sys.executable, "examples/summary.py", "--base-url", stack.base_url, "--out", ""],
                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -48,7 +48,7 @@ def test_the_sdk_alone_installs_without_the_server_and_computes_gradients(wheel,
     script = textwrap.dedent(f"""
         import sys
         from gradclient import Client
-        with Client({stack.base_url!r}, api_key={(stack.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None)!r}) as c:
+        with Client({stack.base_url!r}, api_key={stack.api_key!r}) as c:
             spec = {{"layers": [{{"type": "Linear", "in_features": 6, "out_features": 8}}, {{"type": "Tanh"}},
                                {{"type": "Linear", "in_features": 8, "out_features": 3}}], "dtype": "float64"}}
             r = c.gradients(spec, [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]], [0, 2],

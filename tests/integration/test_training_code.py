@@ -13,18 +13,10 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 
-from gradclient import Client
 from gradclient.errors import BadOptionError, BadTensorError, UnsupportedModuleError
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    key = stack.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None
-    with Client(stack.base_url, api_key=key, timeout=300) as c:
-        yield c
 
 
 def local(model: nn.Module, loss_fn) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ def test_every_error_code_is_documented_with_its_status(doc):
     table = error_table(doc)
     assert table == STATUS, {c: (table.get(c), STATUS.get(c)) for c in set(table) ^ set(STATUS) |
                              {c for c in table if table[c] != STATUS.get(c)}}
-    assert set(table) == set(wire.ERROR_CODES)  # the one table (tests/service/test_error_table.py)
+    assert set(table) == set(wire.ERROR_CODES)  # the one table (tests/gradsvc/test_error_table.py)
 
 
 def test_every_option_is_documented(doc):

@@ -12,7 +12,6 @@ import torch
 from litestar import Litestar, Request, get
 from litestar.testing import TestClient
 
-from gradsvc.runtime.launcher import free_port
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
 from service.app import create_app
@@ -20,6 +19,7 @@ from service.errors import STATUS, ServiceError, error_response, handle_exceptio
 from workers.engine import ComputeError, EngineConfig, compute, resolve_device
 
 from tests.support.nets import SEED_A_LAYERS
+from tests.support.stack import dead_redis_url
 
 
 def body(**changes) -> dict:
@@ -36,7 +36,7 @@ def body(**changes) -> dict:
 
 @pytest.fixture(scope="module")
 def api() -> TestClient:
-    with TestClient(create_app(Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1,
+    with TestClient(create_app(Settings(redis_url=dead_redis_url(), redis_timeout_s=1,
                                         max_parameters=10_000))) as client:
         yield client
 

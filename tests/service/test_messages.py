@@ -19,7 +19,7 @@ from gradsvc.wire import Options
 from service.app import create_app
 
 from tests.support.nets import SEED_A_LAYERS
-from .test_security_limits import dead_redis_url
+from tests.support.stack import dead_redis_url
 
 STOCK_PHRASES = ("Request Entity Too Large", "Method Not Allowed", "Not Found", "Validation failed", "Bad Request",
                  "Unsupported Media Type", "Internal Server Error", "Invalid enum value", "Object contains",

@@ -9,13 +9,14 @@ import pytest
 from litestar.testing import TestClient
 from markupsafe import escape
 
-from gradsvc.runtime.launcher import free_port
 from gradsvc.runtime.settings import Settings
 from service import html, pages
 from service.app import create_app
 from service.graph_svg import render
 from gradsvc.wire import (GradientResult, GraphNode, JobInfo, LayerMemory, Memory, Numcheck, ParameterCheck,
                           Progress, Timings)
+
+from tests.support.stack import dead_redis_url
 
 EVIL = '<script>alert("x")</script>'
 
@@ -70,7 +71,7 @@ def test_the_grad_fn_svg_draws_a_box_per_node_and_an_arrow_per_edge():
 @pytest.fixture(scope="module")
 def keyed() -> TestClient:
     # A dead Redis: the login form's failure and the redirects need none.
-    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1, api_keys=("k",))
+    settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=1, api_keys=("k",))
     with TestClient(create_app(settings)) as client:
         yield client
 

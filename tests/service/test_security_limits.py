@@ -12,22 +12,18 @@ import fakeredis
 import pytest
 from litestar.testing import TestClient
 
-from gradsvc.runtime.launcher import free_port
 from gradsvc.runtime.settings import Settings, SettingsError
 from service.app import create_app
 from service.auth import ANONYMOUS, Auth
 from service.errors import ServiceError
 
 from tests.support.nets import SEED_A_LAYERS
+from tests.support.stack import dead_redis_url
 
 
 def body(**model) -> dict:
     return {"model": {"layers": copy.deepcopy(SEED_A_LAYERS), "dtype": "float64", "seed": 0, **model},
             "inputs": [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], "targets": [1], "options": {"numcheck": "off"}}
-
-
-def dead_redis_url() -> str:
-    return f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
 
 
 class _Req:

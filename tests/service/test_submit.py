@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from litestar.testing import TestClient
 
-from gradsvc.runtime.launcher import free_port
 from gradsvc.runtime.settings import Settings
 from service.app import create_app
+
+from tests.support.stack import dead_redis_url
 
 BATCH_NORM_NET = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
                   {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]
@@ -16,7 +17,7 @@ BATCH_NORM_NET = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"typ
 
 @pytest.fixture(scope="module")
 def api() -> TestClient:
-    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1)
+    settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=1)
     with TestClient(create_app(settings)) as client:
         yield client
 

@@ -58,8 +58,16 @@ class Stack:
         return f"http://127.0.0.1:{self.api_port}"
 
     def http_client(self, timeout: float = 120) -> httpx.Client:
-        """An httpx client on this stack's API (close it, or use it as a context manager)."""
-        return httpx.Client(base_url=self.base_url, timeout=timeout)
+        """An httpx client on this stack's API with its first API key, if it has keys (close it, or use it
+        as a context manager)."""
+        return httpx.Client(base_url=self.base_url, timeout=timeout, headers=self.auth_headers())
+
+    def sdk_client(self, timeout: float = 300, **kwargs):
+        """The SDK's Client on this stack's API with its first API key (close it, or use it as a context
+        manager); kwargs as Client takes them (a transport, retries)."""
+        from gradclient import Client
+
+        return Client(self.base_url, api_key=self.api_key, timeout=timeout, **kwargs)
 
     def redis_client(self):
         """A redis-py client on this stack's Redis (close it)."""
@@ -74,7 +82,7 @@ class Stack:
 
     def start_api(self) -> None:
         self.api = self._spawn("api", "serve")
-        wait_port(self.api_port, 30)
+        wait_port(self.api_port, 120)  # on a loaded 2-core machine importing the app alone can take 30 s
 
     def start_worker(self, index: int | None = None) -> subprocess.Popen:
         index = len(self.workers) if index is None else index
@@ -82,7 +90,7 @@ class Stack:
         self.workers.append(proc)
         return proc
 
-    def wait_ready(self, workers: int = 1, timeout_s: float = 60) -> None:
+    def wait_ready(self, workers: int = 1, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -94,9 +102,13 @@ class Stack:
             time.sleep(0.1)
         raise RuntimeError(f"stack not ready after {timeout_s} s; logs in {self.logdir}")
 
+    @property
+    def api_key(self) -> str | None:
+        """The first of GRADSVC_API_KEYS (the stack's own or the environment's), None without keys."""
+        return self.env.get("GRADSVC_API_KEYS", "").split(",")[0] or None
+
     def auth_headers(self) -> dict[str, str]:
-        keys = self.env.get("GRADSVC_API_KEYS", "")
-        return {"Authorization": f"Bearer {keys.split(',')[0]}"} if keys else {}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.logdir.glob("*.log"))
@@ -114,6 +126,11 @@ class Stack:
         self.redis.stop()
         if self.handoff_dir is not None:
             shutil.rmtree(self.handoff_dir, ignore_errors=True)
+
+
+def dead_redis_url() -> str:
+    """A Redis URL nothing listens on: for an API built in this process whose test needs no Redis."""
+    return f"redis://127.0.0.1:{free_port()}/0"
 
 
 def _free_port_run(n: int, avoid: set[int]) -> int:
@@ -134,17 +151,11 @@ def _free_port_run(n: int, avoid: set[int]) -> int:
         return base
 
 
-# start_stack's `handoff` when not given: bench/common.py sets it, so the benches run as `gradsvc up` does.
-HANDOFF_BY_DEFAULT = False
-
-
-def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool | None = None,
+def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool = False,
                 **env_overrides: str) -> Stack:
     """`handoff=True`: the stack as `gradsvc up` configures it, large payloads handed over in a per-stack
-    dir under /dev/shm (gradsvc/broker/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
-    tests: off)."""
-    if handoff is None:
-        handoff = HANDOFF_BY_DEFAULT
+    dir under /dev/shm (gradsvc/broker/handoff.py; the benches' stacks). Else GRADSVC_HANDOFF_DIR as the
+    environment gives it (the tests: off)."""
     redis = RedisServer(free_port(), args=redis_args).start()
     api_port = free_port()
     metrics_port = _free_port_run(4, avoid={api_port, redis.port})

@@ -1,6 +1,6 @@
 """The CUDA paths: synchronised timings, the allocator's peak, OOM handling. Skipped without a GPU.
 
-On a machine with one: `.venv/bin/pytest -q tests/engine/test_cuda.py` (CI has none).
+On a machine with one: `.venv/bin/pytest -q tests/workers/engine/test_cuda.py` (CI has none).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Graph models through prepare() and compute(), in process: weights, graph_ref, options, memory,
-training semantics, thread safety. (The graph format itself is tests/engine/test_graph.py's.)"""
+training semantics, thread safety. (The graph format itself is tests/workers/engine/test_graph.py's.)"""
 
 from __future__ import annotations
 

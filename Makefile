@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-all bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ run: install
 	$(VENV)/bin/gradsvc up
 
 test: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+test-all: install
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: install

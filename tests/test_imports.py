@@ -157,3 +157,14 @@ def test_the_engine_reads_no_environment_and_speaks_neither_redis_nor_http():
                     isinstance(node.value, ast.Name) and node.value.id == "os":
                 offenders.append((name, f"os.{node.attr}"))
     assert offenders == []
+
+
+def test_the_test_tree_mirrors_the_packages():
+    """tests/<package>/ holds a package's tests, each folder below one where the package has that folder;
+    integration/ and support/ (what the tests and the benches share) stand apart."""
+    tests = ROOT / "tests"
+    for folder in (p for p in tests.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        rel = folder.relative_to(tests)
+        if rel.parts[0] in ("integration", "support"):
+            continue
+        assert (ROOT / rel).is_dir() and rel.parts[0] in PACKAGES, f"tests/{rel} mirrors no package folder"

@@ -38,10 +38,12 @@ def test_seed_a_through_the_api_equals_local_autograd(http):
 
 
 def test_wide_stack_memory_grows_two_mib_per_layer_from_depth_4_to_64(http):
-    x = torch.randn(512, 1024)
+    # Each Linear saves its (batch, width) float32 input: 2048 x 256 x 4 B = 2 MiB, as 512 x 1024 would, with
+    # a sixteenth of the parameters to send back (the test reads the memory, not the gradients).
+    x = torch.randn(2048, 256)
     totals = {}
     for depth in (4, 8, 16, 32, 64):
-        body = {"model": {"layers": wide_stack_layers(depth), "dtype": "float32"}, "inputs": tensor_json(x),
+        body = {"model": {"layers": wide_stack_layers(depth, width=256), "dtype": "float32"}, "inputs": tensor_json(x),
                 "targets": tensor_json(x), "loss": "mse", "options": {"numcheck": "off", "encoding": "b64"}}
         r = http.post("/gradients?wait=120", json=body)
         assert r.status_code == 200, r.text

@@ -47,7 +47,7 @@ def _sync(device: torch.device) -> None:
 
 def _is_random(model: nn.Module) -> bool:
     if hasattr(model, "node_modules"):  # a GraphModel: dropout is a node, not a module
-        from .graph import draws_masks
+        from .batch_flow import draws_masks
 
         return any(draws_masks(step) for step in model._graph.steps)
     return any(isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
@@ -583,7 +583,7 @@ def _computed_dtype(prep: Prepared) -> torch.dtype:
 def _model_computed_dtype(prep: Prepared) -> torch.dtype:
     if prep.graph is None or prep.dtype != prep.graph.compiled.dtype:
         return prep.dtype  # a graph run in another dtype than captured maps its casts to that dtype
-    from .graph import FloatDType
+    from .program import FloatDType
 
     def casts(a):
         if isinstance(a, FloatDType):

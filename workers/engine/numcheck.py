@@ -85,7 +85,7 @@ def batchable(model: torch.nn.Module, device: torch.device, *, graph: bool, rand
 def graph_output_elements(model: torch.nn.Module, inputs: tuple) -> int:
     """What one evaluation of a graph holds: every node's output elements (its modules are holders of
     parameters, never called, so module hooks would see the root's output alone)."""
-    from .graph import attention_elements
+    from .meta_check import attention_elements
 
     count = 0
     steps = model._graph.steps

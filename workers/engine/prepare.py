@@ -623,7 +623,7 @@ def _graph_spec(request: GradientRequest, dtype: torch.dtype,
 
 
 def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: EngineConfig) -> GraphTemplate:
-    from .graph import build_graph
+    from .compiler import build_graph
 
     key = (ref, dtype)
     hit = _templates.get(key)
@@ -644,7 +644,7 @@ def _graph_template(ref: str, spec: GraphSpec, dtype: torch.dtype, config: Engin
 def _fresh(template: GraphTemplate, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """A GraphModel of its own (zero-filled on a device), from the validated graph: ~10x cheaper than
     a deep copy of the template's module tree."""
-    from .graph import GraphModel
+    from .interpreter import GraphModel
 
     return GraphModel(template.compiled, device=device, dtype=dtype)
 
@@ -655,7 +655,7 @@ _mixing: LRU[tuple] = LRU(SHAPE_CACHE_ENTRIES)
 def _batch_flow(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -> tuple[list, tuple[int, int] | None]:
     """((node, op, module path) of the nodes that combine the examples of a batch, where the batch sits in
     the first output): two meta runs of a private copy, once per input signature."""
-    from .graph import batch_flow
+    from .batch_flow import batch_flow
 
     key = (template.ref, dtype, inputs.signature)
     hit = _mixing.get(key)
@@ -722,7 +722,7 @@ def _graph_output(template: GraphTemplate, dtype: torch.dtype, inputs: Batch, li
                   math_attention: bool = False) -> torch.Tensor:
     """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
     signature (on a private copy of the shared model: a run writes its program cache)."""
-    from .graph import check_graph_shapes
+    from .meta_check import check_graph_shapes
 
     key = (template.ref, dtype, inputs.signature, math_attention)
     hit = _graph_shapes.get(key)
@@ -816,7 +816,7 @@ def check_graph_split(template: GraphTemplate, dtype: torch.dtype, inputs: Batch
                         f"gradient; remove {option}, or put that module in eval mode before export",
                         node=node, op=op, module=module)
     if across_jobs:
-        from .graph import draws_masks
+        from .batch_flow import draws_masks
 
         random = next((s for s in template.compiled.steps if draws_masks(s)), None)
         if random is not None:

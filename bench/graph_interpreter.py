@@ -1,4 +1,4 @@
-"""Graph interpreter overhead: a GraphModel (workers/engine/graph.py) against torch.export's own
+"""Graph interpreter overhead: a GraphModel (workers/engine/interpreter.py) against torch.export's own
 `ep.module()` and the eager module, forward + backward on the same weights and batch.
 
 Per model, interleaved rounds; each side's time in a round is the fastest of 3 calls, and each

@@ -10,7 +10,8 @@ A request goes through these stages, one module each, top to bottom:
               graphs: compiler.py (GraphSpec -> program.py's steps; ops.py the allow-list, functions.py the
               custom autograd Functions), interpreter.py (GraphModel runs them), meta_check.py (shapes and
               sizes on meta), batch_flow.py (which nodes mix a batch)
-    prepare   prepare.py (one entry) -> prepare_layers.py | prepare_graph.py -> prepared.py's Prepared;
+    prepare   prepare.py (one path, its model side LayerSpecModel in prepare_layers.py or GraphSpecModel in
+              prepare_graph.py) -> prepared.py's Prepared;
               batch.py (the model's inputs and their rows)
     run       compute.py (the job) -> passes.py (forward and backward, micro-batches, checkpointing),
               quantities.py (H v, per-sample gradients, and their checks), memory.py (saved bytes per layer),

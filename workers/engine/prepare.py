@@ -2,8 +2,10 @@
 
 The API runs this on the meta device to reject a bad request before it is queued; the worker runs
 it on its device. Both see the same checks, so a request that passes here does not fail later for
-a reason that could have been known. A layer spec goes through prepare_layers.py, a graph through
-prepare_graph.py; both share decode.py's checks of everything but the model.
+a reason that could have been known. One path for both kinds of model, in the order below: what
+differs (the inputs a model takes, its output on meta, the splits it refuses, its weights) is the
+model side's, LayerSpecModel (prepare_layers.py) or GraphSpecModel (prepare_graph.py); the rest is
+decode.py's.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from gradsvc.wire import GradientRequest
 from . import tensors
 from .caches import EngineCaches
 from .config import EngineConfig
+from .decode import check_hvp, check_options, decode_targets, loss_terms, refuse_own_loss_split, rows_per_example
 from .errors import SpecError
-from .prepare_graph import prepare_graph
-from .prepare_layers import prepare_layers
+from .prepare_graph import GraphSpecModel
+from .prepare_layers import LayerSpecModel
 from .prepared import GraphResolver, Prepared
 
 
@@ -28,15 +31,41 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     inputs and targets given as dtype and shape alone. `graphs` resolves `model.graph_ref`. `caches`
     are the calling Engine's (None: a one-off call, with caches of its own)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
+    opts, max_elements = request.options, config.limits.max_elements
+    dtype = _model_dtype(request)
+    side = LayerSpecModel(request, config, caches, dtype) if request.model.layers is not None else \
+        GraphSpecModel(request, config, caches, dtype, graphs)
+    inputs = side.inputs(shape_only)  # each decoded and checked; the batched ones agree on the batch size
+    out = side.output(inputs)  # on meta: a layer or node that cannot take its input is named
+    terms = loss_terms(request)
+    targets = decode_targets(request, terms, out, dtype, max_elements, shape_only)
+    refuse_own_loss_split(opts, terms, inputs.rows)
+    side.check_splits(opts, inputs)
+    rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs))
+    frozen = check_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
+    check_hvp(opts, side.meta, frozen)
+    side.check_batch_statistics(opts, inputs)
+    weights = side.weights()
+    model, reuse_key = side.model(device, weights, shape_only)
+    if str(device) != "meta":
+        inputs = inputs.to(device)
+        targets = {k: v.to(device) for k, v in targets.items()}
+    graph = side.template if isinstance(side, GraphSpecModel) else None
+    return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
+                    output_shape=list(out.shape), parameter_count=side.parameter_count, options=opts,
+                    frozen=frozen, graph=graph, graph_data=side.graph_data if graph is not None else None,
+                    reuse_key=reuse_key, rows_per_example=rows,
+                    batch_flow=side.flow if graph is not None else None)
+
+
+def _model_dtype(request: GradientRequest) -> torch.dtype:
+    """model.dtype, a floating one; and exactly one of layers, graph or graph_ref."""
     dtype_name = request.model.dtype
     if dtype_name not in tensors.FLOAT_DTYPES:
         raise SpecError("bad_option", f"model.dtype {dtype_name!r} is not a floating-point dtype; use one of "
                         f"{', '.join(tensors.FLOAT_DTYPES)}")
-    dtype = tensors.TORCH_DTYPES[dtype_name]
     given = [k for k in ("layers", "graph", "graph_ref") if getattr(request.model, k) is not None]
     if len(given) != 1:
         raise SpecError("bad_option", f"model: give exactly one of 'layers', 'graph' or 'graph_ref', got "
                         f"{given or 'none'}", given=given)
-    if request.model.layers is None:
-        return prepare_graph(request, config, caches, device, dtype, shape_only=shape_only, graphs=graphs)
-    return prepare_layers(request, config, caches, device, dtype, shape_only=shape_only)
+    return tensors.TORCH_DTYPES[dtype_name]

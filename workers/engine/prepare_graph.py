@@ -1,7 +1,7 @@
-"""prepare() for a graph model (model.graph, or model.graph_ref resolved through the caller's store): the graph
-validated once per (ref, dtype) into a GraphTemplate, the inputs matched to the graph's and checked, the output's
-shape and the batch flow found on meta once per input signature, then the shared checks (decode.py) and the
-options a graph cannot honour; on a device, a GraphModel of its own gets the request's weights."""
+"""The model side of prepare() for a graph (model.graph, or model.graph_ref resolved through the caller's store):
+the graph validated once per (ref, dtype) into a GraphTemplate, the inputs matched to the graph's and checked,
+the output's shape and the batch flow found on meta once per input signature, the options a graph cannot
+honour, its weights; on a device, a GraphModel of its own gets the request's weights."""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
 from .compiler import build_graph
 from .config import EngineConfig
-from .decode import (as_tensor_value, check_hvp, check_options, decode_targets, decode_weights, input_values,
-                     loss_terms, refuse_own_loss_split, rows_per_example, splits)
+from .decode import as_tensor_value, decode_weights, input_values, splits
 from .errors import SpecError
 from .interpreter import GraphModel
 from .meta_check import check_graph_shapes
-from .prepared import GraphResolver, GraphTemplate, Prepared
+from .prepared import GraphResolver, GraphTemplate
 
 _REF = re.compile(r"[0-9a-f]{64}")
 
@@ -209,27 +208,75 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
     return decode_weights(given, state, template.parameters, dtype, max_elements, "the graph")
 
 
-def _check_graph_options(opts: Options, template: GraphTemplate, inputs: Batch, flow) -> None:
-    """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue
-    (`flow()` gives the graph's batch flow for these inputs)."""
-    if opts.checkpoint_segments is not None:
-        raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a graph "
-                        "model has none, so it cannot apply. Remove it (or checkpoint inside the module before "
-                        "export)")
-    if opts.input_grad:
-        floating = inputs.floating()
-        if not floating:
-            x = inputs.first
-            raise SpecError("bad_option", f"options.input_grad: the inputs are integer {str(x.dtype)[6:]} (token "
-                            "ids), which have no gradient; leave input_grad out")
-        if len(floating) > 1:
-            raise SpecError("bad_option", f"options.input_grad: the model takes {len(floating)} floating inputs "
-                            f"({', '.join(inputs.names[i] for i in floating)}); input_grad returns the gradient of "
-                            "one input tensor. Leave it out, or export a model with one floating input")
-    if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
-        check_graph_split(template, flow()[0], "options.micro_batch")
-    if opts.per_sample != "off":
-        check_graph_split(template, flow()[0], "options.per_sample")
+class GraphSpecModel:
+    """The model side of prepare() for model.graph / model.graph_ref (prepare.py runs the checks in order)."""
+
+    def __init__(self, request: GradientRequest, config: EngineConfig, caches: EngineCaches, dtype: torch.dtype,
+                 graphs: GraphResolver | None) -> None:
+        self.request, self.config, self.caches, self.dtype = request, config, caches, dtype
+        ref, spec, self.graph_data = _graph_spec(caches, request, dtype, graphs)
+        self.template = template = _graph_template(caches, ref, spec, dtype, config)
+        self.meta = template.model
+        self.top_layers = 1
+        self.parameter_names = [n for n in template.state if n in template.parameters]
+        self.parameter_count = sum(template.state[n].numel() for n in self.parameter_names)
+        self.flow: tuple | None = None  # the batch flow, found on meta the first time a check needs it
+
+    def inputs(self, shape_only: bool) -> Batch:
+        return _graph_inputs(self.request, self.template, self.dtype, self.config.limits, shape_only)
+
+    def output(self, inputs: Batch) -> torch.Tensor:
+        return _graph_output(self.caches, self.template, self.dtype, inputs, self.config.limits,
+                             math_attention=self.request.options.hvp is not None)
+
+    def batch_flow(self, inputs: Batch) -> tuple:
+        if self.flow is None:
+            self.flow = _batch_flow(self.caches, self.template, self.dtype, inputs)
+        return self.flow
+
+    def check_splits(self, opts: Options, inputs: Batch) -> None:
+        """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
+        if opts.checkpoint_segments is not None:
+            raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a "
+                            "graph model has none, so it cannot apply. Remove it (or checkpoint inside the module "
+                            "before export)")
+        if opts.input_grad:
+            floating = inputs.floating()
+            if not floating:
+                x = inputs.first
+                raise SpecError("bad_option", f"options.input_grad: the inputs are integer {str(x.dtype)[6:]} "
+                                "(token ids), which have no gradient; leave input_grad out")
+            if len(floating) > 1:
+                raise SpecError("bad_option", f"options.input_grad: the model takes {len(floating)} floating inputs "
+                                f"({', '.join(inputs.names[i] for i in floating)}); input_grad returns the gradient "
+                                "of one input tensor. Leave it out, or export a model with one floating input")
+        if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
+            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
+        if opts.per_sample != "off":
+            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.per_sample")
+        if "options.shards" in splits(opts, inputs.rows):  # what mixes is the clearer reason
+            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
+
+    def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int] | None:
+        maybe_split = splits(opts, inputs.rows) or opts.shards == "auto"
+        return self.batch_flow(inputs)[1] if maybe_split and any(inputs.batched) else None
+
+    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        """A graph's batch statistics are nodes, found by its batch flow (check_splits)."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _graph_weights(self.request, self.template, self.dtype, self.config.limits.max_elements)
+
+    def model(self, device: str | torch.device, weights: dict[str, torch.Tensor],
+              shape_only: bool) -> tuple[nn.Module, None]:
+        """On meta the template's model (read, never run or changed, on that path) or, for POST /estimate
+        (`shape_only`, which runs it), a private copy; elsewhere a GraphModel of its own with the weights."""
+        if str(device) == "meta" and not shape_only:
+            return self.template.model, None
+        model = _fresh(self.template, device, self.dtype)
+        if str(device) != "meta":
+            model.load_state_dict(weights)
+        return model, None
 
 
 def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:
@@ -250,46 +297,3 @@ def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, acr
                             f"{random.module!r} draws dropout masks from model.seed, which every shard would repeat; "
                             f"set shards=1 (micro_batch bounds memory), or export in eval mode",
                             node=random.name, module=random.module)
-
-
-def prepare_graph(request: GradientRequest, config: EngineConfig, caches: EngineCaches, device: str | torch.device,
-                  dtype: torch.dtype, *, shape_only: bool, graphs: GraphResolver | None) -> Prepared:
-    """prepare() for model.graph / model.graph_ref: the same checks as a layer spec's, then the graph's own."""
-    limits = config.limits
-    ref, spec, data = _graph_spec(caches, request, dtype, graphs)
-    template = _graph_template(caches, ref, spec, dtype, config)
-    inputs = _graph_inputs(request, template, dtype, limits, shape_only)
-    out = _graph_output(caches, template, dtype, inputs, limits, math_attention=request.options.hvp is not None)
-    flows: list[tuple] = []  # the batch flow, found on meta the first time a check needs it
-
-    def flow() -> tuple:
-        if not flows:
-            flows.append(_batch_flow(caches, template, dtype, inputs))
-        return flows[0]
-
-    terms = loss_terms(request)
-    targets = decode_targets(request, terms, out, dtype, limits.max_elements, shape_only)
-    refuse_own_loss_split(request.options, terms, inputs.rows)
-    _check_graph_options(request.options, template, inputs, flow)
-    if "options.shards" in splits(request.options, inputs.rows):  # what mixes is the clearer reason
-        check_graph_split(template, flow()[0], "options.shards", across_jobs=True)
-    maybe_split = splits(request.options, inputs.rows) or request.options.shards == "auto"
-    out_batch = flow()[1] if maybe_split and any(inputs.batched) else None
-    rows = rows_per_example(request.options, inputs, out, out_batch)
-    names = [n for n in template.state if n in template.parameters]
-    frozen = check_options(request.options, config, inputs.rows, 1, names)
-    check_hvp(request.options, template.model, frozen)
-    weights = _graph_weights(request, template, dtype, limits.max_elements)
-    parameter_count = sum(template.state[n].numel() for n in names)
-    if str(device) == "meta" and not shape_only:
-        model = template.model  # read, never run or changed, on this path
-    else:
-        model = _fresh(template, device, dtype)
-        if str(device) != "meta":
-            model.load_state_dict(weights)
-            inputs = inputs.to(device)
-            targets = {k: v.to(device) for k, v in targets.items()}
-    return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
-                    output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
-                    frozen=frozen, graph=template, graph_data=data, rows_per_example=rows,
-                    batch_flow=flows[0] if flows else None)

@@ -1,6 +1,6 @@
-"""prepare() for a layer spec (model.layers): its model built on meta once per spec (the checks read it), the
-input decoded and checked, the output's shape found on meta, then the shared checks (decode.py); on a device,
-the model gets the request's weights over the seeded default initialisation. A CPU worker's models go back to
+"""The model side of prepare() for a layer spec (model.layers): its model built on meta once per spec (the checks
+read it), the input decoded and checked, the output's shape found on meta, the splits its layers refuse, its
+weights; on a device, the request's weights over the seeded default initialisation. A CPU worker's models go back to
 its Engine's pool after a successful compute (release_model) for the next request of their spec."""
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from . import tensors
 from .batch import Batch
 from .caches import EngineCaches, state_bytes
 from .config import EngineConfig
-from .decode import (as_tensor_value, check_hvp, check_options, decode_targets, decode_weights, input_values,
-                     loss_terms, refuse_own_loss_split, rows_per_example)
+from .decode import as_tensor_value, decode_weights, input_values
 from .errors import SpecError
 from .prepared import Prepared
 from .spec import Limits, build, check_shapes, leaves, sequence_first
@@ -30,60 +29,79 @@ _seed_lock = threading.Lock()
 BUILT_MODEL_MAX_BYTES = 64 << 20
 
 
-def prepare_layers(request: GradientRequest, config: EngineConfig, caches: EngineCaches, device: str | torch.device,
-                   dtype: torch.dtype, *, shape_only: bool) -> Prepared:
-    """prepare() for model.layers."""
-    limits = config.limits
-    spec_key = msgspec.json.encode(request.model.layers)  # the caches are keyed by the spec
-    meta, facts = _meta_model(caches, spec_key, request, dtype, limits)  # shared, read-only: the checks read it
-    raw = as_tensor_value(input_values(request.inputs, ["inputs"], what="a layer spec")[0][1], "inputs")
-    inputs = tensors.decode(raw, where="inputs", max_elements=limits.max_elements, shape_only=shape_only)
-    first = facts.first
-    if isinstance(first, nn.Embedding):
-        if inputs.dtype.is_floating_point or inputs.dtype == torch.bool:
-            raise SpecError("bad_tensor", "inputs: the first layer is Embedding, which takes integer indices; "
-                            f"got {inputs.dtype}")
-        inputs = inputs.to(torch.int64)
-        if inputs.numel() and not inputs.is_meta and (int(inputs.min()) < 0 or int(inputs.max()) >= first.num_embeddings):
-            raise SpecError("bad_tensor", f"inputs: indices must lie in [0, {first.num_embeddings - 1}] for layer 0 "
-                            "(Embedding)")
-    else:
-        inputs = inputs.to(dtype)
-        if not inputs.is_meta and not tensors.all_finite(inputs):
-            raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
-    if request.options.input_grad and not inputs.dtype.is_floating_point:
-        raise SpecError("bad_option", "options.input_grad: the inputs are integer indices (the first layer is "
-                        "Embedding), which have no gradient; leave input_grad out")
-    if inputs.dim() == 0 or inputs.shape[0] == 0:
-        raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape {list(inputs.shape)}")
-    out = _output_on_meta(caches, spec_key, request, meta, inputs, limits.max_elements)
-    terms = loss_terms(request)
-    targets = decode_targets(request, terms, out, dtype, limits.max_elements, shape_only)
-    refuse_own_loss_split(request.options, terms, inputs.shape[0])
-    rows = rows_per_example(request.options, Batch.of(inputs), out, (0, 1))
-    names = facts.names
-    frozen = check_options(request.options, config, inputs.shape[0], len(meta), names)
-    check_hvp(request.options, meta, frozen)
-    _check_batch_statistics(request.options, meta, inputs.shape[0], facts.mixing)
-    weights = _weights(request, facts, dtype, limits.max_elements)
-    parameter_count = facts.parameter_count
-    reuse_key = None
-    if str(device) == "meta":
-        model = meta
-    else:
-        # The model gets its values: the request's weights over the seeded default initialisation, which
-        # is computed once per (layers, dtype, seed) and kept (seconds for large models). Every entry of the
-        # state_dict is written, so a model reused from an earlier request of this spec keeps nothing of it.
-        state = {} if set(weights) == set(facts.state) else _initial_state(caches, spec_key, request, dtype, config)
-        reuse_key = (spec_key, dtype, str(device))
-        model = caches.built_models.pop(reuse_key) or build(request.model.layers, limits=limits,
+class LayerSpecModel:
+    """The model side of prepare() for model.layers (prepare.py runs the checks in order)."""
+
+    def __init__(self, request: GradientRequest, config: EngineConfig, caches: EngineCaches,
+                 dtype: torch.dtype) -> None:
+        self.request, self.config, self.caches, self.dtype = request, config, caches, dtype
+        self.spec_key = msgspec.json.encode(request.model.layers)  # the caches are keyed by the spec
+        # shared, read-only: the checks read it
+        self.meta, self.facts = _meta_model(caches, self.spec_key, request, dtype, config.limits)
+        self.top_layers = len(self.meta)
+        self.parameter_names = self.facts.names
+        self.parameter_count = self.facts.parameter_count
+
+    def inputs(self, shape_only: bool) -> Batch:
+        """The one input tensor: integer indices for a first Embedding, else floating in the model's dtype."""
+        request, dtype = self.request, self.dtype
+        raw = as_tensor_value(input_values(request.inputs, ["inputs"], what="a layer spec")[0][1], "inputs")
+        inputs = tensors.decode(raw, where="inputs", max_elements=self.config.limits.max_elements,
+                                shape_only=shape_only)
+        first = self.facts.first
+        if isinstance(first, nn.Embedding):
+            if inputs.dtype.is_floating_point or inputs.dtype == torch.bool:
+                raise SpecError("bad_tensor", "inputs: the first layer is Embedding, which takes integer indices; "
+                                f"got {inputs.dtype}")
+            inputs = inputs.to(torch.int64)
+            if inputs.numel() and not inputs.is_meta and \
+                    (int(inputs.min()) < 0 or int(inputs.max()) >= first.num_embeddings):
+                raise SpecError("bad_tensor", f"inputs: indices must lie in [0, {first.num_embeddings - 1}] for "
+                                "layer 0 (Embedding)")
+        else:
+            inputs = inputs.to(dtype)
+            if not inputs.is_meta and not tensors.all_finite(inputs):
+                raise SpecError("bad_tensor", "inputs hold NaN or infinite values")
+        if request.options.input_grad and not inputs.dtype.is_floating_point:
+            raise SpecError("bad_option", "options.input_grad: the inputs are integer indices (the first layer is "
+                            "Embedding), which have no gradient; leave input_grad out")
+        if inputs.dim() == 0 or inputs.shape[0] == 0:
+            raise SpecError("bad_tensor", f"inputs: expected a batch (first dimension >= 1), got shape "
+                            f"{list(inputs.shape)}")
+        return Batch.of(inputs)
+
+    def output(self, inputs: Batch) -> torch.Tensor:
+        return _output_on_meta(self.caches, self.spec_key, self.request, self.meta, inputs.first,
+                               self.config.limits.max_elements)
+
+    def check_splits(self, opts: Options, inputs: Batch) -> None:
+        """A layer spec's splits are checked with its layers (check_batch_statistics), after the options."""
+
+    def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int]:
+        return (0, 1)  # a stack of layers keeps the batch in dim 0, one output row per example
+
+    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        _check_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _weights(self.request, self.facts, self.dtype, self.config.limits.max_elements)
+
+    def model(self, device: str | torch.device, weights: dict[str, torch.Tensor],
+              shape_only: bool) -> tuple[nn.Module, tuple | None]:
+        """(the model on `device`, the key it goes back to the pool under): on meta the shared meta model;
+        elsewhere the request's weights over the seeded default initialisation, which is computed once per
+        (layers, dtype, seed) and kept (seconds for large models). Every entry of the state_dict is written,
+        so a model reused from an earlier request of this spec keeps nothing of it."""
+        if str(device) == "meta":
+            return self.meta, None
+        request, dtype, caches = self.request, self.dtype, self.caches
+        state = {} if set(weights) == set(self.facts.state) else _initial_state(caches, self.spec_key, request,
+                                                                                dtype, self.config)
+        reuse_key = (self.spec_key, dtype, str(device))
+        model = caches.built_models.pop(reuse_key) or build(request.model.layers, limits=self.config.limits,
                                                             device="meta").to(dtype).to_empty(device=device)
         model.load_state_dict({**state, **weights})
-        inputs = inputs.to(device)
-        targets = {k: v.to(device) for k, v in targets.items()}
-    return Prepared(model=model, dtype=dtype, inputs=Batch.of(inputs), targets=targets, terms=terms,
-                    output_shape=list(out.shape), parameter_count=parameter_count, options=request.options,
-                    frozen=frozen, reuse_key=reuse_key, rows_per_example=rows)
+        return model, reuse_key
 
 
 def _check_batch_statistics(opts: Options, model: nn.Module, batch: int,

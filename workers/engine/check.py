@@ -23,9 +23,10 @@ from .program import FloatDType
 
 
 def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
-              progress: Progress | None, returned: dict[str, torch.Tensor],
-              reference: dict[str, torch.Tensor] | None = None, job_s: float = 0.0, final: "Pass | None" = None,
-              hvp_vector: dict[str, torch.Tensor] | None = None, per_sample_sum: dict[str, torch.Tensor] | None = None):
+                    progress: Progress | None, returned: dict[str, torch.Tensor],
+                    reference: dict[str, torch.Tensor] | None = None, job_s: float = 0.0, final: Pass | None = None,
+                    hvp_vector: dict[str, torch.Tensor] | None = None,
+                    per_sample_sum: dict[str, torch.Tensor] | None = None):
     """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
     them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
     opts = prep.options
@@ -99,7 +100,7 @@ def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConf
 EVAL_MARGIN = 1.5
 
 
-def _quantity_checks(prep: Prepared, final: "Pass", params: dict[str, torch.Tensor], loss_fn, model64, x64: Batch,
+def _quantity_checks(prep: Prepared, final: Pass, params: dict[str, torch.Tensor], loss_fn, model64, x64: Batch,
                      t64: dict[str, torch.Tensor], hvp_vector: dict[str, torch.Tensor] | None,
                      per_sample_sum: dict[str, torch.Tensor] | None, seed: int, device: torch.device) -> dict:
     """Each returned quantity besides the gradients, checked its own way (quantities.py)."""

@@ -12,8 +12,8 @@ from .passes import Pass
 from .prepared import Prepared, batch_chunks
 
 
-def encode_result(request: GradientRequest, prep: Prepared, device: torch.device, final: Pass, *, per_sample, hvp: bool,
-            check, memory, checkpoint, timings: Timings) -> GradientResult:
+def encode_result(request: GradientRequest, prep: Prepared, device: torch.device, final: Pass, *, per_sample,
+                  hvp: bool, check, memory, checkpoint, timings: Timings) -> GradientResult:
     """The wire result: every tensor encoded, a frozen parameter's gradient null."""
     opts = prep.options
     several = len(prep.terms) > 1

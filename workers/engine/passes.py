@@ -241,7 +241,7 @@ def _graph(root) -> list[GraphNode]:
 # --- one pass, composed ---------------------------------------------------------------------------
 
 def run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, *, record_memory: bool,
-              hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> Pass:
+             hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> Pass:
     """Forward and backward over the batch, chunk by chunk: the first chunk metered, each one timed,
     the extra outputs taken from its graph, everything summed into one Pass."""
     result = Pass()

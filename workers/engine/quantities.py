@@ -34,7 +34,7 @@ from .prepared import Prepared
 # --- computed -------------------------------------------------------------------------------------
 
 def hessian_vector(grads: list[torch.Tensor], params: dict[str, torch.Tensor],
-         vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                   vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """H v by double backward through gradients taken with create_graph=True."""
     names = list(params)
     try:
@@ -74,7 +74,7 @@ def hvp_vector_for(request: GradientRequest, params: dict[str, torch.Tensor], co
 
 
 def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: int,
-                device: torch.device) -> tuple[PerSample, dict[str, torch.Tensor]]:
+                         device: torch.device) -> tuple[PerSample, dict[str, torch.Tensor]]:
     """The per-example gradients (norms, or all of them), and their sum or mean (as the losses reduce) for
     the check against the batch gradient."""
     from torch.func import functional_call, grad, vmap

@@ -33,11 +33,12 @@ from torch import nn
 from common import footer, header, median, raw_tensor, table, verdict
 from gradclient.export import export_graph
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute, prepare
+from workers.engine import Engine, EngineConfig
 
-prepare_module = importlib.import_module("workers.engine.prepare")  # the package's `prepare` is the function
+prepare_graph = importlib.import_module("workers.engine.prepare_graph")  # its private steps, timed alone
 
 CONFIG = EngineConfig()
+ENGINE = Engine(CONFIG)  # the API's, with its caches
 torch.set_num_threads(1)  # on a shared machine, OpenMP threads waiting on busy cores swamp the ratio
 REPEAT = 3
 
@@ -77,9 +78,8 @@ def ep_step(module: nn.Module, params: list, x: torch.Tensor, y: torch.Tensor) -
 
 
 def clear_graph_caches() -> None:
-    for cache in (prepare_module._templates, prepare_module._graph_shapes, prepare_module._mixing):
-        with cache._lock:
-            cache._items.clear()
+    for cache in (ENGINE.caches.graph_templates, ENGINE.caches.graph_shapes, ENGINE.caches.batch_flows):
+        cache.clear()
 
 
 def per_call_ms(fn, n: int) -> float:
@@ -100,16 +100,16 @@ def main() -> None:
     first = body(exported.graph, exported.weights, x, y)
     timed = body(exported.graph, exported.weights, x, y, timing_repeat=REPEAT)
     ep_step(epm, ep_params, x, y)
-    compute(decode(first), CONFIG)  # warm: the validated graph is cached from here on
+    ENGINE.compute(decode(first))  # warm: the validated graph is cached from here on
 
     phases, calls, steps = [], [], []
     for _ in range(8):
         # Each side's median of REPEAT steps (compute's timings are the median of its timed repeats).
         step_s = median([ep_step(epm, ep_params, x, y) for _ in range(REPEAT)])
-        result = compute(decode(timed), CONFIG)
+        result = ENGINE.compute(decode(timed))
         phase_s = (result.timings.forward_ms + result.timings.backward_ms) / 1e3
         t0 = time.perf_counter()
-        compute(decode(first), CONFIG)
+        ENGINE.compute(decode(first))
         call_s = time.perf_counter() - t0
         phases.append(phase_s / step_s)
         calls.append(call_s / step_s)
@@ -126,20 +126,21 @@ def main() -> None:
     rows = []
     clear_graph_caches()
     t0 = time.perf_counter()
-    prepare(reqs["graph, first time"], CONFIG, "meta")
+    ENGINE.prepare(reqs["graph, first time"], "meta")
     rows.append(["graph, first time (validate + meta shape check)", 1e3 * (time.perf_counter() - t0)])
     rows.append(["graph, seen before (hash + look-up)",
-                 per_call_ms(lambda: prepare(reqs["graph, seen before"], CONFIG, "meta"), 50)])
+                 per_call_ms(lambda: ENGINE.prepare(reqs["graph, seen before"], "meta"), 50)])
     graphs = {ref: exported.graph}.get  # the API's GraphStore hit: its LRU (the Redis EXPIRE aside)
-    rows.append(["graph_ref (look-up)", per_call_ms(lambda: prepare(reqs["graph_ref"], CONFIG, "meta",
-                                                                    graphs=graphs), 200)])
+    rows.append(["graph_ref (look-up)", per_call_ms(lambda: ENGINE.prepare(reqs["graph_ref"], "meta", graphs=graphs),
+                                                200)])
     nodes_only = decode(msgspec.msgpack.encode({"model": {"graph_ref": ref, "weights": {}}, "inputs": [[0]],
                                                 "targets": [0]}))
-    template = prepare_module._graph_template(ref, exported.graph, torch.float32, CONFIG)
+    caches = ENGINE.caches
+    template = prepare_graph._graph_template(caches, ref, exported.graph, torch.float32, CONFIG)
     rows.append(["  of which the graph part (resolve + template + shape cache)",
-                 per_call_ms(lambda: (prepare_module._graph_spec(nodes_only, torch.float32, graphs),
-                                      prepare_module._graph_template(ref, exported.graph, torch.float32, CONFIG),
-                                      prepare_module._graph_output(template, torch.float32, x, CONFIG.limits)),
+                 per_call_ms(lambda: (prepare_graph._graph_spec(caches, nodes_only, torch.float32, graphs),
+                                      prepare_graph._graph_template(caches, ref, exported.graph, torch.float32, CONFIG),
+                                      prepare_graph._graph_output(caches, template, torch.float32, x, CONFIG.limits)),
                              2000)])
     table(["API prepare() on meta", "ms"], rows)
     graph_bytes = len(msgspec.msgpack.encode(exported.graph))

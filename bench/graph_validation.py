@@ -18,7 +18,7 @@ import torch
 from common import footer, header, table
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
-from workers.engine import config_from_settings, prepare, warm_up_shape_check
+from workers.engine import Engine, config_from_settings, warm_up_shape_check
 
 # One node of each kind reading the previous node `p` (and, for add, the one 7 before `q`).
 OPS = {
@@ -48,14 +48,14 @@ def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2_000
     torch.set_num_threads(1)
     warm_up_shape_check()
-    config = config_from_settings(Settings(max_graph_nodes=max(n, 1)))
+    engine = Engine(config_from_settings(Settings(max_graph_nodes=max(n, 1))))
     started = header(f"graph validation: a new graph of {n} nodes through prepare() on meta",
                      "Each op as a chain of nodes after a linear; one torch thread, as in the API.")
     rows = []
     for name, node in OPS.items():
         req = request(n, node)
         start = time.perf_counter()
-        prepare(req, config, "meta")
+        engine.prepare(req, "meta")
         s = time.perf_counter() - start
         rows.append([name, f"{s * 1e3:.0f} ms", f"{s / n * 1e6:.0f} us", f"{s / n * 5_000:.2f} s",
                      f"{s / n * 20_000:.2f} s"])

@@ -27,7 +27,7 @@ from torch import nn
 
 from common import footer, header, median, raw_tensor, start_stack, table, verdict, wide_stack_layers
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute
+from workers.engine import Engine, EngineConfig
 
 DEPTH, WIDTH, BATCH = 8, 1024, 256
 REQUESTS = 8
@@ -68,7 +68,7 @@ def main() -> list[list]:
     b = body()
     content = msgspec.msgpack.encode(b)
     req = msgspec.msgpack.decode(content, type=GradientRequest)
-    config, cpu = EngineConfig(), torch.device("cpu")
+    engine, cpu = Engine(EngineConfig()), torch.device("cpu")
     step = plain_step(b)
     stack = start_stack(workers=1)
     m: dict[str, list[float]] = {k: [] for k in ("plain", "phases", "call", "e2e", "worker")}
@@ -80,7 +80,7 @@ def main() -> list[list]:
             for i in range(REQUESTS + 2):  # interleaved rounds: plain step, compute() in process, the request
                 plain = step()
                 t0 = time.perf_counter()
-                local = compute(req, config, device=cpu)
+                local = engine.compute(req, device=cpu)
                 t1 = time.perf_counter()
                 r = client.post("/gradients", params={"wait": 120}, content=content)
                 grads, answer = decode_answer(r.content)

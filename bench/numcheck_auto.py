@@ -18,7 +18,7 @@ from common import footer, header, median, table
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute
+from workers.engine import Engine, EngineConfig
 from tests.support.models import CASES
 
 REPEAT = 3
@@ -37,11 +37,12 @@ def main() -> list[list]:
     started = header("Numerical check auto on the zoo: the mode it chose, its evaluations, its cost against the budget",
                      __doc__.split("Run:")[0])
     config, cpu = EngineConfig(), torch.device("cpu")
+    engine = Engine(config)
     rows = []
     for case in CASES:
         req = request(case)
-        compute(req, config, device=cpu)  # warm-up
-        results = [compute(req, config, device=cpu) for _ in range(REPEAT)]
+        engine.compute(req, device=cpu)  # warm-up
+        results = [engine.compute(req, device=cpu) for _ in range(REPEAT)]
         r = results[len(results) // 2]
         ms = median(x.timings.numcheck_ms for x in results)
         fb = median(x.timings.forward_ms + x.timings.backward_ms for x in results)

@@ -19,7 +19,7 @@ import torch
 
 from common import footer, header, median, raw_tensor, table
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute
+from workers.engine import Engine, EngineConfig
 
 HIDDEN = [2, 24, 240, 2400, 24000]  # P = 43H + 10: 96, 1042, 10330, 103210, 1032010
 EXACT_MEASURED_MAX = 2_000  # above, exact is extrapolated (10,090 parameters would take ~15 s)
@@ -38,10 +38,10 @@ def request(hidden: int, mode: str) -> GradientRequest:
 
 
 def run(hidden: int, mode: str) -> tuple[float, int, float, bool]:
-    config, cpu = EngineConfig(), torch.device("cpu")
+    engine, cpu = Engine(EngineConfig()), torch.device("cpu")
     req = request(hidden, mode)
-    compute(req, config, device=cpu)  # warm-up
-    results = [compute(req, config, device=cpu) for _ in range(REPEAT)]
+    engine.compute(req, device=cpu)  # warm-up
+    results = [engine.compute(req, device=cpu) for _ in range(REPEAT)]
     ms = median(r.timings.numcheck_ms for r in results)
     fb = median(r.timings.forward_ms + r.timings.backward_ms for r in results)
     r = results[0]

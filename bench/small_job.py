@@ -24,7 +24,7 @@ import torch
 
 from common import footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute
+from workers.engine import Engine, EngineConfig
 
 REQUESTS = 300
 WARMUP = 30
@@ -40,7 +40,7 @@ def run_variant(client: httpx.Client, body: dict, binary: bool) -> dict[str, lis
     processes shifts both alike."""
     content = msgspec.json.encode(body)
     req = msgspec.json.decode(content, type=GradientRequest)
-    config, cpu = EngineConfig(), torch.device("cpu")
+    engine, cpu = Engine(EngineConfig()), torch.device("cpu")
     headers = {"Content-Type": "application/json"}
     if binary:
         headers["Accept"] = "application/msgpack"
@@ -48,7 +48,7 @@ def run_variant(client: httpx.Client, body: dict, binary: bool) -> dict[str, lis
     out: dict[str, list[float]] = {"local": [], "e2e": [], "worker": []}
     for i in range(WARMUP + REQUESTS):
         t0 = time.perf_counter()
-        compute(req, config, device=cpu)
+        engine.compute(req, device=cpu)
         t1 = time.perf_counter()
         r = client.post("/gradients", params={"wait": 30}, content=content, headers=headers)
         answer = decode(r.content)

@@ -36,7 +36,7 @@ from torch import nn
 from common import Stack, footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradclient import Client
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute
+from workers.engine import Engine, EngineConfig
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only answer bytes, only read
 QUICK = "--quick" in sys.argv[1:]
@@ -51,13 +51,13 @@ def small(stack: Stack) -> dict[str, float]:
     body = seed_a_body({"numcheck": "off", "memory": False})
     content = msgspec.json.encode(body)
     req = msgspec.json.decode(content, type=GradientRequest)
-    config, cpu = EngineConfig(), torch.device("cpu")
+    engine, cpu = Engine(EngineConfig()), torch.device("cpu")
     headers = {"Content-Type": "application/json"}
     local, e2e, worker, health, est = [], [], [], [], []
     with httpx.Client(base_url=stack.base_url, timeout=60, headers=stack.auth_headers()) as client:
         for i in range(SMALL_WARMUP + SMALL_N):
             t0 = time.perf_counter()
-            compute(req, config, device=cpu)
+            engine.compute(req, device=cpu)
             t1 = time.perf_counter()
             r = client.post("/gradients", params={"wait": 30}, content=content, headers=headers)
             answer = msgspec.json.decode(r.content)

@@ -61,6 +61,11 @@ class LRU(Generic[T]):
                 self.bytes -= self._size(value)
             return value
 
+    def values(self) -> list[T]:
+        """A snapshot of the values, least recently used first (for tests and metrics; no hit counted)."""
+        with self._lock:
+            return list(self._items.values())
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -18,7 +18,7 @@ from gradsvc.broker.graphs import GraphStore
 from gradsvc.runtime.malloc import keep_large_buffers
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, JobAccepted, LayerInfo
-from workers.engine import config_from_settings, estimate, layer_catalogue, prepare, warm_up_shape_check
+from workers.engine import Engine, config_from_settings, layer_catalogue, warm_up_shape_check
 from workers.engine.prepare import Prepared
 
 from . import docs, openapi, pages
@@ -144,7 +144,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     pieces = BlobStore(store.redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
     auth = Auth(settings, store.redis)
     metrics = ApiMetrics(store)
-    config = config_from_settings(settings)
+    engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
     sessions = Sessions(auth, store.aredis, settings.queue_prefix)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
@@ -189,7 +189,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         already validated on the event loop."""
         if prep is None:
             _check_refs(pieces, owner, req)
-            prep = prepare(req, config, "meta", graphs=graphs.resolver(owner))
+            prep = engine.prepare(req, "meta", graphs=graphs.resolver(owner))
         auth.check_rate(owner)
         if prep.graph_data is not None:
             graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
@@ -203,7 +203,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         body, fmt, req = await read_request(request)
         key = _idempotency_key(request)
         key_age_s = _key_age_s(request) if key is not None else None
-        prep = prepare(req, config, "meta") if _inline(req, body, key, auth) else None
+        prep = engine.prepare(req, "meta") if _inline(req, body, key, auth) else None
         if prep is not None and not store.large_result(prep.gradient_bytes):
             # A small layer-spec request that needs nothing else of Redis: checked on the event loop (a
             # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop.
@@ -233,11 +233,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
     async def estimate_memory(request: Request, owner: str) -> Response:
         body, _, req = await read_request(request)
         if _small_layer_spec(req, body):
-            result = estimate(req, config)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
+            result = engine.estimate(req)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
         else:
             def checked_estimate():
                 _check_refs(pieces, owner, req)
-                return estimate(req, config, graphs=graphs.resolver(owner))
+                return engine.estimate(req, graphs=graphs.resolver(owner))
 
             result = await anyio.to_thread.run_sync(checked_estimate)
         return respond(request, result)

@@ -25,7 +25,7 @@ from gradsvc.broker.jobs import GradientJob
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
-from .engine import ComputeError, EngineConfig, EngineError, SpecError, compute, config_from_settings, resolve_device
+from .engine import ComputeError, Engine, EngineError, SpecError, config_from_settings, resolve_device
 from .metrics import WorkerMetrics
 
 log = logging.getLogger("gradsvc.worker")
@@ -45,7 +45,7 @@ class JobCanceledError(Exception):
 @dataclass
 class WorkerContext:
     settings: Settings
-    config: EngineConfig
+    engine: Engine  # the engine's config and caches, for every job of this worker
     device: torch.device
     metrics: WorkerMetrics
     graphs: GraphStore | None = None  # model.graph_ref look-ups, over the worker's Redis connection
@@ -91,7 +91,7 @@ def make_context(settings: Settings) -> WorkerContext:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
     handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
     handoff_files.install(handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
-    return WorkerContext(settings=settings, config=config_from_settings(settings), device=device,
+    return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings)), device=device,
                          metrics=WorkerMetrics(), handoff=handoff)
 
 
@@ -209,8 +209,8 @@ def gradient_job(body: bytes | str, fmt: str) -> dict:
 def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
     request = _with_pieces(ctx, job, decode_request(job_input(job, ctx, body, cancel_id), fmt))
-    result = compute(request, ctx.config, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
-                     device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
+    result = ctx.engine.compute(request, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
+                                device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
     return result
 

@@ -10,7 +10,8 @@ from torch import nn
 from gradclient.convert import UnsupportedModuleError
 from gradclient.export import export_graph
 from gradsvc import wire
-from workers.engine.graph import build_graph, load_weights
+from workers.engine.compiler import build_graph
+from workers.engine.interpreter import load_weights
 from workers.engine.spec import Limits
 
 from tests.support import models

@@ -4,16 +4,13 @@ against it) uses the user's backward, as local training does, not autograd of th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from gradsvc.wire import FunctionSpec
 
+from .interpreter import GraphModel
 from .ops import Op, Param
-
-if TYPE_CHECKING:
-    from .graph import Compiled
+from .program import Compiled, bad_graph
 
 MAX_FUNCTIONS = 64
 
@@ -21,7 +18,7 @@ MAX_FUNCTIONS = 64
 class CompiledFunction:
     """One FunctionSpec, validated: its forward and backward graphs and which arguments get a gradient."""
 
-    def __init__(self, name: str, forward: "Compiled", backward: "Compiled", grads: tuple[bool, ...]) -> None:
+    def __init__(self, name: str, forward: Compiled, backward: Compiled, grads: tuple[bool, ...]) -> None:
         self.name, self.forward, self.backward, self.grads = name, forward, backward, grads
 
     def __deepcopy__(self, memo: dict) -> "CompiledFunction":
@@ -37,30 +34,26 @@ class CompiledFunction:
 def compile_function(key: str, spec: FunctionSpec, compile_graph, limits) -> CompiledFunction:
     """Both graphs checked like the model's own (the allow-list, arguments, shapes on meta later), with no
     parameters and no Functions of their own."""
-    from .graph import _bad
-
     for part, graph in (("forward", spec.forward), ("backward", spec.backward)):
         if graph.functions:
-            raise _bad(f"functions[{key!r}].{part} calls Functions of its own; a Function's graphs call ATen ops only")
+            raise bad_graph(f"functions[{key!r}].{part} calls Functions of its own; a Function's graphs call ATen ops only")
         kinds = {inp.kind for inp in graph.inputs}
         if not kinds <= {"input", "constant"}:
-            raise _bad(f"functions[{key!r}].{part} has inputs of kind {sorted(kinds - {'input', 'constant'})}; a "
+            raise bad_graph(f"functions[{key!r}].{part} has inputs of kind {sorted(kinds - {'input', 'constant'})}; a "
                        "Function's graphs take tensors and constants only", function=key)
     forward, backward = compile_graph(spec.forward, limits=limits), compile_graph(spec.backward, limits=limits)
     n_in = sum(1 for _, inp in forward.inputs if inp.kind == "input")
     n_out = len(forward.outputs)
     n_bwd_in = sum(1 for _, inp in backward.inputs if inp.kind == "input")
     if len(spec.grads) != n_in or n_bwd_in != n_in + n_out or len(backward.outputs) != sum(spec.grads):
-        raise _bad(f"functions[{key!r}] ({spec.name[:100]}): forward takes {n_in} tensors and returns {n_out}; "
+        raise bad_graph(f"functions[{key!r}] ({spec.name[:100]}): forward takes {n_in} tensors and returns {n_out}; "
                    f"backward must take {n_in + n_out} (got {n_bwd_in}), 'grads' must have {n_in} entries (got "
                    f"{len(spec.grads)}) and backward return one gradient per true entry (got "
                    f"{len(backward.outputs)})", function=key)
     return CompiledFunction(spec.name[:200], forward, backward, tuple(spec.grads))
 
 
-def _run(compiled: "Compiled", xs: tuple) -> list:
-    from .graph import GraphModel
-
+def _run(compiled: Compiled, xs: tuple) -> list:
     like = next((x for x in xs if x.is_floating_point()), xs[0])
     dtype = like.dtype if like.is_floating_point() else compiled.dtype
     model = GraphModel(compiled, device=like.device, dtype=dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from .errors import SpecError
 
 # name -> (function, target kind): "class" takes integer class indices (or probabilities for
 # cross_entropy), "same" a float tensor shaped like the output, "binary" the same in [0, 1].
-LOSSES = {
+LOSSES = MappingProxyType({
     "cross_entropy": (F.cross_entropy, "class"),
     "nll": (F.nll_loss, "class"),
     "mse": (F.mse_loss, "same"),
@@ -21,7 +22,7 @@ LOSSES = {
     "huber": (F.huber_loss, "same"),
     "bce_with_logits": (F.binary_cross_entropy_with_logits, "binary"),
     "bce": (F.binary_cross_entropy, "binary"),
-}
+})
 REDUCTIONS = ("mean", "sum")
 # The model's own loss: its first output is the scalar to differentiate (a Hugging Face model given
 # labels= returns .loss first; a forward may compute a contrastive or distillation loss itself).

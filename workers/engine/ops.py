@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -169,7 +170,7 @@ _LOSSES = """cross_entropy_loss.default nll_loss.default nll_loss_nd.default mse
 binary_cross_entropy_with_logits.default"""
 
 # Combine values along `dim`/`dims` (the batch-mixing check looks at that argument).
-_ALONG_DIM = set("""sum.dim_IntList mean.dim amax.default amin.default max.dim min.dim argmax.default
+_ALONG_DIM = frozenset("""sum.dim_IntList mean.dim amax.default amin.default max.dim min.dim argmax.default
 argmin.default var.correction var.dim std.correction std.dim var_mean.correction std_mean.correction
 var_mean.dim std_mean.dim
 prod.dim_int logsumexp.default norm.ScalarOpt_dim linalg_vector_norm.default cumsum.default cumprod.default
@@ -197,13 +198,13 @@ def _zeros_empty_strided(size, stride, *, dtype=None, layout=None, device=None, 
 
 # The `empty*` family returns whatever the allocator hands back (on a shared GPU, another caller's
 # tensors); here each runs as its zero-filled twin, checked against the original's schema.
-_ZERO_FILLED = {
+_ZERO_FILLED = MappingProxyType({
     "empty.memory_format": _zeros_like_empty,
     "empty_like.default": _zeros_empty_like,
     "new_empty.default": _zeros_new_empty,
     "empty_strided.default": _zeros_empty_strided,
     "new_empty_strided.default": lambda self, size, stride, **kw: _zeros_new_empty(self, size, **kw),
-}
+})
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
@@ -235,7 +236,7 @@ def _truediv(a: Any, b: Any) -> float:
     return a / b
 
 
-PYTHON_OPS: dict[str, Op] = {
+PYTHON_OPS = MappingProxyType({
     op.name: op for op in [
         _python_op("add", operator.add, 2), _python_op("sub", operator.sub, 2), _python_op("mul", operator.mul, 2),
         _python_op("floordiv", operator.floordiv, 2), _python_op("truediv", _truediv, 2),
@@ -243,17 +244,16 @@ PYTHON_OPS: dict[str, Op] = {
         _python_op("eq", operator.eq, 2), _python_op("ne", operator.ne, 2), _python_op("lt", operator.lt, 2),
         _python_op("le", operator.le, 2), _python_op("gt", operator.gt, 2), _python_op("ge", operator.ge, 2),
     ]
-}
+})
 # getitem picks one tensor out of a multi-output op (split, max.dim, native_batch_norm, ...).
 GETITEM = Op("operator.getitem", operator.getitem,
              (Param("seq", ("tensors",), False, False), Param("index", ("int",), False, False)), "tensor")
 
 
-SKIPPED: list[str] = []  # entries this torch lacks or gives a schema the checks cannot read (none on 2.13)
-
-
-def _build_table() -> dict[str, Op]:
+def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
+    """(the allowed ops by name, the entries this torch lacks or gives a schema the checks cannot read)."""
     table: dict[str, Op] = {"operator.getitem": GETITEM, **PYTHON_OPS}
+    skipped = []
     groups = [_MATMUL, _CONV, _NORM, _ATTENTION, _ACTIVATIONS, _ELEMENTWISE, _REDUCTIONS, _INDEXING, _VIEWS,
               _LAYOUT, _POOLING, _RECURRENT, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
     reshapes = set(_VIEWS.split())
@@ -271,11 +271,11 @@ def _build_table() -> dict[str, Op]:
                                        is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
                                        reshapes=entry in reshapes, recurrent=entry in recurrent)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash
-            SKIPPED.append(f"{name}: {exc}")
-    return table
+            skipped.append(f"{name}: {exc}")
+    return MappingProxyType(table), tuple(skipped)
 
 
-OPS: dict[str, Op] = _build_table()
+OPS, SKIPPED = _build_table()  # SKIPPED: none on torch 2.13
 
 ALLOWED_OPS_DOC = "README.md, section 'Graph format (exported models)' (the list: workers/engine/ops.py)"
 

@@ -1,4 +1,7 @@
-"""Checks of the returned quantities other than the gradients (Numcheck.quantities), each its own way:
+"""The extra quantities besides the gradients, each computed and checked here: H v (hessian_vector, by
+double backward through create_graph gradients, along hvp_vector), per-example gradients
+(per_sample_gradients, torch.func's vmap of grad), and (in passes.py, one more leaf of the backward) the
+input's gradient. Their checks (Numcheck.quantities), each its own way:
 
 - `hvp`: central differences of float64 autograd gradients along the vector, against H v as returned.
 - `input_gradient`: central differences of the float64 loss along a random unit direction of the input,
@@ -13,13 +16,101 @@ element of the reference: a tensor small beside the rest is not judged by its ow
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
-from gradsvc.wire import QuantityCheck
+from gradsvc.wire import GradientRequest, PerSample, QuantityCheck
 
+from . import tensors
+from .config import EngineConfig
+from .devices import is_allocation_failure, is_random, seeded
+from .errors import SpecError
 from .numcheck import F64_EPS, FLOOR_ROUNDINGS, _verdict, returned_check
+from .prepared import Prepared
+
+
+# --- computed -------------------------------------------------------------------------------------
+
+def hessian_vector(grads: list[torch.Tensor], params: dict[str, torch.Tensor],
+                   vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """H v by double backward through gradients taken with create_graph=True."""
+    names = list(params)
+    try:
+        hv = torch.autograd.grad(grads, list(params.values()), grad_outputs=[vector[n] for n in names],
+                                 materialize_grads=True)
+    except RuntimeError as exc:
+        if "not implemented" not in str(exc):
+            raise
+        raise SpecError("bad_option", f"options.hvp: torch cannot differentiate this model twice "
+                        f"({str(exc).splitlines()[0][:200]}), so H v is not available for it; remove options.hvp")
+    return dict(zip(names, hv))
+
+
+def twice_differentiable(on: bool):
+    """Attention through its math kernel when H v is asked for: the fused CPU/CUDA kernels have no
+    double backward, the math one is made of ops that do."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+
+def hvp_vector_for(request: GradientRequest, params: dict[str, torch.Tensor], config: EngineConfig):
+    """The vector v of H v (names and shapes were checked by prepare)."""
+    spec = request.options.hvp
+    if spec is None:
+        return None
+    if isinstance(spec.vector, str):
+        gen = torch.Generator().manual_seed(spec.seed)
+        return {n: torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, p.dtype)
+                for n, p in params.items()}
+    return {name: tensors.decode(spec.vector[name], where=f"options.hvp.vector[{name!r}]",
+                                 max_elements=config.limits.max_elements).to(p.device, p.dtype)
+            for name, p in params.items()}
+
+
+def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: int,
+                         device: torch.device) -> tuple[PerSample, dict[str, torch.Tensor]]:
+    """The per-example gradients (norms, or all of them), and their sum or mean (as the losses reduce) for
+    the check against the batch gradient."""
+    from torch.func import functional_call, grad, vmap
+
+    consts = {n: p.detach() for n, p in prep.model.named_parameters() if n not in params}
+    consts.update(dict(prep.model.named_buffers()))
+    names = [t.name for t in prep.terms]
+    batch = prep.inputs
+    n, k = batch.rows, prep.rows_per_example or 1
+
+    def loss_one(ps, xs1, *tgts):  # one example: its rows of the batched inputs, the others whole
+        xs = tuple(x.unsqueeze(0) if b else x for x, b in zip(xs1, batch.batched))
+        out = functional_call(prep.model, {**ps, **consts}, xs)
+        return sum(t.weight * t(out, tg) for t, tg in zip(prep.terms, tgts))
+
+    detached = {n: p.detach() for n, p in params.items()}
+    in_inputs = tuple(0 if b else None for b in batch.batched)
+    per_example = [prep.targets[name].reshape(n, k, *prep.targets[name].shape[1:]) for name in names]  # (n, k, ...)
+    with seeded(seed, device, is_random(prep.model)):
+        try:
+            grads = vmap(grad(loss_one), in_dims=(None, in_inputs, *([0] * len(names))), randomness="different")(
+                detached, batch.tensors, *per_example)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if prep.graph is None or is_allocation_failure(exc):
+                raise
+            raise SpecError("bad_option", f"options.per_sample: torch.func cannot vectorise this graph over its "
+                            f"examples ({str(exc).strip().splitlines()[0][:200]}); set per_sample='off'") from None
+    norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
+    full = prep.options.per_sample == "full"
+    mean = prep.terms[0].reduction == "mean"
+    summed = {n: (g.to(torch.float64).mean(0) if mean else g.to(torch.float64).sum(0)) for n, g in grads.items()}
+    return PerSample(norms=tensors.encode(norms),
+                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None), summed
+
+
+# --- checked --------------------------------------------------------------------------------------
 
 
 def _tensors(how: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tolerance: float) -> QuantityCheck:

@@ -21,10 +21,11 @@ from torch import nn
 from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
 
 from . import numcheck, tensors
-from .compute import cosines
+from .encode import cosines
 from .errors import SpecError
 from .losses import OWN_LOSS
-from .prepare import Prepared, check_graph_split
+from .prepare_graph import check_graph_split, graph_batch_flow
+from .prepared import Prepared
 from .spec import leaves
 
 _ANY = 1 << 62  # results come from our own workers: no element limit to enforce here
@@ -77,7 +78,8 @@ def check_shardable(prep: Prepared, count: int) -> None:
         raise SpecError("bad_option", f"options.shards={count} exceeds the batch of {n} rows; use at most {n} "
                         "shards (or 'auto')", shards=count, rows=n)
     if prep.graph is not None:  # a graph model: its nodes, not its modules, say what mixes or draws masks
-        check_graph_split(prep.graph, prep.dtype, prep.inputs, "options.shards", across_jobs=True)
+        flow = prep.batch_flow or graph_batch_flow(prep.graph, prep.dtype, prep.inputs)
+        check_graph_split(prep.graph, flow[0], "options.shards", across_jobs=True)
     for name, module in leaves(prep.model):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise SpecError("bad_option", f"options.shards: layer {name} ({type(module).__name__}) normalises with "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from .errors import SpecError
 __all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "check_shapes", "layer_catalogue", "leaves",
            "prepare_for_meta", "sequence_first"]
 
-_CONTAINER_CLASSES: dict[str, type[nn.Sequential]] = {"Sequential": nn.Sequential, "Residual": Residual}
+_CONTAINER_CLASSES = MappingProxyType({"Sequential": nn.Sequential, "Residual": Residual})
 
 
 def layer_catalogue() -> list[dict[str, Any]]:

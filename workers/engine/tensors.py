@@ -6,6 +6,7 @@ import base64
 import binascii
 import math
 import warnings
+from types import MappingProxyType
 
 import torch
 
@@ -13,7 +14,7 @@ from gradsvc.wire import DTYPES, ITEMSIZE, Tensor
 
 from .errors import SpecError
 
-TORCH_DTYPES = {
+TORCH_DTYPES = MappingProxyType({
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
@@ -22,8 +23,8 @@ TORCH_DTYPES = {
     "int64": torch.int64,
     "uint8": torch.uint8,
     "bool": torch.bool,
-}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+})
+DTYPE_NAMES = MappingProxyType({v: k for k, v in TORCH_DTYPES.items()})
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 

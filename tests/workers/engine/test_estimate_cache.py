@@ -1,4 +1,4 @@
-"""POST /estimate's cache (workers.engine.compute._estimate_cache): a request seen before costs a look-up,
+"""POST /estimate's cache (an Engine's caches.estimates): a request seen before costs a look-up,
 yet every request is still checked in full, and anything the answer depends on changes the key."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from workers.engine import SpecError, estimate
+from workers.engine import Engine, SpecError
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
-compute_module = importlib.import_module("workers.engine.compute")  # the module (the package re-exports a function of that name)
+estimate_module = importlib.import_module("workers.engine.estimate")  # the module (the package re-exports a function of that name)
+ENGINE = Engine()  # the API's, in these tests
+estimate = ENGINE.estimate
 
 
 def request(layers, x, y, **kw) -> GradientRequest:
@@ -25,8 +27,7 @@ def request(layers, x, y, **kw) -> GradientRequest:
 
 
 def uncached(req: GradientRequest):
-    with compute_module._estimate_lock:
-        compute_module._estimate_cache.clear()
+    ENGINE.caches.estimates.clear()
     return estimate(req)
 
 
@@ -35,8 +36,8 @@ def test_a_hit_answers_as_a_fresh_estimate_and_skips_the_meta_forward(monkeypatc
     req = request(SEED_A_LAYERS, x, y, options={"numcheck": "off"})
     fresh = uncached(req)
     calls = []
-    real = compute_module._estimate
-    monkeypatch.setattr(compute_module, "_estimate", lambda prep: calls.append(1) or real(prep))
+    real = estimate_module._estimate
+    monkeypatch.setattr(estimate_module, "_estimate", lambda prep: calls.append(1) or real(prep))
     again = estimate(request(SEED_A_LAYERS, x + 1, y, options={"numcheck": "off"}))  # other values, same shapes
     assert msgspec.json.encode(again) == msgspec.json.encode(fresh)
     assert calls == []
@@ -95,23 +96,21 @@ def test_the_meta_model_is_built_once_per_spec_and_limits_still_apply():
 
     x, y = seed_a_batch(4)
     req = request(SEED_A_LAYERS, x, y)
-    first = prepare(req, EngineConfig(), "meta").model
-    assert prepare(request(SEED_A_LAYERS, x + 1, y), EngineConfig(), "meta").model is first
+    first = ENGINE.prepare(req, "meta").model
+    assert ENGINE.prepare(request(SEED_A_LAYERS, x + 1, y), "meta").model is first
     with pytest.raises(SpecError) as err:  # a built spec is still held to a smaller limit
-        prepare(req, EngineConfig(limits=Limits(max_parameters=50)), "meta")
+        prepare(req, EngineConfig(limits=Limits(max_parameters=50)), "meta", caches=ENGINE.caches)
     assert err.value.code == "too_large"
-    assert prepare(req, EngineConfig(), "cpu").model is not first  # a device gets its own model
+    assert ENGINE.prepare(req, "cpu").model is not first  # a device gets its own model
 
 
 def test_estimate_leaves_the_shared_meta_model_as_built():
-    from workers.engine import EngineConfig, prepare
-
     layers = [{"type": "Linear", "in_features": 6, "out_features": 8},
               {"type": "BatchNorm1d", "num_features": 8, "momentum": None},
               {"type": "Linear", "in_features": 8, "out_features": 3}]
     x, y = seed_a_batch(4)
     req = request(layers, x, y, options={"input_grad": True})
-    shared = prepare(req, EngineConfig(), "meta").model
+    shared = ENGINE.prepare(req, "meta").model
     uncached(req)
     assert shared[1].momentum is None
-    assert prepare(req, EngineConfig(), "meta").model is shared
+    assert ENGINE.prepare(req, "meta").model is shared

@@ -1,4 +1,4 @@
-"""A CPU worker reuses the model it built for a spec (prepare._built): nothing of one request may reach the
+"""A CPU worker reuses the model it built for a spec (its Engine's caches.built_models): nothing of one request may reach the
 next. Each test runs a request whose state would leak (buffers a training forward changes, frozen
 parameters, other weights, another seed) and then one that must equal a fresh model's answer."""
 
@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsvc.wire import GradientRequest
-from workers.engine import ComputeError, compute
-from workers.engine.prepare import EngineConfig, _built, prepare
+from workers.engine import ComputeError, Engine
 from workers.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json
@@ -45,22 +44,24 @@ def bn_module(seed: int = 0) -> nn.Sequential:
 
 
 def test_a_second_request_of_a_spec_reuses_the_first_ones_model():
-    _built.clear()
+    engine = Engine()
+    built, compute = engine.caches.built_models, engine.compute
     x, y = seed_a_batch()
     compute(request(SEED_A_LAYERS, x, y))
-    assert len(_built) == 1
-    model = next(iter(_built.values()))
-    prep = prepare(request(SEED_A_LAYERS, x, y), EngineConfig(), torch.device("cpu"))
-    assert prep.model is model and len(_built) == 0  # checked out: no other compute can take it meanwhile
+    assert len(built) == 1
+    model = built.values()[0]
+    prep = engine.prepare(request(SEED_A_LAYERS, x, y), torch.device("cpu"))
+    assert prep.model is model and len(built) == 0  # checked out: no other compute can take it meanwhile
 
 
 def test_buffers_a_training_forward_changed_are_reset():
-    _built.clear()
+    engine = Engine()
+    built, compute = engine.caches.built_models, engine.compute
     x, y = seed_a_batch(8)
     for _ in range(3):  # each request updates BatchNorm's running stats in its model
         result = compute(request(BN_LAYERS, x, y))
-    assert len(_built) == 1
-    reused = next(iter(_built.values()))
+    assert len(built) == 1
+    reused = built.values()[0]
     assert torch.equal(reused[1].num_batches_tracked, torch.tensor(1))  # one forward's update, not three
     expected = local(bn_module(), x, y)
     for name, g in grads(result).items():
@@ -68,7 +69,7 @@ def test_buffers_a_training_forward_changed_are_reset():
 
 
 def test_frozen_parameters_and_other_weights_do_not_carry_over():
-    _built.clear()
+    compute = Engine().compute
     x, y = seed_a_batch()
     torch.manual_seed(5)
     other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -86,18 +87,19 @@ def test_frozen_parameters_and_other_weights_do_not_carry_over():
 
 
 def test_a_failed_compute_drops_its_model():
-    _built.clear()
+    engine = Engine()
+    built, compute = engine.caches.built_models, engine.compute
     layers = [{"type": "Linear", "in_features": 6, "out_features": 3}]
     x, y = seed_a_batch()
     compute(request(layers, x, y))
-    assert len(_built) == 1
+    assert len(built) == 1
     weights = {"0.weight": torch.full((3, 6), 1e308, dtype=torch.float64), "0.bias": torch.zeros(3, dtype=torch.float64)}
     try:  # finite weights whose output overflows: the job fails non_finite after its model was checked out
         compute(request(layers, x.abs() + 1, y, weights=weights))
         raise AssertionError("expected non_finite")
     except ComputeError as exc:
         assert exc.code == "non_finite"
-    assert len(_built) == 0  # the failed request's model was not handed back
+    assert len(built) == 0  # the failed request's model was not handed back
     result = grads(compute(request(layers, x, y)))  # a fresh one is built and gives the seeded answer
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Linear(6, 3)).double()

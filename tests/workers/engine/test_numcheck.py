@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute, numcheck
+from workers.engine import Engine, EngineConfig, compute, numcheck
 from workers.engine.tensors import decode
-from workers.engine.prepare import _init_cache
 
 from tests.support.nets import seed_a_batch, seed_a_module, tensor_json
 
@@ -54,10 +53,11 @@ def test_cached_initial_state_is_copied_not_shared():
     body = {"model": {"layers": layers, "dtype": "float64", "seed": 4}, "inputs": tensor_json(x),
             "targets": tensor_json(y), "options": {"numcheck": "off"}}
     req = msgspec.convert(body, GradientRequest)
-    first = compute(req, EngineConfig())
-    cached = [st for key, st in _init_cache.items() if key[2] == 4]
+    engine = Engine(EngineConfig())
+    first = engine.compute(req)
+    cached = engine.caches.initial_states.values()
     assert cached and torch.equal(cached[-1]["1.running_mean"], torch.zeros(8, dtype=torch.float64))
-    second = compute(req, EngineConfig())
+    second = engine.compute(req)
     assert first.gradients == second.gradients
     assert torch.equal(cached[-1]["1.running_mean"], torch.zeros(8, dtype=torch.float64))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,10 +10,9 @@ import pytest
 import torch
 
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, prepare
+from gradsvc.lru import LRU
+from workers.engine import Engine, EngineConfig
 from workers.engine.spec import Limits, build
-
-prepare_module = importlib.import_module("workers.engine.prepare")  # the package exports the function
 
 
 def spec(width: int, batch: int, seed: int) -> GradientRequest:
@@ -28,19 +26,16 @@ def spec(width: int, batch: int, seed: int) -> GradientRequest:
 @pytest.fixture()
 def tiny_caches(monkeypatch):
     """Caches far smaller than the working set, so threads evict entries others are reading."""
-    monkeypatch.setattr(prepare_module, "SHAPE_CACHE_ENTRIES", 3)
-    prepare_module._shape_cache.clear()
-    prepare_module._init_cache.clear()
+    engine = Engine(EngineConfig(init_cache_bytes=500))  # caches the two smallest states only
+    engine.caches.output_shapes = LRU(3)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
-    yield EngineConfig(init_cache_bytes=500)  # caches the two smallest states only
+    yield engine
     sys.setswitchinterval(old)
-    prepare_module._shape_cache.clear()
-    prepare_module._init_cache.clear()
 
 
 def test_prepare_from_8_threads_with_distinct_and_repeated_specs(tiny_caches):
-    config = tiny_caches
+    engine = tiny_caches
     # 12 specs (4 widths x 3 batch sizes), each asked for again and again; seeds differ per width.
     cases = [(w, b, w) for w in (4, 5, 7, 9) for b in (1, 2, 3)]
     expected = {}
@@ -53,7 +48,7 @@ def test_prepare_from_8_threads_with_distinct_and_repeated_specs(tiny_caches):
         for i in range(60):
             w, b, seed = cases[(thread * 5 + i) % len(cases)]
             device = "cpu" if i % 3 == 0 else "meta"  # the worker's path (initial state) and the API's
-            prep = prepare(spec(w, b, seed), config, device)
+            prep = engine.prepare(spec(w, b, seed), device)
             assert prep.output_shape == [b, 3] and list(prep.inputs.first.shape) == [b, 6]
             assert [list(p.shape) for p in prep.model.parameters()] == [[w, 6], [w], [3, w], [3]]
             if device == "cpu":  # the seeded initial weights, not another thread's draw
@@ -64,4 +59,4 @@ def test_prepare_from_8_threads_with_distinct_and_repeated_specs(tiny_caches):
 
     with ThreadPoolExecutor(8) as pool:
         assert sum(pool.map(hammer, range(8))) == 8 * 60  # any exception in a thread re-raises here
-    assert len(prepare_module._shape_cache) <= 3
+    assert len(engine.caches.output_shapes) <= 3

@@ -1,0 +1,245 @@
+"""The input-checking path layer specs and graphs share: the request's losses, targets, options, HVP vector
+and weights decoded and checked against the model (its output on meta, its parameters), and the options that
+split the batch refused where the model's output rows do not follow the batch's."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+from torch import nn
+
+from gradsvc.wire import GradientRequest, LossSpec, Options, Tensor, is_tensor
+
+from . import tensors
+from .batch import Batch
+from .config import EngineConfig
+from .errors import SpecError
+from .losses import OWN_LOSS, LossTerm, make_term, own_term, prepare_target
+
+
+def loss_terms(request: GradientRequest) -> list[LossTerm]:
+    if request.losses is not None:
+        if request.loss is not None:
+            raise SpecError("bad_loss", "give either 'loss' or 'losses', not both")
+        if not request.losses:
+            raise SpecError("bad_loss", "'losses' is empty; give at least one loss or use 'loss'")
+        terms = []
+        for i, spec in enumerate(request.losses):
+            name = spec.name or f"loss{i}"
+            if any(t.name == name for t in terms):
+                raise SpecError("bad_loss", f"two losses are named {name!r}; give each a distinct 'name'", loss=name)
+            terms.append(make_term(name, spec.type, spec.reduction, spec.weight, spec.target))
+        return terms
+    loss = request.loss if request.loss is not None else "cross_entropy"
+    if loss == OWN_LOSS or (isinstance(loss, LossSpec) and loss.type == OWN_LOSS):
+        return [own_term(loss)]
+    if isinstance(loss, str):
+        return [make_term("loss", loss, "mean", 1.0, None)]
+    assert isinstance(loss, LossSpec)
+    return [make_term(loss.name or "loss", loss.type, loss.reduction, loss.weight, None)]
+
+
+def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool) -> torch.Tensor:
+    if isinstance(targets, dict) and not is_tensor(targets):
+        key = term.target or term.name
+        if key not in targets:
+            raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets[{key!r}]; targets has "
+                            f"{sorted(targets)}. Name it in the loss's 'target' field", loss=term.name)
+        raw = targets[key]
+        where = f"targets.{key}"
+    else:
+        if term.target is not None:
+            raise SpecError("bad_target", f"{term.label} names target {term.target!r}, but 'targets' is a "
+                            "single tensor; send an object of named targets", loss=term.name)
+        raw, where = targets, "targets"
+    if raw is None:
+        raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets; add 'targets' to the request",
+                        loss=term.name)
+    return tensors.decode(as_tensor_value(raw, where), where=where, max_elements=max_elements,
+                          shape_only=shape_only)
+
+
+def decode_targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, dtype: torch.dtype,
+             max_elements: int, shape_only: bool) -> dict[str, torch.Tensor]:
+    """Each loss term's target, checked against the model's output (its shape and the loss's rules, not
+    the inputs' batch size: every-position LM logits (batch*seq, vocab) take targets (batch*seq,)). The
+    model's own loss ("output") takes none."""
+    if any(t.type == OWN_LOSS for t in terms):
+        if request.targets is not None:
+            raise SpecError("bad_target", f"loss {OWN_LOSS!r} differentiates the model's own first output, which "
+                            "takes no targets; leave 'targets' out (pass labels to the model as an input instead)")
+        if out.numel() != 1:
+            raise SpecError("bad_loss", f"loss {OWN_LOSS!r} differentiates the model's first output, which must be "
+                            f"a scalar (a loss), but it has shape {list(out.shape)}; return the loss first (a Hugging "
+                            "Face model returns .loss first when given labels=), or use a built-in loss",
+                            output_shape=list(out.shape))
+        return {}
+    return {t.name: prepare_target(t, out, _target_for(t, request.targets, max_elements=max_elements,
+                                                    shape_only=shape_only), dtype)
+            for t in terms}
+
+
+def splits(opts: Options, rows: int) -> list[str]:
+    """The options of this request that split the batch into parts of rows."""
+    out = []
+    if opts.micro_batch is not None and opts.micro_batch < rows:
+        out.append("options.micro_batch")
+    if opts.per_sample != "off":
+        out.append("options.per_sample")
+    if isinstance(opts.shards, int) and opts.shards > 1:  # "auto" is checked with its count (check_shardable)
+        out.append("options.shards")
+    return out
+
+
+def refuse_own_loss_split(opts: Options, terms: list[LossTerm], rows: int) -> None:
+    split = splits(opts, rows)
+    if split and any(t.type == OWN_LOSS for t in terms):
+        raise SpecError("bad_option", f"{split[0]}: loss {OWN_LOSS!r} is one scalar the model computes over the "
+                        "whole batch, which the service cannot split into parts of the batch; remove "
+                        f"{split[0]}, or return per-example outputs and use a built-in loss", option=split[0])
+
+
+def rows_per_example(opts: Options, inputs: Batch, out: torch.Tensor,
+                      out_batch: tuple[int, int] | None) -> int | None:
+    """How many output rows each batch row owns, when the output's rows follow the batch's in order
+    (`out_batch` is where the batch sits in the output: (dim, rows per example)); refuses an option that
+    splits the batch when they do not (a part of the batch would not know its targets' rows)."""
+    n = inputs.rows
+    k = None
+    if out_batch is not None and out_batch[0] == 0 and out.dim() >= 1 and out.shape[0] == n * out_batch[1]:
+        k = out_batch[1]
+    split = splits(opts, n)
+    if not split:
+        return k
+    if not any(inputs.batched):
+        raise SpecError("bad_option", f"{split[0]}: no input of the model carries a batch dimension, so there are "
+                        f"no rows to split; remove {split[0]}", option=split[0])
+    if k is None:
+        raise SpecError("bad_option", f"{split[0]}: the model's output {list(out.shape)} has no rows that map to "
+                        f"the batch's {n} rows in order (its first dimension is neither the batch nor batch x "
+                        "positions), so the targets cannot be split with the inputs; remove "
+                        f"{split[0]}", option=split[0], output_shape=list(out.shape), rows=n)
+    return k
+
+
+def check_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
+    def bad(msg: str, **detail) -> None:
+        raise SpecError("bad_option", msg, **detail)
+
+    if not (0 < opts.numcheck_eps < 1):
+        bad(f"options.numcheck_eps={opts.numcheck_eps} must lie in (0, 1); 1e-6 suits float64",
+            option="numcheck_eps", value=opts.numcheck_eps)
+    if opts.numcheck_samples is not None and opts.numcheck_samples < 1:
+        bad("options.numcheck_samples must be at least 1", option="numcheck_samples", value=opts.numcheck_samples)
+    if not (opts.numcheck_tolerance > 0):
+        bad("options.numcheck_tolerance must be positive", option="numcheck_tolerance", value=opts.numcheck_tolerance)
+    if not (1 <= opts.timing_repeat <= config.max_timing_repeat):
+        bad(f"options.timing_repeat must lie in [1, {config.max_timing_repeat}], got {opts.timing_repeat}",
+            option="timing_repeat", value=opts.timing_repeat, max=config.max_timing_repeat)
+    if opts.micro_batch is not None and not (1 <= opts.micro_batch):
+        bad(f"options.micro_batch must be at least 1, got {opts.micro_batch}", option="micro_batch",
+            value=opts.micro_batch)
+    if opts.checkpoint_segments is not None and not (1 <= opts.checkpoint_segments <= top_layers):
+        bad(f"options.checkpoint_segments must lie in [1, {top_layers}] (the number of top-level layers), "
+            f"got {opts.checkpoint_segments}", option="checkpoint_segments", value=opts.checkpoint_segments,
+            max=top_layers)
+    frozen = set()
+    for prefix in opts.freeze:
+        hit = [n for n in names if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
+        if not hit:
+            bad(f"options.freeze: prefix {prefix!r} matches no parameter; parameters are {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''}", option="freeze", prefix=prefix)
+        frozen.update(hit)
+    if names and len(frozen) == len(names):
+        bad("options.freeze freezes every parameter; leave at least one trainable", option="freeze",
+            parameters=len(names))
+    if not names and not opts.input_grad:
+        bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
+            "the gradient with respect to the inputs", option="input_grad")
+    del batch
+    return frozen
+
+
+def check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
+    """The HVP vector's names and shapes, checked before the job is queued."""
+    if opts.hvp is None:
+        return
+    vector = opts.hvp.vector
+    if isinstance(vector, str):
+        if vector != "random":
+            raise SpecError("bad_option", f"options.hvp.vector={vector!r}: use 'random' or an object "
+                            "{parameter: tensor} with every trainable parameter", option="hvp.vector",
+                            value=vector, valid=["random", "{parameter: tensor}"])
+        return
+    trainable = {n: list(p.shape) for n, p in model.named_parameters() if n not in frozen}
+    for name in trainable:
+        if name not in vector:
+            raise SpecError("bad_option", f"options.hvp.vector: parameter {name!r} is missing; give a tensor for "
+                            "every trainable parameter", parameter=name)
+    for name, wire in vector.items():
+        if name not in trainable:
+            raise SpecError("bad_option", f"options.hvp.vector: {name!r} is not a trainable parameter; they are "
+                            f"{sorted(trainable)[:12]}", parameter=name)
+        if list(wire.shape) != trainable[name]:
+            raise SpecError("bad_option", f"options.hvp.vector[{name!r}] has shape {list(wire.shape)}, expected "
+                            f"{trainable[name]}", parameter=name)
+
+
+def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtype: torch.dtype,
+                    max_elements: int, owner: str) -> dict[str, torch.Tensor]:
+    """The given weights as tensors, each checked against the state entry of its name: shape; parameters
+    cast to the model's dtype and finite; buffers cast to their own dtype."""
+    out = {}
+    for name, wire in given.items():
+        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
+        want = list(state[name].shape)
+        if list(t.shape) != want:
+            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, {owner} needs {want}",
+                            parameter=name, shape=list(t.shape), expected=want)
+        if name in parameters:
+            t = t.to(dtype)
+            if not t.is_meta and not tensors.all_finite(t):
+                raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
+        else:
+            t = t.to(state[name].dtype)
+        out[name] = t
+    return out
+
+
+def input_values(value, names: list[str], *, what: str) -> list[tuple[str, object]]:
+    """`inputs` as (name, wire value) in `forward`'s order: one tensor, a list of tensor objects (the
+    positional arguments) or an object of named tensors (the keyword arguments), for the `names` the model
+    takes. A bare nested list is one tensor."""
+    takes = f"{what} takes {len(names)} input{'s' if len(names) != 1 else ''} ({', '.join(names)})"
+    if value is None:
+        raise SpecError("bad_tensor", f"inputs: missing; {takes}", where="inputs")
+    if isinstance(value, dict) and not is_tensor(value):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise SpecError("bad_tensor", f"inputs: {unknown[0]!r} is not an input of the model; {takes}",
+                            where=f"inputs.{unknown[0]}"[:200], inputs=names)
+        missing = [n for n in names if n not in value]
+        if missing:
+            raise SpecError("bad_tensor", f"inputs: {missing[0]!r} is missing; {takes}, by name",
+                            where=f"inputs.{missing[0]}", inputs=names)
+        return [(f"inputs.{n}", value[n]) for n in names]
+    if isinstance(value, list) and value and all(is_tensor(v) for v in value):
+        if len(value) != len(names):
+            raise SpecError("bad_tensor", f"inputs: a list of {len(value)} tensors, but {takes}; send them in that "
+                            "order, or as an object by name", where="inputs", inputs=names)
+        return [(f"inputs[{i}]", v) for i, v in enumerate(value)]
+    if len(names) != 1:
+        raise SpecError("bad_tensor", f"inputs: one tensor, but {takes}; send a list of tensors in that order, or an "
+                        "object of named tensors", where="inputs", inputs=names)
+    return [("inputs", value)]
+
+
+def as_tensor_value(value, where: str):
+    """A tensor object inside an untyped field (a plain dict) as the wire Struct."""
+    if isinstance(value, dict):
+        try:
+            return msgspec.convert(value, Tensor)
+        except msgspec.ValidationError as exc:
+            raise SpecError("bad_tensor", f"{where}: {exc}", where=where) from None
+    return value
+

@@ -1,0 +1,58 @@
+"""The device a job runs on and what it shares with the process: resolving options.device, synchronising
+before a clock reads, the same dropout masks for every evaluation (a forked RNG), and an allocation failure
+told from other errors (out_of_memory, with advice)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .batch_flow import draws_masks
+from .errors import ComputeError
+
+
+def resolve_device(option: str) -> torch.device:
+    if option == "cpu" or (option == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ComputeError("device_unavailable", "options.device='cuda' but this worker has no CUDA device; "
+                           "use device='auto' or 'cpu', or route the job to a GPU worker")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_random(model: nn.Module) -> bool:
+    if hasattr(model, "node_modules"):  # a GraphModel: dropout is a node, not a module
+        return any(draws_masks(step) for step in model._graph.steps)
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
+               for m in model.modules())
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device, random: bool):
+    """Same random numbers (dropout masks) for every evaluation, without touching the global RNG.
+    Forking the RNG costs ~1 ms, so models without random layers (`random` False) skip it."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=random,
+                               device_type="cuda"):
+        if random:
+            torch.manual_seed(seed)
+        yield
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    message = str(exc).lower()
+    return "out of memory" in message or "can't allocate memory" in message  # CUDA/cuBLAS, CPU allocator
+
+
+def out_of_memory(device: torch.device, exc: BaseException) -> ComputeError:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ComputeError("out_of_memory", f"{device} ran out of memory ({str(exc).splitlines()[0][:200]}); set "
+                        "options.micro_batch to split the batch or options.checkpoint_segments to trade memory "
+                        "for recomputation, or use a smaller model", device=str(device))

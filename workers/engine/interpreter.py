@@ -1,0 +1,254 @@
+"""The graph interpreter: a compiled graph (program.py) as an nn.Module, GraphModel, whose forward runs the
+steps in order, each value dropped after its last use as eager Python drops it; load_weights fills it.
+
+For the memory table, `GraphModel.node_modules[i]` is node i's (name, module path, module type) and,
+while `track_modules` is True, `current_module` / `current_module_type` hold the running node's
+module path and class name (a saved-tensors hook reads them to attribute saved bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import tensors
+from .errors import SpecError
+from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
+
+
+class GraphModel(nn.Module):
+    """An exported graph as a module: parameters and buffers under their state_dict names, forward
+    interprets the nodes in order and returns the first user output (`run` returns them all)."""
+
+    def __init__(self, compiled: Compiled, *, device: str | torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._graph = compiled
+        self._dtype = dtype
+        self._programs: dict[tuple, tuple] = {}
+        self.track_modules = False
+        # False: run as captured (its own casts to other float dtypes stay, as in eager). True: every float
+        # in float64 when running in float64, for the numerical check (HF's RMSNorm casts to float32).
+        self.upcast_all = False
+        self.current_module = ""
+        self.current_module_type = ""
+        self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
+        self.module_types = {s.module: s.module_type for s in compiled.steps}  # module path -> class name
+        self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
+        # Integer inputs that index an embedding table: name -> exclusive bound, for checking token ids
+        # before the run (an id past the table is an IndexError in the worker, not a shape error).
+        self.index_bounds = dict(compiled.index_bounds)
+        self._holders: list[tuple[int, str, nn.Module, str]] = []  # (slot, kind, owner module, attribute)
+        self._users: list[int] = []
+        self._consts: list[tuple[int, str]] = []
+        self._probe: tuple[nn.Module, str] | None = None
+        holder: dict[str, tuple[nn.Module, str]] = {}
+        self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
+        self.failed_args: list = []
+        for slot, inp in compiled.inputs:
+            if inp.kind == "input":
+                self._users.append(slot)
+            elif inp.kind == "constant":
+                self._consts.append((slot, inp.target))
+            else:
+                owner, attr = self._owner(inp.target)
+                want = DTYPES[inp.dtype]
+                if want.is_floating_point and (dtype == torch.float64 or want == compiled.dtype):
+                    want = dtype
+                make = torch.empty if str(device) == "meta" else torch.zeros  # never uninitialised memory
+                t = make(inp.shape, dtype=want, device=device)
+                try:
+                    if inp.kind == "parameter":
+                        owner.register_parameter(attr, nn.Parameter(t))
+                        self._probe = self._probe or (owner, attr)
+                    else:
+                        owner.register_buffer(attr, t)
+                except (KeyError, TypeError) as exc:
+                    raise bad_graph(f"{inp.kind} {inp.target!r} cannot be registered: {exc}", "bad_weights",
+                               parameter=inp.target) from None
+                self._holders.append((slot, inp.kind, owner, attr))
+                holder[inp.target] = (owner, attr)
+        self._mutations = [(*holder[target], slot) for target, slot in compiled.mutations]
+
+    def _owner(self, target: str) -> tuple[nn.Module, str]:
+        *path, attr = target.split(".")
+        owner: nn.Module = self
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                if hasattr(owner, part):
+                    raise bad_graph(f"{target!r}: {part!r} clashes with an attribute of the graph model; rename the "
+                               "submodule", "bad_weights", parameter=target)
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if attr in owner._modules:
+            raise bad_graph(f"{target!r} is also a module prefix of other parameters", "bad_weights", parameter=target)
+        return owner, attr
+
+    @property
+    def run_dtype(self) -> torch.dtype:
+        if self._probe is not None:
+            owner, attr = self._probe
+            return getattr(owner, attr).dtype
+        return self._dtype
+
+    def _program(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        key = (dtype, device, self.upcast_all)
+        prog = self._programs.get(key)
+        if prog is None:
+            captured = self._graph.dtype
+
+            def fix(a: Any) -> Any:
+                if isinstance(a, FloatDType):
+                    d = a.dtype
+                    if dtype == captured and not self.upcast_all:
+                        return d  # the model as captured: its own casts (float32 RMSNorm, rotary) stay
+                    return torch.float64 if dtype == torch.float64 else (dtype if d == captured else d)
+                if a is DEVICE:
+                    return device
+                if isinstance(a, list):
+                    return [fix(x) for x in a]
+                return a
+
+            steps = []
+            frees = _last_uses(self._graph)
+            for i, s in enumerate(self._graph.steps):
+                args = tuple(fix(a) for a in s.args)
+                kwargs = {k: fix(v) for k, v in s.kwargs.items()}
+                refs = tuple(i for i, a in enumerate(args) if _has_ref(a))
+                krefs = tuple(k for k, v in kwargs.items() if _has_ref(v))
+                steps.append((s.slot, s.op.fn, args, kwargs, refs, krefs, s.writes_buffer, s.op.is_assert, frees[i]))
+            consts = []
+            for slot, target in self._consts:
+                c = self._graph.constants[target]
+                if c.is_floating_point() and (dtype == torch.float64 or c.dtype == captured):
+                    c = c.to(dtype)
+                consts.append((slot, c.to(device)))
+            prog = (steps, consts)
+            self._programs[key] = prog
+        return prog
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.run(*inputs)[0]
+
+    def run(self, *inputs: torch.Tensor, visit: Callable | None = None) -> list:
+        """Every user output; `visit(step_index, value, args)` is called after each node (meta checks)."""
+        if len(inputs) != len(self._users):
+            raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
+        steps, consts = self._program(self.run_dtype, inputs[0].device)
+        env: list[Any] = [None] * self._graph.n_slots
+        for slot, _, owner, attr in self._holders:
+            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
+        for slot, value in consts:
+            env[slot] = value
+        for slot, x in zip(self._users, inputs):
+            env[slot] = x
+        track = self.track_modules
+        node_modules = self.node_modules
+        i = -1
+        args: Any = ()
+        kwargs: Any = {}
+        self.failed_node = None
+        try:
+            for i, (slot, fn, args, kwargs, refs, krefs, writes_buffer, is_assert, free) in enumerate(steps):
+                if is_assert:
+                    continue
+                if refs:
+                    args = list(args)
+                    for j in refs:
+                        args[j] = _fill(args[j], env)
+                if krefs:
+                    kwargs = dict(kwargs)
+                    for k in krefs:
+                        kwargs[k] = _fill(kwargs[k], env)
+                if track:
+                    _, self.current_module, self.current_module_type = node_modules[i]
+                if writes_buffer:
+                    with torch.no_grad():
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
+                env[slot] = out
+                if visit is not None:
+                    visit(i, out, args, kwargs)
+                for j in free:  # as eager Python drops a value after its last use (peak memory)
+                    env[j] = None
+        except Exception:
+            self.failed_node = i
+            self.failed_args = [*args, *kwargs.values()] if i >= 0 else []
+            raise
+        finally:
+            if track:
+                self.current_module = self.current_module_type = ""
+        for owner, attr, slot in self._mutations:
+            buf = getattr(owner, attr)
+            if env[slot] is not buf:
+                with torch.no_grad():
+                    buf.copy_(env[slot])
+        return [_fill(o, env) for o in self._graph.outputs]
+
+
+def _last_uses(graph: Compiled) -> list[tuple[int, ...]]:
+    """For each step, the node slots read for the last time there (never outputs or buffer updates)."""
+    last: dict[int, int] = {}
+    first_node = graph.steps[0].slot if graph.steps else graph.n_slots
+    for i, s in enumerate(graph.steps):
+        for r in _refs([*s.args, *s.kwargs.values()]):
+            if r.i >= first_node:
+                last[r.i] = i
+    keep = {r.i for r in _refs(graph.outputs)} | {slot for _, slot in graph.mutations}
+    frees: list[list[int]] = [[] for _ in graph.steps]
+    for i, s in enumerate(graph.steps):
+        if s.slot not in keep:
+            frees[last.get(s.slot, i)].append(s.slot)  # an unused value goes at once
+    return [tuple(f) for f in frees]
+
+
+def _refs(values: list) -> list[Ref]:
+    out = []
+    for a in values:
+        if isinstance(a, Ref):
+            out.append(a)
+        elif isinstance(a, list):
+            out.extend(_refs(a))
+    return out
+
+
+def _has_ref(a: Any) -> bool:
+    return isinstance(a, Ref) or (isinstance(a, list) and any(_has_ref(x) for x in a))
+
+
+def _fill(a: Any, env: list) -> Any:
+    if type(a) is Ref:
+        return env[a.i]
+    if type(a) is list:
+        return [_fill(x, env) for x in a]
+    return a
+
+
+
+def load_weights(model: GraphModel, weights: dict[str, torch.Tensor], *, device: str | torch.device) -> GraphModel:
+    """Every parameter and buffer from `weights` (all required: a graph has no initialiser), checked by
+    name and shape, onto `device`."""
+    state = model.state_dict(keep_vars=True)
+    for name in weights:
+        if name not in state:
+            raise SpecError("bad_weights", f"weights: {name!r} is not a parameter or buffer of the graph; it has "
+                            f"{sorted(state)[:12]}", parameter=name)
+    for name, have in state.items():
+        if name not in weights:
+            kind = "parameter" if isinstance(have, nn.Parameter) else "buffer"
+            raise SpecError("bad_weights", f"weights: {kind} {name!r} is missing; a graph model needs every "
+                            "parameter and buffer it reads (export sends them all)", parameter=name)
+        t = weights[name]
+        if list(t.shape) != list(have.shape):
+            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, the graph needs "
+                            f"{list(have.shape)}", parameter=name, shape=list(t.shape), expected=list(have.shape))
+        if isinstance(have, nn.Parameter) and not tensors.all_finite(t):
+            raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
+    model = model.to_empty(device=device)
+    model.load_state_dict(weights)
+    return model
+

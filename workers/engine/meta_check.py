@@ -1,0 +1,113 @@
+"""Shape checking on meta: a GraphModel run on the meta device names the node that cannot take its inputs
+(shape_mismatch) or makes an intermediate beyond the limits (too_large), before the job is queued."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .errors import SpecError
+from .interpreter import GraphModel
+from .program import Step, where_step
+from .spec import Limits
+
+
+def _shapes(args: Any) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(list(a.shape))
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            out.append([list(x.shape) if isinstance(x, torch.Tensor) else x for x in a])
+    return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def attention_elements(step: Step, args: list, kwargs: dict) -> int:
+    """The attention matrix scaled_dot_product_attention's math kernel builds: batch x heads x L x S elements
+    (query (..., L, E), key (..., S, E)); 0 for any other op. Node outputs do not show it: a [1, 1, 9000, 1]
+    query outputs 9,000 elements and builds 81M."""
+    if step.op.name != "aten.scaled_dot_product_attention.default" or len(args) < 2:
+        return 0
+    q, k = args[0], args[1]
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() < 2 or k.dim() < 2:
+        return 0
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    return math.prod(lead) * q.shape[-2] * k.shape[-2]
+
+
+def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits | None = None,
+                       math_attention: bool = False) -> torch.Tensor:
+    """Runs the graph on the meta device: any node that cannot take its inputs is a shape_mismatch naming
+    the node, op, module path and input shapes; intermediates beyond the limits are too_large. With
+    `math_attention` (options.hvp: attention runs its math kernel, which has a double backward), the
+    attention matrix each scaled_dot_product_attention builds counts as an intermediate too. The first
+    output is returned, its requires_grad as autograd set it."""
+    limits = limits or Limits()
+    steps = model._graph.steps
+    total = [0]
+
+    def visit(i: int, out: Any, args: list, kwargs: dict) -> None:
+        step = steps[i]
+        inner = attention_elements(step, args, kwargs) if math_attention else 0
+        if inner > limits.max_elements:
+            raise SpecError("too_large", f"model.graph: {where_step(step)} builds an attention matrix of {inner} "
+                            f"elements (batch x heads x query length x key length) for options.hvp, above the limit "
+                            f"of {limits.max_elements}; send shorter sequences or a smaller batch, or leave "
+                            "options.hvp out (the fused kernels do not build it)", node=step.name, elements=inner,
+                            limit=limits.max_elements)
+        total[0] += inner * (args[0].element_size() if inner else 0)
+        if step.op.aliases_input and _shares_storage(out, args):
+            return  # a view or an in-place result: no new memory (contiguous/reshape/to may copy instead)
+        for t in _tensors(out):
+            n = t.numel()
+            if n > limits.max_elements:
+                raise SpecError("too_large", f"model.graph: {where_step(step)} makes a tensor of shape "
+                                f"{list(t.shape)} ({n} elements), above the limit of {limits.max_elements}; "
+                                "send a smaller batch or model", node=step.name, shape=list(t.shape),
+                                limit=limits.max_elements)
+            total[0] += n * t.element_size()
+        if total[0] > limits.max_graph_intermediate_bytes:
+            raise SpecError("too_large", f"model.graph: the intermediates up to {where_step(step)} hold "
+                            f"{total[0]} bytes, above the limit of {limits.max_graph_intermediate_bytes}; send a "
+                            "smaller batch or model", node=step.name, limit=limits.max_graph_intermediate_bytes)
+
+    try:
+        # With grad on (as the worker runs it, and no slower on meta): the output's requires_grad then says
+        # whether a backward pass can start from it (prepare refuses a detached one before the queue).
+        with torch.enable_grad(), torch.device("meta"):
+            outs = model.run(*x_meta, visit=visit)
+    except SpecError:
+        raise
+    except Exception as exc:
+        i = model.failed_node
+        if i is None or i < 0:
+            raise SpecError("shape_mismatch", f"model.graph: the inputs do not fit the graph: {exc}") from None
+        step = steps[i]
+        env_args = _shapes(model.failed_args)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise SpecError("shape_mismatch", f"model.graph: {where_step(step)} cannot take inputs of shapes "
+                        f"{env_args}: {first}", node=step.name, op=step.op.name, module=step.module,
+                        input_shapes=env_args) from None
+    return outs[0]
+
+
+def _shares_storage(out: Any, args: Any) -> bool:
+    """Whether `out` is (a view of) the op's first tensor argument: on meta too, storages are objects."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    outs = _tensors(out)
+    if first is None or not outs:
+        return False
+    key = first.untyped_storage()._cdata
+    return all(t.untyped_storage()._cdata == key for t in outs)
+
+

@@ -1,0 +1,277 @@
+"""The forward and backward passes: the batch in micro-batches (each mean loss scaled by its share), the
+layers checkpointed in segments if asked, the first chunk metered, each timed, and the backward's
+gradients with the extra outputs taken from the same graph (per-loss gradients, H v, the input's
+gradient, the grad_fn chain), summed into one Pass."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradsvc.wire import GraphNode
+
+from .batch import Batch
+from .devices import is_allocation_failure, is_random, seeded, sync
+from .diagnose import graph_failure, non_finite_error
+from .memory import ActivationMeter
+from .prepared import Prepared, batch_chunks
+from .quantities import hessian_vector, twice_differentiable
+
+
+@dataclass
+class Pass:
+    """One forward and backward over the whole batch: the sums over its micro-batches."""
+
+    loss: float = 0.0
+    losses: dict[str, float] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_loss: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    input_grad: list[torch.Tensor] = field(default_factory=list)
+    hvp: dict[str, torch.Tensor] = field(default_factory=dict)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    meter: ActivationMeter | None = None
+    graph: list[GraphNode] | None = None
+
+    def add(self, chunk: "ChunkGrads", losses: dict[str, torch.Tensor], total: torch.Tensor) -> None:
+        for name, g in chunk.params.items():
+            _add(self.grads, name, g)
+        for term, grads in chunk.per_loss.items():
+            acc = self.per_loss.setdefault(term, {})
+            for name, g in grads.items():
+                _add(acc, name, g)
+        for name, h in chunk.hvp.items():
+            _add(self.hvp, name, h)
+        if chunk.input_grad is not None:
+            self.input_grad.append(chunk.input_grad.detach())
+        self.loss += float(total.detach())
+        for name, value in losses.items():
+            self.losses[name] = self.losses.get(name, 0.0) + float(value.detach())
+
+
+def _add(acc: dict[str, torch.Tensor], name: str, g: torch.Tensor) -> None:
+    acc[name] = g.detach() if name not in acc else acc[name] + g.detach()
+
+
+# --- micro-batching: which rows each chunk holds, and its share of a mean loss ----------------------
+
+@dataclass
+class Chunk:
+    a: int
+    b: int
+    inputs: Batch  # rows a:b of the batch (its floating input a leaf of its own when input_grad is asked for)
+    targets: dict[str, torch.Tensor]  # the targets' rows of those batch rows
+    share: float  # (b - a) / n: a mean loss is scaled by it, so the chunks' gradients sum to the batch's
+
+    @property
+    def grad_input(self) -> torch.Tensor:
+        """The input whose gradient input_grad returns (prepare allowed one floating input)."""
+        return self.inputs.tensors[self.inputs.floating()[0]]
+
+
+def chunks(prep: Prepared) -> Iterator[Chunk]:
+    n = prep.inputs.rows
+    k = prep.rows_per_example or 1
+    for a, b in batch_chunks(n, prep.options.micro_batch):
+        whole = (a, b) == (0, n)
+        xs = prep.inputs if whole else prep.inputs.rows_slice(a, b)
+        if prep.options.input_grad:
+            xs = xs.map(lambda x, _: x.detach().requires_grad_(True) if x.is_floating_point() else x)
+        targets = prep.targets if whole else {name: t[a * k:b * k] for name, t in prep.targets.items()}
+        yield Chunk(a=a, b=b, inputs=xs, targets=targets, share=(b - a) / n if n else 1.0)
+
+
+def _checkpointed(model: nn.Sequential, segments: int, x: torch.Tensor, meter: ActivationMeter | None):
+    """checkpoint_sequential's split (the last segment runs plainly), with each checkpointed segment's
+    input counted as kept: it is what checkpointing holds instead of the segment's activations."""
+    modules = list(model)
+    size = len(modules) // segments
+    names = [str(i) for i in range(len(modules))]
+    end = 0
+    for start in range(0, size * (segments - 1), size):
+        end = start + size
+        if meter is not None:
+            meter.keep(x, owner=names[start])
+        x = checkpoint(lambda inp, seg=modules[start:end]: _run_modules(seg, inp), x, use_reentrant=False)
+    return _run_modules(modules[end:], x)
+
+
+def _run_modules(modules: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def forward(prep: Prepared, chunk: Chunk, meter: ActivationMeter | None = None):
+    """(output, {term: loss}, total) for one chunk, each mean loss scaled by the chunk's share."""
+    opts = prep.options
+    if opts.checkpoint_segments:
+        out = _checkpointed(prep.model, opts.checkpoint_segments, chunk.inputs.first, meter)
+    elif prep.graph is not None:
+        try:
+            out = prep.model(*chunk.inputs.tensors)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            if is_allocation_failure(exc):
+                raise
+            raise graph_failure(prep, exc) from None
+    else:
+        out = prep.model(chunk.inputs.first)
+    losses = {}
+    for term in prep.terms:
+        value = term(out, chunk.targets.get(term.name))
+        if term.reduction == "mean" and chunk.share != 1.0:
+            value = value * chunk.share
+        losses[term.name] = value
+    if len(prep.terms) == 1 and prep.terms[0].weight == 1.0:
+        total = losses[prep.terms[0].name]
+    else:
+        total = sum(t.weight * losses[t.name] for t in prep.terms)
+    return out, losses, total
+
+
+# --- metering and timing ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def metered(model: nn.Module, on: bool) -> Iterator[ActivationMeter | None]:
+    """An ActivationMeter recording what the block's forward saves (None when off). Its hooks are set up
+    on entry, so a clock started inside the block does not count them."""
+    if not on:
+        yield None
+        return
+    meter = ActivationMeter(model)
+    with meter.recording():
+        yield meter
+
+
+class _Clock:
+    """Seconds spent inside `with clock:` blocks, the device synchronised at both ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "_Clock":
+        sync(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sync(self.device)
+        self.s += time.perf_counter() - self._t0
+
+
+# --- the extra outputs: per-loss gradients, HVP, input gradients, the grad_fn graph -----------------
+
+@dataclass
+class ChunkGrads:
+    params: dict[str, torch.Tensor]
+    per_loss: dict[str, dict[str, torch.Tensor]]
+    hvp: dict[str, torch.Tensor]
+    input_grad: torch.Tensor | None
+
+
+def _wants_per_loss(prep: Prepared) -> bool:
+    several = len(prep.terms) > 1
+    return several if prep.options.per_loss is None else (prep.options.per_loss and several)
+
+
+def _per_loss_grads(prep: Prepared, losses: dict[str, torch.Tensor], leaves_: list[torch.Tensor],
+                    keep_graph: bool) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each loss term's gradients, one autograd.grad per term over the shared graph."""
+    out = {}
+    for i, term in enumerate(prep.terms):
+        last = i == len(prep.terms) - 1
+        out[term.name] = torch.autograd.grad(losses[term.name], leaves_, retain_graph=not last or keep_graph,
+                                             create_graph=keep_graph, materialize_grads=True)
+    return out
+
+
+
+def _gradients(prep: Prepared, chunk: Chunk, params: dict[str, torch.Tensor], losses: dict[str, torch.Tensor],
+               total: torch.Tensor, hvp_vector: dict[str, torch.Tensor] | None) -> ChunkGrads:
+    """The backward of one chunk: the parameters' gradients and whatever extra outputs were asked for."""
+    input_grad = prep.options.input_grad
+    leaves_ = [*params.values(), *([chunk.grad_input] if input_grad else [])]
+    need_hvp = hvp_vector is not None
+    names = list(params)
+    per_term = {}
+    if _wants_per_loss(prep):
+        per_term = _per_loss_grads(prep, losses, leaves_, keep_graph=need_hvp)
+        grads = [sum(t.weight * per_term[t.name][j] for t in prep.terms) for j in range(len(leaves_))]
+    else:
+        grads = list(torch.autograd.grad(total, leaves_, create_graph=need_hvp, materialize_grads=True))
+    return ChunkGrads(
+        params=dict(zip(names, grads)),
+        per_loss={term: dict(zip(names, g)) for term, g in per_term.items()},
+        hvp=hessian_vector(grads[: len(names)], params, hvp_vector) if need_hvp else {},
+        input_grad=grads[-1] if input_grad else None,
+    )
+
+
+def _graph(root) -> list[GraphNode]:
+    """The grad_fn chain from the loss: every node once, `next` as in next_functions (seed 004)."""
+    ids: dict[object, int] = {}
+    nodes: list[GraphNode] = []
+    order = [root]
+    ids[root] = 0
+    i = 0
+    while i < len(order):
+        fn = order[i]
+        nxt = []
+        for child, _ in fn.next_functions:
+            if child is None:
+                continue
+            if child not in ids:
+                ids[child] = len(order)
+                order.append(child)
+            nxt.append(ids[child])
+        nodes.append(GraphNode(id=ids[fn], name=type(fn).__name__, next=nxt))
+        i += 1
+    return nodes
+
+
+# --- one pass, composed ---------------------------------------------------------------------------
+
+def run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, *, record_memory: bool,
+             hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> Pass:
+    """Forward and backward over the batch, chunk by chunk: the first chunk metered, each one timed,
+    the extra outputs taken from its graph, everything summed into one Pass."""
+    result = Pass()
+    forward_clock, backward_clock = _Clock(device), _Clock(device)
+    with seeded(seed, device, is_random(prep.model)):
+        for k, chunk in enumerate(chunks(prep)):
+            with metered(prep.model, on=record_memory and k == 0) as meter, \
+                    twice_differentiable(hvp_vector is not None):
+                with forward_clock:
+                    out, losses, total = forward(prep, chunk, meter)
+            if meter is not None:  # the accounting's saved-tensor hooks ran inside the forward: memory_ms's time
+                forward_clock.s -= meter.hook_s
+            result.meter = meter or result.meter
+            if not math.isfinite(float(total.detach())):
+                raise non_finite_error(prep, float(total.detach()))
+            if prep.options.graph and k == 0:
+                result.graph = _graph(total.grad_fn)
+            with backward_clock:
+                grads = _gradients(prep, chunk, params, losses, total, hvp_vector)
+            result.add(grads, losses, total)
+            del out, losses, total, grads
+    result.forward_s, result.backward_s = forward_clock.s, backward_clock.s
+    return result
+
+
+
+def trainable(prep: Prepared) -> dict[str, torch.Tensor]:
+    params = {}
+    for name, p in prep.model.named_parameters():
+        p.requires_grad_(name not in prep.frozen)
+        if name not in prep.frozen:
+            params[name] = p
+    return params

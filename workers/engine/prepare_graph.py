@@ -1,0 +1,299 @@
+"""The model side of prepare() for a graph (model.graph, or model.graph_ref resolved through the caller's store):
+the graph validated once per (ref, dtype) into a GraphTemplate, the inputs matched to the graph's and checked,
+the output's shape and the batch flow found on meta once per input signature, the options a graph cannot
+honour, its weights; on a device, a GraphModel of its own gets the request's weights."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from gradsvc import hashing
+from gradsvc.wire import GradientRequest, GraphSpec, Options
+
+from . import tensors
+from .batch import Batch
+from .batch_flow import batch_flow, draws_masks
+from .caches import EngineCaches
+from .compiler import build_graph
+from .config import EngineConfig
+from .decode import as_tensor_value, decode_weights, input_values, splits
+from .errors import SpecError
+from .interpreter import GraphModel
+from .meta_check import check_graph_shapes
+from .prepared import GraphResolver, GraphTemplate
+
+_REF = re.compile(r"[0-9a-f]{64}")
+
+
+def _graph_spec(caches: EngineCaches, request: GradientRequest, dtype: torch.dtype,
+                graphs: GraphResolver | None) -> tuple[str, GraphSpec | None, bytes | None]:
+    """(ref, graph, canonical bytes) for model.graph, or model.graph_ref resolved through `graphs`."""
+    if request.model.graph is not None:
+        try:
+            data = hashing.encode(request.model.graph)
+        except OverflowError:  # JSON integers have no bound; no op takes one beyond 64 bits
+            raise SpecError("bad_option", "model.graph: an integer in the graph lies outside the 64-bit range; "
+                            "sizes, dims and other integer arguments must fit in int64") from None
+        return hashing.digest(data), request.model.graph, data
+    ref = request.model.graph_ref
+    if not _REF.fullmatch(ref):
+        raise SpecError("graph_not_found", f"model.graph_ref {ref[:80]!r} is not a graph_ref (64 hex digits, as a "
+                        "result's graph_ref gives it); send the graph itself as model.graph", graph_ref=ref[:80])
+    spec = graphs(ref) if graphs is not None else None
+    if spec is None:
+        hit = caches.graph_templates.get((ref, dtype))  # a library caller without a store: the graphs seen here
+        spec = hit.spec if hit is not None and graphs is None else None
+    if spec is None:
+        raise SpecError("graph_not_found", f"model.graph_ref {ref[:80]!r} is not a graph this service knows: it was "
+                        "never sent here, or went unused for longer than GRADSVC_GRAPH_TTL_S. Send the graph "
+                        "itself as model.graph (the answer carries its graph_ref again)", graph_ref=ref[:80])
+    return ref, spec, None
+
+
+def _graph_template(caches: EngineCaches, ref: str, spec: GraphSpec, dtype: torch.dtype,
+                    config: EngineConfig) -> GraphTemplate:
+    key = (ref, dtype)
+    hit = caches.graph_templates.get(key)
+    if hit is not None:
+        return hit
+    model = build_graph(spec, limits=config.limits, device="meta", dtype=dtype)
+    users = tuple(inp for inp in spec.inputs if inp.kind == "input")
+    if not users:
+        raise SpecError("bad_option", "model.graph takes no input; export a module whose forward takes the batch")
+    state = dict(model.state_dict(keep_vars=True))
+    template = GraphTemplate(ref=ref, spec=spec, model=model, compiled=model._graph, state=state,
+                             parameters=frozenset(n for n, _ in model.named_parameters()), users=users,
+                             index_bounds=dict(getattr(model, "index_bounds", {})))
+    caches.graph_templates.put(key, template)
+    return template
+
+
+def _fresh(template: GraphTemplate, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """A GraphModel of its own (zero-filled on a device), from the validated graph: ~10x cheaper than
+    a deep copy of the template's module tree."""
+    return GraphModel(template.compiled, device=device, dtype=dtype)
+
+
+def _batch_flow(caches: EngineCaches, template: GraphTemplate, dtype: torch.dtype,
+                inputs: Batch) -> tuple[list, tuple[int, int] | None]:
+    """((node, op, module path) of the nodes that combine the examples of a batch, where the batch sits in
+    the first output): two meta runs of a private copy, once per input signature."""
+    key = (template.ref, dtype, inputs.signature)
+    hit = caches.batch_flows.get(key)
+    if hit is None:
+        hit = graph_batch_flow(template, dtype, inputs)
+        caches.batch_flows.put(key, hit)
+    return hit
+
+
+def graph_batch_flow(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -> tuple[list, tuple[int, int] | None]:
+    """batch_flow on a private meta copy of the template's model (a run writes its program cache)."""
+    mixing, out = batch_flow(_fresh(template, "meta", dtype), [list(x.shape) for x in inputs.tensors],
+                             batched=list(inputs.batched))
+    return [tuple(x) for x in mixing], out
+
+
+def _graph_input(raw, where: str, spec, template: GraphTemplate, dtype: torch.dtype, limits,
+                 shape_only: bool) -> torch.Tensor:
+    """One user input: floating in the model's dtype; integer (token ids, edge indices) and bool (masks)
+    kept as the graph captured them."""
+    x = tensors.decode(as_tensor_value(raw, where), where=where, max_elements=limits.max_elements,
+                       shape_only=shape_only)
+    want = spec.dtype
+    want_dtype = tensors.TORCH_DTYPES.get(want or "", torch.float32)
+    if not want_dtype.is_floating_point:
+        if x.dtype.is_floating_point:
+            raise SpecError("bad_tensor", f"{where}: the graph takes {want} values here (token ids, indices or a "
+                            f"mask: input {spec.name!r}), got {str(x.dtype).removeprefix('torch.')}; send {want}",
+                            where=where)
+        x = x.to(want_dtype)
+        rows = template.index_bounds.get(spec.name)
+        if rows is not None and x.numel() and not x.is_meta and (int(x.min()) < 0 or int(x.max()) >= rows):
+            raise SpecError("bad_tensor", f"{where}: token ids must lie in [0, {rows - 1}] (the rows of the embedding "
+                            f"table they index), got values in [{int(x.min())}, {int(x.max())}]", rows=rows,
+                            where=where)
+    else:
+        x = x.to(dtype)
+        if not x.is_meta and not tensors.all_finite(x):
+            raise SpecError("bad_tensor", f"{where} holds NaN or infinite values", where=where)
+    return x
+
+
+def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype, limits,
+                  shape_only: bool) -> Batch:
+    """The request's inputs matched to the graph's (by position or by name), each checked; the batched
+    ones (the graph's batch_dim 0) must agree on the batch size."""
+    users = template.users
+    names = [u.name for u in users]
+    values = input_values(request.inputs, names, what="the graph")
+    xs = tuple(_graph_input(raw, where, spec, template, dtype, limits, shape_only)
+               for (where, raw), spec in zip(values, users))
+    batched = tuple(u.batch_dim == 0 for u in users)
+    rows = None
+    for (where, _), x, b in zip(values, xs, batched):
+        if not b:
+            continue
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise SpecError("bad_tensor", f"{where}: expected a batch (first dimension >= 1), got shape "
+                            f"{list(x.shape)}", where=where)
+        if rows is None:
+            rows = (where, int(x.shape[0]))
+        elif int(x.shape[0]) != rows[1]:
+            raise SpecError("bad_tensor", f"{where}: batch size {int(x.shape[0])} differs from {rows[0]}'s "
+                            f"{rows[1]}; every batched input has one row per example along dim 0", where=where)
+    return Batch(xs, batched, tuple(names))
+
+
+def _graph_output(caches: EngineCaches, template: GraphTemplate, dtype: torch.dtype, inputs: Batch, limits,
+                  math_attention: bool = False) -> torch.Tensor:
+    """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
+    signature (on a private copy of the shared model: a run writes its program cache)."""
+    key = (template.ref, dtype, inputs.signature, math_attention)
+    hit = caches.graph_shapes.get(key)
+    if hit is None:
+        out = check_graph_shapes(_fresh(template, "meta", dtype), *[x.to("meta") for x in inputs.tensors],
+                                 limits=limits, math_attention=math_attention)
+        hit = (out.shape, out.dtype, out.requires_grad)
+        caches.graph_shapes.put(key, hit)
+    shape, out_dtype, requires_grad = hit
+    _check_differentiable(template, out_dtype, requires_grad)
+    return torch.empty(shape, dtype=out_dtype, device="meta")
+
+
+def _check_differentiable(template: GraphTemplate, out_dtype: torch.dtype, requires_grad: bool) -> None:
+    """The loss differentiates the first output: one of integers (argmax, a comparison) or one cut off from
+    every parameter (aten.detach last, a no_grad region) has no gradient; else the worker's backward fails."""
+    last = _output_producer(template)
+    where = f" (made by node {last.name!r}, {last.op.name}{f' in module {last.module!r}' if last.module else ''})" \
+        if last is not None else ""
+    if not out_dtype.is_floating_point:
+        name = str(out_dtype).removeprefix("torch.")
+        raise SpecError("no_gradient", f"model.graph: the first output is a tensor of dtype {name}{where}, which has no "
+                        "gradient; the loss applies to the first output, so return the floating-point logits or "
+                        "loss first (and argmax or compare after the service call)", output_dtype=name,
+                        node=last.name if last is not None else None)
+    if not requires_grad:
+        raise SpecError("no_gradient", f"model.graph: the first output{where} does not depend on any parameter "
+                        "through a differentiable path (it is detached, or computed under no_grad), so it has no "
+                        "gradient; return the output before .detach() or torch.no_grad()",
+                        node=last.name if last is not None else None)
+
+
+def _output_producer(template: GraphTemplate):
+    """The step whose value is the graph's first output (None when it is an input)."""
+    first = template.spec.outputs[0] if template.spec.outputs else None
+    name = first.get("node") if isinstance(first, dict) else None
+    return next((s for s in template.compiled.steps if s.name == name), None)
+
+
+def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype,
+                   max_elements: int) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, by state_dict name: a graph has no initialiser to fill a gap."""
+    given = request.model.weights or {}
+    state = template.state
+    for name in given:
+        if name not in state:
+            raise SpecError("bad_weights", f"weights: {name!r} is not a parameter or buffer of the graph; it reads "
+                            f"{sorted(state)[:12]}{' ...' if len(state) > 12 else ''}", parameter=name)
+    for name in state:
+        if name not in given:
+            kind = "parameter" if name in template.parameters else "buffer"
+            raise SpecError("bad_weights", f"weights: {kind} {name!r} is missing. A graph model has no default "
+                            "initialisation (the seeded init exists for layer specs only): send every parameter and "
+                            "buffer the graph's inputs name, under that name (named_parameters() and named_buffers(), "
+                            "non-persistent buffers included)", parameter=name)
+    return decode_weights(given, state, template.parameters, dtype, max_elements, "the graph")
+
+
+class GraphSpecModel:
+    """The model side of prepare() for model.graph / model.graph_ref (prepare.py runs the checks in order)."""
+
+    def __init__(self, request: GradientRequest, config: EngineConfig, caches: EngineCaches, dtype: torch.dtype,
+                 graphs: GraphResolver | None) -> None:
+        self.request, self.config, self.caches, self.dtype = request, config, caches, dtype
+        ref, spec, self.graph_data = _graph_spec(caches, request, dtype, graphs)
+        self.template = template = _graph_template(caches, ref, spec, dtype, config)
+        self.meta = template.model
+        self.top_layers = 1
+        self.parameter_names = [n for n in template.state if n in template.parameters]
+        self.parameter_count = sum(template.state[n].numel() for n in self.parameter_names)
+        self.flow: tuple | None = None  # the batch flow, found on meta the first time a check needs it
+
+    def inputs(self, shape_only: bool) -> Batch:
+        return _graph_inputs(self.request, self.template, self.dtype, self.config.limits, shape_only)
+
+    def output(self, inputs: Batch) -> torch.Tensor:
+        return _graph_output(self.caches, self.template, self.dtype, inputs, self.config.limits,
+                             math_attention=self.request.options.hvp is not None)
+
+    def batch_flow(self, inputs: Batch) -> tuple:
+        if self.flow is None:
+            self.flow = _batch_flow(self.caches, self.template, self.dtype, inputs)
+        return self.flow
+
+    def check_splits(self, opts: Options, inputs: Batch) -> None:
+        """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
+        if opts.checkpoint_segments is not None:
+            raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a "
+                            "graph model has none, so it cannot apply. Remove it (or checkpoint inside the module "
+                            "before export)")
+        if opts.input_grad:
+            floating = inputs.floating()
+            if not floating:
+                x = inputs.first
+                raise SpecError("bad_option", f"options.input_grad: the inputs are integer {str(x.dtype)[6:]} "
+                                "(token ids), which have no gradient; leave input_grad out")
+            if len(floating) > 1:
+                raise SpecError("bad_option", f"options.input_grad: the model takes {len(floating)} floating inputs "
+                                f"({', '.join(inputs.names[i] for i in floating)}); input_grad returns the gradient "
+                                "of one input tensor. Leave it out, or export a model with one floating input")
+        if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
+            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
+        if opts.per_sample != "off":
+            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.per_sample")
+        if "options.shards" in splits(opts, inputs.rows):  # what mixes is the clearer reason
+            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
+
+    def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int] | None:
+        maybe_split = splits(opts, inputs.rows) or opts.shards == "auto"
+        return self.batch_flow(inputs)[1] if maybe_split and any(inputs.batched) else None
+
+    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        """A graph's batch statistics are nodes, found by its batch flow (check_splits)."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _graph_weights(self.request, self.template, self.dtype, self.config.limits.max_elements)
+
+    def model(self, device: str | torch.device, weights: dict[str, torch.Tensor],
+              shape_only: bool) -> tuple[nn.Module, None]:
+        """On meta the template's model (read, never run or changed, on that path) or, for POST /estimate
+        (`shape_only`, which runs it), a private copy; elsewhere a GraphModel of its own with the weights."""
+        if str(device) == "meta" and not shape_only:
+            return self.template.model, None
+        model = _fresh(self.template, device, self.dtype)
+        if str(device) != "meta":
+            model.load_state_dict(weights)
+        return model, None
+
+
+def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:
+    """Refuses `option` (which splits the batch) when a node mixes the batch's examples (`mixing`, from the
+    batch flow); `across_jobs` (options.shards) also when one draws dropout masks, which every shard would
+    seed alike."""
+    if mixing:
+        node, op, module = mixing[0]
+        where = f"module {module!r}" if module else "the root module"
+        raise SpecError("bad_option", f"{option}: node {node!r} ({op}) in {where} combines the examples of a batch "
+                        f"(batch statistics), so a part of the batch does not give its share of the batch's "
+                        f"gradient; remove {option}, or put that module in eval mode before export",
+                        node=node, op=op, module=module)
+    if across_jobs:
+        random = next((s for s in template.compiled.steps if draws_masks(s)), None)
+        if random is not None:
+            raise SpecError("bad_option", f"{option}: node {random.name!r} ({random.op.name}) in module "
+                            f"{random.module!r} draws dropout masks from model.seed, which every shard would repeat; "
+                            f"set shards=1 (micro_batch bounds memory), or export in eval mode",
+                            node=random.name, module=random.module)

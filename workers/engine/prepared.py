@@ -1,0 +1,68 @@
+"""What prepare() hands the later stages: the checked, ready-to-run pieces of a request (Prepared), a graph
+validated once for a dtype (GraphTemplate), and how the batch splits into micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gradsvc.wire import GraphSpec, Options
+
+from .batch import Batch
+from .losses import LossTerm
+
+# graph_ref -> the stored graph (or None): the API's and the workers' Redis-backed store. The engine
+# itself keeps no store, only the validated graphs its Engine has seen (GraphTemplate, below).
+GraphResolver = Callable[[str], "GraphSpec | None"]
+
+
+@dataclass
+class Prepared:
+    model: nn.Sequential
+    dtype: torch.dtype
+    inputs: Batch
+    targets: dict[str, torch.Tensor]  # loss term name -> target
+    terms: list[LossTerm]
+    output_shape: list[int]
+    parameter_count: int
+    options: Options
+    frozen: set[str]
+    graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, state, input dtype)
+    graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
+    reuse_key: tuple | None = None  # set when `model` may go back to the built-model cache (release_model)
+    # Output (and target) rows per batch row, where the output's rows map to the batch's in order (1 for a
+    # classifier, seq for every-position LM logits flattened to (batch*seq, vocab)); None where they do
+    # not: then nothing may split the batch (prepare refused micro_batch, per_sample and shards).
+    rows_per_example: int | None = 1
+    # graph models: batch_flow's (mixing nodes, where the batch sits in the first output), once computed
+    batch_flow: tuple | None = None
+
+    @property
+    def gradient_bytes(self) -> int:
+        """What the gradients alone take in the result (one per parameter, in the model's dtype)."""
+        return self.parameter_count * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class GraphTemplate:
+    """A graph validated once for a dtype: its meta GraphModel (shared: copied before anything mutates
+    it), the state it reads, and the nodes that mix the examples of a batch."""
+
+    ref: str
+    spec: GraphSpec
+    model: nn.Module
+    compiled: object  # graph.Compiled: immutable; fresh GraphModels are built from it, not deep-copied
+    state: dict[str, torch.Tensor]  # state_dict name -> meta tensor (shape and dtype to expect)
+    parameters: frozenset[str]
+    users: tuple  # the graph's user inputs (wire.GraphInput), in forward's order
+    index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table its ids index
+
+
+
+def batch_chunks(n: int, micro_batch: int | None) -> list[tuple[int, int]]:
+    size = n if not micro_batch else min(micro_batch, n)
+    return [(i, min(i + size, n)) for i in range(0, n, size)] if n else [(0, 0)]
+

@@ -12,8 +12,8 @@ from markupsafe import Markup
 from gradsvc.wire import JobInfo
 
 from . import graph_svg, html, recent
-from .errors import ServiceError
-from .jobs import JobStore
+from .exceptions import ServiceError
+from .job_reader import JobReader
 from .sessions import SESSION_TTL_S, Sessions
 
 # A running job's page reloads itself this often (a <meta> refresh: no script).
@@ -67,25 +67,25 @@ async def logout(request: Request, sessions: Sessions) -> Response:
 
 
 @get("/ui/jobs", include_in_schema=False)
-async def job_list(request: Request, viewer: str | None, store: JobStore, sessions: Sessions) -> Response:
+async def job_list(request: Request, viewer: str | None, reader: JobReader, sessions: Sessions) -> Response:
     if viewer is None:
         return login_redirect(request)
     jobs = []
-    for job_id in await recent.recent(store.aredis, store.prefix, viewer):
+    for job_id in await recent.recent(reader.aredis, reader.prefix, viewer):
         try:
-            jobs.append(await store.info(job_id, viewer, with_result=False))
+            jobs.append(await reader.info(job_id, viewer, with_result=False))
         except ServiceError:  # expired since it was listed
             continue
     return html.page("jobs.html", jobs=jobs, limit=recent.RECENT_JOBS, logged_in=sessions.auth.enabled)
 
 
 @get("/ui/jobs/{job_id:str}", include_in_schema=False)
-async def job_page(request: Request, viewer: str | None, store: JobStore, sessions: Sessions,
+async def job_page(request: Request, viewer: str | None, reader: JobReader, sessions: Sessions,
                    job_id: str) -> Response:
     if viewer is None:
         return login_redirect(request)
     try:
-        job = await store.info(job_id, viewer)  # GET /jobs/{id}'s rule: another key's job reads as unknown
+        job = await reader.info(job_id, viewer)  # GET /jobs/{id}'s rule: another key's job reads as unknown
     except ServiceError as exc:
         if exc.code != "not_found":
             raise

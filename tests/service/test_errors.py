@@ -16,7 +16,8 @@ from gradsvc.runtime.launcher import free_port
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
 from service.app import create_app
-from service.errors import STATUS, ServiceError, error_response, handle_exception
+from service.error_responses import error_response, handle_exception
+from service.exceptions import STATUS, ServiceError
 from workers.engine import ComputeError, EngineConfig, compute, resolve_device
 
 from ..nets import SEED_A_LAYERS

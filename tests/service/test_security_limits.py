@@ -16,7 +16,7 @@ from gradsvc.runtime.launcher import free_port
 from gradsvc.runtime.settings import Settings, SettingsError
 from service.app import create_app
 from service.auth import ANONYMOUS, Auth
-from service.errors import ServiceError
+from service.exceptions import ServiceError
 
 from ..nets import SEED_A_LAYERS
 

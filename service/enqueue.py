@@ -4,6 +4,7 @@ file), a sharded one (service/fan_out.py), each once per Idempotency-Key (servic
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import anyio.to_thread
 from rq import Queue, Worker
@@ -21,12 +22,12 @@ from .queues import JobRecord, Queues
 log = logging.getLogger("gradsvc.api")
 
 
+@dataclass(eq=False)
 class Enqueuer:
-    def __init__(self, queues: Queues, claims: IdempotencyClaims, record: JobRecord, min_shard_rows: int) -> None:
-        self.queues = queues
-        self.claims = claims
-        self.record = record
-        self.min_shard_rows = min_shard_rows
+    queues: Queues
+    claims: IdempotencyClaims
+    record: JobRecord
+    min_shard_rows: int
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
                 sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,

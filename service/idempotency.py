@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -29,12 +30,12 @@ def body_digest(body: bytes) -> "Future[str]":
     return _digests.submit(lambda: hashlib.sha256(body).hexdigest())
 
 
+@dataclass(eq=False)
 class IdempotencyClaims:
-    def __init__(self, redis: Redis, epochs: Epochs, prefix: str, ttl_s: int) -> None:
-        self.redis = redis
-        self.epochs = epochs
-        self.prefix = prefix
-        self.ttl_s = ttl_s
+    redis: Redis
+    epochs: Epochs
+    prefix: str
+    ttl_s: int  # GRADSVC_IDEMPOTENCY_TTL_S
 
     def key(self, owner: str, idempotency_key: str) -> str:
         """The claim's Redis key: keys are per owner."""

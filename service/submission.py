@@ -4,6 +4,8 @@ next request, the enqueue; and which requests take that way on the event loop, w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
@@ -25,14 +27,13 @@ def small_layer_spec(req: GradientRequest, body: bytes) -> bool:
     return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None and not tensor_refs.has_refs(req)
 
 
+@dataclass(eq=False)
 class Submitter:
-    def __init__(self, config: EngineConfig, graphs: GraphStore, blobs: BlobStore, auth: Auth,
-                 enqueuer: Enqueuer) -> None:
-        self.config = config
-        self.graphs = graphs
-        self.blobs = blobs
-        self.auth = auth
-        self.enqueuer = enqueuer
+    config: EngineConfig
+    graphs: GraphStore
+    blobs: BlobStore
+    auth: Auth
+    enqueuer: Enqueuer
 
     def prepare_inline(self, req: GradientRequest, body: bytes, key: str | None) -> Prepared | None:
         """The request validated on the event loop, when it can be checked and enqueued without a thread: a

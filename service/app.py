@@ -1,5 +1,6 @@
 """The Litestar app factory: builds the API's parts from the settings once and wires them into the route
-handlers (service/*_routes.py, pages.py, docs.py) as dependencies. Routes raise; service/error_responses.py
+handlers (service/*_routes.py, pages.py, docs.py): the parts as app state (service/api_state.py), the
+caller (`owner`, `viewer`) as dependencies. Routes raise; service/error_responses.py
 renders every error."""
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -25,6 +25,7 @@ from workers.engine import config_from_settings, layer_catalogue, warm_up_shape_
 
 from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, tensor_routes
 from .api_metrics import ApiMetrics
+from .api_state import ApiState
 from .auth import Auth
 from .enqueue import Enqueuer
 from .error_responses import handle_exception
@@ -38,12 +39,6 @@ log = logging.getLogger("gradsvc.api")
 HANDOFF_SWEEP_S = 60.0
 ROUTES = [*gradient_routes.ROUTES, *job_routes.ROUTES, *probe_routes.ROUTES, *tensor_routes.ROUTES, *docs.ROUTES,
           *pages.ROUTES]
-
-
-def _singleton(value: Any) -> Provide:
-    """One object of the app as a dependency: the same one for every request, handed over on the event loop
-    (no thread, nothing built per request)."""
-    return Provide(lambda: value, sync_to_thread=False, use_cache=True)
 
 
 @dataclass(frozen=True)
@@ -98,8 +93,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     app = Litestar(
         route_handlers=ROUTES,
-        dependencies={"owner": Provide(auth.owner, sync_to_thread=False), "viewer": Provide(sessions.owner),
-                      **{name: _singleton(part) for name, part in parts.items()}},
+        dependencies={"owner": Provide(auth.owner, sync_to_thread=False), "viewer": Provide(sessions.owner)},
+        state=ApiState(parts),
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
         middleware=[metrics.middleware],
@@ -107,7 +102,6 @@ def create_app(settings: Settings | None = None) -> Litestar:
         request_max_body_size=settings.max_body_bytes,
         debug=False,
     )
-    app.state.settings = settings
     return app
 
 

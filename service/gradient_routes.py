@@ -5,24 +5,20 @@ from __future__ import annotations
 import anyio.to_thread
 from litestar import Request, Response, post
 
-from gradsvc.broker.blobs import BlobStore
-from gradsvc.broker.graphs import GraphStore
-from gradsvc.runtime.settings import Settings
 from gradsvc.wire import JobAccepted
-from workers.engine import EngineConfig, estimate
+from workers.engine import estimate
 
-from .api_metrics import ApiMetrics
+from .api_state import ApiState
 from .error_responses import error_response
-from .job_reader import JobReader
 from .negotiation import MSGPACK, respond, respond_job, wants_msgpack
 from .parsing import idempotency_key, key_age_s, read_request, wait_s
-from .submission import Submitter, small_layer_spec
+from .submission import small_layer_spec
 
 
 @post("/gradients", status_code=200)
-async def submit_gradients(request: Request, owner: str, settings: Settings, submitter: Submitter,
-                           reader: JobReader, metrics: ApiMetrics) -> Response:
-    wait = wait_s(request, settings)
+async def submit_gradients(request: Request, owner: str, state: ApiState) -> Response:
+    submitter, reader = state.submitter, state.reader
+    wait = wait_s(request, state.settings)
     body, fmt, req = await read_request(request)
     key = idempotency_key(request)
     age_s = key_age_s(request) if key is not None else None
@@ -35,7 +31,7 @@ async def submit_gradients(request: Request, owner: str, settings: Settings, sub
         job_id, created = await anyio.to_thread.run_sync(lambda: submitter.enqueue(req, body, fmt, owner, key,
                                                                                    prep, age_s))
     if created:
-        metrics.jobs_submitted.inc()
+        state.metrics.jobs_submitted.inc()
     ended, raw = await reader.wait(job_id, wait)
     if ended and raw is not None:  # finished
         if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy
@@ -54,8 +50,8 @@ async def submit_gradients(request: Request, owner: str, settings: Settings, sub
 
 
 @post("/estimate", status_code=200)
-async def estimate_memory(request: Request, owner: str, config: EngineConfig, graphs: GraphStore,
-                          blobs: BlobStore) -> Response:
+async def estimate_memory(request: Request, owner: str, state: ApiState) -> Response:
+    config, graphs, blobs = state.config, state.graphs, state.blobs
     body, _, req = await read_request(request)
     if small_layer_spec(req, body):
         result = estimate(req, config)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)

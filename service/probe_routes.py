@@ -7,19 +7,14 @@ import anyio.to_thread
 from litestar import Request, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gradsvc.runtime.settings import Settings
-from gradsvc.wire import LayerInfo
-
-from .api_metrics import ApiMetrics
-from .auth import Auth
+from .api_state import ApiState
 from .exceptions import ServiceError
-from .job_reader import JobReader
 from .negotiation import respond
 
 
 @get("/layers")
-async def list_layers(request: Request, owner: str, layers: list[LayerInfo]) -> Response:
-    return respond(request, layers)
+async def list_layers(request: Request, owner: str, state: ApiState) -> Response:
+    return respond(request, state.layers)
 
 
 @get("/healthz")
@@ -28,7 +23,9 @@ async def healthz(request: Request) -> Response:
 
 
 @get("/readyz")
-async def readyz(request: Request, reader: JobReader) -> Response:  # a probe: no API key, as /healthz
+async def readyz(request: Request, state: ApiState) -> Response:  # a probe: no API key, as /healthz
+    reader = state.reader
+
     def check() -> int:
         reader.ping()
         reader.epochs.refresh()  # Redis restarted empty: a new epoch, and ids of the old one read as lost
@@ -41,18 +38,18 @@ async def readyz(request: Request, reader: JobReader) -> Response:  # a probe: n
 
 
 @get("/metrics")
-async def metrics_route(request: Request, settings: Settings, auth: Auth, metrics: ApiMetrics) -> Response:
-    if settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
-        auth.owner(request)
-    text = await anyio.to_thread.run_sync(generate_latest, metrics.registry)
+async def metrics_route(request: Request, state: ApiState) -> Response:
+    if state.settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
+        state.auth.owner(request)
+    text = await anyio.to_thread.run_sync(generate_latest, state.metrics.registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/schema")
-async def schema(request: Request, viewer: str | None, auth: Auth, schema_doc: bytes) -> Response:
+async def schema(request: Request, viewer: str | None, state: ApiState) -> Response:
     if viewer is None:  # the Bearer key, or the session cookie of a browser on /docs
-        auth.owner(request)  # raises the 401 that names the header
-    return Response(schema_doc, media_type="application/json")
+        state.auth.owner(request)  # raises the 401 that names the header
+    return Response(state.schema_doc, media_type="application/json")
 
 
 ROUTES = [list_layers, healthz, readyz, metrics_route, schema]

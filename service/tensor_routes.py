@@ -8,9 +8,8 @@ import msgspec
 from litestar import Request, Response, post, put
 
 from gradsvc.broker import blobs as tensor_refs
-from gradsvc.broker.blobs import BlobStore
 
-from .api_metrics import ApiMetrics
+from .api_state import ApiState
 from .exceptions import ServiceError
 from .negotiation import body_format, respond
 
@@ -20,13 +19,14 @@ class _MissingRefs(msgspec.Struct, forbid_unknown_fields=True):
 
 
 @put("/tensors/{ref:str}", status_code=201)
-async def upload_tensor(request: Request, owner: str, blobs: BlobStore, metrics: ApiMetrics, ref: str) -> Response:
+async def upload_tensor(request: Request, owner: str, state: ApiState, ref: str) -> Response:
     """One piece of tensor bytes, stored under its sha256 for this API key (GRADSVC_TENSOR_TTL_S, within
     GRADSVC_TENSOR_BUDGET_BYTES); a request's tensors then name it in `refs`."""
     if not tensor_refs.DIGEST.fullmatch(ref):
         raise ServiceError("invalid_parameter", f"/tensors/{ref[:80]}: the path names a piece by its sha256, 64 "
                            "lowercase hex digits", parameter="ref")
     data = await request.body()
+    blobs, metrics = state.blobs, state.metrics
 
     def store_piece() -> int:
         got = tensor_refs.digest(data)
@@ -44,7 +44,7 @@ async def upload_tensor(request: Request, owner: str, blobs: BlobStore, metrics:
 
 
 @post("/tensors/missing", status_code=200)
-async def missing_tensors(request: Request, owner: str, blobs: BlobStore) -> Response:
+async def missing_tensors(request: Request, owner: str, state: ApiState) -> Response:
     """Which of `refs` this API key has not uploaded (or whose pieces expired or were evicted)."""
     body = await request.body()
     try:
@@ -53,7 +53,7 @@ async def missing_tensors(request: Request, owner: str, blobs: BlobStore) -> Res
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ServiceError("invalid_body", f'the body is {{"refs": [sha256, ...]}}: {exc}') from None
     refs = [r for r in asked.refs if tensor_refs.DIGEST.fullmatch(r)][:100_000]
-    missing = await anyio.to_thread.run_sync(lambda: blobs.missing(owner, refs))
+    missing = await anyio.to_thread.run_sync(lambda: state.blobs.missing(owner, refs))
     return respond(request, {"missing": missing})
 
 

@@ -1,16 +1,16 @@
-"""A route handler is a module-level function whose collaborators come in as Litestar dependencies: it runs
-in an app of its own, with stand-ins for what it reads, and create_app registers every one of them."""
+"""A route handler is a module-level function that finds the API's parts in Litestar's app state
+(service/api_state.py): it runs in an app of its own, with stand-ins for what it reads, and create_app
+registers every one of them."""
 
 from __future__ import annotations
 
 from litestar import Litestar
-from litestar.di import Provide
 from litestar.testing import TestClient
 
 from service import app as app_module
 from service import probe_routes
+from service.api_state import ApiState
 from service.error_responses import handle_exception
-from service.job_reader import JobReader
 
 
 class _Epochs:
@@ -18,8 +18,8 @@ class _Epochs:
         return "0000abcd"
 
 
-class _Reader(JobReader):
-    """What /readyz reads of a JobReader, without a Redis (a subclass: Litestar checks a dependency's type)."""
+class _Reader:
+    """What /readyz reads of service.job_reader.JobReader, without a Redis."""
 
     def __init__(self, workers: int) -> None:
         self.epochs, self.n = _Epochs(), workers
@@ -33,7 +33,7 @@ class _Reader(JobReader):
 
 def _readyz(workers: int):
     app = Litestar([probe_routes.readyz], exception_handlers={Exception: handle_exception},
-                   dependencies={"reader": Provide(lambda: _Reader(workers), sync_to_thread=False)})
+                   state=ApiState({"reader": _Reader(workers)}))
     with TestClient(app) as client:
         return client.get("/readyz")
 

@@ -37,10 +37,10 @@ _JOB_LOST = {"code": "job_lost", "message": "Redis lost this job's record (it wa
              "the job ran is unknown and its result, if any, is gone; submit it again", "detail": {}}
 _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job was lost (killed, crashed, or cut off "
                 "from Redis) before it finished; submit it again", "detail": {}}
-
-
 # An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
 LEASE_CHECK_S = 1.0
+
+
 def _iso(raw: bytes | None) -> str | None:
     return raw.decode() if raw else None
 
@@ -93,6 +93,19 @@ class JobReader:
                                f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
                                headers={"Retry-After": "2"}, job_id=job_id) from None
         return bool(got), await self.load_result(raw, job_id) if got else None
+
+    async def load_result(self, raw: bytes | None, job_id: str) -> bytes | None:
+        """A result key's value as the result's bytes: as stored, or read (in a thread) from the handoff file
+        its marker names; None once either has expired."""
+        if not handoff_files.is_marker(raw):
+            return raw
+        try:
+            return await anyio.to_thread.run_sync(handoff_files.load, raw, self.queues.handoff)
+        except HandoffError as exc:
+            # Handoff on behind a balancer over several hosts: each API reads only its own host's files.
+            raise ServiceError("internal_error", f"the result of job {job_id} is a file this API cannot read ({exc}); "
+                               "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
+                               job_id=job_id) from None
 
     async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
         pipe = self.aredis.pipeline(transaction=False)
@@ -226,21 +239,8 @@ class JobReader:
         return {q.name: next(counts) + (next(counts) if d in domain else 0) for d, q in shared.items()}
 
 
-    async def load_result(self, raw: bytes | None, job_id: str) -> bytes | None:
-        """A result key's value as the result's bytes: as stored, or read (in a thread) from the handoff file
-        its marker names; None once either has expired."""
-        if not handoff_files.is_marker(raw):
-            return raw
-        try:
-            return await anyio.to_thread.run_sync(handoff_files.load, raw, self.queues.handoff)
-        except HandoffError as exc:
-            # Handoff on behind a balancer over several hosts: each API reads only its own host's files.
-            raise ServiceError("internal_error", f"the result of job {job_id} is a file this API cannot read ({exc}); "
-                               "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
-                               job_id=job_id) from None
-
-
-async def _shard_progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]], list[str]]:
+async def _shard_progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]],
+                                                                list[str]]:
     """(shards finished, any started, [(origin, last_heartbeat) of each running shard], [failed shard ids]),
     in one round trip."""
     pipe = aredis.pipeline(transaction=False)

@@ -2,7 +2,7 @@
 JSON vs MessagePack raw bytes, each way, with the service's own code.
 
   encode  a torch gradient -> the bytes the API sends: workers.engine.tensors.encode (raw bytes, as
-          the worker stores them), then for JSON service.encoding.for_json (nested lists or base64)
+          the worker stores them), then for JSON service.negotiation.for_json (nested lists or base64)
           and msgspec's JSON encoder; for MessagePack msgspec's MessagePack encoder.
   decode  the bytes a client sends -> a torch tensor: msgspec decode into gradsvc.wire.Tensor, then
           workers.engine.tensors.decode (what the worker runs on request tensors).
@@ -19,7 +19,7 @@ import torch
 
 from common import footer, header, median, table, timed, verdict
 from gradsvc.wire import Tensor
-from service.encoding import for_json
+from service.negotiation import for_json
 from workers.engine import tensors
 
 N = 10_000_000

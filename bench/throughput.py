@@ -4,7 +4,7 @@ A private stack (tests/support/stack.py) per row. "2 workers" runs with GRADSVC_
 starts them: each CPU worker then takes cores / 2 intra-op threads; the last row leaves
 GRADSVC_WORKERS unset (each worker on all cores, as before that setting was honoured) to show why.
   queue -> result  the bench enqueues N jobs straight onto the RQ queue, as the API does
-                   (service.jobs.JobStore.enqueue), then blocks on each job's RQ results stream until
+                   (service.enqueue.Enqueuer.enqueue), then blocks on each job's RQ results stream until
                    the last one has ended: N / (last end - first enqueue).
   via the API      C client threads, each POST /gradients?wait=30 one after another (sync wait):
                    N / wall time, HTTP, validation and the API's own Redis calls included.
@@ -25,25 +25,25 @@ from redis import Redis
 from common import Stack, footer, header, seed_a_body, start_stack, table
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
-from service.jobs import JobStore
+from service.app import job_parts
 
 JOBS = 300
 CLIENTS = 4
 
 
 def queue_to_result(stack: Stack, body: bytes, n: int) -> float:
-    store = JobStore(Settings(redis_url=stack.redis.url))
+    store = job_parts(Settings(redis_url=stack.redis.url))
     r = Redis.from_url(stack.redis.url)
     try:
         t0 = time.perf_counter()
-        ids = [store.enqueue(body, "json", "auto", "")[0] for _ in range(n)]
+        ids = [store.enqueuer.enqueue(body, "json", "auto", "")[0] for _ in range(n)]
         for job_id in ids:
             got = r.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=60_000)
             assert got, f"job {job_id} did not end in 60 s"
         return n / (time.perf_counter() - t0)
     finally:
         r.close()
-        store.redis.close()
+        store.queues.queues.redis.close()
 
 
 def via_api(stack: Stack, body: bytes, n: int, clients: int) -> float:

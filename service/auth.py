@@ -15,7 +15,7 @@ from redis import Redis
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 
-from .errors import ServiceError
+from .exceptions import ServiceError
 
 ANONYMOUS = keys.ANONYMOUS_OWNER
 

@@ -29,7 +29,7 @@ def asset(directory: Path, allowed: dict[str, str], name: str) -> Response:
     """One file of an allow-list (name -> media type) from `directory`, cacheable for a day."""
     from litestar.response import File
 
-    from .errors import ServiceError
+    from .exceptions import ServiceError
 
     if name not in allowed:
         raise ServiceError("not_found", f"no asset {name!r}", asset=name)

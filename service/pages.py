@@ -12,8 +12,8 @@ from markupsafe import Markup
 from gradsvc.wire import JobInfo
 
 from . import graph_svg, html, recent
-from .errors import ServiceError
-from .jobs import JobStore
+from .exceptions import ServiceError
+from .api_state import ApiState
 from .sessions import SESSION_TTL_S, Sessions
 
 # A running job's page reloads itself this often (a <meta> refresh: no script).
@@ -42,7 +42,8 @@ def _next_path(given: str | None) -> str:
 
 
 @get("/ui/login", include_in_schema=False)
-async def login_form(request: Request, sessions: Sessions) -> Response:
+async def login_form(request: Request, state: ApiState) -> Response:
+    sessions = state.sessions
     nxt = _next_path(request.query_params.get("next"))
     if not sessions.auth.enabled:
         return Redirect(nxt, status_code=303)
@@ -50,7 +51,8 @@ async def login_form(request: Request, sessions: Sessions) -> Response:
 
 
 @post("/ui/login", include_in_schema=False, status_code=303)
-async def login(request: Request, sessions: Sessions) -> Response:
+async def login(request: Request, state: ApiState) -> Response:
+    sessions = state.sessions
     form = await request.form()
     nxt = _next_path(form.get("next"))
     token = await sessions.login(str(form.get("key", "")))
@@ -61,31 +63,33 @@ async def login(request: Request, sessions: Sessions) -> Response:
 
 
 @post("/ui/logout", include_in_schema=False, status_code=303)
-async def logout(request: Request, sessions: Sessions) -> Response:
+async def logout(request: Request, state: ApiState) -> Response:
+    sessions = state.sessions
     await sessions.logout(request)
     return Redirect("/ui/login", status_code=303, cookies=[Sessions.cookie(request, "", max_age=0)])
 
 
 @get("/ui/jobs", include_in_schema=False)
-async def job_list(request: Request, viewer: str | None, store: JobStore, sessions: Sessions) -> Response:
+async def job_list(request: Request, viewer: str | None, state: ApiState) -> Response:
+    reader, sessions = state.reader, state.sessions
     if viewer is None:
         return login_redirect(request)
     jobs = []
-    for job_id in await recent.recent(store.aredis, store.prefix, viewer):
+    for job_id in await recent.recent(reader.aredis, reader.prefix, viewer):
         try:
-            jobs.append(await store.info(job_id, viewer, with_result=False))
+            jobs.append(await reader.info(job_id, viewer, with_result=False))
         except ServiceError:  # expired since it was listed
             continue
     return html.page("jobs.html", jobs=jobs, limit=recent.RECENT_JOBS, logged_in=sessions.auth.enabled)
 
 
 @get("/ui/jobs/{job_id:str}", include_in_schema=False)
-async def job_page(request: Request, viewer: str | None, store: JobStore, sessions: Sessions,
-                   job_id: str) -> Response:
+async def job_page(request: Request, viewer: str | None, state: ApiState, job_id: str) -> Response:
+    reader, sessions = state.reader, state.sessions
     if viewer is None:
         return login_redirect(request)
     try:
-        job = await store.info(job_id, viewer)  # GET /jobs/{id}'s rule: another key's job reads as unknown
+        job = await reader.info(job_id, viewer)  # GET /jobs/{id}'s rule: another key's job reads as unknown
     except ServiceError as exc:
         if exc.code != "not_found":
             raise

@@ -1,4 +1,4 @@
-"""The queue side of a sharded request (service/shards.py fans it out): the shard job (its rows,
+"""The queue side of a sharded request (service/fan_out.py fans it out): the shard job (its rows,
 computed as any job), the reduce job (the shards' results -> the job's result) and the fan-in of a
 failure (a failed or lost shard fails the job, naming itself, and cancels its siblings).
 

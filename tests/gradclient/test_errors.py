@@ -13,7 +13,7 @@ from torch import nn
 import gradclient
 from gradclient import Client, errors
 from gradsvc import wire
-from service.errors import STATUS
+from service.exceptions import STATUS
 
 from gradsvc.runtime.launcher import free_port
 

@@ -13,7 +13,7 @@ import pytest
 
 from gradsvc import wire
 from gradsvc.runtime.settings import Settings
-from service.errors import STATUS
+from service.exceptions import STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "api.md"

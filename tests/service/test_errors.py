@@ -15,7 +15,8 @@ from litestar.testing import TestClient
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
 from service.app import create_app
-from service.errors import STATUS, ServiceError, error_response, handle_exception
+from service.error_responses import error_response, handle_exception
+from service.exceptions import STATUS, ServiceError
 from workers.engine import ComputeError, EngineConfig, compute, resolve_device
 
 from tests.support.nets import SEED_A_LAYERS

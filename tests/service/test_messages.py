@@ -211,7 +211,7 @@ def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_v
     decode refused (a traceback, then a failed job); the queued body now carries the ints."""
     import msgspec
 
-    from service.app import _decode
+    from service.parsing import _decode
     from workers.jobs import decode_request
 
     payload = body(options={"timing_repeat": 2.0, "micro_batch": 1.0, "shards": 2.0})

@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rq.worker import WorkerStatus
 
-from service.metrics import ApiMetrics
+from service.api_metrics import ApiMetrics
 
 
 class _Worker:
@@ -18,7 +18,7 @@ class _Worker:
 
 
 class _Store:
-    """What the collector reads from service.jobs.JobStore, without a Redis."""
+    """What the collector reads from service.job_reader.JobReader, without a Redis."""
 
     def __init__(self, states=(), depths=None, down: bool = False) -> None:
         self.states, self.depths, self.down = states, depths or {}, down

@@ -15,7 +15,7 @@ from litestar.testing import TestClient
 from gradsvc.runtime.settings import Settings, SettingsError
 from service.app import create_app
 from service.auth import ANONYMOUS, Auth
-from service.errors import ServiceError
+from service.exceptions import ServiceError
 
 from tests.support.nets import SEED_A_LAYERS
 from tests.support.stack import dead_redis_url

@@ -23,7 +23,7 @@ from rq.registry import StartedJobRegistry
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
-from service.jobs import JobStore
+from service.app import JobParts, job_parts
 from workers import jobs as worker_jobs
 from gradsvc.broker.jobs import MsgpackSerializer
 from workers.worker import GradientWorker
@@ -60,8 +60,8 @@ def make_worker(settings: Settings, heartbeat_s: int = 1) -> tuple[GradientWorke
     return worker, queue
 
 
-def enqueue_gradients(store: JobStore, body: dict) -> str:
-    job_id, _ = store.enqueue(msgspec.json.encode(body), "json", "auto", "owner-1")
+def enqueue_gradients(store: JobParts, body: dict) -> str:
+    job_id, _ = store.enqueuer.enqueue(msgspec.json.encode(body), "json", "auto", "owner-1")
     return job_id
 
 
@@ -97,7 +97,7 @@ def test_a_job_running_longer_than_its_lease_is_renewed_not_reaped(settings):
 def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(settings):
     import anyio
 
-    store = JobStore(settings)
+    store = job_parts(settings)
     worker, queue = make_worker(settings, heartbeat_s=1)
     job_id = enqueue_gradients(store, seed_a_request())
     job = Job.fetch(job_id, connection=queue.connection, serializer=MsgpackSerializer)
@@ -108,7 +108,7 @@ def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(s
     worker.prepare_job_execution(job)
     assert job.get_status(refresh=True) == "started"
     time.sleep(3 + 1.5)  # the lease, and the API's one-second grace
-    info = anyio.run(lambda: store.info(job_id, "owner-1"))
+    info = anyio.run(lambda: store.reader.info(job_id, "owner-1"))
     assert info.status == "failed"
     assert info.error.code == "worker_lost"
     assert "submit it again" in info.error.message
@@ -117,16 +117,16 @@ def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(s
 def test_one_idempotency_key_enqueues_one_job_even_from_8_threads_at_once(settings):
     from concurrent.futures import ThreadPoolExecutor
 
-    store = JobStore(settings)
+    store = job_parts(settings)
     body = msgspec.json.encode(seed_a_request())
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: store.enqueue(body, "json", "auto", "owner-1", "key-1"), range(8)))
+        answers = list(pool.map(lambda _: store.enqueuer.enqueue(body, "json", "auto", "owner-1", "key-1"), range(8)))
     assert len({job_id for job_id, _ in answers}) == 1 and sum(created for _, created in answers) == 1
-    queue = store.queues["auto"]
+    queue = store.queues.shared["auto"]
     assert queue.count == 1 and queue.job_ids == [answers[0][0]]
-    other_owner, created = store.enqueue(body, "json", "auto", "owner-2", "key-1")  # keys are per owner
+    other_owner, created = store.enqueuer.enqueue(body, "json", "auto", "owner-2", "key-1")  # keys are per owner
     assert created and other_owner != answers[0][0] and queue.count == 2
-    ttl = store.redis.ttl(keys.idempotency_key(settings.queue_prefix, "owner-1", "key-1"))
+    ttl = store.queues.redis.ttl(keys.idempotency_key(settings.queue_prefix, "owner-1", "key-1"))
     assert 0 < ttl <= settings.idempotency_ttl_s
 
 
@@ -143,7 +143,7 @@ def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_compute, "_compute", oom_once)
-    store = JobStore(settings)
+    store = job_parts(settings)
     first = enqueue_gradients(store, seed_a_request())
     second = enqueue_gradients(store, seed_a_request())
     worker, queue = make_worker(settings)
@@ -162,8 +162,8 @@ def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings
 
 
 def test_jobs_cross_redis_as_msgpack_never_pickle(settings):
-    store = JobStore(settings)
-    assert all(q.serializer is MsgpackSerializer for q in store.queues.values())
+    store = job_parts(settings)
+    assert all(q.serializer is MsgpackSerializer for q in store.queues.shared.values())
     job_id = enqueue_gradients(store, seed_a_request())
     worker, queue = make_worker(settings)
     assert worker.serializer is MsgpackSerializer
@@ -222,8 +222,8 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
     from gradsvc.broker.jobs import GradientJob
     from workers.worker import build_worker
 
-    store = JobStore(settings)
-    conn = store.redis
+    store = job_parts(settings)
+    conn = store.queues.redis
 
     def run(n: int) -> tuple[dict, list[str]]:
         ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
@@ -245,7 +245,7 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
         job = GradientJob.fetch(job_id, connection=conn, serializer=MsgpackSerializer)
         assert job.get_status() == "finished"
         assert job.args[1] == "json" and msgspec.json.decode(job.args[0])["loss"] == "cross_entropy"
-        assert job_id in FinishedJobRegistry(queue=store.queues["auto"]).get_job_ids()
+        assert job_id in FinishedJobRegistry(queue=store.queues.shared["auto"]).get_job_ids()
         assert Result.fetch_latest(job, serializer=MsgpackSerializer).type == Result.Type.SUCCESSFUL
         assert conn.get(keys.result_key(settings.queue_prefix, job_id))
         assert job.last_heartbeat is not None and job.ended_at is not None
@@ -259,14 +259,14 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     the job's end, and its connection goes back to the pool either way."""
     from workers.worker import _SentTransaction
 
-    store = JobStore(settings)
+    store = job_parts(settings)
     worker, queue = make_worker(settings)
     seen = {}
     real = worker_jobs.run_job
 
     def spy(*args, **kwargs):
         job_id = seen["id"]
-        seen["status"] = store.redis.hget(Job.key_for(job_id), "status")
+        seen["status"] = store.queues.redis.hget(Job.key_for(job_id), "status")
         seen["started"] = job_id in StartedJobRegistry(queue=queue).get_job_ids()
         seen["pending"] = worker._started is not None
         return real(*args, **kwargs)
@@ -275,7 +275,7 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     seen["id"] = enqueue_gradients(store, seed_a_request())
     worker.work(burst=True, logging_level="WARNING")
     assert seen == {"id": seen["id"], "status": b"started", "started": True, "pending": True}
-    assert worker._started is None and Job.fetch(seen["id"], connection=store.redis).get_status() == "finished"
+    assert worker._started is None and Job.fetch(seen["id"], connection=store.queues.redis).get_status() == "finished"
 
     conn = redis.Redis.from_url(settings.redis_url)
     pool = conn.connection_pool

@@ -17,7 +17,7 @@ from rq.registry import StartedJobRegistry
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
-from service.jobs import JobStore
+from service.app import JobParts, job_parts
 from workers.engine import EngineConfig, prepare
 from gradsvc.broker.fanin import shard_job_id
 from gradsvc.broker.jobs import MsgpackSerializer
@@ -29,39 +29,39 @@ from tests.support.nets import SEED_A_LAYERS
 @pytest.fixture()
 def store(redis_server):
     redis.Redis.from_url(redis_server.url).flushdb()
-    s = JobStore(Settings(redis_url=redis_server.url, worker_heartbeat_s=1))
+    s = job_parts(Settings(redis_url=redis_server.url, worker_heartbeat_s=1))
     yield s
-    s.redis.close()  # its async clients were used from loops that anyio.run has closed since
+    s.queues.redis.close()  # its async clients were used from loops that anyio.run has closed since
 
 
-def sharded_job(store: JobStore, count: int = 3) -> tuple[str, list[str]]:
+def sharded_job(store: JobParts, count: int = 3) -> tuple[str, list[str]]:
     req = msgspec.convert({"model": {"layers": SEED_A_LAYERS, "dtype": "float64"},
                            "inputs": [[0.1 * i] * 6 for i in range(10)], "targets": [i % 3 for i in range(10)],
                            "options": {"shards": count, "numcheck": "off"}}, GradientRequest)
-    job_id, _ = store.enqueue(b"", "json", "auto", "owner", sharded=(req, prepare(req, EngineConfig(), "meta")))
+    job_id, _ = store.enqueuer.enqueue(b"", "json", "auto", "owner", sharded=(req, prepare(req, EngineConfig(), "meta")))
     return job_id, [shard_job_id(job_id, k) for k in range(count)]
 
 
-def info(store: JobStore, job_id: str):
+def info(store: JobParts, job_id: str):
     async def read():
         try:
-            return await store.info(job_id, "owner")
+            return await store.reader.info(job_id, "owner")
         finally:  # the next anyio.run is another event loop: leave no pooled connection bound to this one
-            await store.aredis.connection_pool.disconnect()
+            await store.queues.aredis.connection_pool.disconnect()
 
     return anyio.run(read)
 
 
-def fetch(store: JobStore, job_id: str) -> Job:
-    return Job.fetch(job_id, connection=store.redis, serializer=MsgpackSerializer)
+def fetch(store: JobParts, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=store.queues.redis, serializer=MsgpackSerializer)
 
 
 def test_fan_out_queues_every_shard_in_a_group_and_defers_the_reduce_job(store):
     job_id, ids = sharded_job(store)
-    queued = [x.decode() for x in store.redis.lrange("rq:queue:gradsvc", 0, -1)]
+    queued = [x.decode() for x in store.queues.redis.lrange("rq:queue:gradsvc", 0, -1)]
     assert queued == ids  # the reduce job is not queued: it waits on the shards
     assert fetch(store, job_id).get_status() == JobStatus.DEFERRED
-    assert {j.id for j in Group.fetch(job_id, store.redis).get_jobs()} == set(ids)
+    assert {j.id for j in Group.fetch(job_id, store.queues.redis).get_jobs()} == set(ids)
     shard = fetch(store, ids[2])
     assert shard.meta["shard"] == {"parent": job_id, "index": 2, "count": 3, "rows": [7, 10], "prefix": "gradsvc",
                                    "owner": "owner"}  # its graph_ref is looked up among this owner's graphs
@@ -71,17 +71,17 @@ def test_fan_out_queues_every_shard_in_a_group_and_defers_the_reduce_job(store):
     assert job.status == "queued" and job.progress.phase == "shards" and job.progress.total == 3
 
 
-def _lose(store: JobStore, shard_id: str) -> None:
+def _lose(store: JobParts, shard_id: str) -> None:
     """shard_id as a worker that died mid-job leaves it: started, its lease long lapsed."""
     shard = fetch(store, shard_id)
-    store.redis.lrem("rq:queue:gradsvc", 0, shard_id)
+    store.queues.redis.lrem("rq:queue:gradsvc", 0, shard_id)
     shard.set_status(JobStatus.STARTED)
-    store.redis.zadd(StartedJobRegistry("gradsvc", connection=store.redis).key,
+    store.queues.redis.zadd(StartedJobRegistry("gradsvc", connection=store.queues.redis).key,
                      {f"{shard_id}:lost-execution": time.time() - 60})
 
 
-def _reap_in_a_thread(registry_class, store: JobStore) -> None:
-    t = threading.Thread(target=lambda: registry_class("gradsvc", connection=store.redis,
+def _reap_in_a_thread(registry_class, store: JobParts) -> None:
+    t = threading.Thread(target=lambda: registry_class("gradsvc", connection=store.queues.redis,
                                                        serializer=MsgpackSerializer).cleanup())
     t.start()
     t.join(30)
@@ -96,9 +96,9 @@ def test_a_lost_shard_reaped_from_a_heartbeat_thread_fails_the_job_worker_lost_a
     error = job.meta["error"]
     assert error["code"] == "worker_lost" and error["detail"]["shard"] == 1 and "shard 1 of 3" in error["message"]
     assert [fetch(store, s).get_status() for s in (ids[0], ids[2])] == [JobStatus.CANCELED] * 2
-    assert store.redis.llen("rq:queue:gradsvc") == 0
-    assert store.redis.exists(keys.cancel_key("gradsvc", job_id))
-    assert store.redis.xlen(keys.rq_results_stream(job_id)) == 1  # what a waiting POST wakes on
+    assert store.queues.redis.llen("rq:queue:gradsvc") == 0
+    assert store.queues.redis.exists(keys.cancel_key("gradsvc", job_id))
+    assert store.queues.redis.xlen(keys.rq_results_stream(job_id)) == 1  # what a waiting POST wakes on
     read = info(store, job_id)
     assert read.status == "failed" and read.error.code == "worker_lost"
 
@@ -126,7 +126,7 @@ def test_a_failed_shard_names_its_code_and_delete_cancels_every_shard(store):
     assert read.error.detail == {"layer": "0", "shard": 2, "shards": 3, "shard_job_id": ids[2]}
 
     other, other_ids = sharded_job(store)
-    store.cancel(other)
+    store.reader.cancel(other)
     assert fetch(store, other).get_status() == JobStatus.CANCELED
     assert all(fetch(store, s).get_status() == JobStatus.CANCELED for s in other_ids)
     assert info(store, other).status == "canceled"

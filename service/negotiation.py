@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio.to_thread
 import msgspec
 from litestar import Request, Response
 
 from gradsvc.wire import GradientResult, PerSample, Tensor
 from workers.engine import tensors
 
+from .exceptions import ServiceError
+
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 LIST_MAX_ELEMENTS = 65_536  # `encoding: auto` writes larger tensors as base64 in JSON
+# Past this size encoding a result takes milliseconds: it runs in a worker thread so the event loop keeps
+# serving other requests (bench/medium_job.py).
+_INLINE_RESULT_PARAMETERS = 1 << 16
 
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
@@ -30,8 +36,6 @@ def body_format(request: Request) -> str:
         return "msgpack"
     if ctype in ("", JSON) or (ctype.startswith("application/") and ctype.endswith("+json")):
         return "json"
-    from .errors import ServiceError  # errors renders through this module
-
     raise ServiceError("unsupported_media_type", f"Content-Type {ctype!r} is not accepted; send the body as "
                        f"{JSON} (curl: -H 'Content-Type: {JSON}') or {MSGPACK}", content_type=ctype,
                        accepted=[JSON, MSGPACK])
@@ -42,6 +46,13 @@ def respond(request: Request, body: Any, *, status: int = 200, headers: dict[str
     if wants_msgpack(request):
         return Response(_msgpack.encode(body), status_code=status, media_type=MSGPACK, headers=headers)
     return Response(_json.encode(for_json(body, encoding)), status_code=status, media_type=JSON, headers=headers)
+
+
+async def respond_job(request: Request, body: Any, result: GradientResult | None, encoding: str = "auto") -> Response:
+    """respond() of a job's view or result: encoded in a thread when `result` is large."""
+    if result is not None and result.parameter_count > _INLINE_RESULT_PARAMETERS:
+        return await anyio.to_thread.run_sync(lambda: respond(request, body, encoding=encoding))
+    return respond(request, body, encoding=encoding)
 
 
 def for_json(value: Any, encoding: str) -> Any:

@@ -1,8 +1,5 @@
-"""Error codes, their HTTP statuses (one table), and the one renderer every error goes through.
-
-ServiceError            raised by routes; carries a code from gradsvc.wire.ERROR_CODES (the one table)
- (engine errors, Litestar's HTTP exceptions and Redis outages are mapped onto the same codes)
-"""
+"""The one renderer every error goes through: a ServiceError (service/exceptions.py), an engine error,
+Litestar's own HTTP exceptions and a Redis outage all answer the same body, with their code's status."""
 
 from __future__ import annotations
 
@@ -14,33 +11,18 @@ from litestar.exceptions import HTTPException, ValidationException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gradsvc.wire import ERROR_CODES, ErrorBody, ErrorInfo
+from gradsvc.broker.blobs import BlobError
+from gradsvc.wire import ErrorBody, ErrorInfo
 from workers.engine import EngineError
 
-from .encoding import respond
+from .exceptions import ServiceError, status_for
+from .negotiation import respond
+from .parsing import wait_message
 
 log = logging.getLogger("gradsvc.api")
 
-STATUS: dict[str, int] = {code: entry.status for code, entry in ERROR_CODES.items()}
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 415: "unsupported_media_type", 429: "rate_limited"}
-
-
-class ServiceError(Exception):
-    def __init__(self, code: str, message: str, headers: dict[str, str] | None = None, **detail: Any) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.detail = detail
-        self.headers = headers or {}
-
-    @property
-    def status(self) -> int:
-        return STATUS[self.code]
-
-
-def status_for(code: str) -> int:
-    return STATUS.get(code, 500)
 
 
 def error_response(request: Request, code: str, message: str, detail: dict | None = None,
@@ -52,7 +34,7 @@ def error_response(request: Request, code: str, message: str, detail: dict | Non
 def handle_exception(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ServiceError):
         return error_response(request, exc.code, exc.message, exc.detail, exc.headers)
-    if isinstance(exc, EngineError):
+    if isinstance(exc, (EngineError, BlobError)):  # a spec the engine refused, a tensor ref Redis lacks
         return error_response(request, exc.code, exc.message, exc.detail)
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         return error_response(request, "queue_unavailable", "the job queue (Redis) is unreachable "
@@ -64,11 +46,6 @@ def handle_exception(request: Request, exc: Exception) -> Response:
         return _framework_error(request, exc)
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(request, "internal_error", f"unexpected {type(exc).__name__}; this is a gradsvc bug")
-
-
-def wait_message(given: str | None, max_wait_s: float) -> str:
-    return (f"query parameter `wait`: expected one number of seconds from 0 to {max_wait_s:g} (GRADSVC_MAX_WAIT_S; "
-            f"larger values are clamped), got {given!r}; wait=0 answers 202 at once")
 
 
 def _parameter_error(request: Request, exc: ValidationException) -> Response:

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from .jobs import JobStore
+    from .job_reader import JobReader
 
 # API latencies: sub-millisecond validation answers up to long synchronous waits.
 # The status label of a request whose client closed the connection before its answer started (nginx's 499).
@@ -20,17 +20,17 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class _RedisCollector:
-    def __init__(self, store: "JobStore") -> None:
-        self.store = store
+    def __init__(self, reader: "JobReader") -> None:
+        self.reader = reader
 
     def collect(self):
         depth = GaugeMetricFamily("gradsvc_queue_depth", "Jobs waiting in each queue.", labels=["queue"])
         workers = GaugeMetricFamily("gradsvc_workers", "Live workers by state.", labels=["state"])
         try:
-            for name, n in self.store.queue_depths().items():
+            for name, n in self.reader.queue_depths().items():
                 depth.add_metric([name], n)
             counts = {"idle": 0, "busy": 0, "suspended": 0}
-            for w in self.store.workers():
+            for w in self.reader.workers():
                 state = w.get_state()
                 state = getattr(state, "value", state)
                 # RQ's "started" is a worker booting before its first dequeue: it runs no job, so idle.
@@ -44,7 +44,7 @@ class _RedisCollector:
 
 
 class ApiMetrics:
-    def __init__(self, store: "JobStore") -> None:
+    def __init__(self, reader: "JobReader") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("gradsvc_http_requests_total", "HTTP requests by route template and status.",
                                 ["method", "route", "status"], registry=self.registry)
@@ -59,7 +59,7 @@ class ApiMetrics:
         self.tensor_evictions = Counter("gradsvc_tensor_evictions_total",
                                         "Tensor pieces evicted by an owner's byte budget (GRADSVC_TENSOR_BUDGET_BYTES).",
                                         registry=self.registry)
-        self.registry.register(_RedisCollector(store))
+        self.registry.register(_RedisCollector(reader))
 
     def middleware(self, app):
         """ASGI middleware: times each HTTP request, labelled by Litestar's route template. A request whose

@@ -13,27 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import msgspec
+from redis import Redis
 from rq import Queue
 from rq.callbacks import Callback
 from rq.group import Group
-from rq.job import Dependency, Job, JobStatus
+from rq.job import Dependency, JobStatus
 from rq.utils import now
 
 from gradsvc.broker import handoff as handoff_files
+from gradsvc.broker.fanin import shard_failed, shard_job_id
+from gradsvc.broker.handoff import Handoff
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor
 from workers.engine.prepare import Prepared
-from workers.engine.reduce import check_shardable, plan_for, split_rows
-from gradsvc.broker.fanin import shard_failed, shard_job_id
+from workers.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
 from workers.shards import reduce_job, shard_job
 
 from . import recent
-
-if TYPE_CHECKING:
-    from .jobs import JobStore
+from .queues import JobRecord
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -97,56 +96,59 @@ def shard_requests(req: GradientRequest, prep: Prepared, bounds: list[tuple[int,
 
 
 # --- the fan-out ------------------------------------------------------------------------------------------
-def enqueue(store: "JobStore", req: GradientRequest, prep: Prepared, count: int, device: str, owner: str,
-            job_id: str | None = None) -> str:
-    """Queues `count` shard jobs and their reduce job (id `job_id`, or a new one) in one Redis transaction;
-    returns the reduce job's id."""
+@dataclasses.dataclass
+class Split:
+    """A request cut into shards: the reduction's plan, each shard's rows a:b and its MessagePack body."""
+
+    plan: ShardPlan
+    bounds: list[tuple[int, int]]
+    bodies: list[bytes]
+
+
+def split(req: GradientRequest, prep: Prepared, count: int) -> Split:
     check_shardable(prep, count)
     bounds = split_rows(prep.inputs.rows, count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     # Mixed mean/sum losses: a shard's combined gradient cannot be rescaled as a whole, so each shard
     # returns its per-loss gradients and the reduction weighs them term by term.
     per_loss = req.options.per_loss if plan.uniform else True
-    bodies = [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)]
-    job_id = job_id or uuid.uuid4().hex
-    shard_ids = [shard_job_id(job_id, k) for k in range(count)]
-    queue: Queue = store.queues[device]
-    handoff = store.handoff
-    args: list[bytes | str] = list(bodies)
-    # Each shard returns gradients of the whole model (its result), however few its rows.
-    if store.handoff_wanted(device, max(len(b) for b in bodies), prep.gradient_bytes):
-        # Every shard and the reduce job go through the domain's queue (the shards' results and references
-        # come back as files, which the reduce job reads); each large shard body goes to a file.
-        queue = store.domain_queues[device]
+    return Split(plan, bounds, [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)])
+
+
+def enqueue(redis: Redis, queue: Queue, handoff: Handoff | None, cut: Split, record: JobRecord, owner: str,
+            job_id: str) -> None:
+    """Queues the shard jobs and their reduce job (id `job_id`) in one Redis transaction. `handoff`: the
+    job goes through the domain's queue (the shards' results and references come back as files, which the
+    reduce job reads), each large shard body as a file; None when it goes through Redis."""
+    shard_ids = [shard_job_id(job_id, k) for k in range(len(cut.bounds))]
+    args: list[bytes | str] = list(cut.bodies)
+    if handoff is not None:
         try:
             args = [handoff.put(sid, handoff_files.INPUT, b) if handoff.wanted(len(b)) else b
-                    for sid, b in zip(shard_ids, bodies)]
+                    for sid, b in zip(shard_ids, cut.bodies)]
         except OSError:  # the tmpfs is full: Redis still takes the bodies
             for sid in shard_ids:
                 handoff.discard(sid)
-    del bodies
     try:
-        _enqueue(store, queue, plan, count, owner, job_id, shard_ids, args, bounds)
+        _enqueue(redis, queue, cut, record, owner, job_id, shard_ids, args)
     except BaseException:
         if handoff is not None:
             for sid in shard_ids:
                 handoff.discard(sid)
         raise
-    return job_id
 
 
-def _enqueue(store: "JobStore", queue: Queue, plan, count: int, owner: str, job_id: str, shard_ids: list[str],
-             args: list, bounds: list[tuple[int, int]]) -> None:
-    settings = store.settings
-    ttls = {"timeout": settings.job_timeout_s, "result_ttl": settings.result_ttl_s,
-            "failure_ttl": settings.failure_ttl_s}
+def _enqueue(redis: Redis, queue: Queue, cut: Split, record: JobRecord, owner: str, job_id: str,
+             shard_ids: list[str], args: list) -> None:
+    count = len(shard_ids)
+    ttls = {"timeout": record.timeout_s, "result_ttl": record.result_ttl_s, "failure_ttl": record.failure_ttl_s}
     shard_jobs = [
         Queue.prepare_data(shard_job, (body,), job_id=sid, on_failure=Callback(shard_failed),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
                            meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
-                                           "prefix": store.prefix, "owner": owner}}, **ttls)
-        for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, bounds))]
-    reduce = queue.create_job(reduce_job, args=(dataclasses.asdict(plan), shard_ids), job_id=job_id,
+                                           "prefix": record.prefix, "owner": owner}}, **ttls)
+        for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, cut.bounds))]
+    reduce = queue.create_job(reduce_job, args=(dataclasses.asdict(cut.plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
                               description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
                               **ttls)
@@ -154,22 +156,8 @@ def _enqueue(store: "JobStore", queue: Queue, plan, count: int, owner: str, job_
     reduce.enqueued_at = now()
     # One MULTI/EXEC: no worker can take a shard before its reduce job is registered as its dependent (a
     # shard that failed first would have no job to fail). Group.enqueue_many executes the pipeline.
-    with store.redis.pipeline() as pipe:
+    with redis.pipeline() as pipe:
         reduce.save(pipeline=pipe)
         reduce.register_dependency(pipeline=pipe)
-        recent.record(pipe, store.prefix, owner, job_id, store.index_ttl_s)
-        Group(store.redis, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)
-
-
-# --- what GET /jobs/{id} and DELETE read and do -----------------------------------------------------------
-async def progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]], list[str]]:
-    """(shards finished, any started, [(origin, last_heartbeat) of each running shard], [failed shard ids]),
-    in one round trip."""
-    pipe = aredis.pipeline(transaction=False)
-    for sid in shard_ids:
-        pipe.hmget(Job.key_for(sid), ("status", "origin", "last_heartbeat"))
-    rows = await pipe.execute()
-    done = sum(1 for status, _, _ in rows if status == b"finished")
-    running = [(origin.decode(), beat) for status, origin, beat in rows if status == b"started" and origin]
-    failed = [sid for sid, (status, _, _) in zip(shard_ids, rows) if status == b"failed"]
-    return done, bool(running) or done > 0, running, failed
+        recent.record(pipe, record.prefix, owner, job_id, record.index_ttl_s)
+        Group(redis, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)

@@ -1,0 +1,133 @@
+"""Putting a job on the queue: a plain job (to the shared queue, or the handoff domain's with its body as a
+file), a sharded one (service/fan_out.py), each once per Idempotency-Key (service/idempotency.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import anyio.to_thread
+from rq import Queue, Worker
+
+from gradsvc.broker import handoff as handoff_files
+from gradsvc.wire import GradientRequest
+from workers.engine.prepare import Prepared
+from workers.jobs import gradient_job
+
+from . import fan_out, recent
+from .exceptions import ServiceError
+from .idempotency import IdempotencyClaims, body_digest
+from .queues import JobRecord, Queues
+
+log = logging.getLogger("gradsvc.api")
+
+
+@dataclass(eq=False)
+class Enqueuer:
+    queues: Queues
+    claims: IdempotencyClaims
+    record: JobRecord
+    min_shard_rows: int
+
+    def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
+                sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,
+                key_age_s: float | None = None) -> tuple[str, bool]:
+        """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
+        names the job it enqueued then, which is returned instead of enqueueing the same body again.
+        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/fan_out.py).
+        `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
+        the job goes through the handoff domain's queue, whatever its body's size). `key_age_s`: a retry's
+        Idempotency-Key-Age, the seconds since the SDK first sent this key (IdempotencyClaims.claim)."""
+        queues = self.queues
+        if device != "auto" and not Worker.all(queue=queues.shared[device]):
+            # A job for a device no worker serves would stay queued forever.
+            raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
+                               f"{queues.shared[device].name!r}); use options.device='auto' or start a {device} "
+                               "worker", device=device)
+        job_id = queues.epochs.new_job_id()
+        claim = self.claims.key(owner, idempotency_key) if idempotency_key is not None else None
+        digest = body_digest(body) if claim is not None else None
+        ref = None
+        claimed = False
+        try:
+            if sharded is not None:
+                req, prep = sharded
+                count = fan_out.shard_count(req.options.shards, prep.inputs.rows,
+                                            lambda: len(Worker.all(queue=queues.shared[device])), self.min_shard_rows)
+                if count > 1:
+                    if claim is not None:
+                        earlier = self.claims.claim(claim, job_id, digest.result(), key_age_s)
+                        if earlier is not None:
+                            return earlier, False
+                        claimed = True
+                    self._enqueue_sharded(req, prep, count, device, owner, job_id)
+                    return job_id, True
+            queue, arg = queues.shared[device], body
+            if queues.handoff_wanted(device, len(body), result_bytes):
+                # The job goes to the domain's queue (its result comes back as a file), its body, when
+                # large, as a file too: the job carries the file's ref.
+                queue = queues.domain[device]
+                if queues.handoff.wanted(len(body)):
+                    try:
+                        ref = queues.handoff.put(job_id, handoff_files.INPUT, body)
+                    except OSError as exc:  # the tmpfs is full: Redis still takes it
+                        log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
+                    else:
+                        arg = ref
+            if claim is not None:  # the body's file is written: the digest was computed meanwhile
+                earlier = self.claims.claim(claim, job_id, digest.result(), key_age_s)
+                if earlier is not None:
+                    if ref is not None:
+                        queues.handoff.delete(ref)
+                    return earlier, False
+                claimed = True
+            with queues.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
+                self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
+                pipe.execute()
+        except BaseException:
+            if ref is not None:
+                queues.handoff.delete(ref)
+            if claimed:  # nothing was enqueued: a retry under the same key must enqueue it
+                self.claims.release(claim)
+            raise
+        return job_id, True
+
+    def _enqueue_sharded(self, req: GradientRequest, prep: Prepared, count: int, device: str, owner: str,
+                         job_id: str) -> None:
+        cut = fan_out.split(req, prep, count)
+        # Each shard returns gradients of the whole model (its result), however few its rows.
+        via_handoff = self.queues.handoff_wanted(device, max(len(b) for b in cut.bodies), prep.gradient_bytes)
+        queue = (self.queues.domain if via_handoff else self.queues.shared)[device]
+        fan_out.enqueue(self.queues.redis, queue, self.queues.handoff if via_handoff else None, cut, self.record,
+                        owner, job_id)
+
+    async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
+        """enqueue() of a plain job to the shared queue, over the async connection: RQ writes the job into a
+        pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop."""
+        queues = self.queues
+        job_id = queues.epochs.current and queues.epochs.new_job_id()
+        if not job_id:
+            job_id = await anyio.to_thread.run_sync(queues.epochs.new_job_id)
+        recorder = queues.redis.pipeline()
+        self._enqueue_plain(recorder, queues.shared["auto"], body, fmt, owner, job_id)
+        commands, recorder.command_stack = recorder.command_stack, []
+        pipe = queues.aredis.pipeline(transaction=True)
+        for args, options in commands:
+            pipe.execute_command(*args, **options)
+        await pipe.execute()
+        return job_id
+
+    def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, fmt: str, owner: str, job_id: str) -> None:
+        """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""
+        record = self.record
+        queue.enqueue(
+            gradient_job, arg, fmt,
+            job_id=job_id,
+            job_timeout=record.timeout_s,
+            result_ttl=record.result_ttl_s,
+            failure_ttl=record.failure_ttl_s,
+            meta={"owner": owner},
+            description="gradients",
+            pipeline=pipe,
+        )
+        recent.record(pipe, record.prefix, owner, job_id, record.index_ttl_s)

@@ -1,0 +1,253 @@
+"""What the API reads of a job, and the one thing it does to one: waiting for its end on RQ's results stream,
+its view (GET /jobs/{id}: status, progress, error, result), cancel, and what /readyz and /metrics read."""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from datetime import datetime, timezone
+
+import anyio
+import anyio.to_thread
+import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import Worker
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.utils import utcparse
+
+from gradsvc.broker import handoff as handoff_files
+from gradsvc.broker import keys
+from gradsvc.broker.fanin import cancel_shards, settle
+from gradsvc.broker.handoff import HandoffError
+from gradsvc.broker.jobs import MsgpackSerializer
+from gradsvc.broker.leases import LeaseRegistry, lease_s
+from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
+
+from .exceptions import ServiceError
+from .queues import Queues
+
+_STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "queued": "queued",
+           "started": "started", "finished": "finished", "failed": "failed", "stopped": "canceled",
+           "canceled": "canceled"}
+_result_decoder = msgspec.msgpack.Decoder(GradientResult)
+_FIELDS = ("status", "meta", "enqueued_at", "started_at", "ended_at", "origin", "last_heartbeat")
+_JOB_LOST = {"code": "job_lost", "message": "Redis lost this job's record (it was restarted without its data); whether "
+             "the job ran is unknown and its result, if any, is gone; submit it again", "detail": {}}
+_WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job was lost (killed, crashed, or cut off "
+                "from Redis) before it finished; submit it again", "detail": {}}
+# An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
+LEASE_CHECK_S = 1.0
+
+
+def _iso(raw: bytes | None) -> str | None:
+    return raw.decode() if raw else None
+
+
+class JobReader:
+    def __init__(self, queues: Queues, *, heartbeat_s: int, redis_timeout_s: float, job_timeout_s: int) -> None:
+        self.queues = queues
+        self.redis, self.aredis, self.ablocking = queues.redis, queues.aredis, queues.ablocking
+        self.prefix = queues.prefix
+        self.epochs = queues.epochs
+        self.lease_s = lease_s(heartbeat_s)
+        self.redis_timeout_s = redis_timeout_s
+        self.job_timeout_s = job_timeout_s
+
+    async def wait(self, job_id: str, timeout_s: float) -> tuple[bool, bytes | None]:
+        """(ended, stored result) once the job has ended within timeout_s. Waits in slices of a second: a
+        job whose worker died ends only when someone notices its lapsed lease, and between slices this
+        wait does (so an open wait answers worker_lost within the lease, not only when it runs out)."""
+        if timeout_s <= 0:
+            return False, None
+        deadline = anyio.current_time() + timeout_s
+        while True:
+            left = max(deadline - anyio.current_time(), 0.001)
+            ended, raw = await self._wait_slice(job_id, min(left, LEASE_CHECK_S), left)
+            if ended or left <= LEASE_CHECK_S:
+                return ended, raw
+            await self._reap_if_lapsed(job_id)
+
+    async def _reap_if_lapsed(self, job_id: str) -> None:
+        try:
+            status, origin, beat = await self.aredis.hmget(Job.key_for(job_id), ("status", "origin", "last_heartbeat"))
+        except (RedisConnectionError, RedisTimeoutError):
+            return  # the next slice's XREAD reports the outage
+        if status == b"started" and origin and self._lease_lapsed(beat):
+            await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
+
+    async def _wait_slice(self, job_id: str, block_s: float, left_s: float) -> tuple[bool, bytes | None]:
+        """One XREAD on RQ's results stream, blocking up to block_s. The result GET rides in the same
+        pipeline: Redis runs it as soon as the XREAD returns, so a finished job costs one round trip, not
+        two. The pair may take the whole wait that is left (a large result takes seconds to read), plus
+        one Redis timeout: past that Redis is taken for hung."""
+        try:
+            with anyio.fail_after(left_s + self.redis_timeout_s):
+                pipe = self.ablocking.pipeline(transaction=False)
+                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(block_s * 1000)))
+                pipe.get(keys.result_key(self.prefix, job_id))
+                got, raw = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
+            raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job "
+                               f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
+                               headers={"Retry-After": "2"}, job_id=job_id) from None
+        return bool(got), await self.load_result(raw, job_id) if got else None
+
+    async def load_result(self, raw: bytes | None, job_id: str) -> bytes | None:
+        """A result key's value as the result's bytes: as stored, or read (in a thread) from the handoff file
+        its marker names; None once either has expired."""
+        if not handoff_files.is_marker(raw):
+            return raw
+        try:
+            return await anyio.to_thread.run_sync(handoff_files.load, raw, self.queues.handoff)
+        except HandoffError as exc:
+            # Handoff on behind a balancer over several hosts: each API reads only its own host's files.
+            raise ServiceError("internal_error", f"the result of job {job_id} is a file this API cannot read ({exc}); "
+                               "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
+                               job_id=job_id) from None
+
+    async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
+        pipe = self.aredis.pipeline(transaction=False)
+        pipe.hmget(Job.key_for(job_id), _FIELDS)
+        pipe.get(keys.result_key(self.prefix, job_id))
+        (status, meta_raw, enqueued, started, ended, origin, beat), result_raw = await pipe.execute()
+        if status == b"started" and origin and not _reaped and self._lease_lapsed(beat):
+            # No worker renewed this job's lease: fail it now (AbandonedJobError -> worker_lost) rather than
+            # wait for a worker's reaper, so a job outlives no worker at all as "started".
+            await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
+            return await self.info(job_id, owner, with_result=with_result, _reaped=True)
+        meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
+        shard_progress = None
+        if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
+            done, running, leases, failed = await _shard_progress(self.aredis, meta["shards"])
+            lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
+            if (lapsed or (failed and status == b"deferred")) and not _reaped:
+                # As above, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
+                # job still waits had its fan-in cut short: run it again.
+                for queue_name in lapsed:
+                    await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
+                for shard_id in failed:
+                    await anyio.to_thread.run_sync(settle, self.redis, shard_id)
+                return await self.info(job_id, owner, with_result=with_result, _reaped=True)
+            total = len(meta["shards"])
+            shard_progress = ({"phase": "shards", "done": done, "total": total} if done < total else
+                              {"phase": "reduce", "done": total, "total": total})
+            if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
+                status = b"started"
+        if meta_raw is None and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
+            # No record, or only what a worker wrote after Redis lost it (a heartbeat, an end), for an id an
+            # API issued before Redis restarted empty: lost. Its owner went with the record.
+            return JobInfo(job_id=job_id, status="failed", error=ErrorInfo(**_JOB_LOST), progress=None, result=None,
+                           enqueued_at=None, started_at=None, ended_at=_iso(ended))
+        if status is None or meta.get("owner") != owner:
+            # Another key's job reads as unknown: its existence is not disclosed.
+            raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
+                               "expired (results are kept GRADSVC_RESULT_TTL_S seconds)", job_id=job_id)
+        state = _STATUS.get(status.decode(), "queued")
+        error = meta.get("error")
+        if error and error.get("code") == "canceled":
+            state = "canceled"
+        if state == "failed" and not error:
+            error = await self._failure_from_rq(job_id)
+        result = None
+        if state == "finished" and with_result:
+            result_raw = await self.load_result(result_raw, job_id)
+            if result_raw is None:
+                raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
+            result = _result_decoder.decode(result_raw)
+        progress = shard_progress or meta.get("progress")
+        return JobInfo(
+            job_id=job_id,
+            status=state,
+            progress=Progress(**progress) if progress else None,
+            error=ErrorInfo(**error) if error else None,
+            result=result,
+            enqueued_at=_iso(enqueued),
+            started_at=_iso(started),
+            ended_at=_iso(ended),
+        )
+
+    def _lease_lapsed(self, beat: bytes | None) -> bool:
+        if not beat:
+            return False
+        try:
+            age_s = (datetime.now(timezone.utc) - utcparse(beat.decode())).total_seconds()
+        except ValueError:
+            return False
+        return age_s > self.lease_s + 1
+
+    def reap_abandoned(self, queue_name: str) -> None:
+        """RQ fails every started job in the queue whose lease lapsed (its worker died or lost Redis)."""
+        LeaseRegistry(queue_name, connection=self.redis, serializer=MsgpackSerializer).cleanup()
+
+    @staticmethod
+    def decode_result(raw: bytes) -> GradientResult:
+        return _result_decoder.decode(raw)
+
+    async def _failure_from_rq(self, job_id: str) -> dict:
+        """A job that failed without writing its error (killed worker, abandoned, timed out outside the job)."""
+        entries = await self.aredis.xrevrange(keys.rq_results_stream(job_id), "+", "-", count=1)
+        exc = ""
+        if entries:
+            raw = entries[0][1].get(b"exc_string")
+            if raw:
+                exc = zlib.decompress(base64.b64decode(raw)).decode(errors="replace")
+        if "AbandonedJobError" in exc or "moved to FailedJobRegistry" in exc.lower() or not exc:
+            return dict(_WORKER_LOST)
+        if "JobTimeoutException" in exc:
+            return {"code": "timeout", "message": "the job ran past GRADSVC_JOB_TIMEOUT_S", "detail": {}}
+        return {"code": "internal_error", "message": exc.strip().splitlines()[-1][:500], "detail": {}}
+
+    def cancel(self, job_id: str) -> None:
+        try:
+            job = Job.fetch(job_id, connection=self.redis, serializer=MsgpackSerializer)
+        except NoSuchJobError:
+            raise ServiceError("not_found", f"no job {job_id!r}; it expired", job_id=job_id) from None
+        status = job.get_status(refresh=False)
+        status = status.value if status is not None else "queued"
+        if status not in ("queued", "deferred", "scheduled", "created", "started"):
+            return  # already ended: nothing to cancel
+        # The flag also stops a job a worker took between the status read above and job.cancel() below.
+        self.redis.set(keys.cancel_key(self.prefix, job_id), b"1", ex=self.job_timeout_s + 60)
+        if status != "started":
+            job.cancel()
+            if self.queues.handoff is not None:  # its handed-off body: no worker will read it now
+                self.queues.handoff.discard(job_id)
+            job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
+                                 "detail": {}}
+            job.save_meta()
+        if job.meta.get("shards"):
+            cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
+
+    # --- what /readyz and /metrics read from Redis -------------------------------------------------
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    def workers(self) -> list[Worker]:
+        return Worker.all(connection=self.redis)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Jobs waiting per queue; a handoff domain's queue counts with the queue it stands in for."""
+        shared, domain = self.queues.shared, self.queues.domain
+        pipe = self.redis.pipeline(transaction=False)
+        for d, q in shared.items():
+            pipe.llen(q.key)
+            if d in domain:
+                pipe.llen(domain[d].key)
+        counts = iter(pipe.execute())
+        return {q.name: next(counts) + (next(counts) if d in domain else 0) for d, q in shared.items()}
+
+
+async def _shard_progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]],
+                                                                list[str]]:
+    """(shards finished, any started, [(origin, last_heartbeat) of each running shard], [failed shard ids]),
+    in one round trip."""
+    pipe = aredis.pipeline(transaction=False)
+    for sid in shard_ids:
+        pipe.hmget(Job.key_for(sid), ("status", "origin", "last_heartbeat"))
+    rows = await pipe.execute()
+    done = sum(1 for status, _, _ in rows if status == b"finished")
+    running = [(origin.decode(), beat) for status, origin, beat in rows if status == b"started" and origin]
+    failed = [sid for sid, (status, _, _) in zip(shard_ids, rows) if status == b"failed"]
+    return done, bool(running) or done > 0, running, failed

@@ -1,0 +1,55 @@
+"""What the service says about itself: /healthz and /readyz (probes, no API key), /metrics (Prometheus),
+/schema (the OpenAPI document) and /layers (the layer table)."""
+
+from __future__ import annotations
+
+import anyio.to_thread
+from litestar import Request, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .api_state import ApiState
+from .exceptions import ServiceError
+from .negotiation import respond
+
+
+@get("/layers")
+async def list_layers(request: Request, owner: str, state: ApiState) -> Response:
+    return respond(request, state.layers)
+
+
+@get("/healthz")
+async def healthz(request: Request) -> Response:
+    return respond(request, {"status": "ok"})
+
+
+@get("/readyz")
+async def readyz(request: Request, state: ApiState) -> Response:  # a probe: no API key, as /healthz
+    reader = state.reader
+
+    def check() -> int:
+        reader.ping()
+        reader.epochs.refresh()  # Redis restarted empty: a new epoch, and ids of the old one read as lost
+        return len(reader.workers())
+
+    n = await anyio.to_thread.run_sync(check)
+    if n == 0:
+        raise ServiceError("not_ready", "Redis is reachable but no worker is alive; start `gradsvc worker`")
+    return respond(request, {"status": "ready", "workers": n})
+
+
+@get("/metrics")
+async def metrics_route(request: Request, state: ApiState) -> Response:
+    if state.settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
+        state.auth.owner(request)
+    text = await anyio.to_thread.run_sync(generate_latest, state.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/schema")
+async def schema(request: Request, viewer: str | None, state: ApiState) -> Response:
+    if viewer is None:  # the Bearer key, or the session cookie of a browser on /docs
+        state.auth.owner(request)  # raises the 401 that names the header
+    return Response(state.schema_doc, media_type="application/json")
+
+
+ROUTES = [list_layers, healthz, readyz, metrics_route, schema]

@@ -82,18 +82,6 @@ class ServiceUnavailableError(GradientClientError):
     code = "unavailable"
 
 
-class UnsupportedModuleError(GradientClientError):
-    code = "unsupported_module"
-
-
-class WaitTimeoutError(GradientClientError):
-    code = "wait_timeout"
-
-
-class ConnectionFailedError(ServiceUnavailableError):
-    code = "connection_failed"
-
-
 class _RetryAfter:
     @property
     def retry_after_s(self) -> float | None:
@@ -107,14 +95,30 @@ _PARENTS: dict[str, type[GradientClientError]] = {
 }
 _MIXINS: dict[str, tuple[type, ...]] = {"rate_limited": (_RetryAfter,)}
 
+
+def _define(name: str, parents: tuple[type, ...], code: str, doc: str) -> type[GradientClientError]:
+    cls = type(name, parents, {"code": code, "__doc__": doc, "__module__": __name__})
+    globals()[name] = cls
+    return cls
+
+
+# The codes the SDK raises itself (the API never sends them): code -> class name, parent, meaning.
+_SDK_CODES: dict[str, tuple[str, type[GradientClientError], str]] = {
+    "unsupported_module": ("UnsupportedModuleError", GradientClientError,
+                           "an nn.Module neither a layer spec nor torch.export can express (nothing was sent)"),
+    "wait_timeout": ("WaitTimeoutError", GradientClientError, "Job.result(timeout=...) ran out; the job goes on"),
+    "connection_failed": ("ConnectionFailedError", ServiceUnavailableError, "the service could not be reached"),
+}
+for _code, (_name, _parent, _meaning) in _SDK_CODES.items():
+    _define(_name, (_parent,), _code, f"{_code}: {_meaning}.")
+
 # code -> HTTP status and code -> exception class, both from the one table.
 CODES: dict[str, int] = {code: entry.status for code, entry in ERROR_CODES.items()}
-ERRORS: dict[str, type[GradientClientError]] = {}
-for _code, _entry in ERROR_CODES.items():
-    ERRORS[_code] = type(_entry.exception, (*_MIXINS.get(_code, ()), _PARENTS[_entry.kind]),
-                         {"code": _code, "__doc__": f"{_code} ({_entry.status}): {_entry.meaning}.",
-                          "__module__": __name__})
-    globals()[_entry.exception] = ERRORS[_code]
+ERRORS: dict[str, type[GradientClientError]] = {
+    code: _define(entry.exception, (*_MIXINS.get(code, ()), _PARENTS[entry.kind]), code,
+                  f"{code} ({entry.status}): {entry.meaning}.")
+    for code, entry in ERROR_CODES.items()
+}
 RETRYABLE_CODES = frozenset({"connection_failed", *(c for c, e in ERROR_CODES.items() if e.kind == "unavailable")})
 
 
@@ -130,5 +134,5 @@ def error_for(code: str, message: str, detail: dict[str, Any] | None = None,
 
 
 __all__ = ["GradientClientError", "RequestError", "JobFailedError", "ServiceUnavailableError",
-           "UnsupportedModuleError", "WaitTimeoutError", "ConnectionFailedError",
+           *(name for name, _, _ in _SDK_CODES.values()),
            *(e.exception for e in ERROR_CODES.values()), "CODES", "ERRORS", "RETRYABLE_CODES", "error_for"]

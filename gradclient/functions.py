@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 from gradsvc import wire
 
 from .errors import UnsupportedModuleError
+from .graph import convert_program, reason
 
 _LIB = torch.library.Library("gradsvc_fn", "FRAGMENT")  # a Library cannot drop an op: names are never reused
 _numbers = itertools.count()
@@ -194,8 +195,6 @@ def _tensor_grads(call: _Call, grads: Any) -> list:
 
 
 def _capture(call: _Call) -> wire.FunctionSpec:
-    from .export import _convert, _reason  # the same conversion as the module's own graph
-
     name = call.cls.__qualname__
     xs = [torch.randn(shape, dtype=dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
           for shape, dt in call.examples]
@@ -211,11 +210,11 @@ def _capture(call: _Call) -> wire.FunctionSpec:
         raise UnsupportedModuleError(f"custom autograd Function {name}: backward returns {len(grads)} gradients for "
                                      f"{len(xs)} tensor inputs; return one per input of forward (None for none)")
     keep = [g is not None and x.is_floating_point() for g, x in zip(grads, xs)]
-    forward = _export(_ForwardOf(call), xs, name, "forward", _reason)
-    backward = _export(_BackwardOf(call, len(outs), keep), [*xs, *gs], name, "backward", _reason)
-    return wire.FunctionSpec(name=name, forward=_convert(forward, _ForwardOf(call), [False] * len(xs))[0],
-                             backward=_convert(backward, _BackwardOf(call, len(outs), keep),
-                                               [False] * (len(xs) + len(gs)))[0], grads=keep)
+    forward = _export(_ForwardOf(call), xs, name, "forward")
+    backward = _export(_BackwardOf(call, len(outs), keep), [*xs, *gs], name, "backward")
+    return wire.FunctionSpec(name=name, forward=convert_program(forward, _ForwardOf(call), [False] * len(xs))[0],
+                             backward=convert_program(backward, _BackwardOf(call, len(outs), keep),
+                                                      [False] * (len(xs) + len(gs)))[0], grads=keep)
 
 
 def _saved_ctx(call: _Call, xs: list) -> _Ctx:
@@ -224,7 +223,7 @@ def _saved_ctx(call: _Call, xs: list) -> _Ctx:
     return ctx
 
 
-def _export(module: nn.Module, xs: list, name: str, part: str, reason: Callable) -> Any:
+def _export(module: nn.Module, xs: list, name: str, part: str) -> Any:
     auto = torch.export.Dim.AUTO
     try:
         return torch.export.export(module, tuple(xs), dynamic_shapes=tuple({i: auto for i in range(x.dim())}

@@ -1,4 +1,9 @@
-"""What gradients() returns: the wire result with its tensors as torch tensors (numpy without torch)."""
+"""What gradients() returns: the wire result with its tensors as torch tensors (numpy without torch).
+
+`GradientResult` and `PerSample` here are the SDK's public names for what the API's schemas of the same
+names (gradsvc.wire.GradientResult / PerSample, the OpenAPI components) carry, decoded: one concept, the
+wire form and the decoded form. Inside gradclient the wire classes are only ever named `wire.<Name>`.
+"""
 
 from __future__ import annotations
 

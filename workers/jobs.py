@@ -34,7 +34,7 @@ _json_request = msgspec.json.Decoder(GradientRequest)
 _msgpack_request = msgspec.msgpack.Decoder(GradientRequest)
 
 
-class JobFailedError(Exception):
+class RecordedFailureError(Exception):
     """Raised out of the job function so RQ records the failure; the code is in job.meta['error']."""
 
 
@@ -116,7 +116,7 @@ def decode_request(body: bytes, fmt: str) -> GradientRequest:
         raise SpecError("malformed_body", f"the request body is not valid {fmt}: {exc}") from None
 
 
-class _Progress:
+class _ProgressReporter:
     """Writes {phase, done, total} into job.meta and polls the cancel flag, each at most a few times a second.
     A shard polls its parent job's flag (`cancel_id`): DELETE, or a failed sibling, stops every shard."""
 
@@ -143,11 +143,11 @@ class _Progress:
 
 
 def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | None = None,
-          kind: str = "job") -> JobFailedError:
+          kind: str = "job") -> RecordedFailureError:
     job.meta["error"] = {"code": code, "message": message, "detail": detail or {}}
     job.save_meta()
     ctx.metrics.observe_failure(str(ctx.device), code, kind=kind)
-    return JobFailedError(f"{code}: {message}")
+    return RecordedFailureError(f"{code}: {message}")
 
 
 def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | None = None) -> bytes:
@@ -209,7 +209,7 @@ def gradient_job(body: bytes | str, fmt: str) -> dict:
 def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
     request = _with_pieces(ctx, job, decode_request(job_input(job, ctx, body, cancel_id), fmt))
-    result = ctx.engine.compute(request, progress=_Progress(job, ctx.settings.queue_prefix, cancel_id),
+    result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
                                 device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
     return result

@@ -1,0 +1,250 @@
+"""A gradients/estimate call as the request body the API reads: the model as a layer spec or an exported
+graph (kept per structure, sent by graph_ref once the service knows it), its weights inline or by
+reference (refs.py), the inputs, targets and options; and what to forget when the service lost a piece."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gradsvc import wire
+
+from .errors import BadOptionError, GradientClientError, GraphNotFoundError, UnsupportedModuleError
+from .refs import TensorRefs
+from .tensors import inputs_to_wire, several_inputs, to_wire
+
+_OPTION_NAMES = frozenset(f.name for f in msgspec.structs.fields(wire.Options))
+# Exports kept per client; each costs ~1 s of torch.export, so the cache is the point.
+_EXPORTS_KEPT = 32
+
+
+class Prepared(msgspec.Struct):
+    """One request body, ready to send (and to send again)."""
+
+    body: dict[str, Any]  # encoded when sent (KeptBuffer.encoded), tensors as views of the caller's memory
+    encoder: Any
+    local_names: dict[str, str]
+    graph_key: Any = None  # the export cache's key when the model went as a graph
+    by_ref: bool = False  # sent as graph_ref, without the graph
+    uploads: list = msgspec.field(default_factory=list)  # (sha256, bytes) of weight pieces to PUT first
+    refs: list = msgspec.field(default_factory=list)  # every piece the body names by reference
+    sent_bytes: int = 0  # the uploaded pieces' bytes
+    body_bytes: int = 0  # the body's, once encoded
+
+    @property
+    def content(self) -> bytes:
+        """The body encoded into fresh bytes."""
+        return self.encoder.encode(self.body)
+
+
+class _Export(msgspec.Struct):
+    """One exported graph, cached per module structure and input signature (not per weights)."""
+
+    graph: wire.GraphSpec
+    names: list[str]  # its parameters' and buffers' state_dict names, in the graph's order
+    ref: str | None = None  # the service's graph_ref, once an answer gave it
+
+
+class RequestBuilder:
+    """Builds a client's request bodies; holds what lasts between them (the exports, the pieces sent)."""
+
+    def __init__(self, wire_format: str, encoder: Any, ref_min_bytes: int | None) -> None:
+        self.wire_format = wire_format
+        self.encoder = encoder
+        self.exports: dict[Any, _Export] = {}
+        # A module's weights of at least ref_min_bytes go up once, by reference (refs.py); None: in every body.
+        self.refs = TensorRefs(ref_min_bytes) if ref_min_bytes is not None else None
+
+    def prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
+                seed: int, options: dict[str, Any]) -> Prepared:
+        fmt = self.wire_format
+        options = dict(options)
+        local_names: dict[str, str] = {}
+        uploads: list = []
+        graph_key, by_ref = None, False
+        if isinstance(model, wire.ModelSpec):
+            model = msgspec.structs.asdict(model)
+        if isinstance(model, dict):
+            spec = dict(model)
+            weights = spec.pop("weights", None)
+            if weights:
+                spec["weights"] = {k: to_wire(v, fmt) for k, v in weights.items()}
+        else:
+            from .convert import convert  # needs torch; spec dicts do not
+
+            try:
+                # A layer spec takes one tensor: a module called with several inputs goes as a graph.
+                c = None if several_inputs(inputs) and is_module(model) else convert(model)
+            except UnsupportedModuleError:
+                if not is_module(model):
+                    raise
+                c = None
+            if c is None:  # any other nn.Module goes as an exported graph with its weights
+                spec, graph_key, by_ref = self._graph_spec(model, inputs, uploads)
+                if "freeze" not in options:
+                    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+                    if frozen:
+                        options["freeze"] = frozen
+            else:
+                spec = {"layers": c.layers, "dtype": c.dtype}
+                if c.weights:
+                    spec["weights"] = {k: self._weight(v, uploads) for k, v in c.weights.items()}
+                local_names = c.local_names
+                if "freeze" in options:
+                    options["freeze"] = _service_prefixes(options["freeze"], local_names)
+                elif c.frozen:
+                    options["freeze"] = c.frozen
+        if dtype is not None:
+            spec["dtype"] = dtype
+        spec.setdefault("seed", seed)
+        body: dict[str, Any] = {"model": spec, "inputs": inputs_to_wire(inputs, fmt), "options": self._options(options)}
+        if targets is not None:
+            body["targets"] = ({k: to_wire(v, fmt) for k, v in targets.items()} if isinstance(targets, dict)
+                               else to_wire(targets, fmt))
+        if losses is not None:
+            body["losses"] = losses
+        else:
+            body["loss"] = loss
+        refs = [r for w in spec.get("weights", {}).values() if isinstance(w, wire.Tensor) and w.refs for r in w.refs]
+        return Prepared(body=body, encoder=self.encoder, local_names=local_names, graph_key=graph_key,
+                        by_ref=by_ref, uploads=uploads, refs=refs)
+
+    def _weight(self, t: Any, uploads: list) -> Any:
+        """A weight as the request carries it: by reference when large (its new pieces into `uploads`)."""
+        if self.refs is not None:
+            by_ref = self.refs.wire(t)  # the parameter itself: its version counter says when it changed
+            if by_ref is not None:
+                value, pending = by_ref
+                uploads.extend(pending)
+                return value
+        return to_wire(t.detach(), self.wire_format)
+
+    def _graph_spec(self, model: Any, inputs: Any, uploads: list) -> tuple[dict[str, Any], Any, bool]:
+        """The model spec of a module the layer spec cannot express: its exported graph (or, once the
+        service has answered for this structure, the graph's ref) and its current weights."""
+        from .export import example_inputs, export_graph
+
+        args, kwargs = example_inputs(inputs)
+        rows = next(x.shape[0] for x in (*args, *kwargs.values()))
+        key = _structure_key(model, args, kwargs)
+        entry = self.exports.get(key)
+        if entry is None:  # a model export could not make batch-dynamic is kept per batch size
+            entry = self.exports.get((*key, rows))
+            key = key if entry is None else (*key, rows)
+        if entry is None:
+            exported = export_graph(model, args, kwargs)  # UnsupportedModuleError with torch's reason
+            entry = _Export(graph=exported.graph, names=list(exported.weights))
+            key = key if exported.dynamic_batch else (*key, rows)
+            if len(self.exports) >= _EXPORTS_KEPT:
+                self.exports.pop(next(iter(self.exports)))
+            self.exports[key] = entry
+        state = {**dict(model.named_parameters(remove_duplicate=False)),
+                 **dict(model.named_buffers(remove_duplicate=False))}
+        weights = {n: self._weight(state[n], uploads) for n in entry.names}
+        spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
+        if entry.ref is not None:
+            spec["graph_ref"] = entry.ref
+        else:
+            spec["graph"] = entry.graph
+        return spec, key, entry.ref is not None
+
+    def _options(self, options: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(options) - _OPTION_NAMES)
+        if unknown:
+            raise BadOptionError(f"unknown option(s) {unknown}; the options are {sorted(_OPTION_NAMES)}",
+                                 detail={"options": unknown})
+        hvp = options.get("hvp")
+        if isinstance(hvp, dict) and isinstance(hvp.get("vector"), dict):
+            options["hvp"] = {**hvp, "vector": {k: to_wire(v, self.wire_format) for k, v in hvp["vector"].items()}}
+        if self.wire_format == "json":
+            options.setdefault("encoding", "b64")  # never nested lists: b64 decodes straight to bytes
+        return options
+
+    def remember(self, prepared: Prepared, graph_ref: str | None) -> None:
+        """After an answer: the next request for this structure sends graph_ref, not the graph."""
+        entry = self.exports.get(prepared.graph_key) if prepared.graph_key is not None else None
+        if entry is not None and graph_ref:
+            entry.ref = graph_ref
+
+    def lost(self, prepared: Prepared, exc: GradientClientError) -> bool:
+        """Whether the request is worth sending again after `exc` (graph_not_found, tensor_not_found): a
+        graph sent by ref (the graph goes whole next), or pieces the service lost (they go up again next)."""
+        if isinstance(exc, GraphNotFoundError):
+            entry = self.exports.get(prepared.graph_key) if prepared.graph_key is not None else None
+            if entry is None or not prepared.by_ref:
+                return False
+            entry.ref = None
+            return True
+        if prepared.refs and self.refs is not None:
+            self.refs.forget(prepared.refs)
+            return True
+        return False
+
+
+def _service_prefixes(prefixes: list[str], local_names: dict[str, str]) -> list[str]:
+    """`freeze` prefixes given in the local model's names ("fc1") as the service's ("0")."""
+    out = []
+    for p in prefixes:
+        hits = [s for s, loc in local_names.items() if loc == p or loc.startswith(p.rstrip(".") + ".")]
+        out.extend(hits or [p])
+    return out
+
+
+def is_module(model: Any) -> bool:
+    try:
+        from torch import nn
+    except ImportError:
+        return False
+    return isinstance(model, nn.Module)
+
+
+def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
+    """What an export depends on: the module's class and configuration, its tensors' names, shapes and
+    dtypes, train/eval mode, and each input's name, dtype and shape (past the batch dimension for the
+    batched ones: export makes it dynamic). Not the weights' values: those go with every request."""
+    from .export import batched_inputs
+
+    tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
+                    [*model.named_parameters(), *model.named_buffers()])
+    modes = tuple(m.training for m in model.modules())
+    xs = [*args, *kwargs.values()]
+    attributes = tuple(_plain_attributes(m) for m in model.modules())
+    shapes = tuple((str(x.dtype), tuple(x.shape[1:]) if b else tuple(x.shape), b)
+                   for x, b in zip(xs, batched_inputs(xs)))
+    return (type(model), repr(model), tensors, modes, tuple(kwargs), shapes, attributes)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_attributes(module: Any) -> tuple:
+    """A module's own public attributes that forward may read and repr() does not show: numbers, strings
+    and flags by value, classes and functions (a custom autograd Function it applies) by name."""
+    import torch
+
+    out = []
+    for k, v in vars(module).items():
+        if k.startswith("_") or isinstance(v, (torch.Tensor, torch.nn.Module)):
+            continue
+        if isinstance(v, _PLAIN):
+            out.append((k, v))
+        elif isinstance(v, type) or callable(v):
+            out.append((k, f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"))
+        else:
+            out.append((k, type(v).__qualname__))
+    return tuple(out)
+
+
+def call_seed(model: Any) -> int:
+    """A module's call draws its seed (its dropout masks) from torch's global generator, as a local
+    training step would draw its masks: `torch.manual_seed` makes a whole run reproducible. A spec dict
+    keeps seed 0 (for a layer spec without weights it also seeds the initial weights)."""
+    if not is_module(model):
+        return 0
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+
+
+__all__ = ["Prepared", "RequestBuilder", "call_seed", "is_module"]

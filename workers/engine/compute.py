@@ -410,10 +410,11 @@ def _hvp_vector(request: GradientRequest, params: dict[str, torch.Tensor], confi
             for name, p in params.items()}
 
 
-def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int,
-                device: torch.device) -> tuple[PerSample, dict[str, torch.Tensor]]:
-    """The per-example gradients (norms, or all of them), and their sum or mean (as the losses reduce) for
-    the check against the batch gradient."""
+def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int, device: torch.device,
+                summed: bool = True) -> tuple[PerSample, dict[str, torch.Tensor] | None, _Pass]:
+    """The per-example gradients (norms, or all of them); their sum or mean (as the losses reduce) for the
+    check against the batch gradient when `summed`; and the batch's loss rebuilt from the examples' own
+    (the whole answer when options.batch_gradient is false), timed as its backward."""
     from torch.func import functional_call, grad, vmap
 
     consts = {n: p.detach() for n, p in prep.model.named_parameters() if n not in params}
@@ -425,26 +426,39 @@ def _per_sample(prep: Prepared, params: dict[str, torch.Tensor], seed: int,
     def loss_one(ps, xs1, *tgts):  # one example: its rows of the batched inputs, the others whole
         xs = tuple(x.unsqueeze(0) if b else x for x, b in zip(xs1, batch.batched))
         out = functional_call(prep.model, {**ps, **consts}, xs)
-        return sum(t.weight * t(out, tg) for t, tg in zip(prep.terms, tgts))
+        values = [t(out, tg) for t, tg in zip(prep.terms, tgts)]
+        total = sum(t.weight * v for t, v in zip(prep.terms, values))
+        return total, torch.stack([v.detach() for v in values])
 
     detached = {n: p.detach() for n, p in params.items()}
     in_inputs = tuple(0 if b else None for b in batch.batched)
     per_example = [prep.targets[name].reshape(n, k, *prep.targets[name].shape[1:]) for name in names]  # (n, k, ...)
-    with _seeded(seed, device, _is_random(prep.model)):
+    clock = _Clock(device)
+    with _seeded(seed, device, _is_random(prep.model)), clock:
         try:
-            grads = vmap(grad(loss_one), in_dims=(None, in_inputs, *([0] * len(names))), randomness="different")(
-                detached, batch.tensors, *per_example)
+            grads, values = vmap(grad(loss_one, has_aux=True), in_dims=(None, in_inputs, *([0] * len(names))),
+                                 randomness="different")(detached, batch.tensors, *per_example)
         except (RuntimeError, ValueError, TypeError) as exc:
             if prep.graph is None or _is_allocation_failure(exc):
                 raise
             raise SpecError("bad_option", f"options.per_sample: torch.func cannot vectorise this graph over its "
                             f"examples ({str(exc).strip().splitlines()[0][:200]}); set per_sample='off'") from None
-    norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
+        # the norm of every example's whole gradient, no squared copy of the gradients written
+        norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1)
+                                                      for g in grads.values()]), dim=0)  # (batch,)
     full = prep.options.per_sample == "full"
     mean = prep.terms[0].reduction == "mean"
-    summed = {n: (g.to(torch.float64).mean(0) if mean else g.to(torch.float64).sum(0)) for n, g in grads.items()}
+    sums = None
+    if summed:
+        sums = {n: (g.to(torch.float64).mean(0) if mean else g.to(torch.float64).sum(0)) for n, g in grads.items()}
+    losses = {t.name: float(values[:, j].mean() if t.reduction == "mean" else values[:, j].sum())
+              for j, t in enumerate(prep.terms)}
+    batch_pass = _Pass(loss=sum(t.weight * losses[t.name] for t in prep.terms), losses=losses,
+                       backward_s=clock.s)
+    if not math.isfinite(batch_pass.loss):
+        raise _non_finite(prep, batch_pass.loss)
     return PerSample(norms=tensors.encode(norms),
-                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None), summed
+                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None), sums, batch_pass
 
 
 def _numcheck(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
@@ -546,7 +560,7 @@ def _quantity_checks(prep: Prepared, final: "_Pass", params: dict[str, torch.Ten
             reference[term.name] = dict(zip(params, grads))
         out["per_loss"] = quantities.per_loss({t: {n: g[n] for n in returned} for t, g in final.per_loss.items()},
                                               reference, exact)
-    if per_sample_sum is not None and len({t.reduction for t in prep.terms}) == 1:
+    if per_sample_sum is not None and returned and len({t.reduction for t in prep.terms}) == 1:
         how = ("the per-example gradients " + ("averaged" if prep.terms[0].reduction == "mean" else "summed") +
                ", against the returned gradients")
         out["per_sample"] = quantities.per_sample({n: per_sample_sum[n] for n in returned}, returned,
@@ -675,7 +689,12 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     seed = request.model.seed
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs = _timed_passes(prep, params, device, hvp_vector, seed, progress)
+    per_sample, per_sample_sum = None, None
+    if opts.batch_gradient:
+        runs = _timed_passes(prep, params, device, hvp_vector, seed, progress)
+    else:  # the examples' pass alone: its loss, no gradient of the batch
+        per_sample, per_sample_sum, examples = _per_sample(prep, params, seed, device, summed=opts.numcheck != "off")
+        runs = [examples]
     final = runs[-1]
     _check_gradients(final)
     if opts.gradient_dtype is not None:  # what the caller gets, and what the returned-gradient check judges
@@ -691,14 +710,16 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     if opts.checkpoint_segments:
         checkpoint = _checkpoint_tradeoff(prep, params, device, seed, final, memory)
 
-    per_sample, per_sample_sum = None, None
-    if opts.per_sample != "off":
-        per_sample, per_sample_sum = _per_sample(prep, params, seed, device)
+    if opts.per_sample != "off" and opts.batch_gradient:
+        per_sample, per_sample_sum, _ = _per_sample(prep, params, seed, device, summed=opts.numcheck != "off")
 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = _numcheck(prep, request, config, device, progress, final.grads, reference,
+    # without the batch's gradient the check judges what was computed: the examples' gradients summed
+    returned = final.grads if opts.batch_gradient else {
+        n: g.to(_computed_dtype(prep)) for n, g in (per_sample_sum or {}).items()}
+    check = _numcheck(prep, request, config, device, progress, returned, reference,
                       job_s=final.forward_s + final.backward_s, final=final, hvp_vector=hvp_vector,
                       per_sample_sum=per_sample_sum)
     numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0

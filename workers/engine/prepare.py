@@ -204,8 +204,33 @@ def _check_options(opts: Options, config: EngineConfig, batch: int, top_layers: 
     if not names and not opts.input_grad:
         bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
             "the gradient with respect to the inputs", option="input_grad")
+    if not opts.batch_gradient:
+        _check_no_batch_gradient(opts)
     del batch
     return frozen
+
+
+# What only the batch's own forward and backward give: refused when options.batch_gradient is false.
+BATCH_PASS_OPTIONS = ("hvp", "input_grad", "per_loss", "checkpoint_segments", "micro_batch", "graph")
+
+
+def _check_no_batch_gradient(opts: Options) -> None:
+    if opts.per_sample == "off":
+        raise SpecError("bad_option", "options.batch_gradient=false leaves nothing to compute; ask for "
+                        "per_sample='norms' or 'full', or leave batch_gradient out", option="batch_gradient")
+    for name in BATCH_PASS_OPTIONS:
+        if getattr(opts, name) not in (None, False):
+            raise SpecError("bad_option", f"options.{name} is a quantity of the batch's own forward and backward, "
+                            "which options.batch_gradient=false skips; leave one of them out", option=name)
+
+
+def _check_reductions(opts: Options, terms: list[LossTerm]) -> None:
+    """Without the batch pass the loss is rebuilt from the examples' losses, and the check compares the
+    examples' gradients summed or averaged: one reduction for every loss."""
+    if not opts.batch_gradient and len({t.reduction for t in terms}) > 1:
+        raise SpecError("bad_option", "options.batch_gradient=false needs one reduction for every loss (the "
+                        "examples' gradients sum or average to the batch's); give the losses the same reduction",
+                        option="batch_gradient")
 
 
 def _check_batch_statistics(opts: Options, model: nn.Module, batch: int,
@@ -353,6 +378,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     terms = _terms(request)
     targets = _targets(request, terms, out, dtype, limits.max_elements, shape_only)
     _refuse_own_loss_split(request.options, terms, inputs.shape[0])
+    _check_reductions(request.options, terms)
     rows = _rows_per_example(request.options, Batch.of(inputs), out, (0, 1))
     names = facts.names
     frozen = _check_options(request.options, config, inputs.shape[0], len(meta), names)
@@ -837,6 +863,7 @@ def _prepare_graph(request: GradientRequest, config: EngineConfig, device: str |
     terms = _terms(request)
     targets = _targets(request, terms, out, dtype, limits.max_elements, shape_only)
     _refuse_own_loss_split(request.options, terms, inputs.rows)
+    _check_reductions(request.options, terms)
     _check_graph_options(request.options, template, dtype, inputs)
     if "options.shards" in _splits(request.options, inputs.rows):  # what mixes is the clearer reason
         check_graph_split(template, dtype, inputs, "options.shards", across_jobs=True)

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobError, BlobStore
+from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.runtime.malloc import keep_large_buffers
 from gradsvc.runtime.settings import Settings
@@ -137,11 +138,19 @@ def _with_integral_floats(body: bytes, fmt: str,
     return None
 
 
+PIECE_SEND_S = 32.0
+
+
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
     store = JobStore(settings)
     graphs = GraphStore(store.redis, settings.queue_prefix, settings.graph_ttl_s)
-    pieces = BlobStore(store.redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
+    # A piece is up to 32 MiB, and its SET took over GRADSVC_REDIS_TIMEOUT_S (sized for small commands: a hung
+    # Redis answers 503 within it) on this loaded 2-core host while GPT-2 small went up: pieces get a
+    # connection of their own whose timeout covers sending one at 1 MB/s.
+    piece_redis = sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
+                             socket_timeout=settings.redis_timeout_s + PIECE_SEND_S)
+    pieces = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
     auth = Auth(settings, store.redis)
     metrics = ApiMetrics(store)
     config = config_from_settings(settings)

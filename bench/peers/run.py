@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import httpx  # noqa: E402
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from common import footer, header, median, percentile, raw_tensor, seed_a_body, table, wide_layers  # noqa: E402
+from common import concurrent_posts, footer, header, median, percentile, raw_tensor, seed_a_body, table, wide_layers  # noqa: E402
 from gradsvc.runtime.launcher import free_port, wait_port  # noqa: E402
 from tests.stack import ROOT, RedisServer, start_stack  # noqa: E402
 
@@ -99,35 +98,7 @@ def small_block(base_url: str, content: bytes, n: int) -> tuple[list[float], byt
 
 
 def tiny_load(base_url: str, content: bytes) -> dict[str, float]:
-    lat: list[float] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    start = threading.Barrier(TINY_CLIENTS + 1)
-
-    def client():
-        mine = []
-        with httpx.Client(base_url=base_url, timeout=60, headers={"Content-Type": "application/json"}) as c:
-            c.get("/healthz")
-            start.wait()
-            for _ in range(TINY_PER_CLIENT):
-                t0 = time.perf_counter()
-                r = c.post("/gradients", params={"wait": 30}, content=content)
-                mine.append(1e3 * (time.perf_counter() - t0))
-                if r.status_code != 200:
-                    errors.append(r.text[:200])
-        with lock:
-            lat.extend(mine)
-
-    threads = [threading.Thread(target=client) for _ in range(TINY_CLIENTS)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    assert not errors, errors[:3]
-    return {"rps": len(lat) / wall, "p50": median(lat), "p99": percentile(lat, 99)}
+    return concurrent_posts(base_url, content, TINY_CLIENTS, TINY_PER_CLIENT)
 
 
 def medium_body() -> bytes:
@@ -226,9 +197,10 @@ def main() -> list[list]:
     rows: list[list] = []
     one_worker(rows)
     two_workers(rows)
+    counts = (f"small: {SMALL} requests per side after {SMALL_WARMUP} warm-up; medium: {MEDIUM} per side after "
+              f"{MEDIUM_WARMUP}; tiny load: {TINY_CLIENTS} x {TINY_PER_CLIENT} requests, two runs per side (median)")
     table(["figure", "gradsvc", "peer", "gradsvc / peer", "max |difference| (or runs)"], rows)
-    print(f"\nsmall: {SMALL} requests per side after {SMALL_WARMUP} warm-up; medium: {MEDIUM} per side after "
-          f"{MEDIUM_WARMUP}; tiny load: {TINY_CLIENTS} x {TINY_PER_CLIENT} requests, two runs per side (median)")
+    print("\n" + counts)
     footer(started)
     return rows
 

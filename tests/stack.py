@@ -74,7 +74,7 @@ class Stack:
 
     def start_api(self) -> None:
         self.api = self._spawn("api", "serve")
-        wait_port(self.api_port, 30)
+        wait_port(self.api_port, 90)  # seconds on a quiet machine; a 2-core host shared at load 10-15 took over 30
 
     def start_worker(self, index: int | None = None) -> subprocess.Popen:
         index = len(self.workers) if index is None else index

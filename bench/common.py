@@ -33,6 +33,46 @@ def raw_tensor(t) -> dict:
             "data": t.numpy().tobytes()}
 
 
+def concurrent_posts(base_url: str, content: bytes, clients: int, per_client: int,
+                     headers: dict[str, str] | None = None) -> dict[str, float]:
+    """`clients` threads, each POST /gradients?wait=30 `per_client` times one after another, started
+    together: requests/s over the wall time, p50 and p99 latency (ms)."""
+    import threading
+
+    import httpx
+
+    lat: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+
+    def client():
+        mine = []
+        with httpx.Client(base_url=base_url, timeout=60,
+                          headers={"Content-Type": "application/json", **(headers or {})}) as c:
+            c.get("/healthz")
+            start.wait()
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                r = c.post("/gradients", params={"wait": 30}, content=content)
+                mine.append(1e3 * (time.perf_counter() - t0))
+                if r.status_code != 200:
+                    errors.append(r.text[:200])
+        with lock:
+            lat.extend(mine)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    assert not errors, errors[:3]
+    return {"rps": len(lat) / wall, "p50": median(lat), "p99": percentile(lat, 99)}
+
+
 def timed(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
     """Seconds per call, `warmup` untimed calls first."""
     for _ in range(warmup):

@@ -4,11 +4,13 @@ worker, handoff on as `gradsvc up` sets it), against the same step locally, in t
 
 - full step: every weight trains (SGD), so every weight changes and goes up again each step;
 - frozen backbone: only the last block and the head train, the rest goes up once, by reference;
-- fixed-weights sweep: per-sample gradient norms over 4 batches with unchanged weights (nothing goes up
-  again but the batch).
+- fixed-weights sweep: per-sample gradient norms over 16 batches with unchanged weights (nothing goes up
+  again but the batch), `per_sample="norms", batch_gradient=False` (the batch's gradient neither computed
+  nor returned). Local: what a PyTorch user writes for it, `torch.func.vmap(grad(loss of one example))`
+  over `functional_call`, then each example's norm (`torch.linalg.vector_norm`, as the service computes it).
 
 "service s" is the median wall time of a step through the SDK (after a first, untimed call that exports
-and uploads); "local s" the median of the same step in this process (forward, backward, optimizer step);
+and uploads); "local s" the median of the same step in this process (forward, backward, optimizer step; the sweep: per batch);
 "sent MB" what the SDK sent per timed step (body and pieces). numcheck off, memory accounting off.
 
 Run: .venv/bin/python bench/large_model.py
@@ -28,6 +30,7 @@ from common import footer, header, median, start_stack, table
 from gradclient import Client
 
 STEPS = 3
+SWEEP_BATCHES = 16
 
 
 class LM(nn.Module):
@@ -68,8 +71,10 @@ def _local_step(model, ids, y, opt, per_sample: bool) -> float:
         def one(ps, x, t):
             return F.cross_entropy(functional_call(model, ps, (x.unsqueeze(0),)), t)
 
-        grads = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, y.reshape(ids.shape[0], -1))
-        torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))
+        n = ids.shape[0]
+        grads = vmap(grad(one), in_dims=(None, 0, 0))(params, ids, y.reshape(n, -1))
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1)
+                                              for g in grads.values()]), dim=0)
     else:
         F.cross_entropy(model(ids), y).backward()
         opt.step()
@@ -83,7 +88,7 @@ def main() -> list[list]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 8192, (8, 128), generator=g), torch.randint(0, 8192, (1024,), generator=g))
-               for _ in range(4)]
+               for _ in range(SWEEP_BATCHES)]
     stack = start_stack(workers=1, handoff=True)
     rows = []
     try:
@@ -98,7 +103,7 @@ def main() -> list[list]:
                 opt = None if sweep else torch.optim.SGD(trainable, lr=1e-3)
                 local_opt = None if sweep else torch.optim.SGD([p for p in local.parameters() if p.requires_grad],
                                                                lr=1e-3)
-                options = {"per_sample": "norms"} if sweep else {}
+                options = {"per_sample": "norms", "batch_gradient": False} if sweep else {}
                 ids, y = batches[0]
                 _step(model, client, ids, y, opt, options)  # export, upload
                 service, sent, local_s = [], [], []

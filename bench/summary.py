@@ -22,7 +22,6 @@ Run: .venv/bin/python bench/summary.py [--quick]
 from __future__ import annotations
 
 import sys
-import threading
 import time
 import warnings
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import Stack, footer, header, median, percentile, seed_a_body, start_stack, table, verdict
+from common import Stack, concurrent_posts, footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradclient import Client
 from gradsvc.wire import GradientRequest
 from workers.engine import Engine, EngineConfig
@@ -114,36 +113,7 @@ def medium(stack: Stack) -> dict[str, float]:
 
 def throughput(stack: Stack) -> dict[str, float]:
     content = msgspec.json.encode(seed_a_body({"numcheck": "sampled"}))
-    lat: list[float] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    start = threading.Barrier(TP_CLIENTS + 1)
-
-    def client():
-        headers = {"Content-Type": "application/json", **stack.auth_headers()}
-        mine = []
-        with httpx.Client(base_url=stack.base_url, timeout=60, headers=headers) as c:
-            c.get("/healthz")
-            start.wait()
-            for _ in range(TP_PER_CLIENT):
-                t0 = time.perf_counter()
-                r = c.post("/gradients", params={"wait": 30}, content=content)
-                mine.append(1e3 * (time.perf_counter() - t0))
-                if r.status_code != 200:
-                    errors.append(r.text[:200])
-        with lock:
-            lat.extend(mine)
-
-    threads = [threading.Thread(target=client) for _ in range(TP_CLIENTS)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    assert not errors, errors[:3]
-    return {"rps": len(lat) / wall, "p50": median(lat), "p99": percentile(lat, 99)}
+    return concurrent_posts(stack.base_url, content, TP_CLIENTS, TP_PER_CLIENT, stack.auth_headers())
 
 
 def main() -> list[list]:

@@ -162,6 +162,9 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # The dtype of the returned gradients (smaller answers: bfloat16 and float16 halve float32's); the
     # returned-gradient check judges them at that dtype's tolerance. Default: the model's dtype.
     gradient_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
+    # false: the batch's gradient is neither computed nor returned (every gradient null), only what
+    # per_sample asks for: a sweep of per-example norms over a dataset with fixed weights.
+    batch_gradient: bool = True
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
@@ -253,7 +256,8 @@ class Timings(Struct):
     prepare_ms   the request turned into a model, inputs and targets on the device (a spec's first job also
                  builds its seeded initial weights and runs the shape check)
     forward_ms   forward pass, the median over `timing_repeat` passes (accounting hooks excluded)
-    backward_ms  backward pass, the same median
+    backward_ms  backward pass, the same median (options.batch_gradient false: the examples' forward and
+                 backward under vmap, forward_ms 0)
     memory_ms    the activation accounting: its saved-tensor hooks and its report (0 with memory off)
     numcheck_ms  the numerical check (0 when off)
     total_ms     prepare to result: every pass (with the warm-up when timing_repeat > 1), the checkpoint

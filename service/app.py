@@ -17,6 +17,7 @@ from litestar import Litestar
 from litestar.di import Provide
 
 from gradsvc.broker.blobs import BlobStore
+from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.runtime.malloc import keep_large_buffers
 from gradsvc.runtime.settings import Settings
@@ -37,6 +38,7 @@ from .submission import Submitter
 
 log = logging.getLogger("gradsvc.api")
 HANDOFF_SWEEP_S = 60.0
+PIECE_SEND_S = 32.0
 ROUTES = [*gradient_routes.ROUTES, *job_routes.ROUTES, *probe_routes.ROUTES, *tensor_routes.ROUTES, *docs.ROUTES,
           *pages.ROUTES]
 
@@ -65,7 +67,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
     queues, enqueuer, reader = jobs.queues, jobs.enqueuer, jobs.reader
     auth = Auth(settings, queues.redis)
     graphs = GraphStore(queues.redis, settings.queue_prefix, settings.graph_ttl_s)
-    blobs = BlobStore(queues.redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
+    # A piece is up to 32 MiB, and its SET took over GRADSVC_REDIS_TIMEOUT_S (sized for small commands: a hung
+    # Redis answers 503 within it) on this loaded 2-core host while GPT-2 small went up: pieces get a
+    # connection of their own whose timeout covers sending one at 1 MB/s.
+    piece_redis = sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
+                             socket_timeout=settings.redis_timeout_s + PIECE_SEND_S)
+    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
     sessions = Sessions(auth, queues.aredis, settings.queue_prefix)
     metrics = ApiMetrics(reader)

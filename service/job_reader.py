@@ -45,6 +45,12 @@ def _iso(raw: bytes | None) -> str | None:
     return raw.decode() if raw else None
 
 
+# GET /jobs/{id} reads a result up to this size in its first round trip; a larger one (up to
+# GRADSVC_MAX_RESULT_BYTES) in a second, bounded by its size at RESULT_READ_BYTES_S.
+RESULT_IN_ONE = 1 << 20
+RESULT_READ_BYTES_S = 10e6
+
+
 class JobReader:
     def __init__(self, queues: Queues, *, heartbeat_s: int, redis_timeout_s: float, job_timeout_s: int) -> None:
         self.queues = queues
@@ -107,11 +113,24 @@ class JobReader:
                                "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
                                job_id=job_id) from None
 
+    async def _large_result(self, job_id: str, size: int) -> bytes | None:
+        """A result stored in Redis larger than RESULT_IN_ONE: read on the long-timeout pool, within the Redis
+        timeout plus its size at RESULT_READ_BYTES_S (GPT-2 small's 0.5 GB took longer than the short
+        timeout on this loaded 2-core host, so GET /jobs answered 503 for a finished job)."""
+        try:
+            with anyio.fail_after(self.redis_timeout_s + size / RESULT_READ_BYTES_S):
+                return await self.ablocking.get(keys.result_key(self.prefix, job_id))
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
+            raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while the result of "
+                               f"job {job_id} was read ({type(exc).__name__}); poll GET /jobs/{job_id} again",
+                               headers={"Retry-After": "2"}, job_id=job_id) from None
+
     async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
         pipe = self.aredis.pipeline(transaction=False)
         pipe.hmget(Job.key_for(job_id), _FIELDS)
-        pipe.get(keys.result_key(self.prefix, job_id))
-        (status, meta_raw, enqueued, started, ended, origin, beat), result_raw = await pipe.execute()
+        pipe.strlen(keys.result_key(self.prefix, job_id))
+        pipe.getrange(keys.result_key(self.prefix, job_id), 0, RESULT_IN_ONE - 1)
+        (status, meta_raw, enqueued, started, ended, origin, beat), result_len, result_raw = await pipe.execute()
         if status == b"started" and origin and not _reaped and self._lease_lapsed(beat):
             # No worker renewed this job's lease: fail it now (AbandonedJobError -> worker_lost) rather than
             # wait for a worker's reaper, so a job outlives no worker at all as "started".
@@ -152,7 +171,9 @@ class JobReader:
             error = await self._failure_from_rq(job_id)
         result = None
         if state == "finished" and with_result:
-            result_raw = await self.load_result(result_raw, job_id)
+            if result_len > RESULT_IN_ONE:
+                result_raw = await self._large_result(job_id, result_len)
+            result_raw = await self.load_result(result_raw or None, job_id)
             if result_raw is None:
                 raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
             result = _result_decoder.decode(result_raw)

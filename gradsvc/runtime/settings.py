@@ -42,8 +42,11 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str = ""
     queue_prefix: str = "gradsvc"
+    # One body: since weights go up by reference in pieces (PUT /tensors), it caps a piece, not a model.
     max_body_bytes: int = _positive(256 * 1024 * 1024)
-    max_parameters: int = _positive(100_000_000)
+    # The model a worker builds, weighs and differentiates: 200M admits the common first real models (GPT-2
+    # small 124M, BERT-base 110M) with room, at 0.8 GB of float32 weights and as much again in gradients.
+    max_parameters: int = _positive(200_000_000)
     max_elements: int = _positive(64_000_000)
     max_layers: int = _positive(512)
     max_depth: int = _positive(8)
@@ -51,7 +54,8 @@ class Settings:
     # device at 50-600 us of CPU per node, by op (bench/graph_validation.py): 5,000 nodes stay within ~3 s
     # for the costliest op measured (layer_norm), where 20,000 took 12 s.
     max_graph_nodes: int = _positive(5_000)
-    max_result_bytes: int = _positive(512 * 1024 * 1024)
+    # An answer: the float32 gradients of a model at max_parameters (0.8 GB) fit, with room for the rest.
+    max_result_bytes: int = _positive(1024 * 1024 * 1024)
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
     job_timeout_s: int = _positive(600)

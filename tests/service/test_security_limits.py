@@ -104,7 +104,7 @@ def test_a_bad_limit_fails_at_start_up_naming_the_variable(var, value):
 def test_limits_default_as_documented():
     s = Settings.from_env({})
     assert (s.max_body_bytes, s.max_parameters, s.max_elements, s.max_layers, s.max_depth, s.max_result_bytes) == \
-        (268435456, 100_000_000, 64_000_000, 512, 8, 536870912)
+        (268435456, 200_000_000, 64_000_000, 512, 8, 1073741824)
     assert (s.host, s.api_keys, s.rate_limit_per_minute) == ("127.0.0.1", (), 0)
 
 

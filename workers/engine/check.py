@@ -120,7 +120,7 @@ def _quantity_checks(prep: Prepared, final: Pass, params: dict[str, torch.Tensor
             reference[term.name] = dict(zip(params, grads))
         out["per_loss"] = quantities.per_loss({t: {n: g[n] for n in returned} for t, g in final.per_loss.items()},
                                               reference, exact)
-    if per_sample_sum is not None and len({t.reduction for t in prep.terms}) == 1:
+    if per_sample_sum is not None and returned and len({t.reduction for t in prep.terms}) == 1:
         how = ("the per-example gradients " + ("averaged" if prep.terms[0].reduction == "mean" else "summed") +
                ", against the returned gradients")
         out["per_sample"] = quantities.per_sample({n: per_sample_sum[n] for n in returned}, returned,

@@ -5,6 +5,7 @@ Pure PyTorch: no Redis, no HTTP, no environment."""
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import statistics
 import time
@@ -17,7 +18,8 @@ from gradsvc.wire import GradientRequest, GradientResult, Timings
 
 from . import tensors
 from .caches import EngineCaches
-from .check import numerical_check
+from .check import computed_dtype, numerical_check
+from .diagnose import non_finite_error
 from .config import EngineConfig
 from .devices import is_allocation_failure, out_of_memory, resolve_device, sync
 from .encode import encode_result
@@ -99,7 +101,15 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     seed = request.model.seed
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs = _timed_passes(prep, params, device, hvp_vector, seed, progress)
+    examples = None
+    if opts.batch_gradient:
+        runs = _timed_passes(prep, params, device, hvp_vector, seed, progress)
+    else:  # the examples' pass alone: its loss, no gradient of the batch
+        examples = per_sample_gradients(prep, params, seed, device, summed=opts.numcheck != "off")
+        loss = sum(t.weight * examples.losses[t.name] for t in prep.terms)
+        if not math.isfinite(loss):
+            raise non_finite_error(prep, loss)
+        runs = [Pass(loss=loss, losses=examples.losses, backward_s=examples.seconds)]
     final = runs[-1]
     _check_gradients(final)
     if opts.gradient_dtype is not None:  # what the caller gets, and what the returned-gradient check judges
@@ -115,14 +125,18 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     if opts.checkpoint_segments:
         checkpoint = _checkpoint_tradeoff(prep, params, device, seed, final, memory)
 
-    per_sample, per_sample_sum = None, None
-    if opts.per_sample != "off":
-        per_sample, per_sample_sum = per_sample_gradients(prep, params, seed, device)
+    if opts.per_sample != "off" and examples is None:
+        examples = per_sample_gradients(prep, params, seed, device, summed=opts.numcheck != "off")
+    per_sample = examples.per_sample if examples is not None else None
+    per_sample_sum = examples.summed if examples is not None else None
 
     if progress:
         progress("numcheck", 0, 1)
     numcheck_started = time.perf_counter()
-    check = numerical_check(prep, request, config, device, progress, final.grads, reference,
+    # without the batch's gradient the check judges what was computed: the examples' gradients summed
+    returned = final.grads if opts.batch_gradient else {
+        n: g.to(computed_dtype(prep)) for n, g in (per_sample_sum or {}).items()}
+    check = numerical_check(prep, request, config, device, progress, returned, reference,
                       job_s=final.forward_s + final.backward_s, final=final, hvp_vector=hvp_vector,
                       per_sample_sum=per_sample_sum)
     numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0

@@ -156,8 +156,33 @@ def check_options(opts: Options, config: EngineConfig, batch: int, top_layers: i
     if not names and not opts.input_grad:
         bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
             "the gradient with respect to the inputs", option="input_grad")
+    if not opts.batch_gradient:
+        _check_no_batch_gradient(opts)
     del batch
     return frozen
+
+
+# What only the batch's own forward and backward give: refused when options.batch_gradient is false.
+BATCH_PASS_OPTIONS = ("hvp", "input_grad", "per_loss", "checkpoint_segments", "micro_batch", "graph")
+
+
+def _check_no_batch_gradient(opts: Options) -> None:
+    if opts.per_sample == "off":
+        raise SpecError("bad_option", "options.batch_gradient=false leaves nothing to compute; ask for "
+                        "per_sample='norms' or 'full', or leave batch_gradient out", option="batch_gradient")
+    for name in BATCH_PASS_OPTIONS:
+        if getattr(opts, name) not in (None, False):
+            raise SpecError("bad_option", f"options.{name} is a quantity of the batch's own forward and backward, "
+                            "which options.batch_gradient=false skips; leave one of them out", option=name)
+
+
+def check_reductions(opts: Options, terms: list[LossTerm]) -> None:
+    """Without the batch pass the loss is rebuilt from the examples' losses, and the check compares the
+    examples' gradients summed or averaged: one reduction for every loss."""
+    if not opts.batch_gradient and len({t.reduction for t in terms}) > 1:
+        raise SpecError("bad_option", "options.batch_gradient=false needs one reduction for every loss (the "
+                        "examples' gradients sum or average to the batch's); give the losses the same reduction",
+                        option="batch_gradient")
 
 
 def check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:

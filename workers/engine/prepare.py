@@ -17,7 +17,8 @@ from gradsvc.wire import GradientRequest
 from . import tensors
 from .caches import EngineCaches
 from .config import EngineConfig
-from .decode import check_hvp, check_options, decode_targets, loss_terms, refuse_own_loss_split, rows_per_example
+from .decode import (check_hvp, check_options, check_reductions, decode_targets, loss_terms, refuse_own_loss_split,
+                     rows_per_example)
 from .errors import SpecError
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel
@@ -40,6 +41,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     terms = loss_terms(request)
     targets = decode_targets(request, terms, out, dtype, max_elements, shape_only)
     refuse_own_loss_split(opts, terms, inputs.rows)
+    check_reductions(opts, terms)
     side.check_splits(opts, inputs)
     rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs))
     frozen = check_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)

@@ -17,6 +17,8 @@ element of the reference: a tensor small beside the rest is not judged by its ow
 from __future__ import annotations
 
 import contextlib
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,7 +27,7 @@ from gradsvc.wire import GradientRequest, PerSample, QuantityCheck
 
 from . import tensors
 from .config import EngineConfig
-from .devices import is_allocation_failure, is_random, seeded
+from .devices import is_allocation_failure, is_random, seeded, sync
 from .errors import SpecError
 from .numcheck import F64_EPS, FLOOR_ROUNDINGS, _verdict, returned_check
 from .prepared import Prepared
@@ -73,10 +75,22 @@ def hvp_vector_for(request: GradientRequest, params: dict[str, torch.Tensor], co
             for name, p in params.items()}
 
 
-def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: int,
-                         device: torch.device) -> tuple[PerSample, dict[str, torch.Tensor]]:
-    """The per-example gradients (norms, or all of them), and their sum or mean (as the losses reduce) for
-    the check against the batch gradient."""
+@dataclass
+class Examples:
+    """What the per-example pass gives: the per-sample answer; the examples' gradients summed or averaged
+    (as the losses reduce) in float64, for the check, when asked; each loss rebuilt from the examples'
+    own (the whole answer when options.batch_gradient is false), and the pass's seconds."""
+
+    per_sample: PerSample
+    summed: dict[str, torch.Tensor] | None
+    losses: dict[str, float]
+    seconds: float
+
+
+def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: int, device: torch.device,
+                         summed: bool = True) -> Examples:
+    """The per-example gradients (norms, or all of them) by torch.func's vmap of grad, their sum or mean
+    when `summed`, and the losses."""
     from torch.func import functional_call, grad, vmap
 
     consts = {n: p.detach() for n, p in prep.model.named_parameters() if n not in params}
@@ -88,26 +102,39 @@ def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: 
     def loss_one(ps, xs1, *tgts):  # one example: its rows of the batched inputs, the others whole
         xs = tuple(x.unsqueeze(0) if b else x for x, b in zip(xs1, batch.batched))
         out = functional_call(prep.model, {**ps, **consts}, xs)
-        return sum(t.weight * t(out, tg) for t, tg in zip(prep.terms, tgts))
+        values = [t(out, tg) for t, tg in zip(prep.terms, tgts)]
+        total = sum(t.weight * v for t, v in zip(prep.terms, values))
+        return total, torch.stack([v.detach() for v in values])
 
     detached = {n: p.detach() for n, p in params.items()}
     in_inputs = tuple(0 if b else None for b in batch.batched)
     per_example = [prep.targets[name].reshape(n, k, *prep.targets[name].shape[1:]) for name in names]  # (n, k, ...)
+    sync(device)
+    started = time.perf_counter()
     with seeded(seed, device, is_random(prep.model)):
         try:
-            grads = vmap(grad(loss_one), in_dims=(None, in_inputs, *([0] * len(names))), randomness="different")(
-                detached, batch.tensors, *per_example)
+            grads, values = vmap(grad(loss_one, has_aux=True), in_dims=(None, in_inputs, *([0] * len(names))),
+                                 randomness="different")(detached, batch.tensors, *per_example)
         except (RuntimeError, ValueError, TypeError) as exc:
             if prep.graph is None or is_allocation_failure(exc):
                 raise
             raise SpecError("bad_option", f"options.per_sample: torch.func cannot vectorise this graph over its "
                             f"examples ({str(exc).strip().splitlines()[0][:200]}); set per_sample='off'") from None
-    norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()))  # (batch,)
+        # the norm of every example's whole gradient, no squared copy of the gradients written
+        norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1)
+                                                      for g in grads.values()]), dim=0)  # (batch,)
+        sync(device)
+    seconds = time.perf_counter() - started
     full = prep.options.per_sample == "full"
     mean = prep.terms[0].reduction == "mean"
-    summed = {n: (g.to(torch.float64).mean(0) if mean else g.to(torch.float64).sum(0)) for n, g in grads.items()}
-    return PerSample(norms=tensors.encode(norms),
-                     gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None), summed
+    sums = None
+    if summed:
+        sums = {n: (g.to(torch.float64).mean(0) if mean else g.to(torch.float64).sum(0)) for n, g in grads.items()}
+    losses = {t.name: float(values[:, j].mean() if t.reduction == "mean" else values[:, j].sum())
+              for j, t in enumerate(prep.terms)}
+    return Examples(PerSample(norms=tensors.encode(norms),
+                              gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None),
+                    sums, losses, seconds)
 
 
 # --- checked --------------------------------------------------------------------------------------

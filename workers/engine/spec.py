@@ -28,7 +28,7 @@ def layer_catalogue() -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Limits:
-    max_parameters: int = 100_000_000
+    max_parameters: int = 200_000_000  # GRADSVC_MAX_PARAMETERS (gradsvc/runtime/settings.py says why)
     max_layers: int = 512
     max_depth: int = 8
     max_elements: int = 64_000_000

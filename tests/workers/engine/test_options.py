@@ -123,6 +123,31 @@ def test_per_sample_norms_only_omit_the_gradients():
     assert r.per_sample.gradients is None and T(r.per_sample.norms).shape == (3,)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_per_sample_without_the_batch_gradient_gives_the_same_norms_and_loss_and_checks_their_sum(reduction):
+    x, y = seed_a_batch(5)
+    loss = {"type": "cross_entropy", "reduction": reduction}
+    with_batch = run(SEED_A_LAYERS, x, y, loss=loss, options={"per_sample": "norms"})
+    r = run(SEED_A_LAYERS, x, y, loss=loss, options={"per_sample": "norms", "batch_gradient": False,
+                                                       "numcheck": "exact"})
+    assert close(T(r.per_sample.norms), T(with_batch.per_sample.norms))
+    assert r.loss == pytest.approx(with_batch.loss, rel=1e-12, abs=0)
+    assert all(g is None for g in r.gradients.values()) and r.memory is None and r.timings.forward_ms == 0
+    assert r.numcheck.mode == "exact" and r.numcheck.passed  # the examples' gradients summed, against float64
+
+
+@pytest.mark.parametrize("options", [{}, {"per_sample": "norms", "input_grad": True},
+                                     {"per_sample": "norms", "hvp": {"vector": "random"}},
+                                     {"per_sample": "norms", "micro_batch": 2}])
+def test_no_batch_gradient_is_refused_with_nothing_to_compute_or_a_batch_quantity(options):
+    x, y = seed_a_batch(3)
+    with pytest.raises(SpecError) as e:
+        estimate(msgspec.convert({"model": {"layers": SEED_A_LAYERS, "dtype": "float64"}, "inputs": tensor_json(x),
+                                  "targets": tensor_json(y),
+                                  "options": {"batch_gradient": False, **options}}, GradientRequest))
+    assert e.value.code == "bad_option" and "batch_gradient" in str(e.value)
+
+
 def test_per_sample_is_refused_with_batch_norm_in_training_mode():
     x, y = seed_a_batch(4)
     layers = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},

@@ -13,12 +13,16 @@ between Python steps, so a single long C++ op outlives both; past the job's time
 or CANCEL_GRACE_S after its cancel flag appeared, the thread fails the job `timeout`/`canceled` through
 RQ's own failure path, unregisters the worker and ends the process (os._exit), as RQ's forking worker
 kills its work horse. Its supervisor (`gradsvc up`, compose's restart policy) starts a fresh worker.
+SIGTERM/SIGINT are the same: Python runs their handlers (RQ's warm shutdown) only between steps, so the
+thread sees them through the signal wakeup fd, which the C-level handler writes even while the main thread is
+inside an op; a job still running TERM_GRACE_S later fails `worker_lost` and the process ends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -58,6 +62,9 @@ SUSPENSION_CHECK_S = 1.0
 HARD_STOP_GRACE_S = 2.0
 # A running job whose cancel flag is set gets this long to stop at its next step; then it is stopped hard.
 CANCEL_GRACE_S = 2.0
+# A job still running this long after the worker got SIGTERM/SIGINT is failed worker_lost and the process ends
+# (under compose's 10 s stop timeout, before the SIGKILL that would leave the job to its lease).
+TERM_GRACE_S = 5.0
 # How often the heartbeat thread looks at the running job's deadline and cancel flag.
 WATCHDOG_S = 0.5
 # The exit status of a worker that stopped a job hard (its supervisor restarts it).
@@ -101,6 +108,8 @@ class GradientWorker(SimpleWorker):
         self._suspension_checked = float("-inf")
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None
+        self._signals_r: int | None = None  # the read end of the signal wakeup fd (bootstrap)
+        self._term_at: float | None = None  # when the heartbeat thread saw SIGTERM/SIGINT
 
     # --- leases -------------------------------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
@@ -233,6 +242,12 @@ class GradientWorker(SimpleWorker):
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
+        if threading.current_thread() is threading.main_thread() and self._signals_r is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            self._signals_r = r
         self._beating.set()
         self._beat_thread = threading.Thread(target=self._beat_loop, name="gradsvc-heartbeat", daemon=True)
         self._beat_thread.start()
@@ -260,10 +275,16 @@ class GradientWorker(SimpleWorker):
 
     def watch(self) -> None:
         """The running job's hard deadline and cancel: past them the job is failed and the process ends."""
+        at = time.monotonic()
+        if self._term_at is None and self._terminated():
+            self._term_at = at
         running = self._running
         if running is None:
             return
-        at = time.monotonic()
+        if self._term_at is not None and at - max(self._term_at, running.started) > TERM_GRACE_S:
+            self.stop_hard(running, "worker_lost", "the worker was stopped (SIGTERM/SIGINT) while the job ran "
+                           f"inside one operation for over {TERM_GRACE_S:g} s; submit it again",
+                           exit_code=128 + signal.SIGTERM)
         if running.overdue(at):
             self.stop_hard(running, "timeout", f"the job ran past its timeout of {running.job.timeout} s "
                            "(GRADSVC_JOB_TIMEOUT_S) inside one operation, so its worker was restarted; use a "
@@ -274,7 +295,17 @@ class GradientWorker(SimpleWorker):
                 self.stop_hard(running, "canceled", "the job was canceled by DELETE /jobs/{id} while running "
                                "inside one operation, so its worker was restarted")
 
-    def stop_hard(self, running: _Running, code: str, message: str) -> None:
+    def _terminated(self) -> bool:
+        """Whether SIGTERM or SIGINT arrived since the last look (the wakeup fd's bytes are signal numbers)."""
+        if self._signals_r is None:
+            return False
+        try:
+            got = os.read(self._signals_r, 512)
+        except BlockingIOError:
+            return False
+        return signal.SIGTERM in got or signal.SIGINT in got
+
+    def stop_hard(self, running: _Running, code: str, message: str, exit_code: int = HARD_STOP_EXIT) -> None:
         """Fails the job with `code` through RQ's failure path (status, FailedJobRegistry, the results stream
         a waiting POST reads, a shard's failure callback), unregisters this worker and ends the process: the
         op cannot be interrupted otherwise. With Redis unreachable the process ends all the same; the lapsed
@@ -282,7 +313,8 @@ class GradientWorker(SimpleWorker):
         self._stopping_hard.set()
         job = running.job
         log.error("worker %s: job %s %s; failing it and exiting for the supervisor to restart this worker",
-                  self.name, job.id, "ran past its timeout" if code == "timeout" else "was canceled")
+                  self.name, job.id, {"timeout": "ran past its timeout", "canceled": "was canceled"}.get(
+                      code, "outlived its worker's SIGTERM"))
         try:
             job.meta["error"] = {"code": code, "message": message, "detail": {"hard_stop": True}}
             job.save_meta()
@@ -300,7 +332,7 @@ class GradientWorker(SimpleWorker):
             log.exception("worker %s: could not record the hard stop of job %s", self.name, job.id)
         finally:
             logging.shutdown()
-            os._exit(HARD_STOP_EXIT)
+            os._exit(exit_code)
 
     def _yield_to_hard_stop(self) -> None:
         """The job's own thread, back from its op while the heartbeat thread stops it hard: it records

@@ -42,6 +42,7 @@ from rq.utils import now, utcformat
 from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker, WorkerStatus
 
+from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
@@ -80,6 +81,12 @@ class _Running:
     started: float  # time.monotonic()
     cancel_key: str
     canceled_at: float | None = None  # when the heartbeat thread first saw the cancel flag
+    renewed: float = 0.0  # when the heartbeat thread last renewed the job's lease (time.monotonic())
+    lease_failed: bool = False  # a renewal failed: Redis was unreachable, the lease may have lapsed
+    reaped: bool = False  # the job was failed (worker_lost) meanwhile: its outcome is not recorded
+
+    def __post_init__(self) -> None:
+        self.renewed = self.started
 
     def overdue(self, at: float) -> bool:
         timeout = self.job.timeout
@@ -194,6 +201,8 @@ class GradientWorker(SimpleWorker):
 
     def handle_job_failure(self, job: Job, queue: Queue, *args, **kwargs) -> None:
         self._yield_to_hard_stop()
+        if self._reaped(job):
+            return
         super().handle_job_failure(job, queue, *args, **kwargs)
 
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry, execution: Execution) -> None:
@@ -201,6 +210,8 @@ class GradientWorker(SimpleWorker):
         on, and no read of, the dependents set (two round trips), and the worker's IDLE state written in the
         same transaction. Other jobs take RQ's own path."""
         self._yield_to_hard_stop()
+        if self._reaped(job):
+            return
         if job.func_name != _JOB_FUNCTION or job.repeats_left:
             super().handle_job_success(job, queue, started_job_registry, execution)
             if isinstance(job, GradientJob):
@@ -225,6 +236,31 @@ class GradientWorker(SimpleWorker):
         if isinstance(job, GradientJob):
             job.pending_result = None
         release_slot(job)
+
+    def _reaped(self, job: Job) -> bool:
+        """Whether the job was failed (worker_lost) while this worker was cut off from Redis (a partition
+        longer than its lease): then its outcome is dropped, so a client told worker_lost never sees it end a
+        second time. Asked of Redis only when a lease renewal failed or lapsed: one round trip, on those jobs."""
+        running = self._running
+        if running is None or running.job.id != job.id:
+            return False
+        if not running.reaped and (running.lease_failed or
+                                   time.monotonic() - running.renewed >= self.lease_s - self.heartbeat_s):
+            running.reaped = not self._still_ours(running)
+        if not running.reaped:
+            return False
+        log.warning("worker %s: job %s was reported lost while this worker was cut off from Redis; its outcome "
+                    "is dropped (the job ends once, as reported)", self.name, job.id)
+        pending = getattr(job, "pending_result", None)
+        if pending is not None and handoff_files.is_marker(pending[1]) and handoff_files.installed() is not None:
+            handoff_files.installed().delete(handoff_files.marker_ref(pending[1]))
+        if isinstance(job, GradientJob):
+            job.pending_result = None
+        return True
+
+    def _still_ours(self, running: _Running) -> bool:
+        status, worker = self.connection.hmget(running.job.key, "status", "worker_name")
+        return status == JobStatus.STARTED.value.encode() and worker == self.name.encode()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
@@ -268,6 +304,8 @@ class GradientWorker(SimpleWorker):
                     next_beat = time.monotonic() + self.heartbeat_s
                     self.beat()
             except REDIS_ERRORS as exc:
+                if (running := self._running) is not None:
+                    running.lease_failed = True
                 log.warning("worker %s: heartbeat failed, Redis unreachable (%s); retrying", self.name, exc)
             except Exception:  # the thread must outlive any surprise, or every job would be reaped
                 log.exception("worker %s: heartbeat failed", self.name)
@@ -344,8 +382,14 @@ class GradientWorker(SimpleWorker):
     def beat(self) -> None:
         """Renews this worker's lease and its running job's, then fails any job whose lease lapsed."""
         running = self._running
-        if running is not None and not running.overdue(time.monotonic()):  # a wedged job's lease lapses
-            self.maintain_heartbeats(running.job, running.execution)
+        if running is not None and not running.overdue(time.monotonic()) and not running.reaped:
+            # A wedged job's lease lapses. After Redis was unreachable, the lease is renewed only if the job
+            # was not reaped meanwhile (renewing would put a failed job back in the started registry).
+            if running.lease_failed and not self._still_ours(running):
+                running.reaped = True
+            else:
+                self.maintain_heartbeats(running.job, running.execution)
+                running.renewed, running.lease_failed = time.monotonic(), False
         with self.connection.pipeline() as pipe:
             pipe.hset(self.key, "last_heartbeat", utcformat(now()))
             pipe.expire(self.key, self.lease_s)

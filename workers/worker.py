@@ -47,7 +47,7 @@ from gradsvc.broker import keys
 from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
-from gradsvc.runtime.malloc import keep_large_buffers
+from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings
 
 from .engine import warm_up_shape_check
@@ -495,6 +495,12 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     _wait_for_redis(settings)
     worker = build_worker(settings, index=index)
     from .jobs import context
+
+    if context().device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
+        cap = cap_data(settings.max_job_bytes)
+        if cap is not None:
+            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES)",
+                     worker.name, cap)
 
     port = settings.worker_metrics_port + index
     if settings.worker_metrics_port > 0:

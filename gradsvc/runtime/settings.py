@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
@@ -14,6 +14,19 @@ class SettingsError(ValueError):
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_job_bytes() -> int:
+    """GRADSVC_MAX_JOB_BYTES's default: half this host's memory (16 GiB where it cannot be read)."""
+    return host_memory_bytes() // 2 or 16 << 30
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,11 @@ class Settings:
     # for the costliest op measured (layer_norm), where 20,000 took 12 s.
     max_graph_nodes: int = 5_000
     max_result_bytes: int = 512 * 1024 * 1024
+    # The memory one job may use: the API's meta-device check of a graph refuses more (too_large, its
+    # intermediates, attention matrices and the dense kernels' copies counted), and each CPU worker caps its
+    # heap at what it held after warm-up plus this (RLIMIT_DATA): an allocation past it fails the job
+    # out_of_memory and the worker goes on (workers/worker.py).
+    max_job_bytes: int = field(default_factory=default_job_bytes)
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
     job_timeout_s: int = 600
@@ -100,7 +118,7 @@ class Settings:
 
     def validate(self) -> None:
         positive = ["port", "max_body_bytes", "max_parameters", "max_elements", "max_layers", "max_depth",
-                    "max_graph_nodes", "max_result_bytes", "job_timeout_s", "result_ttl_s", "workers",
+                    "max_graph_nodes", "max_result_bytes", "max_job_bytes", "job_timeout_s", "result_ttl_s", "workers",
                     "redis_timeout_s", "worker_heartbeat_s", "min_shard_rows", "idempotency_ttl_s",
                     "graph_ttl_s", "keep_alive_s", "numcheck_budget", "tensor_ttl_s", "tensor_budget_bytes"]
         for name in positive:

@@ -447,6 +447,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
                             "the job's body, handed over as a file (GRADSVC_HANDOFF_DIR), was gone when it ran"),
     "timeout": ErrorCode(504, "JobTimeoutError", "job", "the job ran past GRADSVC_JOB_TIMEOUT_S"),
     "out_of_memory": ErrorCode(507, "OutOfMemoryError", "job", "the device ran out of memory"),
+    "result_elsewhere": ErrorCode(421, "ResultElsewhereError", "request",
+                                  "the result is a file on another host's GRADSVC_HANDOFF_DIR; ask that host's API"),
     "queue_unavailable": ErrorCode(503, "QueueUnavailableError", "unavailable", "Redis is unreachable"),
     "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
     "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),

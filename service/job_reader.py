@@ -109,9 +109,10 @@ class JobReader:
             return await anyio.to_thread.run_sync(handoff_files.load, raw, self.queues.handoff)
         except HandoffError as exc:
             # Handoff on behind a balancer over several hosts: each API reads only its own host's files.
-            raise ServiceError("internal_error", f"the result of job {job_id} is a file this API cannot read ({exc}); "
-                               "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
-                               job_id=job_id) from None
+            raise ServiceError("result_elsewhere", f"the result of job {job_id} is a file on another host's "
+                               f"GRADSVC_HANDOFF_DIR ({exc}); ask the API on the host that took the job, or turn "
+                               "GRADSVC_HANDOFF_DIR off where several API hosts share one Redis", job_id=job_id,
+                               ref=handoff_files.marker_ref(raw)[:100]) from None
 
     async def _large_result(self, job_id: str, size: int) -> bytes | None:
         """A result stored in Redis larger than RESULT_IN_ONE: read on the long-timeout pool, within the Redis

@@ -13,12 +13,16 @@ between Python steps, so a single long C++ op outlives both; past the job's time
 or CANCEL_GRACE_S after its cancel flag appeared, the thread fails the job `timeout`/`canceled` through
 RQ's own failure path, unregisters the worker and ends the process (os._exit), as RQ's forking worker
 kills its work horse. Its supervisor (`gradsvc up`, compose's restart policy) starts a fresh worker.
+SIGTERM/SIGINT are the same: Python runs their handlers (RQ's warm shutdown) only between steps, so the
+thread sees them through the signal wakeup fd, which the C-level handler writes even while the main thread is
+inside an op; a job still running TERM_GRACE_S later fails `worker_lost` and the process ends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -38,11 +42,12 @@ from rq.utils import now, utcformat
 from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker, WorkerStatus
 
+from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
-from gradsvc.runtime.malloc import keep_large_buffers
+from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings
 
 from .engine import warm_up_shape_check
@@ -58,6 +63,9 @@ SUSPENSION_CHECK_S = 1.0
 HARD_STOP_GRACE_S = 2.0
 # A running job whose cancel flag is set gets this long to stop at its next step; then it is stopped hard.
 CANCEL_GRACE_S = 2.0
+# A job still running this long after the worker got SIGTERM/SIGINT is failed worker_lost and the process ends
+# (under compose's 10 s stop timeout, before the SIGKILL that would leave the job to its lease).
+TERM_GRACE_S = 5.0
 # How often the heartbeat thread looks at the running job's deadline and cancel flag.
 WATCHDOG_S = 0.5
 # The exit status of a worker that stopped a job hard (its supervisor restarts it).
@@ -73,6 +81,12 @@ class _Running:
     started: float  # time.monotonic()
     cancel_key: str
     canceled_at: float | None = None  # when the heartbeat thread first saw the cancel flag
+    renewed: float = 0.0  # when the heartbeat thread last renewed the job's lease (time.monotonic())
+    lease_failed: bool = False  # a renewal failed: Redis was unreachable, the lease may have lapsed
+    reaped: bool = False  # the job was failed (worker_lost) meanwhile: its outcome is not recorded
+
+    def __post_init__(self) -> None:
+        self.renewed = self.started
 
     def overdue(self, at: float) -> bool:
         timeout = self.job.timeout
@@ -101,6 +115,8 @@ class GradientWorker(SimpleWorker):
         self._suspension_checked = float("-inf")
         self._beating = threading.Event()
         self._beat_thread: threading.Thread | None = None
+        self._signals_r: int | None = None  # the read end of the signal wakeup fd (bootstrap)
+        self._term_at: float | None = None  # when the heartbeat thread saw SIGTERM/SIGINT
 
     # --- leases -------------------------------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
@@ -185,6 +201,8 @@ class GradientWorker(SimpleWorker):
 
     def handle_job_failure(self, job: Job, queue: Queue, *args, **kwargs) -> None:
         self._yield_to_hard_stop()
+        if self._reaped(job):
+            return
         super().handle_job_failure(job, queue, *args, **kwargs)
 
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry, execution: Execution) -> None:
@@ -192,6 +210,8 @@ class GradientWorker(SimpleWorker):
         on, and no read of, the dependents set (two round trips), and the worker's IDLE state written in the
         same transaction. Other jobs take RQ's own path."""
         self._yield_to_hard_stop()
+        if self._reaped(job):
+            return
         if job.func_name != _JOB_FUNCTION or job.repeats_left:
             super().handle_job_success(job, queue, started_job_registry, execution)
             if isinstance(job, GradientJob):
@@ -217,6 +237,31 @@ class GradientWorker(SimpleWorker):
             job.pending_result = None
         release_slot(job)
 
+    def _reaped(self, job: Job) -> bool:
+        """Whether the job was failed (worker_lost) while this worker was cut off from Redis (a partition
+        longer than its lease): then its outcome is dropped, so a client told worker_lost never sees it end a
+        second time. Asked of Redis only when a lease renewal failed or lapsed: one round trip, on those jobs."""
+        running = self._running
+        if running is None or running.job.id != job.id:
+            return False
+        if not running.reaped and (running.lease_failed or
+                                   time.monotonic() - running.renewed >= self.lease_s - self.heartbeat_s):
+            running.reaped = not self._still_ours(running)
+        if not running.reaped:
+            return False
+        log.warning("worker %s: job %s was reported lost while this worker was cut off from Redis; its outcome "
+                    "is dropped (the job ends once, as reported)", self.name, job.id)
+        pending = getattr(job, "pending_result", None)
+        if pending is not None and handoff_files.is_marker(pending[1]) and handoff_files.installed() is not None:
+            handoff_files.installed().delete(handoff_files.marker_ref(pending[1]))
+        if isinstance(job, GradientJob):
+            job.pending_result = None
+        return True
+
+    def _still_ours(self, running: _Running) -> bool:
+        status, worker = self.connection.hmget(running.job.key, "status", "worker_name")
+        return status == JobStatus.STARTED.value.encode() and worker == self.name.encode()
+
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
             super().execute_job(job, queue)
@@ -233,6 +278,12 @@ class GradientWorker(SimpleWorker):
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
+        if threading.current_thread() is threading.main_thread() and self._signals_r is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            self._signals_r = r
         self._beating.set()
         self._beat_thread = threading.Thread(target=self._beat_loop, name="gradsvc-heartbeat", daemon=True)
         self._beat_thread.start()
@@ -253,6 +304,8 @@ class GradientWorker(SimpleWorker):
                     next_beat = time.monotonic() + self.heartbeat_s
                     self.beat()
             except REDIS_ERRORS as exc:
+                if (running := self._running) is not None:
+                    running.lease_failed = True
                 log.warning("worker %s: heartbeat failed, Redis unreachable (%s); retrying", self.name, exc)
             except Exception:  # the thread must outlive any surprise, or every job would be reaped
                 log.exception("worker %s: heartbeat failed", self.name)
@@ -260,10 +313,16 @@ class GradientWorker(SimpleWorker):
 
     def watch(self) -> None:
         """The running job's hard deadline and cancel: past them the job is failed and the process ends."""
+        at = time.monotonic()
+        if self._term_at is None and self._terminated():
+            self._term_at = at
         running = self._running
         if running is None:
             return
-        at = time.monotonic()
+        if self._term_at is not None and at - max(self._term_at, running.started) > TERM_GRACE_S:
+            self.stop_hard(running, "worker_lost", "the worker was stopped (SIGTERM/SIGINT) while the job ran "
+                           f"inside one operation for over {TERM_GRACE_S:g} s; submit it again",
+                           exit_code=128 + signal.SIGTERM)
         if running.overdue(at):
             self.stop_hard(running, "timeout", f"the job ran past its timeout of {running.job.timeout} s "
                            "(GRADSVC_JOB_TIMEOUT_S) inside one operation, so its worker was restarted; use a "
@@ -274,7 +333,17 @@ class GradientWorker(SimpleWorker):
                 self.stop_hard(running, "canceled", "the job was canceled by DELETE /jobs/{id} while running "
                                "inside one operation, so its worker was restarted")
 
-    def stop_hard(self, running: _Running, code: str, message: str) -> None:
+    def _terminated(self) -> bool:
+        """Whether SIGTERM or SIGINT arrived since the last look (the wakeup fd's bytes are signal numbers)."""
+        if self._signals_r is None:
+            return False
+        try:
+            got = os.read(self._signals_r, 512)
+        except BlockingIOError:
+            return False
+        return signal.SIGTERM in got or signal.SIGINT in got
+
+    def stop_hard(self, running: _Running, code: str, message: str, exit_code: int = HARD_STOP_EXIT) -> None:
         """Fails the job with `code` through RQ's failure path (status, FailedJobRegistry, the results stream
         a waiting POST reads, a shard's failure callback), unregisters this worker and ends the process: the
         op cannot be interrupted otherwise. With Redis unreachable the process ends all the same; the lapsed
@@ -282,7 +351,8 @@ class GradientWorker(SimpleWorker):
         self._stopping_hard.set()
         job = running.job
         log.error("worker %s: job %s %s; failing it and exiting for the supervisor to restart this worker",
-                  self.name, job.id, "ran past its timeout" if code == "timeout" else "was canceled")
+                  self.name, job.id, {"timeout": "ran past its timeout", "canceled": "was canceled"}.get(
+                      code, "outlived its worker's SIGTERM"))
         try:
             job.meta["error"] = {"code": code, "message": message, "detail": {"hard_stop": True}}
             job.save_meta()
@@ -300,7 +370,7 @@ class GradientWorker(SimpleWorker):
             log.exception("worker %s: could not record the hard stop of job %s", self.name, job.id)
         finally:
             logging.shutdown()
-            os._exit(HARD_STOP_EXIT)
+            os._exit(exit_code)
 
     def _yield_to_hard_stop(self) -> None:
         """The job's own thread, back from its op while the heartbeat thread stops it hard: it records
@@ -312,8 +382,14 @@ class GradientWorker(SimpleWorker):
     def beat(self) -> None:
         """Renews this worker's lease and its running job's, then fails any job whose lease lapsed."""
         running = self._running
-        if running is not None and not running.overdue(time.monotonic()):  # a wedged job's lease lapses
-            self.maintain_heartbeats(running.job, running.execution)
+        if running is not None and not running.overdue(time.monotonic()) and not running.reaped:
+            # A wedged job's lease lapses. After Redis was unreachable, the lease is renewed only if the job
+            # was not reaped meanwhile (renewing would put a failed job back in the started registry).
+            if running.lease_failed and not self._still_ours(running):
+                running.reaped = True
+            else:
+                self.maintain_heartbeats(running.job, running.execution)
+                running.renewed, running.lease_failed = time.monotonic(), False
         with self.connection.pipeline() as pipe:
             pipe.hset(self.key, "last_heartbeat", utcformat(now()))
             pipe.expire(self.key, self.lease_s)
@@ -419,6 +495,12 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     _wait_for_redis(settings)
     worker = build_worker(settings, index=index)
     from .jobs import context
+
+    if context().device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
+        cap = cap_data(settings.max_job_bytes)
+        if cap is not None:
+            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES)",
+                     worker.name, cap)
 
     port = settings.worker_metrics_port + index
     if settings.worker_metrics_port > 0:

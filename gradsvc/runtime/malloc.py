@@ -40,3 +40,36 @@ def keep_large_buffers(one_arena: bool = False) -> bool:
     if not ok:
         log.debug("mallopt refused; large buffers are mmapped per allocation")
     return ok
+
+
+# Room above a job's own bytes for what a running job allocates besides its tensors (encoded results, the
+# freed heap glibc keeps under TRIM_THRESHOLD_BYTES, threads' stacks).
+HEAP_SLACK_BYTES = 256 << 20
+
+
+def data_bytes() -> int:
+    """This process's data segment and private writable mappings now (VmData: what RLIMIT_DATA counts)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmData in /proc/self/status")
+
+
+def cap_data(job_bytes: int) -> int | None:
+    """Caps this process's data (RLIMIT_DATA) at what it holds now plus `job_bytes` and HEAP_SLACK_BYTES: a
+    job allocating more gets a failed allocation (torch: "can't allocate memory", a MemoryError) instead of
+    taking the host's memory. The limit set, or None where there is no /proc or no RLIMIT_DATA."""
+    try:
+        import resource
+
+        limit = data_bytes() + job_bytes + HEAP_SLACK_BYTES
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+        return limit
+    except (ImportError, OSError, ValueError, AttributeError) as exc:
+        log.warning("cannot cap this process's memory (%s); GRADSVC_MAX_JOB_BYTES is checked before the queue only",
+                    exc)
+        return None

@@ -34,6 +34,19 @@ def _one_of(default: str, choices: tuple[str, ...], advice: str) -> Any:
     return _rule(default, lambda v: v in choices, advice)
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_job_bytes() -> int:
+    """GRADSVC_MAX_JOB_BYTES's default: half this host's memory (16 GiB where it cannot be read)."""
+    return host_memory_bytes() // 2 or 16 << 30
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -56,6 +69,12 @@ class Settings:
     max_graph_nodes: int = _positive(5_000)
     # An answer: the float32 gradients of a model at max_parameters (0.8 GB) fit, with room for the rest.
     max_result_bytes: int = _positive(1024 * 1024 * 1024)
+    # The memory one job may use: the API's meta-device check of a graph refuses more (too_large, its
+    # intermediates, attention matrices and the dense kernels' copies counted), and each CPU worker caps its
+    # heap at what it held after warm-up plus this (RLIMIT_DATA): an allocation past it fails the job
+    # out_of_memory and the worker goes on (workers/worker.py).
+    max_job_bytes: int = field(default_factory=default_job_bytes,
+                               metadata={"ok": lambda v: v > 0, "advice": "must be positive"})
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
     job_timeout_s: int = _positive(600)

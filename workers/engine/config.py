@@ -28,7 +28,8 @@ def config_from_settings(settings) -> EngineConfig:
     return EngineConfig(
         limits=Limits(max_parameters=settings.max_parameters, max_layers=settings.max_layers,
                       max_depth=settings.max_depth, max_elements=settings.max_elements,
-                      max_graph_nodes=settings.max_graph_nodes),
+                      max_graph_nodes=settings.max_graph_nodes,
+                      max_graph_intermediate_bytes=settings.max_job_bytes),
         numcheck_exact_max=settings.numcheck_exact_max,
         numcheck_samples=settings.numcheck_samples,
         numcheck_directions=settings.numcheck_directions,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .errors import SpecError
+from .footprint import workspace_elements
 from .interpreter import GraphModel
 from .program import Step, where_step
 from .spec import Limits
@@ -66,6 +67,7 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
                             "options.hvp out (the fused kernels do not build it)", node=step.name, elements=inner,
                             limit=limits.max_elements)
         total[0] += inner * (args[0].element_size() if inner else 0)
+        _check_workspace(step, args, out, total[0], limits)
         if step.op.aliases_input and _shares_storage(out, args):
             return  # a view or an in-place result: no new memory (contiguous/reshape/to may copy instead)
         for t in _tensors(out):
@@ -78,8 +80,9 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
             total[0] += n * t.element_size()
         if total[0] > limits.max_graph_intermediate_bytes:
             raise SpecError("too_large", f"model.graph: the intermediates up to {where_step(step)} hold "
-                            f"{total[0]} bytes, above the limit of {limits.max_graph_intermediate_bytes}; send a "
-                            "smaller batch or model", node=step.name, limit=limits.max_graph_intermediate_bytes)
+                            f"{total[0]} bytes, above the limit of {limits.max_graph_intermediate_bytes} a job may "
+                            "use (GRADSVC_MAX_JOB_BYTES); send a smaller batch or model", node=step.name,
+                            limit=limits.max_graph_intermediate_bytes)
 
     try:
         # With grad on (as the worker runs it, and no slower on meta): the output's requires_grad then says
@@ -99,6 +102,24 @@ def check_graph_shapes(model: GraphModel, *x_meta: torch.Tensor, limits: Limits 
                         f"{env_args}: {first}", node=step.name, op=step.op.name, module=step.module,
                         input_shapes=env_args) from None
     return outs[0]
+
+
+def _check_workspace(step: Step, args: list, out: Any, held: int, limits: Limits) -> None:
+    """The buffers a dense op copies its inputs into (footprint.workspace_elements), against the element
+    limit and, with the intermediates held so far, the job's memory."""
+    copies, columns = workspace_elements(step.op.name, args, out)
+    extra = copies + columns
+    if not extra:
+        return
+    size = extra * next((a.element_size() for a in args if isinstance(a, torch.Tensor)), 4)
+    if copies > limits.max_elements or held + size > limits.max_graph_intermediate_bytes:
+        raise SpecError("too_large", f"model.graph: {where_step(step)} copies its inputs into buffers of {extra} "
+                        f"elements ({size} bytes: an expanded or broadcast operand made dense, or a convolution's "
+                        f"columns), above the limit of {limits.max_elements} elements per tensor or, with the "
+                        f"{held} bytes held before it, of {limits.max_graph_intermediate_bytes} bytes a job may use "
+                        "(GRADSVC_MAX_JOB_BYTES); materialize smaller operands or send a smaller batch",
+                        node=step.name, elements=extra, limit=limits.max_elements,
+                        limit_bytes=limits.max_graph_intermediate_bytes)
 
 
 def _shares_storage(out: Any, args: Any) -> bool:

@@ -13,11 +13,11 @@ from datetime import datetime, timezone
 import anyio
 import anyio.to_thread
 import msgspec
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
 from redis.retry import Retry
 from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
@@ -29,7 +29,7 @@ from gradsvc.broker import keys
 from gradsvc.broker.handoff import Handoff, HandoffError
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
-from gradsvc.broker.connection import sync_redis
+from gradsvc.broker.connection import connect, connect_async
 from gradsvc.broker.fanin import cancel_shards, settle
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
@@ -67,6 +67,23 @@ _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job w
 
 # An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
 LEASE_CHECK_S = 1.0
+# An Idempotency-Key's claim until its job is enqueued ("<job id> <body digest> pending"); then "<job id> <digest>".
+_PENDING = "pending"
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+def _claim_value(job_id: str, digest: str) -> str:
+    return f"{job_id} {digest}"
+
+
+# With Sentinel, how long an enqueue waits for a replica to acknowledge the job (then it goes on, logged).
+REPLICA_WAIT_S = 0.5
 # How long the API trusts its last look at which workers serve a queue (whether all are in its domain).
 ROUTE_CACHE_S = 1.0
 
@@ -83,15 +100,15 @@ class JobStore:
         # connection that a Redis restart left dead is replaced at once, and with Redis down or hung the API
         # still answers 503 within about GRADSVC_REDIS_TIMEOUT_S.
         timeout = settings.redis_timeout_s
-        self.redis = sync_redis(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
-                                    retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
-                                        retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.redis = connect(settings, socket_connect_timeout=timeout, socket_timeout=timeout,
+                             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.aredis = connect_async(settings, socket_connect_timeout=timeout, socket_timeout=timeout,
+                                    retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         # Blocking XREADs last up to max_wait_s, so they get their own pool whose socket timeout outlasts them;
         # wait() bounds each one by its own deadline, so a hung Redis still answers 503 soon after it.
-        self.ablocking = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
-                                           socket_timeout=settings.max_wait_s + timeout + 5,
-                                           retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.ablocking = connect_async(settings, socket_connect_timeout=timeout,
+                                       socket_timeout=settings.max_wait_s + timeout + 5,
+                                       retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.lease_s = lease_s(settings.worker_heartbeat_s)
         self.queues = {d: Queue(keys.queue_name(self.prefix, d), connection=self.redis, serializer=MsgpackSerializer,
                                 job_class=GradientJob)
@@ -106,6 +123,7 @@ class JobStore:
         self._routes: dict[str, tuple[float, bool]] = {}
         self.index_ttl_s = max(settings.result_ttl_s, settings.failure_ttl_s)
         self.epochs = Epochs(self.redis, self.prefix)
+        self._replica_warned = float("-inf")
 
     async def close(self) -> None:
         await self.aredis.aclose()
@@ -137,8 +155,8 @@ class JobStore:
                                            lambda: len(Worker.all(queue=self.queues[device])),
                                            self.settings.min_shard_rows)
                 if count > 1:
-                    if claim is not None:
-                        earlier = self._claim(claim, job_id, digest.result(), key_age_s)
+                    if claim is not None:  # claimed as enqueued: the shards go in several transactions
+                        earlier = self._claim(claim, job_id, digest.result(), key_age_s, pending=False)
                         if earlier is not None:
                             return earlier, False
                         claimed = True
@@ -155,25 +173,32 @@ class JobStore:
                         log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
                     else:
                         arg = ref
+            earlier = None
             if claim is not None:  # the body's file is written: the digest was computed meanwhile
                 earlier = self._claim(claim, job_id, digest.result(), key_age_s)
+                if earlier is None:
+                    earlier = self._enqueue_claimed(claim, _claim_value(job_id, digest.result()), queue, arg, fmt,
+                                                    owner, job_id)
                 if earlier is not None:
                     if ref is not None:
                         self.handoff.delete(ref)
                     return earlier, False
-                claimed = True
-            with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (queue registry, then the job)
-                self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
-                pipe.execute()
+            else:
+                with self.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (registry, then the job)
+                    self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
+                    pipe.execute()
         except BaseException:
             if ref is not None:
                 self.handoff.delete(ref)
-            if claimed:  # nothing was enqueued: a retry under the same key must enqueue it
+            if claimed:  # a sharded job's claim, nothing enqueued: a retry under the same key must enqueue it
                 try:
                     self.redis.delete(claim)
                 except (RedisConnectionError, RedisTimeoutError):
                     pass
             raise
+        if self.settings.redis_sentinels:  # after the claim is kept: a failed WAIT must not free the key
+            with self.redis.pipeline(transaction=False) as pipe:
+                self._replica_acked(self._wait_for_replica(pipe).execute())
         return job_id, True
 
     async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
@@ -189,7 +214,25 @@ class JobStore:
         for args, options in commands:
             pipe.execute_command(*args, **options)
         await pipe.execute()
+        if self.settings.redis_sentinels:
+            self._replica_acked(await self._wait_for_replica(self.aredis.pipeline(transaction=False)).execute())
         return job_id
+
+    def _wait_for_replica(self, pipe):
+        """With Sentinel: the job just enqueued (its Idempotency-Key's claim too) is on a replica before the
+        client is told its id, so a failover that follows loses neither (Redis replicates asynchronously:
+        without this the test's failover lost 2 of 40 acknowledged jobs). A write, then WAIT on the same
+        connection (`pipe`, executed by the caller; its replies go to _replica_acked)."""
+        pipe.incr(keys.replication_mark_key(self.prefix))
+        pipe.wait(1, int(REPLICA_WAIT_S * 1000))
+        return pipe
+
+    def _replica_acked(self, replies: list) -> None:
+        """A replica that did not acknowledge within REPLICA_WAIT_S is logged (once a minute); the answer goes on."""
+        if replies[-1] < 1 and time.monotonic() - self._replica_warned > 60:
+            self._replica_warned = time.monotonic()
+            log.warning("no Redis replica acknowledged a job within %.1f s: a failover now could lose the jobs "
+                        "of the last moments (they would read as job_lost)", REPLICA_WAIT_S)
 
     def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, fmt: str, owner: str, job_id: str) -> None:
         """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""
@@ -258,23 +301,52 @@ class JobStore:
                                "GRADSVC_HANDOFF_DIR must be off where several API hosts share one Redis",
                                job_id=job_id) from None
 
-    def _claim(self, claim: str, job_id: str, digest: str, key_age_s: float | None = None) -> str | None:
+    def _enqueue_claimed(self, claim: str, value: str, queue: Queue, arg: bytes | str, fmt: str, owner: str,
+                         job_id: str) -> str | None:
+        """Enqueues the job and marks its key's claim enqueued in one transaction, unless the claim changed
+        since (a retry took it over, its first attempt having seemed dead): None, or the job the key names now."""
+        with self.redis.pipeline() as pipe:
+            pipe.watch(claim)  # WATCH, GET, then MULTI/EXEC: one round trip more for a keyed request
+            if pipe.get(claim) == f"{value} {_PENDING}".encode():
+                pipe.multi()
+                self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
+                pipe.set(claim, value, ex=self.settings.idempotency_ttl_s)
+                try:
+                    pipe.execute()
+                    return None
+                except WatchError:
+                    pass
+        now = self.redis.get(claim)
+        return now.decode().split(" ", 1)[0] if now else job_id
+
+    def _claim(self, claim: str, job_id: str, digest: str, key_age_s: float | None = None,
+               pending: bool = True) -> str | None:
         """Binds the key to `job_id` (None), or returns the job an earlier request bound it to. A retry
         (`key_age_s`) whose key is unknown while Redis's data is younger than the key was first sent may
-        have had its record lost with that data: refused `job_lost` rather than run a second time."""
+        have had its record lost with that data: refused `job_lost` rather than run a second time.
+        `pending`: the claim reads as such until _enqueue_claimed's transaction enqueues the job; a retry
+        that finds it pending (the first attempt failed, or its API died, between claiming and enqueueing)
+        takes it over and enqueues, where it would otherwise be told of a job that never existed."""
+        value = _claim_value(job_id, digest)
+        mine = f"{value} {_PENDING}" if pending else value
         for _ in range(3):  # an earlier claim can expire between SET NX and GET: claim again
-            if self.redis.set(claim, f"{job_id} {digest}", nx=True, ex=self.settings.idempotency_ttl_s):
+            if self.redis.set(claim, mine, nx=True, ex=self.settings.idempotency_ttl_s):
                 if key_age_s is not None and self.epochs.began_within(key_age_s):
                     self.redis.delete(claim)
                     raise ServiceError("job_lost", f"this retry's Idempotency-Key was first sent {key_age_s:.1f} s "
-                                       "ago, and Redis lost its data since (restarted empty): whether the first "
+                                       "ago, and Redis may have lost data since (restarted empty, or without its last "
+                                       "writes, or failed over): whether the first "
                                        "attempt's job ran is unknown, so it is not run again; submit it with a new "
                                        "key if it should run", header="Idempotency-Key")
                 return None
             earlier = self.redis.get(claim)
             if earlier is None:
                 continue
-            earlier_id, earlier_digest = earlier.decode().split(" ", 1)
+            earlier_id, earlier_digest, *state = earlier.decode().split(" ")
+            if earlier_digest == digest and state and pending:  # never enqueued: this request takes it over
+                if self.redis.eval(_TAKE_OVER, 1, claim, earlier, mine, self.settings.idempotency_ttl_s):
+                    return None
+                continue
             if earlier_digest != digest:
                 raise ServiceError("bad_request", "Idempotency-Key was used for a different request body within "
                                    f"GRADSVC_IDEMPOTENCY_TTL_S ({self.settings.idempotency_ttl_s} s), by job "

@@ -39,7 +39,7 @@ from rq.timeouts import JobTimeoutException
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc.broker import keys
-from gradsvc.broker.connection import sync_redis
+from gradsvc.broker.connection import connect
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
 from gradsvc.runtime.malloc import keep_large_buffers
@@ -378,8 +378,8 @@ def _warm_up(device: torch.device) -> None:
 
 
 def redis_connection(settings: Settings) -> Redis:
-    return sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
-                          socket_timeout=max(settings.redis_timeout_s, 5.0), health_check_interval=10)
+    return connect(settings, socket_connect_timeout=settings.redis_timeout_s,
+                   socket_timeout=max(settings.redis_timeout_s, 5.0), health_check_interval=10)
 
 
 def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:

@@ -19,6 +19,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis Sentinel (gradsvc/broker/connection.py): "host:port,..." of the sentinels, and the name they
+    # monitor the master under. Set, every connection goes to the master they name (GRADSVC_REDIS_URL then
+    # gives only the db number and credentials).
+    redis_sentinels: tuple[str, ...] = ()
+    redis_sentinel_master: str = "gradsvc"
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -120,6 +125,13 @@ class Settings:
             raise SettingsError(f"GRADSVC_HANDOFF_DIR={self.handoff_dir!r}: not a directory")
         if self.numcheck_budget_min_s < 0:
             raise SettingsError(f"GRADSVC_NUMCHECK_BUDGET_MIN_S={self.numcheck_budget_min_s!r}: use 0 or more")
+        for entry in self.redis_sentinels:
+            host, _, port = entry.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise SettingsError(f"GRADSVC_REDIS_SENTINELS={','.join(self.redis_sentinels)!r}: {entry!r} is not "
+                                    "host:port")
+        if self.redis_sentinels and not self.redis_sentinel_master:
+            raise SettingsError("GRADSVC_REDIS_SENTINEL_MASTER must name the master the sentinels monitor")
         if self.rate_limit_per_minute < 0:
             raise SettingsError(f"GRADSVC_RATE_LIMIT_PER_MINUTE={self.rate_limit_per_minute!r}: use 0 (off) or more")
 

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis import Redis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
+from redis.sentinel import Sentinel
 from redis.utils import HIREDIS_AVAILABLE
 
 from gradsvc.runtime.settings import Settings
@@ -30,8 +31,6 @@ def connect(settings: Settings, **kwargs: Any) -> Redis:
     server, or the sentinels' current master."""
     if not settings.redis_sentinels:
         return sync_redis(settings.redis_url, **kwargs)
-    from redis.sentinel import Sentinel
-
     return Sentinel(sentinel_addresses(settings), **_sentinel_kwargs(settings)).master_for(
         settings.redis_sentinel_master, command_packer=_Packer(), **_url_auth(settings.redis_url), **kwargs)
 

@@ -1,9 +1,11 @@
-"""Redis with its append-only file, on one real stack (a private redis-server, the API over HTTP, two RQ
-workers): what survives a Redis restart (compose's setting), then a chaos run: a bounded load through the
-SDK while a worker, the API and Redis are killed at seeded random moments; every call is accounted for."""
+"""What survives a Redis restart: `gradsvc up`'s embedded Redis (nothing), then Redis with its append-only
+file on one real stack (a private redis-server, the API over HTTP, two RQ workers): compose's setting
+restarted, then a chaos run, a bounded load through the SDK while a worker, the API and Redis are killed
+at seeded random moments; every call is accounted for."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -12,9 +14,10 @@ import threading
 import time
 from collections import Counter
 
+import httpx
 import pytest
 
-from ..stack import Stack, start_stack, wait_status
+from ..stack import Stack, start_stack, start_up, wait_ready, wait_status
 from .load import account, job_ids, run_load
 from .test_reliability import small_body, submit
 
@@ -23,6 +26,26 @@ CLIENTS, CALLS_PER_CLIENT = 4, 50
 # Faults at random moments of the load's first FAULT_WINDOW_S seconds: each kind once, and one more.
 FAULT_WINDOW_S = (1.0, 12.0)
 _STARTED = re.compile(r"Worker gradsvc-\S+: \S+: .*\(([0-9a-f-]{36})\)\s*$")
+
+
+def test_gradsvc_up_restarts_its_embedded_redis_empty_and_the_stack_recovers_alone(tmp_path):
+    up, url = start_up(tmp_path)
+    log = lambda: (tmp_path / "up.log").read_text()  # noqa: E731
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            wait_ready(http, 90, log)
+            r = http.post("/gradients?wait=30", json=small_body())
+            assert r.status_code == 200, r.text
+            finished = r.json()["job_id"]
+            os.kill(int((tmp_path / ".gradsvc" / "redis.pid").read_text()), signal.SIGKILL)
+            time.sleep(1.0)  # the launcher looks every 0.5 s
+            wait_ready(http, 60, log)  # the embedded Redis is back (empty) and the worker registered again
+            job = http.get(f"/jobs/{finished}").json()
+            assert job["status"] == "failed" and job["error"]["code"] == "job_lost", job
+            assert http.post("/gradients?wait=60", json=small_body()).status_code == 200
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

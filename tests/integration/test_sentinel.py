@@ -53,8 +53,9 @@ def _wait(what: str, ok, timeout_s: float = 30) -> None:
 @pytest.fixture()
 def sentinel_stack():
     workdir = Path(tempfile.mkdtemp(prefix="gradsvc-sentinel-"))
-    master = RedisServer(free_port(), args=FAST_SYNC).start()
-    replica = RedisServer(free_port(), args=(*FAST_SYNC, "--replicaof", "127.0.0.1", str(master.port))).start()
+    master = RedisServer(free_port(), args=(*FAST_SYNC, "--dir", str(workdir))).start()
+    replica = RedisServer(free_port(), args=(*FAST_SYNC, "--dir", str(workdir), "--replicaof", "127.0.0.1",
+                                             str(master.port))).start()
     ports = [free_port() for _ in range(3)]
     sentinels = [_start_sentinel(p, master.port, workdir) for p in ports]
     manager = Sentinel([("127.0.0.1", p) for p in ports], socket_timeout=1)

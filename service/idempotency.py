@@ -20,6 +20,23 @@ from .exceptions import ServiceError
 # a large body, while the enqueue writes the body's handoff file: 20 ms of a 36 MB request here, hidden.
 _DIGEST_INLINE_BYTES = 1 << 20
 _digests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradsvc-digest")
+# A claim until its job is enqueued reads "<job id> <body digest> pending"; then "<job id> <digest>".
+_PENDING = "pending"
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+def claim_value(job_id: str, digest: str) -> str:
+    return f"{job_id} {digest}"
+
+
+def pending_value(job_id: str, digest: str) -> str:
+    return f"{claim_value(job_id, digest)} {_PENDING}"
 
 
 def body_digest(body: bytes) -> "Future[str]":
@@ -41,23 +58,33 @@ class IdempotencyClaims:
         """The claim's Redis key: keys are per owner."""
         return keys.idempotency_key(self.prefix, owner, idempotency_key)
 
-    def claim(self, claim: str, job_id: str, digest: str, key_age_s: float | None = None) -> str | None:
+    def claim(self, claim: str, job_id: str, digest: str, key_age_s: float | None = None,
+              pending: bool = True) -> str | None:
         """Binds the key to `job_id` (None), or returns the job an earlier request bound it to. A retry
         (`key_age_s`) whose key is unknown while Redis's data is younger than the key was first sent may
-        have had its record lost with that data: refused `job_lost` rather than run a second time."""
+        have had its record lost with that data: refused `job_lost` rather than run a second time.
+        `pending`: the claim reads as such until the Enqueuer's transaction enqueues the job; a retry that
+        finds it pending (the first attempt failed, or its API died, between claiming and enqueueing) takes
+        it over and enqueues, where it would otherwise be told of a job that never existed."""
+        mine = pending_value(job_id, digest) if pending else claim_value(job_id, digest)
         for _ in range(3):  # an earlier claim can expire between SET NX and GET: claim again
-            if self.redis.set(claim, f"{job_id} {digest}", nx=True, ex=self.ttl_s):
+            if self.redis.set(claim, mine, nx=True, ex=self.ttl_s):
                 if key_age_s is not None and self.epochs.began_within(key_age_s):
                     self.redis.delete(claim)
                     raise ServiceError("job_lost", f"this retry's Idempotency-Key was first sent {key_age_s:.1f} s "
-                                       "ago, and Redis lost its data since (restarted empty): whether the first "
+                                       "ago, and Redis may have lost data since (restarted empty, or without its last "
+                                       "writes, or failed over): whether the first "
                                        "attempt's job ran is unknown, so it is not run again; submit it with a new "
                                        "key if it should run", header="Idempotency-Key")
                 return None
             earlier = self.redis.get(claim)
             if earlier is None:
                 continue
-            earlier_id, earlier_digest = earlier.decode().split(" ", 1)
+            earlier_id, earlier_digest, *state = earlier.decode().split(" ")
+            if earlier_digest == digest and state and pending:  # never enqueued: this request takes it over
+                if self.redis.eval(_TAKE_OVER, 1, claim, earlier, mine, self.ttl_s):
+                    return None
+                continue
             if earlier_digest != digest:
                 raise ServiceError("bad_request", "Idempotency-Key was used for a different request body within "
                                    f"GRADSVC_IDEMPOTENCY_TTL_S ({self.ttl_s} s), by job "

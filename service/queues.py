@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -15,7 +14,7 @@ from rq import Queue
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
-from gradsvc.broker.connection import sync_redis
+from gradsvc.broker.connection import connect, connect_async
 from gradsvc.broker.handoff import Handoff
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
 from gradsvc.runtime.settings import Settings
@@ -54,15 +53,16 @@ class Queues:
         # connection that a Redis restart left dead is replaced at once, and with Redis down or hung the API
         # still answers 503 within about GRADSVC_REDIS_TIMEOUT_S.
         timeout = settings.redis_timeout_s
-        self.redis = sync_redis(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
-                                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        self.aredis = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout,
-                                        retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.redis = connect(settings, socket_connect_timeout=timeout, socket_timeout=timeout,
+                             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.aredis = connect_async(settings, socket_connect_timeout=timeout, socket_timeout=timeout,
+                                    retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         # Blocking XREADs last up to max_wait_s, so they get their own pool whose socket timeout outlasts them;
         # JobReader.wait() bounds each one by its own deadline, so a hung Redis still answers 503 soon after it.
-        self.ablocking = aioredis.from_url(settings.redis_url, socket_connect_timeout=timeout,
-                                           socket_timeout=settings.max_wait_s + timeout + 5,
-                                           retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.ablocking = connect_async(settings, socket_connect_timeout=timeout,
+                                       socket_timeout=settings.max_wait_s + timeout + 5,
+                                       retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.replicated = bool(settings.redis_sentinels)  # Sentinel: an enqueue waits for a replica (Enqueuer)
         self.shared = {d: self._queue(keys.queue_name(self.prefix, d)) for d in keys.QUEUE_DEVICES}
         # GRADSVC_HANDOFF_DIR: large bodies go to a file and their jobs to this domain's queues
         # (gradsvc/broker/handoff.py), as long as every live worker of the device drains them.

@@ -44,7 +44,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
-from gradsvc.broker.connection import sync_redis
+from gradsvc.broker.connection import connect
 from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
 from gradsvc.runtime.malloc import cap_data, keep_large_buffers
@@ -454,8 +454,8 @@ def _warm_up(device: torch.device) -> None:
 
 
 def redis_connection(settings: Settings) -> Redis:
-    return sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
-                          socket_timeout=max(settings.redis_timeout_s, 5.0), health_check_interval=10)
+    return connect(settings, socket_connect_timeout=settings.redis_timeout_s,
+                   socket_timeout=max(settings.redis_timeout_s, 5.0), health_check_interval=10)
 
 
 def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:

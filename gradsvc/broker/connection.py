@@ -1,13 +1,21 @@
 """Redis clients for the service's processes: redis-py with a packer that sends large values without
-copying them (hiredis's C packer for the many small commands)."""
+copying them (hiredis's C packer for the many small commands), to GRADSVC_REDIS_URL's server or, with
+GRADSVC_REDIS_SENTINELS set, to whichever server the sentinels name as GRADSVC_REDIS_SENTINEL_MASTER's
+master now (each new connection asks them, so a failover is followed by reconnecting)."""
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote, urlparse
 
+import redis.asyncio as aioredis
 from redis import Redis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
+from redis.sentinel import Sentinel
 from redis.utils import HIREDIS_AVAILABLE
+
+from gradsvc.runtime.settings import Settings
 
 
 def sync_redis(url: str, **kwargs: Any) -> Redis:
@@ -16,6 +24,50 @@ def sync_redis(url: str, **kwargs: Any) -> Redis:
     hiredis.pack_command, which copies each argument twice: 36-56 ms per 33 MB SET here, on the path of
     every large request and result. redis-py's own packer sends a large value as it is (_Packer)."""
     return Redis.from_url(url, command_packer=_Packer(), **kwargs)
+
+
+def connect(settings: Settings, **kwargs: Any) -> Redis:
+    """The sync client every API and worker connection goes through (RQ's included): GRADSVC_REDIS_URL's
+    server, or the sentinels' current master."""
+    if not settings.redis_sentinels:
+        return sync_redis(settings.redis_url, **kwargs)
+    return Sentinel(sentinel_addresses(settings), **_sentinel_kwargs(settings)).master_for(
+        settings.redis_sentinel_master, command_packer=_Packer(), **_url_auth(settings.redis_url), **kwargs)
+
+
+def connect_async(settings: Settings, **kwargs: Any) -> aioredis.Redis:
+    """connect()'s asyncio twin (the API's event loop)."""
+    if not settings.redis_sentinels:
+        return aioredis.from_url(settings.redis_url, **kwargs)
+    return AsyncSentinel(sentinel_addresses(settings), **_sentinel_kwargs(settings)).master_for(
+        settings.redis_sentinel_master, **_url_auth(settings.redis_url), **kwargs)
+
+
+def sentinel_addresses(settings: Settings) -> list[tuple[str, int]]:
+    """GRADSVC_REDIS_SENTINELS ("host:port,host:port") as (host, port) pairs (Settings.validate checked them)."""
+    out = []
+    for entry in settings.redis_sentinels:
+        host, _, port = entry.rpartition(":")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:
+    # The sentinels themselves: short timeouts, so a dead one costs a connect timeout and the next is asked.
+    timeout = settings.redis_timeout_s
+    return {"sentinel_kwargs": {"socket_connect_timeout": timeout, "socket_timeout": timeout}}
+
+
+def _url_auth(url: str) -> dict[str, Any]:
+    """What GRADSVC_REDIS_URL still says with sentinels on: the db number and the master's credentials
+    (its host and port are the sentinels' to name)."""
+    parsed = urlparse(url)
+    out: dict[str, Any] = {"db": int(parsed.path.lstrip("/") or 0)}
+    if parsed.username:
+        out["username"] = unquote(parsed.username)
+    if parsed.password:
+        out["password"] = unquote(parsed.password)
+    return out
 
 
 _BUFFER_CUTOFF = 6000  # redis-py's: values longer than this are sent as their own buffer

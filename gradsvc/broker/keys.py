@@ -113,10 +113,17 @@ def session_key(prefix: str, token: str) -> str:
 
 
 def epoch_key(prefix: str) -> str:
-    """The current data epoch: "<8 hex> <unix time it began>", created when missing. Redis restarted
-    empty has none, so the next reader starts a new epoch: job ids carry the epoch they were issued in
-    (their first 8 hex digits), which tells a job Redis lost from one that never existed."""
+    """The current data epoch: "<8 hex> <unix time it began> <run_id of the Redis it began on>", created
+    when missing. Redis restarted empty has none, so the next reader starts a new epoch: job ids carry the
+    epoch they were issued in (their first 8 hex digits), which tells a job Redis lost from one that never
+    existed (service/epochs.py: also when another Redis process may have lost the last writes)."""
     return f"{prefix}:epoch"
+
+
+def replication_mark_key(prefix: str) -> str:
+    """A counter the API increments right before a WAIT (with Sentinel): the WAIT then covers every write
+    Redis ran before it, whichever connection sent them."""
+    return f"{prefix}:replicated"
 
 
 def past_epochs_key(prefix: str) -> str:

@@ -151,7 +151,7 @@ class Launcher:
 
     def run(self) -> int:
         env = dict(os.environ)
-        if not self.redis_from_env:
+        if not self.redis_from_env and not self.settings.redis_sentinels:  # sentinels name the Redis
             port = free_port()
             self.redis = start_redis(port, STATE_DIR / "redis.pid")
             env["GRADSVC_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"

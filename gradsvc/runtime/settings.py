@@ -50,6 +50,11 @@ def default_job_bytes() -> int:
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis Sentinel (gradsvc/broker/connection.py): "host:port,..." of the sentinels, and the name they
+    # monitor the master under. Set, every connection goes to the master they name (GRADSVC_REDIS_URL then
+    # gives only the db number and credentials).
+    redis_sentinels: tuple[str, ...] = ()
+    redis_sentinel_master: str = "gradsvc"
     host: str = "127.0.0.1"
     port: int = _positive(8000)
     api_keys: tuple[str, ...] = ()
@@ -150,6 +155,13 @@ class Settings:
             raise SettingsError(f"GRADSVC_API_KEYS_FILE={self.api_keys_file!r}: no such file")
         if self.handoff_dir and Path(self.handoff_dir).exists() and not Path(self.handoff_dir).is_dir():
             raise SettingsError(f"GRADSVC_HANDOFF_DIR={self.handoff_dir!r}: not a directory")
+        for entry in self.redis_sentinels:
+            host, _, port = entry.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise SettingsError(f"GRADSVC_REDIS_SENTINELS={','.join(self.redis_sentinels)!r}: {entry!r} is not "
+                                    "host:port")
+        if self.redis_sentinels and not self.redis_sentinel_master:
+            raise SettingsError("GRADSVC_REDIS_SENTINEL_MASTER must name the master the sentinels monitor")
 
     @property
     def is_loopback_host(self) -> bool:

@@ -11,7 +11,7 @@ from torch import nn
 
 from gradclient import Client
 
-from ..stack import start_stack
+from ..support.stack import start_stack
 
 # 208 s through the SDK on the shared 2-core machine (load 12; the suite is ~8.3 of its 10 minutes without it):
 # marked slow, so `make test` leaves it out; `pytest -m slow` runs it.

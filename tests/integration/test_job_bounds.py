@@ -20,7 +20,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
-from ..stack import client_fixtures, start_stack, wait_started, wait_status
+from ..support.stack import client_fixtures, start_stack, wait_started, wait_status
 from .test_hard_deadline import TERMINAL, wedging_body
 from .test_reliability import small_body
 

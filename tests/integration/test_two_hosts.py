@@ -33,7 +33,7 @@ from gradsvc.broker import handoff as hf
 from gradsvc.broker import keys
 from gradsvc.runtime.launcher import free_port, wait_port
 
-from ..stack import ROOT, client_fixtures, start_stack, wait_started, wait_status
+from ..support.stack import ROOT, client_fixtures, start_stack, wait_started, wait_status
 from .test_handoff import MIN_BYTES, assert_gradients, body, files_of, local_gradients, post
 from .test_hard_deadline import TERMINAL, wedging_body
 from .test_reliability import small_body

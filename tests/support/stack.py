@@ -151,17 +151,11 @@ def _free_port_run(n: int, avoid: set[int]) -> int:
         return base
 
 
-# start_stack's `handoff` when not given: bench/common.py sets it, so the benches run as `gradsvc up` does.
-HANDOFF_BY_DEFAULT = False
-
-
-def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool | None = None,
+def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool = False,
                 redis: RedisServer | None = None, **env_overrides: str) -> Stack:
     """`handoff=True`: the stack as `gradsvc up` configures it, large payloads handed over in a per-stack
     dir under /dev/shm (gradsvc/broker/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
     tests: off). `redis`: one the caller started (a Sentinel-monitored master), else a private one."""
-    if handoff is None:
-        handoff = HANDOFF_BY_DEFAULT
     redis = redis or RedisServer(free_port(), args=redis_args).start()
     api_port = free_port()
     metrics_port = _free_port_run(4, avoid={api_port, redis.port})

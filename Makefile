@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 test-all: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	GRADSVC_TEST_ALL=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: install
 	$(PY) bench/run_all.py

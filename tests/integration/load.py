@@ -5,6 +5,7 @@ client saw; no job lost, none run twice. For the fault tests (Sentinel failover,
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,14 +29,17 @@ def call_inputs(call: int) -> list[list[float]]:
 
 
 def run_load(base_url: str, clients: int, calls_per_client: int, done: threading.Event | None = None,
-             retry_for_s: float = 30.0) -> list[Outcome]:
-    """`clients` threads, each with its own SDK Client making `calls_per_client` gradients() calls in turn."""
+             retry_for_s: float = 30.0, pace_s: float = 0.0) -> list[Outcome]:
+    """`clients` threads, each with its own SDK Client making `calls_per_client` gradients() calls in turn,
+    `pace_s` apart (so that a load lasts as long on a quiet machine as its faults need)."""
     model = {"layers": SEED_A_LAYERS, "dtype": "float64"}
 
     def client_loop(index: int) -> list[Outcome]:
         out = []
         with Client(base_url, wire_format="json", retry_for_s=retry_for_s, timeout=30) as client:
             for k in range(calls_per_client):
+                if k and pace_s:
+                    time.sleep(pace_s)
                 call = index * calls_per_client + k
                 try:
                     result = client.gradients(model, call_inputs(call), [0, 2], seed=0, numcheck="off",

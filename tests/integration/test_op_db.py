@@ -9,6 +9,8 @@ does not conform (refused with which code, export fails, no float sample, mismat
 
 from __future__ import annotations
 
+import os
+
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +30,9 @@ from workers.engine.ops import OPS
 from tests.support.nets import from_wire
 
 MIN_CONFORMING = 185  # measured 186 of 224 (README, "Any model")
-SAMPLES_PER_OP = 2
+# Samples per op: one in `make test` (each allow-listed op still against torch's own gradient), two in
+# `make test-all` (GRADSVC_TEST_ALL=1), which the README's figure was measured with.
+SAMPLES_PER_OP = 2 if os.environ.get("GRADSVC_TEST_ALL") else 1
 TOL = 1e-9
 # Allow-listed ops whose samples the service answers but cannot match, with the reason (none today).
 KNOWN_MISMATCHES: dict[str, str] = {}

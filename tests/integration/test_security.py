@@ -178,7 +178,7 @@ def test_the_sdk_resends_the_graph_when_its_ref_is_another_key_s(secured):
             gradclient.Client(secured.base_url, api_key=KEYS[4]) as other:
         first = owner.gradients(model, x, y, loss="cross_entropy", numcheck="off")
         assert first.graph_ref
-        other._exports = owner._exports  # as if one process switched keys: its cache holds the first key's ref
+        other._requests.exports = owner._requests.exports  # as if one process switched keys: its cache holds the first key's ref
         again = other.gradients(model, x, y, loss="cross_entropy", numcheck="off")
     assert again.graph_ref == first.graph_ref
     assert all(torch.equal(again.gradients[n], first.gradients[n]) for n in first.gradients)

@@ -20,6 +20,10 @@ from gradsvc.runtime.launcher import free_port, redis_server_binary, wait_port
 from ..support.stack import RedisServer, start_stack
 from .load import account, run_load
 
+# A master, a replica, three sentinels and a two-worker stack: ~30 s here, over the suite's budget with the
+# rest; `make test-all` runs it (README, Tests).
+pytestmark = pytest.mark.slow
+
 MASTER = "gradsvc-test"
 FAST_SYNC = ("--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0")
 
@@ -70,7 +74,10 @@ def sentinel_stack():
                             GRADSVC_REDIS_TIMEOUT_S="1")
         yield stack, manager, master, replica
     finally:
-        if stack is not None:
+        if stack is not None:  # the test is over: no warm shutdown to wait for with the master gone
+            for p in [stack.api, *stack.workers]:
+                if p is not None:
+                    p.kill()
             stack.stop()
         master.stop()
         replica.stop()

@@ -38,6 +38,10 @@ from .test_handoff import MIN_BYTES, assert_gradients, body, files_of, local_gra
 from .test_hard_deadline import TERMINAL, wedging_body
 from .test_reliability import small_body
 
+# Namespaces, a fault proxy and two stacks' worth of processes: ~40 s here, over the suite's budget with the
+# rest; `make test-all` runs it (README, Tests).
+pytestmark = pytest.mark.slow
+
 # Mount a private tmpfs on /dev/shm, then run the command: the second host's view of the handoff dir.
 PRIVATE_SHM = 'mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec "$0" "$@"'
 

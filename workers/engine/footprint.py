@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-_MATMUL = {f"aten.{n}" for n in """linear.default addmm.default mm.default bmm.default matmul.default
-baddbmm.default addmv.default mv.default dot.default outer.default einsum.default""".split()}
-_CONV = {f"aten.{n}" for n in """conv1d.default conv2d.default conv3d.default convolution.default
-conv1d.padding conv2d.padding conv3d.padding""".split()}
-_CONV_T = {f"aten.{n}" for n in "conv_transpose1d.input conv_transpose2d.input conv_transpose3d.input".split()}
+_MATMUL = frozenset({f"aten.{n}" for n in """linear.default addmm.default mm.default bmm.default matmul.default
+baddbmm.default addmv.default mv.default dot.default outer.default einsum.default""".split()})
+_CONV = frozenset({f"aten.{n}" for n in """conv1d.default conv2d.default conv3d.default convolution.default
+conv1d.padding conv2d.padding conv3d.padding""".split()})
+_CONV_T = frozenset(f"aten.{n}" for n in "conv_transpose1d.input conv_transpose2d.input conv_transpose3d.input".split())
 
 
 def _spread(t: torch.Tensor) -> int:

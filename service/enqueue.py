@@ -110,7 +110,7 @@ class Enqueuer:
         since (a retry took it over, its first attempt having seemed dead): None, or the job the key names now."""
         with self.queues.redis.pipeline() as pipe:
             pipe.watch(claim)  # WATCH, GET, then MULTI/EXEC: one round trip more for a keyed request
-            if pipe.get(claim) == f"{value} {_PENDING}".encode():
+            if (pipe.get(claim) or b"").startswith(f"{value} {_PENDING}".encode()):
                 pipe.multi()
                 self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
                 pipe.set(claim, value, ex=self.claims.ttl_s)

@@ -4,6 +4,7 @@ then, for the same body (by digest); a claim binds a new key to a new job, and i
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,7 +37,15 @@ def claim_value(job_id: str, digest: str) -> str:
 
 
 def pending_value(job_id: str, digest: str) -> str:
-    return f"{claim_value(job_id, digest)} {_PENDING}"
+    """The claim until the job is enqueued, with when it was made: a concurrent request with the key waits
+    for it to be enqueued, a retry finding it older than PENDING_TAKEOVER_S takes it over."""
+    return f"{claim_value(job_id, digest)} {_PENDING} {time.time():.3f}"
+
+
+# A claim still pending this long after it was made belongs to an attempt that died between claiming and
+# enqueueing (an enqueue takes milliseconds): a request with the same key and body then takes it over.
+PENDING_TAKEOVER_S = 5.0
+PENDING_POLL_S = 0.02
 
 
 def body_digest(body: bytes) -> "Future[str]":
@@ -67,7 +76,8 @@ class IdempotencyClaims:
         finds it pending (the first attempt failed, or its API died, between claiming and enqueueing) takes
         it over and enqueues, where it would otherwise be told of a job that never existed."""
         mine = pending_value(job_id, digest) if pending else claim_value(job_id, digest)
-        for _ in range(3):  # an earlier claim can expire between SET NX and GET: claim again
+        expired = 0
+        while expired < 3:  # an earlier claim can expire between SET NX and GET: claim again
             if self.redis.set(claim, mine, nx=True, ex=self.ttl_s):
                 if key_age_s is not None and self.epochs.began_within(key_age_s):
                     self.redis.delete(claim)
@@ -79,12 +89,18 @@ class IdempotencyClaims:
                 return None
             earlier = self.redis.get(claim)
             if earlier is None:
+                expired += 1
                 continue
             earlier_id, earlier_digest, *state = earlier.decode().split(" ")
-            if earlier_digest == digest and state and pending:  # never enqueued: this request takes it over
-                if self.redis.eval(_TAKE_OVER, 1, claim, earlier, mine, self.ttl_s):
-                    return None
-                continue
+            if earlier_digest == digest and state:  # claimed, not yet enqueued
+                made = float(state[1]) if len(state) > 1 else 0.0
+                if time.time() - made < PENDING_TAKEOVER_S:
+                    time.sleep(PENDING_POLL_S)  # another request with this key is enqueueing it now
+                    continue
+                if pending and self.redis.eval(_TAKE_OVER, 1, claim, earlier, mine, self.ttl_s):
+                    return None  # its attempt died before enqueueing: this request enqueues it
+                if pending:
+                    continue
             if earlier_digest != digest:
                 raise ServiceError("bad_request", "Idempotency-Key was used for a different request body within "
                                    f"GRADSVC_IDEMPOTENCY_TTL_S ({self.ttl_s} s), by job "

@@ -71,10 +71,6 @@ class LRU(Generic[T]):
             self._items.clear()
             self.bytes = 0
 
-    def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._items
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio.to_thread
 from redis.exceptions import WatchError
@@ -19,7 +19,7 @@ from workers.jobs import gradient_job
 
 from . import fan_out, recent
 from .exceptions import ServiceError
-from .idempotency import _PENDING, IdempotencyClaims, body_digest, claim_value
+from .idempotency import IdempotencyClaims, body_digest, claim_value, still_pending
 from .queues import JobRecord, Queues
 
 log = logging.getLogger("gradsvc.api")
@@ -33,7 +33,7 @@ class Enqueuer:
     claims: IdempotencyClaims
     record: JobRecord
     min_shard_rows: int
-    _warned: list = field(default_factory=lambda: [float("-inf")])  # when _replica_acked last logged
+    _warned_at: float = float("-inf")  # when _replica_acked last logged (time.monotonic())
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
                 sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,
@@ -110,7 +110,7 @@ class Enqueuer:
         since (a retry took it over, its first attempt having seemed dead): None, or the job the key names now."""
         with self.queues.redis.pipeline() as pipe:
             pipe.watch(claim)  # WATCH, GET, then MULTI/EXEC: one round trip more for a keyed request
-            if (pipe.get(claim) or b"").startswith(f"{value} {_PENDING}".encode()):
+            if still_pending(pipe.get(claim), value):
                 pipe.multi()
                 self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
                 pipe.set(claim, value, ex=self.claims.ttl_s)
@@ -133,8 +133,8 @@ class Enqueuer:
 
     def _replica_acked(self, replies: list) -> None:
         """A replica that did not acknowledge within REPLICA_WAIT_S is logged (once a minute); the answer goes on."""
-        if replies[-1] < 1 and time.monotonic() - self._warned[0] > 60:
-            self._warned[0] = time.monotonic()
+        if replies[-1] < 1 and time.monotonic() - self._warned_at > 60:
+            self._warned_at = time.monotonic()
             log.warning("no Redis replica acknowledged a job within %.1f s: a failover now could lose the jobs "
                         "of the last moments (they would read as job_lost)", REPLICA_WAIT_S)
 

@@ -36,6 +36,11 @@ def claim_value(job_id: str, digest: str) -> str:
     return f"{job_id} {digest}"
 
 
+def still_pending(raw: bytes | None, value: str) -> bool:
+    """Whether the claim read as `raw` is `value`'s (claim_value) and still pending."""
+    return (raw or b"").startswith(f"{value} {_PENDING} ".encode())
+
+
 def pending_value(job_id: str, digest: str) -> str:
     """The claim until the job is enqueued, with when it was made: a concurrent request with the key waits
     for it to be enqueued, a retry finding it older than PENDING_TAKEOVER_S takes it over."""

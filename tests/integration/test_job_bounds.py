@@ -16,11 +16,10 @@ import signal
 import subprocess
 import time
 
-import pytest
 from redis import Redis
 from rq.job import Job
 
-from ..support.stack import client_fixtures, start_stack, wait_started, wait_status
+from ..support.stack import client_fixtures, module_stack, wait_started, wait_status
 from .test_hard_deadline import TERMINAL, wedging_body
 from .test_reliability import small_body
 
@@ -30,11 +29,7 @@ JOB_BYTES = 64 << 20
 BOUND_S = 15
 
 
-@pytest.fixture(scope="module")
-def bounded():
-    s = start_stack(workers=2, GRADSVC_MAX_JOB_BYTES=str(JOB_BYTES), GRADSVC_WORKER_HEARTBEAT_S="1")
-    yield s
-    s.stop()
+bounded = module_stack(2, GRADSVC_MAX_JOB_BYTES=str(JOB_BYTES), GRADSVC_WORKER_HEARTBEAT_S="1")
 
 
 http, redis = client_fixtures("bounded")

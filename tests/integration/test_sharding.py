@@ -18,7 +18,7 @@ from rq.job import Job
 from gradsvc.broker import keys
 
 from tests.support.nets import SEED_A_LAYERS, TWO_LOSSES, from_wire, tensor_json
-from tests.support.stack import client_fixtures, start_stack, wait_started, wait_status
+from tests.support.stack import client_fixtures, module_stack, wait_started, wait_status
 
 HEARTBEAT_S = 2  # a job's lease is 3 heartbeats: 6 s
 TERMINAL = ("finished", "failed", "canceled")
@@ -26,11 +26,7 @@ N = 23  # divides by none of 2, 3, 7
 REL = 1e-12
 
 
-@pytest.fixture(scope="module")
-def shard_stack():
-    s = start_stack(workers=2, GRADSVC_WORKER_HEARTBEAT_S=str(HEARTBEAT_S), GRADSVC_MIN_SHARD_ROWS="8")
-    yield s
-    s.stop()
+shard_stack = module_stack(2, GRADSVC_WORKER_HEARTBEAT_S=str(HEARTBEAT_S), GRADSVC_MIN_SHARD_ROWS="8")
 
 
 http, redis = client_fixtures("shard_stack")

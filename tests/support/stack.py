@@ -231,6 +231,20 @@ def wait_started(redis, job_ids: list[str], count: int, timeout_s: float = 60) -
         time.sleep(0.1)
 
 
+def module_stack(workers: int = 1, **settings: str):
+    """A module-scoped fixture of a stack of its own (start_stack's arguments), stopped after the module:
+    `my_stack = module_stack(2, GRADSVC_WORKER_HEARTBEAT_S="1")` in a test module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture():
+        s = start_stack(workers=workers, **settings)
+        yield s
+        s.stop()
+
+    return fixture
+
+
 def client_fixtures(stack_fixture: str):
     """`http` and `redis` fixtures over the module's own stack fixture (named `stack_fixture`):
     `http, redis = client_fixtures("my_stack")` in a test module."""

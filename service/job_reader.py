@@ -21,7 +21,7 @@ from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.fanin import cancel_shards, settle
 from gradsvc.broker.handoff import HandoffError
-from gradsvc.broker.jobs import MsgpackSerializer
+from gradsvc.broker.job import MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 

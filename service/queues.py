@@ -16,7 +16,7 @@ from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.connection import connect, connect_async
 from gradsvc.broker.handoff import Handoff
-from gradsvc.broker.jobs import GradientJob, MsgpackSerializer
+from gradsvc.broker.job import GradientJob, MsgpackSerializer
 from gradsvc.runtime.settings import Settings
 
 from .epochs import Epochs

@@ -21,7 +21,7 @@ from gradsvc.broker import keys
 from gradsvc.broker.blobs import BlobError, BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import Handoff, HandoffError
-from gradsvc.broker.jobs import GradientJob
+from gradsvc.broker.job import GradientJob
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 

@@ -14,7 +14,7 @@ from rq.utils import now, utcformat
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
-from gradsvc.broker.jobs import MsgpackSerializer
+from gradsvc.broker.job import MsgpackSerializer
 
 
 def shard_job_id(job_id: str, index: int) -> str:

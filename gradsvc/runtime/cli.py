@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                     log_level=settings.log_level.lower(), access_log=False,
                     timeout_keep_alive=settings.keep_alive_s)
     elif args.command == "worker":
-        from workers.worker import run
+        from workers.main import run
 
         run(settings, index=args.index, burst=args.burst)
     else:

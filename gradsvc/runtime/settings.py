@@ -77,7 +77,7 @@ class Settings:
     # The memory one job may use: the API's meta-device check of a graph refuses more (too_large, its
     # intermediates, attention matrices and the dense kernels' copies counted), and each CPU worker caps its
     # heap at what it held after warm-up plus this (RLIMIT_DATA): an allocation past it fails the job
-    # out_of_memory and the worker goes on (workers/worker.py).
+    # out_of_memory and the worker goes on (workers/main.py caps it).
     max_job_bytes: int = field(default_factory=default_job_bytes,
                                metadata={"ok": lambda v: v > 0, "advice": "must be positive"})
     default_wait_s: float = 30.0

@@ -8,7 +8,7 @@ heap cap (RLIMIT_DATA), and the workers go on.
 Stop inside one op: SIGTERM and DELETE reach a job that one long C++ op holds: it is reported (`worker_lost`
 after SIGTERM, `canceled` after DELETE), never left `started`, and the worker holding it ends (its Python
 signal handlers cannot run inside the op: the heartbeat thread sees the signal through the wakeup fd,
-workers/worker.py)."""
+workers/watchdog.py)."""
 
 from __future__ import annotations
 

@@ -293,6 +293,6 @@ def test_a_killed_shard_worker_ends_the_job_worker_lost_naming_the_shard_and_can
     for sid in ids:
         if sid != victim_shard:  # canceled while queued (RQ's canceled) or stopped while running (code canceled)
             status = redis.hget(Job.key_for(sid), "status")
-            meta = Job.fetch(sid, connection=redis, serializer="gradsvc.broker.jobs.MsgpackSerializer").meta
+            meta = Job.fetch(sid, connection=redis, serializer="gradsvc.broker.job.MsgpackSerializer").meta
             assert status == b"canceled" or meta.get("error", {}).get("code") == "canceled", (sid, status, meta)
     shard_stack.start_worker()

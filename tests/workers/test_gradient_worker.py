@@ -25,7 +25,7 @@ from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 from service.app import JobParts, job_parts
 from workers import jobs as worker_jobs
-from gradsvc.broker.jobs import MsgpackSerializer
+from gradsvc.broker.job import MsgpackSerializer
 from workers.worker import GradientWorker
 
 from tests.support.nets import SEED_A_LAYERS
@@ -209,7 +209,7 @@ def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
     offenders = [str(p.relative_to(ROOT)) for d in ("service", "workers", "gradsvc", "gradclient")
                  for p in (ROOT / d).rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
-    assert Path(ROOT / "gradsvc" / "broker" / "jobs.py").read_text().count("msgspec.msgpack") >= 2
+    assert Path(ROOT / "gradsvc" / "broker" / "job.py").read_text().count("msgspec.msgpack") >= 2
 
 
 def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(settings):
@@ -219,8 +219,8 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
     from rq.registry import FinishedJobRegistry
     from rq.results import Result
 
-    from gradsvc.broker.jobs import GradientJob
-    from workers.worker import build_worker
+    from gradsvc.broker.job import GradientJob
+    from workers.main import build_worker
 
     store = job_parts(settings)
     conn = store.queues.redis
@@ -257,7 +257,7 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     """The worker sends its start transaction and reads the reply when the job ends: while the job runs, Redis
     has already marked it started (registry, status, lease); a refused command in it surfaces as an error at
     the job's end, and its connection goes back to the pool either way."""
-    from workers.worker import _SentTransaction
+    from workers.transaction import SentTransaction
 
     store = job_parts(settings)
     worker, queue = make_worker(settings)
@@ -284,18 +284,18 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     pipe.set("k1", "v1")
     pipe.hset("a-string", "f", "v")  # WRONGTYPE at EXEC
     pipe.set("k2", "v2")
-    sent = _SentTransaction(pipe)
+    sent = SentTransaction(pipe)
     assert not pipe.command_stack
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         sent.settle()
     assert conn.get("k1") == b"v1" and conn.get("k2") == b"v2"  # Redis ran the rest, as MULTI/EXEC does
     pipe.set("k3", "v3")
     pipe.execute_command("NO-SUCH-COMMAND")  # refused when queued: EXEC aborts, nothing runs
-    sent = _SentTransaction(pipe)
+    sent = SentTransaction(pipe)
     with pytest.raises(redis.ResponseError):
         sent.settle()
     assert conn.get("k3") is None
     pipe.incr("n")
-    _SentTransaction(pipe).settle()
+    SentTransaction(pipe).settle()
     assert conn.get("n") == b"1" and conn.ping()
     assert len(pool._in_use_connections) == 0  # every connection went back

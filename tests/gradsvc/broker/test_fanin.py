@@ -20,7 +20,7 @@ from gradsvc.wire import GradientRequest
 from service.app import JobParts, job_parts
 from workers.engine import EngineConfig, prepare
 from gradsvc.broker.fanin import shard_job_id
-from gradsvc.broker.jobs import MsgpackSerializer
+from gradsvc.broker.job import MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry
 
 from tests.support.nets import SEED_A_LAYERS

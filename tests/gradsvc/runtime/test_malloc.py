@@ -31,7 +31,7 @@ def test_the_api_and_the_workers_turn_it_on():
 
     root = Path(__file__).resolve().parents[3]
     assert "keep_large_buffers(one_arena=True)" in (root / "service" / "app.py").read_text()
-    assert "keep_large_buffers()" in (root / "workers" / "worker.py").read_text()
+    assert "keep_large_buffers()" in (root / "workers" / "main.py").read_text()
 
 
 THREADS = """

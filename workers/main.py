@@ -1,0 +1,95 @@
+"""`gradsvc worker`'s process: build the GradientWorker for these settings (its device, its queues, a
+warmed-up torch), cap its memory, serve its metrics, and run it; a worker started while Redis is down
+waits for it rather than exiting."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import torch
+from redis import Redis
+from rq import Queue
+
+from gradsvc.broker import keys
+from gradsvc.broker.connection import connect
+from gradsvc.broker.job import GradientJob, MsgpackSerializer
+from gradsvc.runtime.malloc import cap_data, keep_large_buffers
+from gradsvc.runtime.settings import Settings
+
+from .engine import warm_up_shape_check
+from .jobs import context, make_context, set_context
+from .worker import REDIS_ERRORS, GradientWorker
+
+log = logging.getLogger("gradsvc.worker")
+
+def _warm_up(device: torch.device) -> None:
+    # The first matmul allocates BLAS/cuBLAS workspaces; pay that before the first job is timed.
+    a = torch.randn(64, 64, device=device, requires_grad=True)
+    (a @ a).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    # The first shape check on the meta device loads torch's meta kernels (seconds, once per process); without
+    # this the first job's prepare_ms carried it (a 2.6 s first job whose passes took 20 ms).
+    warm_up_shape_check()
+
+
+def redis_connection(settings: Settings) -> Redis:
+    return connect(settings, socket_connect_timeout=settings.redis_timeout_s,
+                   socket_timeout=max(settings.redis_timeout_s, 5.0), health_check_interval=10)
+
+
+def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
+    if settings.worker_device != "cpu" and torch.cuda.is_available():
+        # One worker per GPU: worker i of `gradsvc up` (or `gradsvc worker --index i`) takes GPU i mod count.
+        torch.cuda.set_device(index % torch.cuda.device_count())
+    ctx = make_context(settings)
+    set_context(ctx)
+    _warm_up(ctx.device)
+    connection = redis_connection(settings)
+    kind = ctx.device.type
+    queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
+              for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
+    name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
+    return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
+                          name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix)
+
+
+def _wait_for_redis(settings: Settings) -> None:
+    """A worker started while Redis is down waits for it rather than exiting."""
+    connection = redis_connection(settings)
+    delay = 0.5
+    while True:
+        try:
+            connection.ping()
+            return
+        except REDIS_ERRORS as exc:
+            log.warning("Redis at %s unreachable (%s); retrying in %.1f s", settings.redis_url, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+        finally:
+            connection.close()
+
+
+def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
+    keep_large_buffers()
+    _wait_for_redis(settings)
+    worker = build_worker(settings, index=index)
+    if context().device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
+        cap = cap_data(settings.max_job_bytes)
+        if cap is not None:
+            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES)",
+                     worker.name, cap)
+
+    port = settings.worker_metrics_port + index
+    if settings.worker_metrics_port > 0:
+        try:
+            context().metrics.serve(port, host=settings.host)
+        except OSError as exc:  # a taken port costs the metrics, not the worker (a restart would not help)
+            log.error("worker %s: cannot serve metrics on %s:%d (%s); running without them; set "
+                      "GRADSVC_WORKER_METRICS_PORT to a free range", worker.name, settings.host, port, exc)
+    log.info("worker %s on %s, queues %s, metrics on :%d", worker.name, context().device,
+             [q.name for q in worker.queues], port)
+    worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)

@@ -16,14 +16,14 @@ from . import numcheck, numcheck_batched, quantities, tensors
 from .batch import Batch
 from .config import EngineConfig
 from .devices import is_random, seeded
-from .numcheck import Progress
+from .numcheck import ProgressCallback
 from .passes import Pass
 from .prepared import Prepared
 from .program import FloatDType
 
 
 def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
-                    progress: Progress | None, returned: dict[str, torch.Tensor],
+                    progress: ProgressCallback | None, returned: dict[str, torch.Tensor],
                     reference: dict[str, torch.Tensor] | None = None, job_s: float = 0.0, final: Pass | None = None,
                     hvp_vector: dict[str, torch.Tensor] | None = None,
                     per_sample_sum: dict[str, torch.Tensor] | None = None):

@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .devices import is_allocation_failure, out_of_memory, resolve_device, sync
 from .encode import encode_result
 from .errors import ComputeError
-from .numcheck import Progress
+from .numcheck import ProgressCallback
 from .passes import Pass, run_pass, trainable
 from .prepare import prepare
 from .prepare_layers import release_model
@@ -32,7 +32,7 @@ from .prepared import GraphResolver, Prepared
 from .quantities import hvp_vector_for, per_sample_gradients
 
 
-def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: Progress | None = None,
+def compute(request: GradientRequest, config: EngineConfig | None = None, *, progress: ProgressCallback | None = None,
             device: torch.device | None = None, graphs: GraphResolver | None = None,
             reference: dict[str, torch.Tensor] | None = None, caches: EngineCaches | None = None) -> GradientResult:
     """Everything POST /gradients answers, computed in this process. `graphs` resolves model.graph_ref
@@ -58,7 +58,7 @@ def compute(request: GradientRequest, config: EngineConfig | None = None, *, pro
 
 
 
-def _compute(request: GradientRequest, config: EngineConfig, progress: Progress | None,
+def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
              device: torch.device, graphs: GraphResolver | None = None,
              reference: dict[str, torch.Tensor] | None = None, caches: EngineCaches | None = None) -> GradientResult:
     started = time.perf_counter()
@@ -92,7 +92,7 @@ def _one_thread_if_tiny(prep: Prepared, device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: Progress | None,
+def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
                       device: torch.device, reference: dict[str, torch.Tensor] | None, prep: Prepared,
                       started: float, prepare_s: float) -> GradientResult:
     opts = prep.options
@@ -155,7 +155,7 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
 
 
 def _timed_passes(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device,
-                  hvp_vector: dict[str, torch.Tensor] | None, seed: int, progress: Progress | None) -> list[Pass]:
+                  hvp_vector: dict[str, torch.Tensor] | None, seed: int, progress: ProgressCallback | None) -> list[Pass]:
     """timing_repeat passes (plus one warm-up pass, not timed, when repeating); the last one is metered."""
     repeat = prep.options.timing_repeat
     if progress:

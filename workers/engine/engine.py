@@ -11,7 +11,7 @@ from .caches import EngineCaches
 from .compute import compute
 from .config import EngineConfig
 from .estimate import estimate
-from .numcheck import Progress
+from .numcheck import ProgressCallback
 from .prepare import prepare
 from .prepared import GraphResolver, Prepared
 
@@ -25,7 +25,7 @@ class Engine:
                 graphs: GraphResolver | None = None) -> Prepared:
         return prepare(request, self.config, device, shape_only=shape_only, graphs=graphs, caches=self.caches)
 
-    def compute(self, request: GradientRequest, *, progress: Progress | None = None,
+    def compute(self, request: GradientRequest, *, progress: ProgressCallback | None = None,
                 device: torch.device | None = None, graphs: GraphResolver | None = None,
                 reference: dict[str, torch.Tensor] | None = None) -> GradientResult:
         return compute(request, self.config, progress=progress, device=device, graphs=graphs, reference=reference,

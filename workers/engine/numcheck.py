@@ -27,7 +27,8 @@ from gradsvc.wire import Numcheck, ParameterCheck
 
 from .numcheck_batched import BATCH_FAILURES, Batched, _perturbed, _plan
 
-Progress = Callable[[str, int, int], None]
+# Called as the check goes: (phase, done, total); the worker writes it to the job (the wire Progress).
+ProgressCallback = Callable[[str, int, int], None]
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def run(
     samples: int,
     directions: int,
     seed: int,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
     returned: dict[str, torch.Tensor] | None = None,
     returned_dtype: torch.dtype = torch.float64,
     batched: Batched | None = None,
@@ -196,7 +197,7 @@ class _Tally:
     a perturbed loss (one at a time, or `batched` until a batched call fails)."""
 
     def __init__(self, loss_fn: Callable[[], torch.Tensor], batched: Batched | None, eps: float, tolerance: float,
-                 progress: Progress | None) -> None:
+                 progress: ProgressCallback | None) -> None:
         self.loss_fn, self.batched, self.eps, self.tolerance, self.progress = loss_fn, batched, eps, tolerance, progress
         self.evaluations = 0
         self.worst_abs = self.worst_rel = self.worst_floor = 0.0

@@ -34,24 +34,11 @@ from workers.engine.spec import Limits
 LIMITS = Limits()
 
 
-class SmallTransformer(nn.Module):
-    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 100) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.randn(1, 32, dim) * 0.02)
-        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(ids) + self.pos[:, : ids.shape[1]]))
-
-
 def cases():
     from tests.support import models
 
     torch.manual_seed(0)
-    yield "small transformer d64 L2, b8 s32", SmallTransformer().train(), torch.randint(0, 100, (8, 32)), 20
+    yield "small transformer d64 L2, b8 s32", models.SmallTransformer().train(), torch.randint(0, 100, (8, 32)), 20
     yield "tiny pre-norm block, b8", models.PreNormBlock().train(), torch.randn(8, 5, 8), 30
     yield "ResNet block (BN train), b16", models.ResNetBlock(16).train(), torch.randn(16, 16, 16, 16), 20
     try:

@@ -43,22 +43,6 @@ torch.set_num_threads(1)  # on a shared machine, OpenMP threads waiting on busy 
 REPEAT = 3
 
 
-class SmallTransformer(nn.Module):
-    """Token ids -> class logits: embedding, a learned position table, 2 pre-norm encoder layers."""
-
-    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 100, classes: int = 10) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.randn(1, 32, dim) * 0.02)
-        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(self.embed(ids) + self.pos[:, : ids.shape[1]])  # (batch, seq, dim)
-        return self.head(h.mean(1))  # (batch, classes)
-
-
 def body(graph_or_ref, weights: dict, x: torch.Tensor, y: torch.Tensor, **options) -> bytes:
     key = "graph_ref" if isinstance(graph_or_ref, str) else "graph"
     return msgspec.msgpack.encode({
@@ -92,7 +76,9 @@ def per_call_ms(fn, n: int) -> float:
 def main() -> None:
     started = header("Graph models: engine path against ep.module(); step two at the API", __doc__.split("Run:")[0])
     torch.manual_seed(0)
-    model = SmallTransformer().train()
+    from tests.support.models import SmallTransformer
+
+    model = SmallTransformer(classes=10).train()
     x, y = torch.randint(0, 100, (16, 32)), torch.randint(0, 10, (16,))
     exported = export_graph(model, (x,))
     epm = torch.export.export(model, (x,)).module()

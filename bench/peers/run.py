@@ -36,9 +36,10 @@ import httpx  # noqa: E402
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from common import concurrent_posts, footer, header, median, percentile, raw_tensor, seed_a_body, table, wide_layers  # noqa: E402
+from common import (ROOT, concurrent_posts, footer, header, median, percentile, raw_tensor, seed_a_body,  # noqa: E402
+                    start_stack, table, wide_stack_layers)
 from gradsvc.runtime.launcher import free_port, wait_port  # noqa: E402
-from tests.stack import ROOT, RedisServer, start_stack  # noqa: E402
+from tests.support.stack import RedisServer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SMALL, SMALL_WARMUP, SMALL_BLOCK = 200, 20, 50
@@ -104,7 +105,7 @@ def tiny_load(base_url: str, content: bytes) -> dict[str, float]:
 def medium_body() -> bytes:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(256, 1024, generator=g), torch.randn(256, 1024, generator=g)
-    return msgspec.msgpack.encode({"model": {"layers": wide_layers(8, 1024), "dtype": "float32", "seed": 0},
+    return msgspec.msgpack.encode({"model": {"layers": wide_stack_layers(8, 1024), "dtype": "float32", "seed": 0},
                                    "inputs": raw_tensor(x), "targets": raw_tensor(y), "loss": "mse",
                                    "options": OPTIONS})
 

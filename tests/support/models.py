@@ -6,7 +6,7 @@ says otherwise, dropout off where gradients are compared (BatchNorm stays in tra
 gives (model, inputs) for the tests that export or run a model without a loss. Shared by the engine
 tests (tests/workers/engine), the exporter tests (tests/gradclient/test_export.py), the live-stack tests
 (tests/integration/test_any_model.py, test_numcheck_trust.py) and the benches (bench/numcheck_auto.py,
-bench/graph_interpreter.py).
+bench/graph_interpreter.py, bench/graph_overhead.py).
 """
 
 from __future__ import annotations
@@ -138,6 +138,25 @@ class RecurrentLM(nn.Module):
         out = self.rnn(h if self.batch_first else h.transpose(0, 1))[0]
         out = out if self.batch_first else out.transpose(0, 1)  # (batch, seq, dim)
         return self.head(out[:, -1])  # (batch, vocab)
+
+
+class SmallTransformer(nn.Module):
+    """Token ids -> logits: embedding, a learned position table, pre-norm nn.TransformerEncoder layers; a
+    head over the vocabulary at every position (classes=None), or over `classes` of the mean-pooled tokens.
+    The benches' mid-size model (bench/graph_interpreter.py, bench/graph_overhead.py)."""
+
+    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 100, classes: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, 32, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.pooled = classes is not None
+        self.head = nn.Linear(dim, vocab if classes is None else classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(self.embed(ids) + self.pos[:, : ids.shape[1]])  # (batch, seq, dim)
+        return self.head(h.mean(1) if self.pooled else h)  # (batch, classes) or (batch, seq, vocab)
 
 
 class EveryPositionGPT2(nn.Module):

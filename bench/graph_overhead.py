@@ -34,6 +34,7 @@ from common import footer, header, median, raw_tensor, table, verdict
 from gradclient.export import export_graph
 from gradsvc.wire import GradientRequest
 from workers.engine import Engine, EngineConfig
+from workers.engine.batch import Batch
 
 prepare_graph = importlib.import_module("workers.engine.prepare_graph")  # its private steps, timed alone
 
@@ -126,7 +127,7 @@ def main() -> None:
     rows.append(["  of which the graph part (resolve + template + shape cache)",
                  per_call_ms(lambda: (prepare_graph._graph_spec(caches, nodes_only, torch.float32, graphs),
                                       prepare_graph._graph_template(caches, ref, exported.graph, torch.float32, CONFIG),
-                                      prepare_graph._graph_output(caches, template, torch.float32, x, CONFIG.limits)),
+                                      prepare_graph._graph_output(caches, template, torch.float32, Batch.of(x), CONFIG.limits)),
                              2000)])
     table(["API prepare() on meta", "ms"], rows)
     graph_bytes = len(msgspec.msgpack.encode(exported.graph))

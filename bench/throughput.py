@@ -43,7 +43,7 @@ def queue_to_result(stack: Stack, body: bytes, n: int) -> float:
         return n / (time.perf_counter() - t0)
     finally:
         r.close()
-        store.queues.queues.redis.close()
+        store.queues.redis.close()
 
 
 def via_api(stack: Stack, body: bytes, n: int, clients: int) -> float:

@@ -9,7 +9,6 @@ script checks that against local autograd in the first round.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import torch
@@ -63,9 +62,7 @@ def main(base_url: str | None = None, n_clients: int = 4, rounds: int = 5, per_c
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default=None, help="the service (default $GRADSVC_URL or http://127.0.0.1:8000)")
-    ap.add_argument("--clients", type=int, default=4, help="participants, one shard of 64 examples each (default 4)")
-    ap.add_argument("--rounds", type=int, default=5, help="averaging rounds, one SGD step each (default 5)")
-    args = ap.parse_args()
-    main(args.base_url, n_clients=args.clients, rounds=args.rounds)
+    import _cli
+
+    _cli.run(main, __doc__, n_clients=("--clients", 4, "participants, one shard of 64 examples each (default 4)"),
+             rounds=("--rounds", 5, "averaging rounds, one SGD step each (default 5)"))

@@ -12,7 +12,6 @@ script prints the largest weight difference and checks it is below WEIGHT_TOLERA
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
@@ -67,9 +66,7 @@ def main(base_url: str | None = None, epochs: int = 3, samples: int = 256, batch
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", default=None, help="the service (default $GRADSVC_URL or http://127.0.0.1:8000)")
-    ap.add_argument("--epochs", type=int, default=3, help="passes over the samples (default 3)")
-    ap.add_argument("--samples", type=int, default=256, help="synthetic digits, in batches of 64 (default 256)")
-    args = ap.parse_args()
-    main(args.base_url, epochs=args.epochs, samples=args.samples)
+    import _cli
+
+    _cli.run(main, __doc__, epochs=("--epochs", 3, "passes over the samples (default 3)"),
+             samples=("--samples", 256, "synthetic digits, in batches of 64 (default 256)"))

@@ -29,7 +29,7 @@ from torch import nn
 from common import footer, header, median, start_stack, table
 from gradclient import Client
 
-STEPS = 3
+STEPS = 5
 SWEEP_BATCHES = 16
 
 

@@ -3,7 +3,13 @@ names its pieces (`{"dtype", "shape", "refs": [...]}`) instead of carrying its b
 
 The digests of a tensor are computed again only when the tensor changed since they were computed: torch
 counts in-place writes in `tensor._version` (an optimizer step, `copy_`, `add_`), and a new storage moves
-`data_ptr()`; a frozen backbone is hashed once. What the service holds is remembered per client; a piece it
+`data_ptr()`; a frozen backbone is hashed once.
+
+A weight that trains (requires_grad) and changed since the client last sent it, or is sent for the first
+time, goes in the body instead, up to INLINE_BYTES a request: it will change again before the next call, so
+pieces would cost two trips (PUT, then the worker's read from Redis) and the store's memory for bytes used
+once (bench/large_model.py, every weight trained: 1.7x local by reference). Sent again unchanged (a sweep,
+several probes of one checkpoint), it goes by reference from then on. What the service holds is remembered per client; a piece it
 lost (expired, evicted) is a 422 `tensor_not_found`, which the client answers by uploading again, once.
 """
 
@@ -19,6 +25,7 @@ from .tensors import _torch_bytes
 
 PIECE_BYTES = 32 << 20  # well under GRADSVC_MAX_BODY_BYTES: a piece is one PUT
 MIN_BYTES = 64 << 10  # smaller tensors go in the body, as before
+INLINE_BYTES = 128 << 20  # changing weights in one body at most: half of GRADSVC_MAX_BODY_BYTES's default
 
 
 class TensorRefs:
@@ -38,17 +45,35 @@ class TensorRefs:
         pending = [(d, raw[i * step:(i + 1) * step]) for i, d in enumerate(digests) if d not in self.uploaded]
         return wire.Tensor(dtype=name, shape=shape, refs=digests), pending
 
-    def _digests(self, t: Any, raw: memoryview) -> list[str]:
-        state = (t._version, t.data_ptr(), tuple(t.shape), str(t.dtype), str(t.device))
-        hit = self._known.get(id(t))
+    def changing(self, t: Any) -> bool:
+        """Whether `t` is a large weight that trains and is new or changed since the client last sent it
+        (then it goes in the body, see above); the state it had now is remembered either way."""
+        if not getattr(t, "requires_grad", False) or t.numel() * t.element_size() < self.min_bytes:
+            return False
+        state, hit = self._state(t), self._known.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == state:
+            return False
+        self._remember(t, state, None)
+        return True
+
+    @staticmethod
+    def _state(t: Any) -> tuple:
+        return (t._version, t.data_ptr(), tuple(t.shape), str(t.dtype), str(t.device))
+
+    def _remember(self, t: Any, state: tuple, digests: list[str] | None) -> None:
+        if len(self._known) > 100_000:  # drop the entries of tensors gone since
+            self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
+        self._known[id(t)] = (weakref.ref(t), state, digests)
+
+    def _digests(self, t: Any, raw: memoryview) -> list[str]:
+        state = self._state(t)
+        hit = self._known.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == state and hit[2] is not None:
             return hit[2]
         step = self.piece_bytes
         digests = [hashlib.sha256(raw[a:a + step]).hexdigest() for a in range(0, len(raw), step)]
         self.hashed_bytes += len(raw)
-        if len(self._known) > 100_000:  # drop the entries of tensors gone since
-            self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
-        self._known[id(t)] = (weakref.ref(t), state, digests)
+        self._remember(t, state, digests)
         return digests
 
     def forget(self, digests: list[str]) -> None:

@@ -11,7 +11,7 @@ import msgspec
 from gradsvc import wire
 
 from .errors import BadOptionError, GradientClientError, GraphNotFoundError, UnsupportedModuleError
-from .refs import TensorRefs
+from .refs import INLINE_BYTES, TensorRefs
 from .tensors import inputs_to_wire, several_inputs, to_wire
 
 _OPTION_NAMES = frozenset(f.name for f in msgspec.structs.fields(wire.Options))
@@ -62,6 +62,7 @@ class RequestBuilder:
         options = dict(options)
         local_names: dict[str, str] = {}
         uploads: list = []
+        inline = [INLINE_BYTES]  # what changing weights may still put in this body (_weight)
         graph_key, by_ref = None, False
         if isinstance(model, wire.ModelSpec):
             model = msgspec.structs.asdict(model)
@@ -81,7 +82,7 @@ class RequestBuilder:
                     raise
                 c = None
             if c is None:  # any other nn.Module goes as an exported graph with its weights
-                spec, graph_key, by_ref = self._graph_spec(model, inputs, uploads)
+                spec, graph_key, by_ref = self._graph_spec(model, inputs, uploads, inline)
                 if "freeze" not in options:
                     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
                     if frozen:
@@ -89,7 +90,7 @@ class RequestBuilder:
             else:
                 spec = {"layers": c.layers, "dtype": c.dtype}
                 if c.weights:
-                    spec["weights"] = {k: self._weight(v, uploads) for k, v in c.weights.items()}
+                    spec["weights"] = {k: self._weight(v, uploads, inline) for k, v in c.weights.items()}
                 local_names = c.local_names
                 if "freeze" in options:
                     options["freeze"] = _service_prefixes(options["freeze"], local_names)
@@ -110,17 +111,22 @@ class RequestBuilder:
         return Prepared(body=body, encoder=self.encoder, local_names=local_names, graph_key=graph_key,
                         by_ref=by_ref, uploads=uploads, refs=refs)
 
-    def _weight(self, t: Any, uploads: list) -> Any:
-        """A weight as the request carries it: by reference when large (its new pieces into `uploads`)."""
+    def _weight(self, t: Any, uploads: list, inline: list[int]) -> Any:
+        """A weight as the request carries it: by reference when large (its new pieces into `uploads`), but
+        in the body while it trains and changes from call to call (refs.py), up to INLINE_BYTES a request."""
         if self.refs is not None:
-            by_ref = self.refs.wire(t)  # the parameter itself: its version counter says when it changed
+            # The parameter itself: its version counter says when it changed.
+            if self.refs.changing(t) and t.numel() * t.element_size() <= inline[0]:
+                inline[0] -= t.numel() * t.element_size()
+                return to_wire(t.detach(), self.wire_format)
+            by_ref = self.refs.wire(t)
             if by_ref is not None:
                 value, pending = by_ref
                 uploads.extend(pending)
                 return value
         return to_wire(t.detach(), self.wire_format)
 
-    def _graph_spec(self, model: Any, inputs: Any, uploads: list) -> tuple[dict[str, Any], Any, bool]:
+    def _graph_spec(self, model: Any, inputs: Any, uploads: list, inline: list[int]) -> tuple[dict[str, Any], Any, bool]:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights."""
         from .export import example_inputs, export_graph
@@ -141,7 +147,7 @@ class RequestBuilder:
             self.exports[key] = entry
         state = {**dict(model.named_parameters(remove_duplicate=False)),
                  **dict(model.named_buffers(remove_duplicate=False))}
-        weights = {n: self._weight(state[n], uploads) for n in entry.names}
+        weights = {n: self._weight(state[n], uploads, inline) for n in entry.names}
         spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
         if entry.ref is not None:
             spec["graph_ref"] = entry.ref

@@ -140,7 +140,9 @@ def test_pieces_the_service_lost_are_uploaded_again_by_the_sdk(secured):
     model = Backbone()
     ids, y = torch.randint(0, 1024, (2, 3)), torch.randint(0, 8, (2,))
     with Client(secured.base_url, api_key=KEYS[1], timeout=120) as client:
-        first = client.gradients(model, ids, y, numcheck="off", memory=False)
+        inline = client.gradients(model, ids, y, numcheck="off", memory=False)  # new trained weights: in the body
+        first = client.gradients(model, ids, y, numcheck="off", memory=False)  # unchanged: up as pieces, once
+        assert first.upload_bytes >= inline.upload_bytes * 0.9 and client._refs.uploaded
         r = redis.Redis.from_url(secured.redis.url)
         try:
             for key in r.scan_iter("*blob:*"):
@@ -150,3 +152,26 @@ def test_pieces_the_service_lost_are_uploaded_again_by_the_sdk(secured):
         again = client.gradients(model, ids, y, numcheck="off", memory=False)
     assert again.upload_bytes >= first.upload_bytes * 0.9  # everything went up again, once
     assert {n: g.tolist() for n, g in again.gradients.items()} == {n: g.tolist() for n, g in first.gradients.items()}
+    assert {n: g.tolist() for n, g in inline.gradients.items()} == {n: g.tolist() for n, g in first.gradients.items()}
+
+
+def test_a_trained_weight_goes_in_the_body_while_it_changes_and_by_reference_once_it_does_not(secured):
+    """Every weight trains (SGD): each step changes them all, so they go in the request body (one trip)
+    rather than up as pieces kept for a reuse that never comes; a sweep with fixed weights sends them up
+    once and then names them."""
+    torch.manual_seed(2)
+    model = Backbone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids, y = torch.randint(0, 1024, (2, 3)), torch.randint(0, 8, (2,))
+    large = sum(p.numel() * 4 for p in model.parameters() if p.numel() * 4 >= MIN_BYTES)
+    with Client(secured.base_url, api_key=KEYS[1], timeout=120) as client:
+        for _ in range(2):
+            result = client.gradients(model, ids, y, numcheck="off", memory=False)
+            result.set_grads(model)
+            opt.step()
+            opt.zero_grad()
+            assert result.upload_bytes > large and not client._refs.uploaded  # all in the body, nothing kept
+        assert client._refs.hashed_bytes == 0
+        sweep = [client.gradients(model, ids, y, numcheck="off", memory=False).upload_bytes for _ in range(3)]
+    assert sweep[0] > large and sweep[1] > large  # the last step's weights in the body, then up as pieces
+    assert sweep[2] < large / 20, sweep  # then named only

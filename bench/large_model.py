@@ -11,6 +11,7 @@ worker, handoff on as `gradsvc up` sets it), against the same step locally, in t
 
 "service s" is the median wall time of a step through the SDK (after a first, untimed call that exports
 and uploads); "local s" the median of the same step in this process (forward, backward, optimizer step; the sweep: per batch);
+"worker s" the median of the worker's own timings.total_ms (its compute: prepare, forward, backward);
 "sent MB" what the SDK sent per timed step (body and pieces). numcheck off, memory accounting off.
 
 Run: .venv/bin/python bench/large_model.py
@@ -51,14 +52,14 @@ def _freeze_backbone(model: nn.Module) -> None:
         p.requires_grad_(name.startswith(("lm.transformer.h.5.", "lm.transformer.ln_f.")))
 
 
-def _step(model, client, ids, y, opt, options) -> tuple[float, int]:
+def _step(model, client, ids, y, opt, options) -> tuple[float, int, float]:
     t0 = time.perf_counter()
     result = client.gradients(model, ids, y, numcheck="off", memory=False, **options)
     if opt is not None:
         result.set_grads(model)
         opt.step()
         opt.zero_grad()
-    return time.perf_counter() - t0, result.upload_bytes
+    return time.perf_counter() - t0, result.upload_bytes, result.timings.total_ms / 1e3
 
 
 def _local_step(model, ids, y, opt, per_sample: bool) -> float:
@@ -106,19 +107,20 @@ def main() -> list[list]:
                 options = {"per_sample": "norms", "batch_gradient": False} if sweep else {}
                 ids, y = batches[0]
                 _step(model, client, ids, y, opt, options)  # export, upload
-                service, sent, local_s = [], [], []
+                service, sent, worker, local_s = [], [], [], []
                 for k in range(STEPS if not sweep else len(batches)):
                     ids, y = batches[k % len(batches)]
-                    s, b = _step(model, client, ids, y, opt, options)
+                    s, b, w = _step(model, client, ids, y, opt, options)
                     service.append(s)
                     sent.append(b)
+                    worker.append(w)
                     local_s.append(_local_step(local, ids, y, local_opt, sweep))
                 rows.append([case, sum(p.numel() for p in trainable) / 1e6 if not sweep else 0.0,
-                             median(service), median(local_s), median(service) / median(local_s),
+                             median(service), median(worker), median(local_s), median(service) / median(local_s),
                              median(sent) / 1e6])
     finally:
         stack.stop()
-    table(["case", "trainable M", "service s", "local s", "ratio", "sent MB"], rows)
+    table(["case", "trainable M", "service s", "worker s", "local s", "ratio", "sent MB"], rows)
     footer(started)
     return rows
 

@@ -105,6 +105,15 @@ class Backbone(nn.Module):
         return self.head(self.body(self.embed(ids)).mean(1))  # (batch, 8)
 
 
+def service_step(client: Client, model: nn.Module, ids, y, opt):
+    """One SGD step with the service's gradients; its result."""
+    result = client.gradients(model, ids, y, numcheck="off", memory=False)
+    result.set_grads(model)
+    opt.step()
+    opt.zero_grad()
+    return result
+
+
 def test_a_frozen_backbone_trains_to_exactly_the_local_weights_sending_only_what_changed(secured):
     torch.manual_seed(0)
     model = Backbone()
@@ -117,10 +126,7 @@ def test_a_frozen_backbone_trains_to_exactly_the_local_weights_sending_only_what
     sent = []
     with Client(secured.base_url, api_key=KEYS[0], timeout=120) as client:
         for _ in range(4):
-            result = client.gradients(model, ids, y, numcheck="off", memory=False)
-            result.set_grads(model)
-            opt.step()
-            opt.zero_grad()
+            result = service_step(client, model, ids, y, opt)
             local_opt.zero_grad()
             F.cross_entropy(local(ids), y).backward()
             local_opt.step()
@@ -166,10 +172,7 @@ def test_a_trained_weight_goes_in_the_body_while_it_changes_and_by_reference_onc
     large = sum(p.numel() * 4 for p in model.parameters() if p.numel() * 4 >= MIN_BYTES)
     with Client(secured.base_url, api_key=KEYS[1], timeout=120) as client:
         for _ in range(2):
-            result = client.gradients(model, ids, y, numcheck="off", memory=False)
-            result.set_grads(model)
-            opt.step()
-            opt.zero_grad()
+            result = service_step(client, model, ids, y, opt)
             assert result.upload_bytes > large and not client._refs.uploaded  # all in the body, nothing kept
         assert client._refs.hashed_bytes == 0
         sweep = [client.gradients(model, ids, y, numcheck="off", memory=False).upload_bytes for _ in range(3)]

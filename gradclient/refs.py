@@ -5,12 +5,13 @@ The digests of a tensor are computed again only when the tensor changed since th
 counts in-place writes in `tensor._version` (an optimizer step, `copy_`, `add_`), and a new storage moves
 `data_ptr()`; a frozen backbone is hashed once.
 
-A weight that trains (requires_grad) and changed since the client last sent it, or is sent for the first
-time, goes in the body instead, up to INLINE_BYTES a request: it will change again before the next call, so
-pieces would cost two trips (PUT, then the worker's read from Redis) and the store's memory for bytes used
-once (bench/large_model.py, every weight trained: 1.7x local by reference). Sent again unchanged (a sweep,
-several probes of one checkpoint), it goes by reference from then on. What the service holds is remembered per client; a piece it
-lost (expired, evicted) is a 422 `tensor_not_found`, which the client answers by uploading again, once.
+A tensor that changed since the client last sent it, or a weight that trains (requires_grad) sent for the
+first time, goes in the body instead, up to INLINE_BYTES a request: it will change again before the next
+call, so pieces would cost two trips (PUT, then the worker's read from Redis) and the store's memory for
+bytes used once (bench/large_model.py, every weight trained: 1.7x local by reference). Sent again unchanged
+(a sweep, several probes of one checkpoint), it goes by reference from then on. What the service holds is
+remembered per client; a piece it lost (expired, evicted) is a 422 `tensor_not_found`, which the client
+answers by uploading again, once.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ class TensorRefs:
         return wire.Tensor(dtype=name, shape=shape, refs=digests), pending
 
     def changing(self, t: Any) -> bool:
-        """Whether `t` is a large weight that trains and is new or changed since the client last sent it
-        (then it goes in the body, see above); the state it had now is remembered either way."""
-        if not getattr(t, "requires_grad", False) or t.numel() * t.element_size() < self.min_bytes:
+        """Whether `t` is a large tensor that changed since the client last sent it (an optimizer step, a
+        BatchNorm's running statistics), or a weight that trains sent for the first time: then it goes in
+        the body (see above). Its state now is remembered either way."""
+        if t.numel() * t.element_size() < self.min_bytes:
             return False
         state, hit = self._state(t), self._known.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == state:
+        known = hit is not None and hit[0]() is t
+        if (known and hit[1] == state) or (not known and not getattr(t, "requires_grad", False)):
             return False
         self._remember(t, state, None)
         return True

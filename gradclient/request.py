@@ -46,6 +46,14 @@ class _Export(msgspec.Struct):
     ref: str | None = None  # the service's graph_ref, once an answer gave it
 
 
+class _Inline:
+    """What changing weights may still put in one request body (refs.py), and the ones it took."""
+
+    def __init__(self) -> None:
+        self.left = INLINE_BYTES
+        self.taken: set[int] = set()  # id() of the tensors in the body
+
+
 class RequestBuilder:
     """Builds a client's request bodies; holds what lasts between them (the exports, the pieces sent)."""
 
@@ -62,7 +70,7 @@ class RequestBuilder:
         options = dict(options)
         local_names: dict[str, str] = {}
         uploads: list = []
-        inline = [INLINE_BYTES]  # what changing weights may still put in this body (_weight)
+        inline = _Inline()
         graph_key, by_ref = None, False
         if isinstance(model, wire.ModelSpec):
             model = msgspec.structs.asdict(model)
@@ -111,13 +119,16 @@ class RequestBuilder:
         return Prepared(body=body, encoder=self.encoder, local_names=local_names, graph_key=graph_key,
                         by_ref=by_ref, uploads=uploads, refs=refs)
 
-    def _weight(self, t: Any, uploads: list, inline: list[int]) -> Any:
+    def _weight(self, t: Any, uploads: list, inline: "_Inline") -> Any:
         """A weight as the request carries it: by reference when large (its new pieces into `uploads`), but
         in the body while it trains and changes from call to call (refs.py), up to INLINE_BYTES a request."""
         if self.refs is not None:
-            # The parameter itself: its version counter says when it changed.
-            if self.refs.changing(t) and t.numel() * t.element_size() <= inline[0]:
-                inline[0] -= t.numel() * t.element_size()
+            # The parameter itself: its version counter says when it changed. A tied weight named twice
+            # goes in the body twice (the second look would find it unchanged).
+            size = t.numel() * t.element_size()
+            if (id(t) in inline.taken or self.refs.changing(t)) and size <= inline.left:
+                inline.left -= size
+                inline.taken.add(id(t))
                 return to_wire(t.detach(), self.wire_format)
             by_ref = self.refs.wire(t)
             if by_ref is not None:
@@ -126,7 +137,8 @@ class RequestBuilder:
                 return value
         return to_wire(t.detach(), self.wire_format)
 
-    def _graph_spec(self, model: Any, inputs: Any, uploads: list, inline: list[int]) -> tuple[dict[str, Any], Any, bool]:
+    def _graph_spec(self, model: Any, inputs: Any, uploads: list, inline: "_Inline") -> tuple[dict[str, Any], Any,
+                                                                                           bool]:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights."""
         from .export import example_inputs, export_graph

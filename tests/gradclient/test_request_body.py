@@ -153,3 +153,60 @@ def test_a_large_answer_is_read_into_uninitialised_memory_and_a_short_or_long_on
         assert bytes(got) == data and not getattr(got, "readonly", False)
     encoded = _Body(httpx.Response(200, headers={"content-length": str(len(payload)), "content-encoding": "gzip"}))
     assert isinstance(encoded.buf, bytearray)  # the decoded length is not the announced one
+
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding whose table the head shares (GPT-2's tying: one Parameter, two names), a large buffer
+    the forward updates in training mode, and a frozen projection: each 128 KiB or more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 64)
+        self.frozen = torch.nn.Linear(64, 512, bias=False).requires_grad_(False)
+        self.head = torch.nn.Linear(64, 512, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("seen", torch.zeros(64 * 512))
+
+    def forward(self, ids):
+        h = self.embed(ids).mean(1)
+        if self.training:
+            with torch.no_grad():
+                self.seen.add_(1.0)
+        return self.head(h) + self.frozen(h)
+
+
+def test_changing_weights_go_in_the_body_and_unchanged_ones_by_reference():
+    """The SDK's choice per large tensor (gradclient/refs.py): a weight that trains goes in the body the
+    first time and whenever it changed, a frozen one by reference from the first call, a buffer that
+    changed in the body; sent again unchanged, each by reference."""
+    from gradclient.request import RequestBuilder, _Inline
+    from gradsvc import wire
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    builder = RequestBuilder("msgpack", msgspec.msgpack.Encoder(), ref_min_bytes=64 << 10)
+    ids, y = torch.randint(0, 512, (4, 3)), torch.randint(0, 512, (4,))
+
+    def sent() -> dict[str, str]:
+        prep = builder.prepare(model, ids, y, "cross_entropy", None, None, 0, {"numcheck": "off"})
+        builder.refs.uploaded.update(d for d, _ in prep.uploads)  # as if the PUTs went through
+        return {n: "ref" if isinstance(w, wire.Tensor) and w.refs else "body"
+                for n, w in prep.body["model"]["weights"].items()}
+
+    # torch.export names the tied table once
+    assert sent() == {"embed.weight": "body", "frozen.weight": "ref", "seen": "ref"}
+    assert sent() == {"embed.weight": "ref", "frozen.weight": "ref", "seen": "ref"}
+    model(ids)  # training mode: the buffer changes
+    with torch.no_grad():
+        model.embed.weight.add_(0.1)  # an optimizer step on the table
+    assert sent() == {"embed.weight": "body", "frozen.weight": "ref", "seen": "body"}
+    assert builder.refs.hashed_bytes == 3 * 64 * 512 * 4  # each hashed once, when first sent by reference
+
+    # A tied weight under two names in one body (a layer spec names both): in the body under each, not by
+    # reference under the second because the first look already recorded it.
+    with torch.no_grad():
+        model.embed.weight.add_(0.1)
+    inline, uploads = _Inline(), []
+    first, second = (builder._weight(model.embed.weight, uploads, inline) for _ in range(2))
+    assert not first.refs and not second.refs and not uploads

@@ -63,6 +63,7 @@ def test_a_gradients_call_outlives_an_api_restart_mid_wait_and_its_job_runs_once
     assert _jobs_in_redis(stack) == 1  # its retry found the job by its Idempotency-Key: nothing ran twice
 
 
+@pytest.mark.slow  # make test-all; see README, Tests
 def test_a_submitted_job_is_waited_on_by_its_id_across_an_api_restart(stack):
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(_call, stack, wedging_body(30_000), True)

@@ -3,6 +3,8 @@ worker. No job may be lost; p50/p99 latency goes to the output (timings are repo
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import copy
 import socket
@@ -47,6 +49,7 @@ async def _run(base_url: str, headers: dict) -> tuple[list[float], dict[int, tup
     return latencies, answers
 
 
+@pytest.mark.slow  # make test-all; see README, Tests
 def test_2000_submissions_at_concurrency_32_lose_no_job(stack):
     started = time.perf_counter()
     try:

@@ -25,6 +25,7 @@ from .worker import REDIS_ERRORS, GradientWorker
 
 log = logging.getLogger("gradsvc.worker")
 
+
 def _warm_up(device: torch.device) -> None:
     # The first matmul allocates BLAS/cuBLAS workspaces; pay that before the first job is timed.
     a = torch.randn(64, 64, device=device, requires_grad=True)

@@ -33,7 +33,8 @@ class TensorRefs:
     def __init__(self, min_bytes: int = MIN_BYTES, piece_bytes: int = PIECE_BYTES) -> None:
         self.min_bytes, self.piece_bytes = min_bytes, piece_bytes
         self.uploaded: set[str] = set()  # pieces this client sent to the service (and has not heard it lost)
-        self._known: dict[int, tuple[Any, tuple, list[str]]] = {}  # id(tensor) -> (weakref, state, digests)
+        # id(tensor) -> (weakref, state, digests; None while it went in the body)
+        self._known: dict[int, tuple[Any, tuple, list[str] | None]] = {}
         self.hashed_bytes = 0  # bytes hashed so far (what "only what changed" saves shows here)
 
     def wire(self, t: Any) -> tuple[wire.Tensor, list[tuple[str, memoryview]]] | None:
@@ -52,16 +53,18 @@ class TensorRefs:
         the body (see above). Its state now is remembered either way."""
         if t.numel() * t.element_size() < self.min_bytes:
             return False
-        state, hit = self._state(t), self._known.get(id(t))
-        known = hit is not None and hit[0]() is t
-        if (known and hit[1] == state) or (not known and not getattr(t, "requires_grad", False)):
+        state, hit = self._entry(t)
+        if (hit is not None and hit[1] == state) or (hit is None and not getattr(t, "requires_grad", False)):
             return False
         self._remember(t, state, None)
         return True
 
-    @staticmethod
-    def _state(t: Any) -> tuple:
-        return (t._version, t.data_ptr(), tuple(t.shape), str(t.dtype), str(t.device))
+    def _entry(self, t: Any) -> tuple[tuple, tuple | None]:
+        """`t`'s state now (its version counter, storage, shape, dtype, device) and what was remembered of
+        this very tensor (None if nothing, or only of another one since gone whose id it reuses)."""
+        state = (t._version, t.data_ptr(), tuple(t.shape), str(t.dtype), str(t.device))
+        hit = self._known.get(id(t))
+        return state, hit if hit is not None and hit[0]() is t else None
 
     def _remember(self, t: Any, state: tuple, digests: list[str] | None) -> None:
         if len(self._known) > 100_000:  # drop the entries of tensors gone since
@@ -69,9 +72,8 @@ class TensorRefs:
         self._known[id(t)] = (weakref.ref(t), state, digests)
 
     def _digests(self, t: Any, raw: memoryview) -> list[str]:
-        state = self._state(t)
-        hit = self._known.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == state and hit[2] is not None:
+        state, hit = self._entry(t)
+        if hit is not None and hit[1] == state and hit[2] is not None:
             return hit[2]
         step = self.piece_bytes
         digests = [hashlib.sha256(raw[a:a + step]).hexdigest() for a in range(0, len(raw), step)]

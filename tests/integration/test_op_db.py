@@ -9,7 +9,6 @@ does not conform (refused with which code, export fails, no float sample, mismat
 
 from __future__ import annotations
 
-import os
 
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -28,11 +27,12 @@ from gradclient.tensors import to_wire
 from workers.engine.ops import OPS
 
 from tests.support.nets import from_wire
+from tests.support.suite import TEST_ALL
 
 MIN_CONFORMING = 185  # measured 186 of 224 (README, "Any model")
 # Samples per op: one in `make test` (each allow-listed op still against torch's own gradient), two in
 # `make test-all` (GRADSVC_TEST_ALL=1), which the README's figure was measured with.
-SAMPLES_PER_OP = 2 if os.environ.get("GRADSVC_TEST_ALL") else 1
+SAMPLES_PER_OP = 2 if TEST_ALL else 1
 TOL = 1e-9
 # Allow-listed ops whose samples the service answers but cannot match, with the reason (none today).
 KNOWN_MISMATCHES: dict[str, str] = {}

@@ -6,7 +6,6 @@ a 422 is an expected answer to schema-valid data). A dedicated stack keeps `wait
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.config import SchemathesisConfig
 
 from tests.support.stack import start_stack
+from tests.support.suite import TEST_ALL
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Examples per operation: 30 in `make test-all` (GRADSVC_TEST_ALL=1), 15 in `make test` (suite time).
-MAX_EXAMPLES = 30 if os.environ.get("GRADSVC_TEST_ALL") else 15
+MAX_EXAMPLES = 30 if TEST_ALL else 15
 OPERATIONS = ["POST /gradients", "POST /estimate", "GET /jobs/{job_id}", "DELETE /jobs/{job_id}", "GET /layers",
               "PUT /tensors/{ref}", "POST /tensors/missing",
               "GET /healthz", "GET /readyz", "GET /metrics"]

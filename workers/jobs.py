@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ def context() -> WorkerContext:
     return _context
 
 
-def decode_request(body: bytes, fmt: str) -> GradientRequest:
+def decode_request(body: "bytes | mmap.mmap", fmt: str) -> GradientRequest:
     try:
         return (_msgpack_request if fmt == "msgpack" else _json_request).decode(body)
     except msgspec.ValidationError as exc:
@@ -150,8 +151,8 @@ def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | 
     return RecordedFailureError(f"{code}: {message}")
 
 
-def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | None = None) -> bytes:
-    """The request's bytes: the job's argument itself, or the file a handoff ref names (read, then deleted).
+def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | None = None) -> "bytes | mmap.mmap":
+    """The request's bytes: the job's argument itself, or the file a handoff ref names (mapped, then deleted).
     A ref is never a path: gradsvc/broker/handoff.py checks its domain and name and joins it to this worker's dir."""
     if not isinstance(body, str):
         return body
@@ -212,6 +213,7 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
     result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
                                 device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
+    ctx.metrics.resident_model_bytes.set(ctx.engine.caches.resident_models.bytes)
     return result
 
 

@@ -42,6 +42,9 @@ class WorkerMetrics:
                                          "cache.", registry=self.registry)
         self.tensor_cache_misses = Counter("gradsvc_tensor_cache_misses_total", "Tensor pieces fetched from Redis.",
                                            registry=self.registry)
+        self.resident_model_bytes = Gauge("gradsvc_resident_model_bytes", "Bytes of the graph models this worker "
+                                          "keeps with their weights in place (GRADSVC_RESIDENT_MODEL_BYTES).",
+                                          registry=self.registry)
         self._cache_seen = (0, 0)
 
     def observe_tensor_cache(self, cache) -> None:

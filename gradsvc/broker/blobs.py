@@ -70,6 +70,13 @@ class BlobError(Exception):
         self.code, self.message, self.detail = code, message, detail
 
 
+def _inline(value: Any) -> bool:
+    """Whether a tensor gives bytes or values of its own ('data' or 'b64')."""
+    if isinstance(value, Tensor):
+        return value.data is not None or value.b64 is not None
+    return value.get("data") is not None or value.get("b64") is not None
+
+
 def _expected_bytes(value: Any) -> int:
     shape = value.shape if isinstance(value, Tensor) else value.get("shape")
     dtype = value.dtype if isinstance(value, Tensor) else value.get("dtype")
@@ -137,7 +144,10 @@ class BlobStore:
         tensors = [(where, v, refs_of(v)) for where, v in request_tensors(req) if refs_of(v) is not None]
         if not tensors:
             return
-        for where, _, refs in tensors:
+        for where, value, refs in tensors:
+            if _inline(value):
+                raise BlobError("bad_tensor", f"{where}: give the tensor's bytes either inline ('data' or 'b64') or "
+                                "by reference ('refs'), not both", where=where)
             bad = next((r for r in refs if not isinstance(r, str) or not DIGEST.fullmatch(r)), None)
             if bad is not None or not refs:
                 raise BlobError("bad_tensor", f"{where}: refs must be a non-empty list of sha256 digests (64 "
@@ -193,7 +203,8 @@ class BlobStore:
         return out
 
     def resolved(self, owner: str, req: GradientRequest) -> GradientRequest:
-        """The request with every referenced tensor's bytes in place (a worker, before the engine)."""
+        """The request with every referenced tensor's bytes in place (a worker, before the engine), whatever
+        data the body gave beside the refs (the API refuses both): a tensor's refs then name its data's bytes."""
         if not has_refs(req):
             return req
         import msgspec
@@ -206,7 +217,8 @@ class BlobStore:
                 return value
             t = value if isinstance(value, Tensor) else msgspec.convert(value, Tensor)
             data = pieces[refs[0]] if len(refs) == 1 else b"".join(pieces[r] for r in refs)
-            return Tensor(dtype=t.dtype, shape=t.shape, data=data)
+            # The refs stay: they now name what `data` holds (the engine's resident models key on them)
+            return Tensor(dtype=t.dtype, shape=t.shape, data=data, refs=refs)
 
         def fill_each(value: Any) -> Any:
             if _is_tensor(value):

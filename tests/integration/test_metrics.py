@@ -306,9 +306,10 @@ def test_client_disconnects_are_counted_as_499_not_500(stack, http):
 
     wait_until_idle(http)
     before = samples(http.get("/metrics").text)
-    # A job that keeps the one worker busy for a while, so the second request waits behind it.
-    slow = {"model": {"layers": [{"type": "Linear", "in_features": 100, "out_features": 190}], "dtype": "float64"},
-            "inputs": [[0.1] * 100] * 4, "targets": [[0.0] * 190] * 4, "loss": "mse", "options": {"numcheck": "exact"}}
+    # A job that keeps the one worker busy for a while (~4 s: 121,200 evaluations), so the second request waits
+    # behind it past its client's leaving (one of ~1.3 s ran its 38,380 before the client left, on a fast day).
+    slow = {"model": {"layers": [{"type": "Linear", "in_features": 100, "out_features": 600}], "dtype": "float64"},
+            "inputs": [[0.1] * 100] * 4, "targets": [[0.0] * 600] * 4, "loss": "mse", "options": {"numcheck": "exact"}}
     busy = http.post("/gradients?wait=0", json=slow)
     assert busy.status_code == 202, busy.text
     body = json.dumps(seed_a_body(numcheck="off")).encode()

@@ -68,6 +68,22 @@ def test_a_piece_is_usable_and_visible_only_to_its_owner(secured):
         assert estimate.status_code == 422 and estimate.json()["error"]["code"] == "tensor_not_found"
 
 
+def test_a_tensor_gives_its_bytes_inline_or_by_reference_not_both(secured):
+    """A worker puts the owner's pieces in place of whatever a body gives beside refs, and its resident models
+    know a weight by its refs: a tensor with both is refused before the queue, for its owner and any other key."""
+    weight = torch.randn(1024, 256, generator=torch.Generator().manual_seed(1))
+    data = weight.numpy().tobytes()
+    with http(secured, KEYS[0]) as a, http(secured, KEYS[1]) as b:
+        assert upload(a, data).status_code == 201
+        for c in (a, b):
+            body = wide_spec([blobs.digest(data)])
+            body["model"]["weights"]["0.weight"]["data"] = torch.zeros(1024, 256).tolist()
+            both = c.post("/gradients?wait=60", json=body)
+            assert both.status_code == 422 and both.json()["error"]["code"] == "bad_tensor", both.text
+            assert "not both" in both.json()["error"]["message"]
+            assert both.json()["error"]["detail"]["where"] == "model.weights['0.weight']"
+
+
 def test_a_piece_must_be_its_digest_and_refs_must_add_up(secured):
     with http(secured, KEYS[0]) as a:
         wrong = a.put(f"/tensors/{'0' * 64}", content=b"not those bytes")

@@ -7,6 +7,9 @@ missing the same key at once both compute it (the second write wins).
     output_shapes    (layers, dtype, input shape, input dtype) -> the output's shape and dtype on meta
     initial_states   (layers, dtype, seed) -> the seeded default state_dict, by bytes (config.init_cache_bytes)
     built_models     (layers, dtype, device) -> a CPU model a finished compute handed back, checked out by the next
+    resident_models  (graph_ref, dtype, device) -> a CPU graph model with what its weights were loaded from
+                     (resident.py), checked out by the next request of the graph; by bytes
+                     (config.resident_model_bytes)
     graph_templates  (graph_ref, dtype) -> the validated graph (GraphTemplate)
     graph_shapes     (graph_ref, dtype, input signature, math attention) -> the first output's shape, dtype, grad
     batch_flows      (graph_ref, dtype, input signature) -> the nodes mixing the batch, where it sits in the output
@@ -40,6 +43,7 @@ class EngineCaches:
     output_shapes: LRU
     initial_states: LRU
     built_models: LRU
+    resident_models: LRU
     graph_templates: LRU
     graph_shapes: LRU
     batch_flows: LRU
@@ -49,5 +53,7 @@ class EngineCaches:
     def for_config(cls, config: EngineConfig) -> "EngineCaches":
         return cls(meta_models=LRU(META_MODELS), output_shapes=LRU(SHAPES),
                    initial_states=LRU(max_bytes=config.init_cache_bytes, size=state_bytes),
-                   built_models=LRU(BUILT_MODELS), graph_templates=LRU(GRAPH_TEMPLATES), graph_shapes=LRU(SHAPES),
+                   built_models=LRU(BUILT_MODELS),
+                   resident_models=LRU(max_bytes=config.resident_model_bytes, size=lambda r: r.bytes),
+                   graph_templates=LRU(GRAPH_TEMPLATES), graph_shapes=LRU(SHAPES),
                    batch_flows=LRU(SHAPES), estimates=LRU(ESTIMATES))

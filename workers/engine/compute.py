@@ -26,8 +26,7 @@ from .encode import encode_result
 from .errors import ComputeError
 from .numcheck import ProgressCallback
 from .passes import Pass, run_pass, trainable
-from .prepare import prepare
-from .prepare_layers import release_model
+from .prepare import prepare, release
 from .prepared import GraphResolver, Prepared
 from .quantities import hvp_vector_for, per_sample_gradients
 
@@ -67,7 +66,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressC
     prepare_s = time.perf_counter() - started
     with _one_thread_if_tiny(prep, device):
         result = _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
-    release_model(prep, caches)  # after a success only: a failed compute's model is dropped
+    release(prep, caches)  # after a success only: a failed compute's model is dropped
     return result
 
 

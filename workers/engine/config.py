@@ -20,6 +20,7 @@ class EngineConfig:
     numcheck_budget_min_s: float = 0.25  # ... plus this
     max_timing_repeat: int = MAX_TIMING_REPEAT
     init_cache_bytes: int = 1 << 30
+    resident_model_bytes: int = 1 << 30  # graph models a CPU worker keeps with their weights (resident.py); 0: none
 
 
 
@@ -35,5 +36,6 @@ def config_from_settings(settings) -> EngineConfig:
         numcheck_directions=settings.numcheck_directions,
         numcheck_budget=settings.numcheck_budget,
         numcheck_budget_min_s=settings.numcheck_budget_min_s,
+        resident_model_bytes=settings.resident_model_bytes,
     )
 

@@ -14,14 +14,14 @@ import torch
 
 from gradsvc.wire import GradientRequest
 
-from . import tensors
+from . import resident, tensors
 from .caches import EngineCaches
 from .config import EngineConfig
 from .decode import (check_hvp, check_options, check_reductions, decode_targets, loss_terms, refuse_own_loss_split,
                      rows_per_example)
 from .errors import SpecError
 from .prepare_graph import GraphSpecModel
-from .prepare_layers import LayerSpecModel
+from .prepare_layers import LayerSpecModel, release_model
 from .prepared import GraphResolver, Prepared
 
 
@@ -47,8 +47,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     frozen = check_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
     check_hvp(opts, side.meta, frozen)
     side.check_batch_statistics(opts, inputs)
-    weights = side.weights()
-    model, reuse_key = side.model(device, weights, shape_only)
+    model, reuse = side.model(device, shape_only)  # the weights decoded and checked (those not in place)
     if str(device) != "meta":
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}
@@ -56,8 +55,20 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=side.parameter_count, options=opts,
                     frozen=frozen, graph=graph, graph_data=side.graph_data if graph is not None else None,
-                    reuse_key=reuse_key, rows_per_example=rows,
+                    reuse_key=reuse if graph is None else None, resident=reuse if graph is not None else None,
+                    rows_per_example=rows,
                     batch_flow=side.flow if graph is not None else None)
+
+
+def release(prep: Prepared, caches: EngineCaches) -> None:
+    """Hands a worker's model back to its pool for the next request (after compute() succeeded): a layer spec's
+    to the built models (prepare_layers.release_model), a graph's to the resident ones (resident.py)."""
+    if prep.resident is not None:
+        key, held = prep.resident
+        prep.resident = None
+        resident.release(held, key, caches)
+    else:
+        release_model(prep, caches)
 
 
 def _model_dtype(request: GradientRequest) -> torch.dtype:

@@ -13,7 +13,7 @@ from torch import nn
 from gradsvc import hashing
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
-from . import tensors
+from . import resident, tensors
 from .batch import Batch
 from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
@@ -191,7 +191,14 @@ def _output_producer(template: GraphTemplate):
 
 def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype,
                    max_elements: int) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer, by state_dict name: a graph has no initialiser to fill a gap."""
+    """Every parameter and buffer, by state_dict name, decoded and checked."""
+    return decode_weights(_checked_names(request, template), template.state, template.parameters, dtype,
+                          max_elements, "the graph")
+
+
+def _checked_names(request: GradientRequest, template: GraphTemplate) -> dict:
+    """The request's wire weights, once each name is the graph's and every parameter and buffer is given: a
+    graph has no initialiser to fill a gap."""
     given = request.model.weights or {}
     state = template.state
     for name in given:
@@ -205,7 +212,7 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
                             "initialisation (the seeded init exists for layer specs only): send every parameter and "
                             "buffer the graph's inputs name, under that name (named_parameters() and named_buffers(), "
                             "non-persistent buffers included)", parameter=name)
-    return decode_weights(given, state, template.parameters, dtype, max_elements, "the graph")
+    return given
 
 
 class GraphSpecModel:
@@ -264,19 +271,30 @@ class GraphSpecModel:
     def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
         """A graph's batch statistics are nodes, found by its batch flow (check_splits)."""
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return _graph_weights(self.request, self.template, self.dtype, self.config.limits.max_elements)
-
-    def model(self, device: str | torch.device, weights: dict[str, torch.Tensor],
-              shape_only: bool) -> tuple[nn.Module, None]:
-        """On meta the template's model (read, never run or changed, on that path) or, for POST /estimate
-        (`shape_only`, which runs it), a private copy; elsewhere a GraphModel of its own with the weights."""
-        if str(device) == "meta" and not shape_only:
-            return self.template.model, None
-        model = _fresh(self.template, device, self.dtype)
-        if str(device) != "meta":
-            model.load_state_dict(weights)
-        return model, None
+    def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
+        """(the model, (its key, its Resident) to hand it back to the resident pool under). On meta every weight is decoded and
+        checked, and the model is the template's (read, never run or changed, on that path) or, for POST
+        /estimate (`shape_only`, which runs it), a private copy; on a CPU a GraphModel resident from an earlier
+        request of this graph when there is one (resident.py: only the weights that differ from what it holds
+        are decoded, checked and copied in), else a GraphModel of its own with the weights."""
+        template, dtype, max_elements = self.template, self.dtype, self.config.limits.max_elements
+        on_meta = str(device) == "meta"
+        if on_meta or not resident.keeps(device, self.config):
+            weights = _graph_weights(self.request, template, dtype, max_elements)
+            if on_meta and not shape_only:
+                return template.model, None
+            model = _fresh(template, device, dtype)
+            if not on_meta:
+                model.load_state_dict(weights)
+            return model, None
+        key = (template.ref, dtype, str(device))
+        held = self.caches.resident_models.pop(key) or \
+            resident.Resident(_fresh(template, device, dtype), template.parameters)
+        given = _checked_names(self.request, template)
+        stale = held.stale(given)
+        held.load(decode_weights({n: given[n] for n in stale}, template.state, template.parameters, dtype,
+                                 max_elements, "the graph"), given)
+        return held.model, (key, held)
 
 
 def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:

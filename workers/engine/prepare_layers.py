@@ -83,18 +83,16 @@ class LayerSpecModel:
     def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
         _check_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return _weights(self.request, self.facts, self.dtype, self.config.limits.max_elements)
-
-    def model(self, device: str | torch.device, weights: dict[str, torch.Tensor],
-              shape_only: bool) -> tuple[nn.Module, tuple | None]:
-        """(the model on `device`, the key it goes back to the pool under): on meta the shared meta model;
+    def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
+        """(the model on `device`, the key it goes back to the pool under), the weights decoded and checked
+        first: on meta the shared meta model;
         elsewhere the request's weights over the seeded default initialisation, which is computed once per
         (layers, dtype, seed) and kept (seconds for large models). Every entry of the state_dict is written,
         so a model reused from an earlier request of this spec keeps nothing of it."""
+        request, dtype, caches = self.request, self.dtype, self.caches
+        weights = _weights(request, self.facts, dtype, self.config.limits.max_elements)
         if str(device) == "meta":
             return self.meta, None
-        request, dtype, caches = self.request, self.dtype, self.caches
         state = {} if set(weights) == set(self.facts.state) else _initial_state(caches, self.spec_key, request,
                                                                                 dtype, self.config)
         reuse_key = (self.spec_key, dtype, str(device))

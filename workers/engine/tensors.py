@@ -89,7 +89,7 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             elements=numel,
             limit=max_elements,
         )
-    raw = value.data if isinstance(value.data, bytes) else None
+    raw = value.data if isinstance(value.data, (bytes, bytearray, memoryview)) else None
     if value.b64 is not None:
         if value.data is not None:
             raise SpecError("bad_tensor", f"{where}: give either 'data' or 'b64', not both", where=where)
@@ -158,7 +158,8 @@ def _from_nested(data, dtype: torch.dtype | None, *, where: str, max_elements: i
 
 
 def encode(tensor: torch.Tensor) -> Tensor:
-    """A torch tensor as raw bytes on the wire (one copy: device -> host bytes)."""
+    """A torch tensor as raw bytes on the wire: a view of a CPU tensor's memory, which the encoder copies once
+    into the message (a copy to the host first for a device's); nothing may write the tensor after."""
     t = tensor.detach()
     if t._is_zerotensor():  # autograd's zero gradient of sgn, sign, ...: it has no memory to hand to numpy
         t = torch.zeros(t.shape, dtype=t.dtype)
@@ -170,7 +171,7 @@ def encode(tensor: torch.Tensor) -> Tensor:
     flat = t.reshape(-1)
     if t.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
     return Tensor(dtype=name, shape=shape, data=raw)
 
 
@@ -181,5 +182,5 @@ def to_listed(value: Tensor) -> Tensor:
 
 
 def to_b64(value: Tensor) -> Tensor:
-    raw = value.data if isinstance(value.data, bytes) else b""
+    raw = value.data if isinstance(value.data, (bytes, bytearray, memoryview)) else b""
     return Tensor(dtype=value.dtype, shape=value.shape, b64=base64.b64encode(raw).decode("ascii"))

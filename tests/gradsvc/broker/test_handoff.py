@@ -53,8 +53,11 @@ def test_put_get_take_delete(tmp_path):
     path = tmp_path / "0b5e3c1e-1d2f-4f7a-9a1b-2c3d4e5f6a7b.in"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert h.get(ref) == data and h.get(ref) == data
-    assert h.take(ref) == data and not path.exists()
+    taken = h.take(ref)  # mapped: the file's pages, readable after the file is gone
+    assert not path.exists() and taken[:] == data
     assert h.get(ref) is None and h.take(ref) is None
+    empty = h.put("job-empty", hf.INPUT, b"")
+    assert h.take(empty) == b""
     ref = h.put("job-shard-1", hf.RESULT, memoryview(data))
     h.delete(ref)
     assert h.get(ref) is None

@@ -33,7 +33,7 @@ from .refs import MIN_BYTES
 from .request import Prepared, RequestBuilder, call_seed
 from .result import GradientResult, build_result
 from .tensors import decode_type
-from .transfer import KeptBuffer, _Body, _Pieces
+from .transfer import AnswerBuffers, KeptBuffer, _Body, _Pieces
 from .waiting import Deadline, Poll, ProgressBar
 
 T = TypeVar("T")
@@ -101,6 +101,7 @@ class BaseClient:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self._encoder = msgspec.msgpack.Encoder() if wire_format == "msgpack" else msgspec.json.Encoder()
         self._kept = KeptBuffer(self._encoder)
+        self._answers = AnswerBuffers()  # large answers' buffers, reused once free
         self._decoders: dict[tuple[Any, bool], Any] = {}
         self._requests = RequestBuilder(wire_format, self._encoder, ref_min_bytes)
         self._http = self._http_type(base_url=self.base_url, headers=self.headers, transport=transport)

@@ -86,6 +86,7 @@ class Client(BaseClient):
     def close(self) -> None:
         self._http.close()
         self._kept.release()
+        self._answers.release()
 
     def _drive(self, flow: Flow[T]) -> T:
         with contextlib.closing(Driven(flow)) as run:
@@ -98,7 +99,7 @@ class Client(BaseClient):
         try:
             response = self._http.send(request, stream=True)
             try:
-                body = _Body(response)
+                body = _Body(response, self._answers)
                 for chunk in response.iter_bytes():
                     body.add(chunk)
             finally:
@@ -163,6 +164,7 @@ class AsyncClient(BaseClient):
     async def aclose(self) -> None:
         await self._http.aclose()
         self._kept.release()
+        self._answers.release()
 
     async def _drive(self, flow: Flow[T]) -> T:
         with contextlib.closing(Driven(flow)) as run:
@@ -176,7 +178,7 @@ class AsyncClient(BaseClient):
         try:
             response = await self._http.send(request, stream=True)
             try:
-                body = _Body(response)
+                body = _Body(response, self._answers)
                 async for chunk in response.aiter_bytes():
                     body.add(chunk)
             finally:

@@ -272,11 +272,11 @@ class GraphSpecModel:
         """A graph's batch statistics are nodes, found by its batch flow (check_splits)."""
 
     def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
-        """(the model, (its key, its Resident) to hand it back to the resident pool under). On meta every weight is decoded and
-        checked, and the model is the template's (read, never run or changed, on that path) or, for POST
-        /estimate (`shape_only`, which runs it), a private copy; on a CPU a GraphModel resident from an earlier
-        request of this graph when there is one (resident.py: only the weights that differ from what it holds
-        are decoded, checked and copied in), else a GraphModel of its own with the weights."""
+        """(the model, (its key, its Resident) to hand it back to the resident pool under). On meta every weight
+        is decoded and checked, and the model is the template's (read, never run or changed, on that path) or,
+        for POST /estimate (`shape_only`, which runs it), a private copy; on a CPU a GraphModel resident from an
+        earlier request of this graph when there is one (resident.py: only the weights not in place are decoded,
+        checked and copied in), else a GraphModel of its own with the weights."""
         template, dtype, max_elements = self.template, self.dtype, self.config.limits.max_elements
         on_meta = str(device) == "meta"
         if on_meta or not resident.keeps(device, self.config):

@@ -179,28 +179,26 @@ def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | 
     return RecordedFailureError(f"{code}: {message}")
 
 
-def job_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str,
-                cancel_id: str | None = None) -> GradientRequest:
-    """The request, decoded from the job's argument itself or from the file a handoff ref names (mapped while
-    it is decoded, then kept as a spare for the next body). A ref is never a path: gradsvc/broker/handoff.py
-    checks its domain and name and joins it to this worker's dir."""
+def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | None = None) -> "bytes | mmap.mmap":
+    """The request's bytes: the job's argument itself, or the file a handoff ref names (mapped, then deleted).
+    A ref is never a path: gradsvc/broker/handoff.py checks its domain and name and joins it to this worker's dir."""
     if not isinstance(body, str):
-        return decode_request(body, fmt)
+        return body
     if ctx.handoff is None:
         raise ComputeError("input_lost", "the job's body was handed over as a file (GRADSVC_HANDOFF_DIR) but this "
                            "worker has no handoff dir, so it cannot read it; submit the job again", ref=body[:100])
     try:
-        with ctx.handoff.taken(body) as data:
-            if data is None:
-                if job.connection.exists(keys.cancel_key(ctx.settings.queue_prefix, cancel_id or job.id)):
-                    raise JobCanceledError()  # DELETE deleted it as this worker took the job
-                raise ComputeError("input_lost", "the job's body, handed over as a file in GRADSVC_HANDOFF_DIR, was "
-                                   "gone when a worker took the job (it waited longer than GRADSVC_FAILURE_TTL_S, was "
-                                   "canceled, or the dir was cleared); submit the job again", ref=body[:100])
-            return decode_request(data, fmt)  # its bytes are copies: nothing of the map outlives the block
-    except HandoffError as exc:  # a ref this worker must not open (gradsvc/broker/handoff.py Handoff.path)
+        data = ctx.handoff.take(body)
+    except HandoffError as exc:
         raise ComputeError("input_lost", f"the job's body cannot be read here: {exc}; submit the job again",
                            ref=body[:100]) from None
+    if data is None:
+        if job.connection.exists(keys.cancel_key(ctx.settings.queue_prefix, cancel_id or job.id)):
+            raise JobCanceledError()  # DELETE deleted it as this worker took the job
+        raise ComputeError("input_lost", "the job's body, handed over as a file in GRADSVC_HANDOFF_DIR, was gone when "
+                           "a worker took the job (it waited longer than GRADSVC_FAILURE_TTL_S, was canceled, or "
+                           "the dir was cleared); submit the job again", ref=body[:100])
+    return data
 
 
 def stored_value(job: Job, ctx: WorkerContext, kind: str, data: bytes | memoryview) -> bytes:
@@ -240,7 +238,7 @@ def gradient_job(body: bytes | str, fmt: str) -> dict:
 
 def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
-    request = _with_pieces(ctx, job, job_request(job, ctx, body, fmt, cancel_id))
+    request = _with_pieces(ctx, job, decode_request(job_input(job, ctx, body, cancel_id), fmt))
     result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
                                 device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s

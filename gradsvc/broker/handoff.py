@@ -21,14 +21,12 @@ No Redis and no torch here: os, uuid and pathlib only.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 # Kinds of file, by suffix: a job's (or shard's) body, a result, a shard's float64 reference gradients.
 INPUT, RESULT, REFERENCE = "in", "out", "ref"
@@ -36,15 +34,8 @@ KINDS = (INPUT, RESULT, REFERENCE)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}\.(in|out|ref)")
 _DOMAIN = re.compile(r"[0-9a-f]{32}")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages mapped at once, not one fault each
-_TMP = ".tmp-"  # files being written or read: swept after TMP_MAX_AGE_S (their writer or reader died)
+_TMP = ".tmp-"  # files being written: swept after TMP_MAX_AGE_S (their writer died)
 TMP_MAX_AGE_S = 120.0
-# A job's body, once read, is kept as a spare file for the next body's write: writing over a tmpfs file's
-# pages costs a tenth of getting new ones on this VM at times (a 92.7 MB body: 24 ms, or 200-230 ms in one
-# write of two, bench/large_model.py's full step, traced), since memory the guest freed may have to come
-# back from the host. At most MAX_SPARES are kept (each as large as the bodies it held), for SPARE_MAX_AGE_S.
-SPARES = ".spares"
-MAX_SPARES = 2
-SPARE_MAX_AGE_S = 600.0
 DOMAIN_FILE = "domain"
 
 # What a result key holds when the result is in a file: 0xc1 is the one byte MessagePack never uses, so
@@ -123,63 +114,26 @@ class Handoff:
 
     # --- files --------------------------------------------------------------------------------------
     @staticmethod
-    def _write(path: Path, data, over: bool = False) -> None:
-        """Writes `data` to a new file at `path`, or (`over`) over the spare file moved there."""
-        flags = os.O_WRONLY | os.O_NOFOLLOW | (0 if over else os.O_CREAT | os.O_EXCL)
-        fd = os.open(path, flags, 0o600)
+    def _write(path: Path, data) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data).cast("B")
             while view:
                 view = view[os.write(fd, view):]
-            if over:
-                os.ftruncate(fd, len(memoryview(data).cast("B")))  # a larger spare's tail goes
         finally:
             os.close(fd)
 
     def put(self, job_id: str, kind: str, data) -> str:
-        """Writes `data` as the file of (job_id, kind), whole or not at all; returns its ref. A body goes
-        over a spare file's pages when there is one."""
+        """Writes `data` as the file of (job_id, kind), whole or not at all; returns its ref."""
         name = file_name(job_id, kind)
         tmp = self.dir / f"{_TMP}{name}-{uuid.uuid4().hex[:8]}"
         try:
-            self._write(tmp, data, over=kind == INPUT and self._claim_spare(tmp))
+            self._write(tmp, data)
             os.replace(tmp, self.dir / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         return f"{self.domain}/{name}"
-
-    def _claim_spare(self, tmp: Path) -> bool:
-        """Moves a spare file to `tmp` (a rename: one claimant wins each); False when there is none."""
-        try:
-            names = os.listdir(self.dir / SPARES)
-        except FileNotFoundError:
-            return False
-        for name in names:
-            try:
-                os.rename(self.dir / SPARES / name, tmp)
-                return True
-            except FileNotFoundError:
-                continue  # another process took it
-        return False
-
-    def _recycle(self, path: Path) -> None:
-        """Keeps a read body's file as a spare (MAX_SPARES at most), else deletes it."""
-        spares = self.dir / SPARES
-        try:
-            try:
-                kept = len(os.listdir(spares))
-            except FileNotFoundError:
-                spares.mkdir(mode=0o700, exist_ok=True)
-                kept = 0
-            if kept < MAX_SPARES:
-                spare = spares / uuid.uuid4().hex
-                os.rename(path, spare)
-                os.utime(spare)  # its age counts from now (SPARE_MAX_AGE_S)
-                return
-        except OSError:
-            pass
-        path.unlink(missing_ok=True)
 
     def get(self, ref: str) -> bytes | None:
         path = self.path(ref)
@@ -190,37 +144,21 @@ class Handoff:
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
-    @contextlib.contextmanager
-    def taken(self, ref: str) -> "Iterator[bytes | mmap.mmap | None]":
-        """The file's bytes while the block runs (None when it is gone), the file no longer under its name
-        from the start (a job's body: read once). Mapped rather than read (the tmpfs's pages themselves, no
-        copy): a decoder reads it as it would bytes, and must not keep views of it past the block, after which
-        the file is a spare for the next body's write (or deleted)."""
+    def take(self, ref: str) -> "bytes | mmap.mmap | None":
+        """The file's bytes, and the file deleted (a job's body: read once). Mapped rather than read (the tmpfs's
+        pages themselves, no copy; they go when the map does): a decoder reads it as it would bytes."""
         path = self.path(ref)
-        mine = self.dir / f"{_TMP}taken-{uuid.uuid4().hex}"
         try:
-            os.rename(path, mine)  # from now on this reader's alone; swept as a temp file if it dies
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            yield None
-            return
-        data: bytes | mmap.mmap = b""
+            return None
         try:
-            fd = os.open(mine, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                size = os.fstat(fd).st_size
-                if size:
-                    data = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            yield data
+            size = os.fstat(fd).st_size
+            data = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ) if size else b""
         finally:
-            try:
-                if isinstance(data, mmap.mmap):
-                    data.close()
-            except BufferError:  # the block kept a view of the pages: they stay its own, the file goes
-                mine.unlink(missing_ok=True)
-            else:
-                self._recycle(mine)
+            os.close(fd)
+        path.unlink(missing_ok=True)
+        return data
 
     def delete(self, ref: str) -> None:
         self.path(ref).unlink(missing_ok=True)
@@ -236,7 +174,6 @@ class Handoff:
         ages = max_age_s if isinstance(max_age_s, dict) else dict.fromkeys(KINDS, max_age_s)
         now = time.time()
         removed = 0
-        self._sweep_spares(now)
         with os.scandir(self.dir) as entries:
             for entry in entries:
                 name = entry.name
@@ -256,19 +193,6 @@ class Handoff:
                     pass  # taken or deleted meanwhile
         self._last_sweep = time.monotonic()
         return removed
-
-    def _sweep_spares(self, now: float) -> None:
-        """Spares unused for SPARE_MAX_AGE_S go (an idle dir keeps no memory)."""
-        try:
-            with os.scandir(self.dir / SPARES) as entries:
-                for entry in entries:
-                    try:
-                        if now - entry.stat(follow_symlinks=False).st_mtime > SPARE_MAX_AGE_S:
-                            os.unlink(entry.path)
-                    except FileNotFoundError:
-                        pass
-        except FileNotFoundError:
-            pass
 
     def sweep_due(self, every_s: float = 60.0) -> bool:
         return time.monotonic() - self._last_sweep >= every_s

@@ -53,14 +53,11 @@ def test_put_get_take_delete(tmp_path):
     path = tmp_path / "0b5e3c1e-1d2f-4f7a-9a1b-2c3d4e5f6a7b.in"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert h.get(ref) == data and h.get(ref) == data
-    with h.taken(ref) as taken:  # mapped: the file's pages, no longer under the job's name
-        assert not path.exists() and taken[:] == data
-    assert h.get(ref) is None
-    with h.taken(ref) as gone:
-        assert gone is None
+    taken = h.take(ref)  # mapped: the file's pages, readable after the file is gone
+    assert not path.exists() and taken[:] == data
+    assert h.get(ref) is None and h.take(ref) is None
     empty = h.put("job-empty", hf.INPUT, b"")
-    with h.taken(empty) as nothing:
-        assert nothing == b""
+    assert h.take(empty) == b""
     ref = h.put("job-shard-1", hf.RESULT, memoryview(data))
     h.delete(ref)
     assert h.get(ref) is None
@@ -68,7 +65,7 @@ def test_put_get_take_delete(tmp_path):
     for kind in hf.KINDS:
         h.put("job-shard-2", kind, b"x")
     h.discard("job-shard-2")
-    assert sorted(os.listdir(tmp_path)) == [hf.SPARES, "domain"]  # the body read above is a spare
+    assert sorted(os.listdir(tmp_path)) == ["domain"]
     assert h.wanted(10) and not h.wanted(9)
 
 
@@ -83,8 +80,7 @@ def test_hostile_or_foreign_refs_are_refused(tmp_path, ref):
     with pytest.raises(HandoffError):
         h.get(ref.format(d=h.domain))
     with pytest.raises(HandoffError):
-        with h.taken(ref.format(d=h.domain)):
-            pass
+        h.take(ref.format(d=h.domain))
     with pytest.raises(HandoffError):
         h.delete(ref.format(d=h.domain))
     assert (tmp_path / "h" / "x.txt").exists() and (tmp_path / "h" / "domain").exists()
@@ -194,46 +190,3 @@ def test_the_launchers_pid_file_is_mode_0600_as_the_dirs_other_files(tmp_path):
     pid_file = tmp_path / "gradsvc-1" / OWNER_FILE
     assert stat.S_IMODE(pid_file.stat().st_mode) == 0o600 and pid_file.read_text() == str(os.getpid())
     assert stat.S_IMODE((tmp_path / "gradsvc-1").stat().st_mode) == 0o700
-
-
-def _spares(h: Handoff) -> list:
-    return sorted((h.dir / hf.SPARES).iterdir()) if (h.dir / hf.SPARES).exists() else []
-
-
-def test_a_read_body_is_a_spare_that_the_next_body_is_written_over(tmp_path):
-    """Writing over a read body's tmpfs pages rather than getting new ones (hf.SPARES): the next body takes
-    the spare (and its pages), a larger spare's tail goes, at most MAX_SPARES stay, results never use one."""
-    h = Handoff(tmp_path, min_bytes=10)
-    big, small = os.urandom(5000), os.urandom(300)
-    ref = h.put("job-1", hf.INPUT, big)
-    with h.taken(ref) as data:
-        assert data[:] == big
-    (spare,) = _spares(h)
-    inode = spare.stat().st_ino
-    ref = h.put("job-2", hf.INPUT, small)
-    path = h.path(ref)
-    assert _spares(h) == [] and path.stat().st_ino == inode  # the same file, written over
-    assert path.read_bytes() == small and stat.S_IMODE(path.stat().st_mode) == 0o600
-    refs = [h.put(f"job-{i}", hf.INPUT, big) for i in range(3, 7)]
-    for r in refs:
-        with h.taken(r):
-            pass
-    assert len(_spares(h)) == hf.MAX_SPARES
-    h.put("job-r", hf.RESULT, big)
-    assert len(_spares(h)) == hf.MAX_SPARES  # a result is kept for GETs: a file of its own
-
-
-def test_a_body_whose_pages_the_reader_kept_is_deleted_and_old_spares_are_swept(tmp_path):
-    h = Handoff(tmp_path, min_bytes=10)
-    ref = h.put("job-1", hf.INPUT, os.urandom(5000))
-    with h.taken(ref) as data:
-        kept = memoryview(data)
-    assert _spares(h) == [] and kept[:4] is not None  # still readable: the map outlives its file
-    kept.release()
-    with h.taken(h.put("job-2", hf.INPUT, os.urandom(5000))):
-        pass
-    (spare,) = _spares(h)
-    os.utime(spare, (time.time() - hf.SPARE_MAX_AGE_S - 1,) * 2)
-    h.sweep(3600)
-    assert _spares(h) == []
-

@@ -53,6 +53,7 @@ def is_allocation_failure(exc: BaseException) -> bool:
 def out_of_memory(device: torch.device, exc: BaseException) -> ComputeError:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return ComputeError("out_of_memory", f"{device} ran out of memory ({str(exc).splitlines()[0][:200]}); set "
+    said = (str(exc).splitlines() or [type(exc).__name__])[0][:200]  # a bare MemoryError says nothing
+    return ComputeError("out_of_memory", f"{device} ran out of memory ({said}); set "
                         "options.micro_batch to split the batch or options.checkpoint_segments to trade memory "
                         "for recomputation, or use a smaller model", device=str(device))

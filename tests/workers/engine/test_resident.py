@@ -153,3 +153,29 @@ def test_no_model_is_kept_with_no_bytes_for_them_nor_on_meta():
     meta = Engine()
     meta.prepare(request(net, x, y), "meta")
     assert len(meta.caches.resident_models) == 0
+
+
+def test_running_out_of_memory_empties_the_pool(monkeypatch):
+    """The pool's models are what a worker can give back at once: an out_of_memory job empties it, so that
+    the next job (a retry with micro_batch, a smaller model) has that memory."""
+    import importlib
+
+    compute_module = importlib.import_module("workers.engine.compute")  # the package's `compute` is the function
+
+    engine, net, (x, y) = Engine(), bn_net().eval(), batch()
+    engine.compute(request(net, x, y), device=CPU)
+    other = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    engine.compute(request(other, x, y), device=CPU)
+    assert len(engine.caches.resident_models) == 2
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(compute_module, "_compute_prepared", no_memory)
+    try:
+        engine.compute(request(net, x, y), device=CPU)
+    except ComputeError as exc:  # a bare MemoryError (no message, as Python raises it) is named as such
+        assert exc.code == "out_of_memory" and "(MemoryError)" in exc.message, (exc.code, exc.message)
+    else:
+        raise AssertionError("no out_of_memory")
+    assert len(engine.caches.resident_models) == 0

@@ -62,11 +62,38 @@ def test_a_received_aligned_tensor_is_a_writable_view_into_the_body():
     got[0] = 7.0  # writable, no read-only warning
 
 
-def test_a_received_misaligned_tensor_is_copied_once_into_aligned_memory():
+@pytest.mark.parametrize("misalign", [1, 2, 3])
+def test_a_received_misaligned_tensor_is_moved_back_onto_its_header_within_the_body(misalign):
+    """Not copied into fresh memory: moved `misalign` bytes back, over its own "data" key and bin header."""
     payload = msgspec.msgpack.encode(tensors.to_wire(torch.arange(4096, dtype=torch.float32)))
-    got, address = _decode_at(payload, misalign=1)
-    assert got.data_ptr() != address and got.data_ptr() % 4 == 0
+    got, address = _decode_at(payload, misalign=misalign)
+    assert got.data_ptr() == address - misalign and got.data_ptr() % 4 == 0
     assert torch.equal(got, torch.arange(4096, dtype=torch.float32))
+
+
+def test_misaligned_tensors_side_by_side_each_move_within_their_own_bytes():
+    """Every tensor of a result, of every size class of bin header and of 8-byte dtypes too, comes back equal
+    after the others moved: none reaches into another's bytes."""
+    decoder = msgspec.msgpack.Decoder(tensors.decode_type(wire.GradientResult))
+    for dtype in (torch.float16, torch.float32, torch.float64, torch.int64):
+        sent = {f"p{i}": (torch.randn(n, generator=torch.Generator().manual_seed(i)) * 9).to(dtype)
+                for i, n in enumerate([1, 3, 100, 300, 20000, 70001])}
+        result = wire.GradientResult(device="cpu", dtype="float32", parameter_count=0, torch_version="", loss=0.0,
+                                     gradients={k: tensors.to_wire(v) for k, v in sent.items()}, timings=wire.Timings())
+        body = memoryview(np.frombuffer(bytearray(msgspec.msgpack.encode(result)), dtype=np.uint8).copy())
+        got = {k: tensors.from_wire(v) for k, v in decoder.decode(body).gradients.items()}
+        for k, v in sent.items():
+            assert torch.equal(got[k], v) and got[k].data_ptr() % v.element_size() == 0, (dtype, k)
+
+
+def test_a_misaligned_tensor_in_a_read_only_body_is_copied_once_into_aligned_memory():
+    payload = msgspec.msgpack.encode(tensors.to_wire(torch.arange(4096, dtype=torch.float32)))
+    decoded = msgspec.msgpack.Decoder(tensors.decode_type(wire.Tensor)).decode(payload)  # bytes: read-only views
+    got = tensors.from_wire(decoded)
+    assert got.data_ptr() % 4 == 0 and torch.equal(got, torch.arange(4096, dtype=torch.float32))
+    got[0] = 7.0  # its own memory: the bytes object is never written
+    assert msgspec.msgpack.decode(payload, type=wire.Tensor).data == tensors.to_wire(
+        torch.arange(4096, dtype=torch.float32)).data.tobytes()
 
 
 def test_without_torch_tensors_come_back_as_numpy(monkeypatch):

@@ -3,11 +3,11 @@ then, for the same body (by digest); a claim binds a new key to a new job, and i
 
 from __future__ import annotations
 
-import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from blake3 import blake3
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -17,8 +17,9 @@ from gradsvc.broker import keys
 from .epochs import Epochs
 from .exceptions import ServiceError
 
-# An Idempotency-Key's body digest (SHA-256, which releases the GIL) is computed in a thread of its own for
-# a large body, while the enqueue writes the body's handoff file: 20 ms of a 36 MB request here, hidden.
+# An Idempotency-Key's body digest is BLAKE3 (cryptographic, as SHA-256 is: a different body under a reused
+# key is told apart; 4x faster here, 93 MB in 21 ms against 82, and it releases the GIL), computed in a thread
+# of its own for a large body, beside the body's decoding, checks and handoff file (service/parsing.py).
 _DIGEST_INLINE_BYTES = 1 << 20
 _digests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradsvc-digest")
 # A claim until its job is enqueued reads "<job id> <body digest> pending"; then "<job id> <digest>".
@@ -56,9 +57,9 @@ PENDING_POLL_S = 0.02
 def body_digest(body: bytes) -> "Future[str]":
     if len(body) < _DIGEST_INLINE_BYTES:
         done: Future[str] = Future()
-        done.set_result(hashlib.sha256(body).hexdigest())
+        done.set_result(blake3(body).hexdigest())
         return done
-    return _digests.submit(lambda: hashlib.sha256(body).hexdigest())
+    return _digests.submit(lambda: blake3(body).hexdigest())
 
 
 @dataclass(eq=False)

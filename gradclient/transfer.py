@@ -4,8 +4,8 @@ the answer read into one buffer sized from its Content-Length, which the decoded
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
+import weakref
 from typing import Any, Iterator
 
 import httpx
@@ -27,41 +27,46 @@ _PIECE = 1 << 20
 
 class AnswerBuffers:
     """A client's large answers' buffers, reused once nothing holds a view of them any more: a training loop's
-    gradients are views into the answer (or their copies, for a misaligned tensor), dropped by the next step's
-    zero_grad(), so the buffer of step k serves step k + 2 (the result of step k + 1 is still alive while step
-    k + 2 runs). Fresh memory faults its pages in (12.6 MB: 1-3 ms, up to 20 ms when the VM must compact
-    memory for huge pages); a buffer used before does not. At most KEEP buffers, each kept while its size
-    fits the answers that come."""
+    gradients are views into the answer, dropped by the next step's zero_grad(), so the buffer of step k serves
+    step k + 2 (the result of step k + 1 is still alive while step k + 2 runs). Fresh memory faults its pages
+    in (12.6 MB: 1-3 ms, up to 20 ms when the VM must compact memory for huge pages); a buffer used before
+    does not. Each answer gets a lease, a numpy view of a kept buffer that every view and tensor of the
+    answer references (as their exporter); the buffer is free again once its lease is gone (a weak reference
+    tells), with no reference counting of our own. At most KEEP buffers."""
 
     KEEP = 2
 
     def __init__(self) -> None:
-        self.arrays: list[np.ndarray] = []
+        self.kept: list[list] = []  # [buffer, weak reference to its current lease or None]
         self.lock = threading.Lock()
 
+    @staticmethod
+    def _free(entry: list) -> bool:
+        return entry[1] is None or entry[1]() is None
+
     def view(self, size: int) -> memoryview:
-        """`size` bytes of a free kept buffer, else of a new one (kept in place of the smallest free one)."""
+        """`size` bytes of a free kept buffer (not one more than twice as large), else of a new one, kept in
+        place of the smallest free one when KEEP are kept."""
         with self.lock:
-            free = [a for a in self.arrays if sys.getrefcount(a) <= _UNREFERENCED and a.nbytes >= size]
+            free = [e for e in self.kept if self._free(e) and size <= e[0].nbytes <= 2 * size]
             if free:
-                array = min(free, key=lambda a: a.nbytes)
-                if array.nbytes <= 2 * size:  # not a huge buffer for a small answer
-                    return memoryview(array)[:size]
-            array = np.empty(size, dtype=np.uint8)
-            idle = [a for a in self.arrays if sys.getrefcount(a) <= _UNREFERENCED]
-            if len(self.arrays) >= self.KEEP and idle:
-                self.arrays.remove(min(idle, key=lambda a: a.nbytes))
-            if len(self.arrays) < self.KEEP:
-                self.arrays.append(array)
-            return memoryview(array)
+                entry = min(free, key=lambda e: e[0].nbytes)
+            else:
+                entry = [np.empty(size, dtype=np.uint8), None]
+                if len(self.kept) >= self.KEEP:
+                    idle = [e for e in self.kept if self._free(e)]
+                    if idle:
+                        victim = min(idle, key=lambda e: e[0].nbytes)
+                        self.kept = [e for e in self.kept if e is not victim]
+                if len(self.kept) < self.KEEP:
+                    self.kept.append(entry)
+            lease = entry[0][:size]
+            entry[1] = weakref.ref(lease)
+            return memoryview(lease)
 
     def release(self) -> None:
         with self.lock:
-            self.arrays = []
-
-
-# sys.getrefcount of a kept array no view holds: the list's reference, the comprehension's name, the argument.
-_UNREFERENCED = 3
+            self.kept = []
 
 
 class _Body:

@@ -57,7 +57,11 @@ class ResultBuffer:
         self.size = 0
 
     def encode(self, result: GradientResult) -> memoryview:
-        _result_encoder.encode_into(result, self.buffer)
+        try:
+            _result_encoder.encode_into(result, self.buffer)
+        except BufferError:  # a view of the last result outlived its job (an error's traceback): leave it be
+            self.buffer = bytearray()
+            _result_encoder.encode_into(result, self.buffer)
         self.view = memoryview(self.buffer)
         self.size = len(self.view)
         return self.view

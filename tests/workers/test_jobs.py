@@ -1,0 +1,43 @@
+"""workers/jobs.py's result buffer: each result is encoded into memory the worker used before, and a view of an
+earlier result that outlived its job never blocks the next one."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gradsvc.wire import GradientResult, Tensor, Timings
+from workers.jobs import ResultBuffer
+
+
+def result(loss: float, size: int) -> GradientResult:
+    return GradientResult(device="cpu", dtype="float32", parameter_count=size // 4, torch_version="", loss=loss,
+                          gradients={"w": Tensor(dtype="float32", shape=[size // 4], data=bytes(size))},
+                          timings=Timings())
+
+
+def test_results_are_encoded_into_the_same_buffer_and_decode_to_what_was_encoded():
+    buffers = ResultBuffer()
+    first = buffers.encode(result(1.0, 1 << 20))
+    address = id(buffers.buffer)
+    assert msgspec.msgpack.decode(first, type=GradientResult).loss == 1.0
+    buffers.release()
+    second = buffers.encode(result(2.0, 1 << 19))
+    assert id(buffers.buffer) == address and buffers.size == len(second)
+    assert msgspec.msgpack.decode(second, type=GradientResult).loss == 2.0
+
+
+def test_a_view_that_outlived_its_job_leaves_the_next_result_a_buffer_of_its_own():
+    buffers = ResultBuffer()
+    kept = buffers.encode(result(1.0, 4096))[:16]  # as an error's traceback might hold one
+    buffers.release()
+    again = buffers.encode(result(2.0, 4096))
+    assert msgspec.msgpack.decode(again, type=GradientResult).loss == 2.0
+    assert bytes(kept) == bytes(msgspec.msgpack.encode(result(1.0, 4096))[:16])
+
+
+def test_a_result_past_keep_max_is_not_kept():
+    buffers = ResultBuffer()
+    buffers.KEEP_MAX = 1 << 16
+    buffers.encode(result(1.0, 1 << 17))
+    buffers.release()
+    assert len(buffers.buffer) == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -38,14 +37,13 @@ class Enqueuer:
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
                 sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,
-                key_age_s: float | None = None, digest: "Future[str] | None" = None) -> tuple[str, bool]:
+                key_age_s: float | None = None) -> tuple[str, bool]:
         """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
         names the job it enqueued then, which is returned instead of enqueueing the same body again.
         `sharded`: (request, prepared on meta) when options.shards may split the batch (service/fan_out.py).
         `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
         the job goes through the handoff domain's queue, whatever its body's size). `key_age_s`: a retry's
-        Idempotency-Key-Age, the seconds since the SDK first sent this key (IdempotencyClaims.claim). `digest`:
-        the body's sha256 under way since the body came in (else computed here, for a keyed request)."""
+        Idempotency-Key-Age, the seconds since the SDK first sent this key (IdempotencyClaims.claim)."""
         queues = self.queues
         if device != "auto" and not Worker.all(queue=queues.shared[device]):
             # A job for a device no worker serves would stay queued forever.
@@ -54,8 +52,7 @@ class Enqueuer:
                                "worker", device=device)
         job_id = queues.epochs.new_job_id()
         claim = self.claims.key(owner, idempotency_key) if idempotency_key is not None else None
-        if claim is not None and digest is None:
-            digest = body_digest(body)
+        digest = body_digest(body) if claim is not None else None
         ref = None
         claimed = False
         try:

@@ -18,7 +18,7 @@ from .submission import small_layer_spec
 async def submit_gradients(request: Request, owner: str, state: ApiState) -> Response:
     submitter, reader = state.submitter, state.reader
     wait = wait_s(request, state.settings)
-    body, fmt, req, digest = await read_request(request, digest="idempotency-key" in request.headers)
+    body, fmt, req = await read_request(request)
     key = idempotency_key(request)
     age_s = key_age_s(request) if key is not None else None
     prep = submitter.prepare_inline(req, body, key)
@@ -28,7 +28,7 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
         job_id, created = await submitter.enqueue_async(body, fmt, owner), True
     else:
         job_id, created = await anyio.to_thread.run_sync(lambda: submitter.enqueue(req, body, fmt, owner, key,
-                                                                                   prep, age_s, digest))
+                                                                                   prep, age_s))
     if created:
         state.metrics.jobs_submitted.inc()
     ended, raw = await reader.wait(job_id, wait)
@@ -51,7 +51,7 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
 @post("/estimate", status_code=200)
 async def estimate_memory(request: Request, owner: str, state: ApiState) -> Response:
     engine, graphs, blobs = state.engine, state.graphs, state.blobs
-    body, _, req, _ = await read_request(request)
+    body, _, req = await read_request(request)
     if small_layer_spec(req, body):
         result = engine.estimate(req)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
     else:

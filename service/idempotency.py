@@ -19,7 +19,7 @@ from .exceptions import ServiceError
 
 # An Idempotency-Key's body digest is BLAKE3 (cryptographic, as SHA-256 is: a different body under a reused
 # key is told apart; 4x faster here, 93 MB in 21 ms against 82, and it releases the GIL), computed in a thread
-# of its own for a large body, beside the body's decoding, checks and handoff file (service/parsing.py).
+# of its own for a large body while the enqueue writes the body's handoff file, which takes longer.
 _DIGEST_INLINE_BYTES = 1 << 20
 _digests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradsvc-digest")
 # A claim until its job is enqueued reads "<job id> <body digest> pending"; then "<job id> <digest>".

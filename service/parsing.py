@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import NamedTuple
-
 import anyio.to_thread
 import msgspec
 from litestar import Request
@@ -14,7 +11,6 @@ from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
 
 from .exceptions import ServiceError
-from .idempotency import body_digest
 from .messages import explain, integral_floats_as_ints
 from .negotiation import body_format
 
@@ -24,27 +20,15 @@ _decoders = {"json": msgspec.json.Decoder(GradientRequest), "msgpack": msgspec.m
 _INLINE_BODY_BYTES = 1 << 20
 
 
-class Read(NamedTuple):
-    body: bytes  # the bytes to queue
-    fmt: str  # their format
-    req: GradientRequest
-    digest: "Future[str] | None"  # the body's sha256, being computed, when asked for (an Idempotency-Key's)
-
-
-async def read_request(request: Request, digest: bool = False) -> Read:
-    """The body, read and decoded. With `digest`, the sha256 of the bytes to queue starts as soon as the
-    body is in, in a thread, so that a large body is hashed while it is decoded and checked (bench/large_model.py:
-    6 ms for 12.8 MB on this 2-core VM, which a keyed request otherwise waited for before its claim)."""
+async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
+    """(the bytes to queue, their format, the request)."""
     fmt = body_format(request)  # before reading: a wrong media type is refused without its body
-    raw = body = await request.body()
-    hashing = body_digest(raw) if digest else None
+    body = await request.body()
     if len(body) > _INLINE_BODY_BYTES:
         req, body = await anyio.to_thread.run_sync(_decode, body, fmt)
     else:
         req, body = _decode(body, fmt)
-    if hashing is not None and body is not raw:  # re-encoded (integral floats): the queued bytes are hashed
-        hashing = body_digest(body)
-    return Read(body, fmt, req, hashing)
+    return body, fmt, req
 
 
 def _decode(body: bytes, fmt: str) -> tuple[GradientRequest, bytes]:

@@ -4,7 +4,6 @@ next request, the enqueue; and which requests take that way on the event loop, w
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from gradsvc.broker import blobs as tensor_refs
@@ -54,12 +53,11 @@ class Submitter:
         return await self.enqueuer.enqueue_async(body, fmt, owner)
 
     def enqueue(self, req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None,
-                prep: Prepared | None = None, key_age_s: float | None = None,
-                digest: "Future[str] | None" = None) -> tuple[str, bool]:
+                prep: Prepared | None = None, key_age_s: float | None = None) -> tuple[str, bool]:
         """Validation and enqueue in one thread hop: (job id, whether it was enqueued now). A graph_ref is
         looked up among this owner's graphs (and its TTL refreshed) here; a graph sent whole is kept under
         its ref, for this owner, for the next request. `prep`: the request already validated on the event
-        loop. `digest`: the body's sha256 already under way (service/parsing.py read_request)."""
+        loop."""
         if prep is None:
             self.blobs.check(owner, req)
             prep = self.engine.prepare(req, "meta", graphs=self.graphs.resolver(owner))
@@ -68,4 +66,4 @@ class Submitter:
             self.graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
         sharded = (req, prep) if req.options.shards != 1 else None
         return self.enqueuer.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
-                                     result_bytes=prep.gradient_bytes, key_age_s=key_age_s, digest=digest)
+                                     result_bytes=prep.gradient_bytes, key_age_s=key_age_s)

@@ -6,9 +6,11 @@ A parameter is in place when the request names it by the same refs (its dtype, s
 as the bytes loaded into it, and the model's tensor is the one loaded, unchanged since: its version counter, which
 every in-place write through autograd's view of it bumps (the HVP check's perturbation), is what it was after the
 load; a graph never writes a parameter (compiler.py refuses it). Buffers are always copied in: a training forward
-writes running statistics, and a kernel that updates them as a side effect (batch norm's) bumps no counter. On a worker, refs name what a tensor's data holds: BlobStore.resolved fills the data of every
-tensor with refs from its owner's own pieces, whatever the body said, and a piece's ref is the sha256 of its bytes,
-checked at upload; so equal refs mean equal bytes, whichever owner sent them. A weight sent inline, or by other
+writes running statistics, and a kernel that updates them as a side effect (batch norm's) bumps no counter.
+
+On a worker, refs name what a tensor's data holds: BlobStore.resolved fills the data of every tensor with refs
+from its owner's own pieces, whatever the body said, and a piece's ref is the sha256 of its bytes, checked at
+upload; so equal refs mean equal bytes, whichever owner sent them. A weight sent inline, or by other
 refs, or changed in the model, is decoded, checked and copied in. A model is checked out by prepare (popped from
 the pool) and handed back after a successful compute (release), so two computes never share one; a failed
 compute's model is dropped. CUDA models are not kept (the same reason as prepare_layers.release_model: they would

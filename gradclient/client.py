@@ -100,8 +100,9 @@ class Client(BaseClient):
             response = self._http.send(request, stream=True)
             try:
                 body = _Body(response, self._answers)
-                for chunk in response.iter_bytes():
-                    body.add(chunk)
+                if not body.read_direct(response):
+                    for chunk in response.iter_bytes():
+                        body.add(chunk)
             finally:
                 response.close()
         except httpx.TransportError as exc:

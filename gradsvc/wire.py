@@ -25,13 +25,24 @@ AtLeastOne = Annotated[int, Meta(ge=1)]
 class Tensor(Struct, omit_defaults=True):
     """A tensor on the wire: nested `data` lists or raw little-endian C-order bytes (`data` in
     MessagePack, `b64` in JSON), or `refs`: the sha256 (64 hex digits) of each piece of those raw bytes,
-    in order, as uploaded before by PUT /tensors/{sha256} (a tensor sent once, used by reference)."""
+    in order, as uploaded before by PUT /tensors/{sha256} (a tensor sent once, used by reference).
+
+    Raw bytes decode as a memoryview into the message itself, not a copy (a 12.7 MB body: 13 ms -> 1 ms to
+    decode): a decoded tensor keeps its whole message alive, so what outlives a request (a graph's constants
+    kept with the graph) is copied out of it first (`owned`)."""
 
     dtype: str
     shape: list[int]
-    data: list | bytes | None = None
+    data: list | memoryview | None = None  # bytes too, as given to the constructor
     b64: str | None = None
     refs: list[str] | None = None
+
+
+def owned(tensors: "dict[str, Tensor]") -> None:
+    """Each tensor's raw bytes as bytes of their own, no longer a view into the message they came in."""
+    for t in tensors.values():
+        if isinstance(t.data, memoryview):
+            t.data = bytes(t.data)
 
 
 # A bare nested list (or a scalar) is accepted for inputs and targets.

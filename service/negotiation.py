@@ -65,7 +65,7 @@ def for_json(value: Any, encoding: str) -> Any:
 
 
 def _tensor(t: Tensor | None, encoding: str) -> Tensor | None:
-    if t is None or not isinstance(t.data, bytes):
+    if t is None or not isinstance(t.data, (bytes, memoryview)):
         return t
     listed = encoding == "list" or (encoding == "auto" and _numel(t) <= LIST_MAX_ELEMENTS)
     return tensors.to_listed(t) if listed else tensors.to_b64(t)

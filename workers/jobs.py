@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,6 +76,35 @@ class ResultBuffer:
             self.buffer = bytearray()
 
 
+class _Reaper:
+    """Drops what it is given on a thread of its own. A job's body, mapped from its handoff file (unlinked
+    already), is unmapped when its last reference goes, and that frees the file's tmpfs pages: 3.7 ms for
+    12.7 MB on a 2-core VM, which would otherwise come between the result and the answer. The job hands its
+    maps over once nothing of the request references them; this thread then holds the last reference, and
+    munmap releases the GIL."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def drop(self, items: list) -> None:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="gradsvc-reaper", daemon=True)
+                self.thread.start()
+        self.queue.put(items)
+
+    def _run(self) -> None:
+        while True:
+            items = self.queue.get()
+            items.clear()
+            del items
+
+
+_reaper = _Reaper()
+
+
 @dataclass
 class WorkerContext:
     settings: Settings
@@ -84,6 +115,7 @@ class WorkerContext:
     pieces: BlobStore | None = None  # tensors by reference, with this worker's LRU of the pieces it used
     handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/broker/handoff.py)
     results: ResultBuffer = field(default_factory=ResultBuffer)
+    taken: list = field(default_factory=list)  # the job's handoff maps, dropped on the reaper once it is done
 
 
 def _owner(job: Job) -> str:
@@ -196,6 +228,8 @@ def job_input(job: Job, ctx: WorkerContext, body: bytes | str, cancel_id: str | 
     except HandoffError as exc:
         raise ComputeError("input_lost", f"the job's body cannot be read here: {exc}; submit the job again",
                            ref=body[:100]) from None
+    if data:
+        ctx.taken.append(data)
     if data is None:
         if job.connection.exists(keys.cancel_key(ctx.settings.queue_prefix, cancel_id or job.id)):
             raise JobCanceledError()  # DELETE deleted it as this worker took the job
@@ -292,6 +326,9 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
         ctx.results.release()
         ctx.metrics.busy.set(0)
         sweep_handoff(ctx)
+        if ctx.taken:
+            _reaper.drop(ctx.taken)
+            ctx.taken = []
     size = ctx.results.size
     device = str(ctx.device) if kind == "reduce" else result.device  # a reduced result may name several devices
     ctx.metrics.observe_result(device, result.timings, result.memory, result.numcheck, queue_s, kind=kind)

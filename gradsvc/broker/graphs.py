@@ -12,7 +12,7 @@ from __future__ import annotations
 from gradsvc.broker import keys
 from gradsvc.hashing import decode, digest, encode
 from gradsvc.lru import LRU
-from gradsvc.wire import GraphSpec
+from gradsvc.wire import GraphSpec, owned
 
 
 class GraphStore:
@@ -28,6 +28,7 @@ class GraphStore:
     def put(self, owner: str, ref: str, graph: GraphSpec, data: bytes) -> None:
         """Keeps `graph` (its canonical bytes `data`, whose sha256 is `ref`) for `owner`, for the TTL."""
         self.redis.set(keys.graph_key(self.prefix, owner, ref), data, ex=self.ttl_s)
+        owned(graph.constants)  # kept past the request whose body its constants' bytes may be views of
         self.parsed.put((owner, ref), graph)
 
     def resolver(self, owner: str):

@@ -33,7 +33,9 @@ INPUT, RESULT, REFERENCE = "in", "out", "ref"
 KINDS = (INPUT, RESULT, REFERENCE)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}\.(in|out|ref)")
 _DOMAIN = re.compile(r"[0-9a-f]{32}")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages mapped at once, not one fault each
+# Linux >= 5.14: the pages of a private map mapped at once for reading, not one fault each (MAP_POPULATE would
+# copy every page of a writable private map: 12 ms for 12.6 MB, against 1.5 ms). Older kernels: EINVAL, skipped.
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _TMP = ".tmp-"  # files being written: swept after TMP_MAX_AGE_S (their writer died)
 TMP_MAX_AGE_S = 120.0
 DOMAIN_FILE = "domain"
@@ -146,7 +148,9 @@ class Handoff:
 
     def take(self, ref: str) -> "bytes | mmap.mmap | None":
         """The file's bytes, and the file deleted (a job's body: read once). Mapped rather than read (the tmpfs's
-        pages themselves, no copy; they go when the map does): a decoder reads it as it would bytes."""
+        pages themselves, no copy; they go when the map does): a decoder reads it as it would bytes, and the
+        tensors decoded from it are views of it. Mapped private and writable: a write into one of them makes
+        a page of its own (copy on write) rather than a fault in a read-only map."""
         path = self.path(ref)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -154,7 +158,12 @@ class Handoff:
             return None
         try:
             size = os.fstat(fd).st_size
-            data = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ) if size else b""
+            data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else b""
+            if size:
+                try:
+                    data.madvise(_POPULATE_READ)
+                except OSError:
+                    pass
         finally:
             os.close(fd)
         path.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ import re
 import torch
 from torch import nn
 
-from gradsvc import hashing
+from gradsvc import hashing, wire
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
 from . import resident, tensors
@@ -37,6 +37,7 @@ def _graph_spec(caches: EngineCaches, request: GradientRequest, dtype: torch.dty
         except OverflowError:  # JSON integers have no bound; no op takes one beyond 64 bits
             raise SpecError("bad_option", "model.graph: an integer in the graph lies outside the 64-bit range; "
                             "sizes, dims and other integer arguments must fit in int64") from None
+        wire.owned(request.model.graph.constants)  # the graph outlives the request (graph_templates)
         return hashing.digest(data), request.model.graph, data
     ref = request.model.graph_ref
     if not _REF.fullmatch(ref):

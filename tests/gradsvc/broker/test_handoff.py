@@ -55,6 +55,10 @@ def test_put_get_take_delete(tmp_path):
     assert h.get(ref) == data and h.get(ref) == data
     taken = h.take(ref)  # mapped: the file's pages, readable after the file is gone
     assert not path.exists() and taken[:] == data
+    other = h.put("job-other", hf.INPUT, data)
+    view = memoryview(h.take(other))
+    view[:4] = b"gone"  # private and writable: a tensor written in place faults no worker (copy on write)
+    assert bytes(view[:4]) == b"gone" and taken[:] == data
     assert h.get(ref) is None and h.take(ref) is None
     empty = h.put("job-empty", hf.INPUT, b"")
     assert h.take(empty) == b""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -13,7 +14,7 @@ from rq import Queue, Worker
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
-from gradsvc.wire import GradientRequest
+from gradsvc.wire import GradientRequest, Options
 from workers.engine.prepare import Prepared
 from workers.jobs import gradient_job
 
@@ -28,6 +29,15 @@ REPLICA_WAIT_S = 0.5
 
 
 @dataclass(eq=False)
+class Early:
+    """What a large body's enqueue starts before the request is checked, to run meanwhile: its handoff file
+    (when the job will go through the handoff domain's queue as one job) and its Idempotency-Key digest."""
+
+    staged: handoff_files.Staged | None = None
+    digest: "Future[str] | None" = None
+
+
+@dataclass(eq=False)
 class Enqueuer:
     queues: Queues
     claims: IdempotencyClaims
@@ -35,15 +45,27 @@ class Enqueuer:
     min_shard_rows: int
     _warned_at: float = float("-inf")  # when _replica_acked last logged (time.monotonic())
 
+    def start(self, body: bytes, options: Options, idempotency_key: str | None) -> Early | None:
+        """The enqueue's slow parts begun on threads, for a body large enough to hand off: writing its file
+        (written while the meta check runs, which would otherwise come first: 12-19 ms for 12.7 MB) and the
+        digest. None for a smaller body. The caller discards what the enqueue did not use."""
+        queues = self.queues
+        if queues.handoff is None or not queues.handoff.wanted(len(body)):
+            return None
+        digest = body_digest(body) if idempotency_key is not None else None
+        handed = options.shards == 1 and queues.handoff_ok(options.device)
+        return Early(staged=queues.handoff.stage(body) if handed else None, digest=digest)
+
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
                 sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,
-                key_age_s: float | None = None) -> tuple[str, bool]:
+                key_age_s: float | None = None, early: Early | None = None) -> tuple[str, bool]:
         """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
         names the job it enqueued then, which is returned instead of enqueueing the same body again.
         `sharded`: (request, prepared on meta) when options.shards may split the batch (service/fan_out.py).
         `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
         the job goes through the handoff domain's queue, whatever its body's size). `key_age_s`: a retry's
-        Idempotency-Key-Age, the seconds since the SDK first sent this key (IdempotencyClaims.claim)."""
+        Idempotency-Key-Age, the seconds since the SDK first sent this key (IdempotencyClaims.claim). `early`:
+        what start() began for this body (its handoff file is committed here if the job takes it)."""
         queues = self.queues
         if device != "auto" and not Worker.all(queue=queues.shared[device]):
             # A job for a device no worker serves would stay queued forever.
@@ -52,7 +74,11 @@ class Enqueuer:
                                "worker", device=device)
         job_id = queues.epochs.new_job_id()
         claim = self.claims.key(owner, idempotency_key) if idempotency_key is not None else None
-        digest = body_digest(body) if claim is not None else None
+        if claim is None:
+            digest = None
+        else:
+            digest = early.digest if early is not None and early.digest is not None else body_digest(body)
+        staged = early.staged if early is not None else None
         ref = None
         claimed = False
         try:
@@ -75,7 +101,8 @@ class Enqueuer:
                 queue = queues.domain[device]
                 if queues.handoff.wanted(len(body)):
                     try:
-                        ref = queues.handoff.put(job_id, handoff_files.INPUT, body)
+                        ref = (staged.commit(job_id, handoff_files.INPUT) if staged is not None
+                               else queues.handoff.put(job_id, handoff_files.INPUT, body))
                     except OSError as exc:  # the tmpfs is full: Redis still takes it
                         log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
                     else:

@@ -58,12 +58,17 @@ class Submitter:
         looked up among this owner's graphs (and its TTL refreshed) here; a graph sent whole is kept under
         its ref, for this owner, for the next request. `prep`: the request already validated on the event
         loop."""
-        if prep is None:
-            self.blobs.check(owner, req)
-            prep = self.engine.prepare(req, "meta", graphs=self.graphs.resolver(owner))
-        self.auth.check_rate(owner)
-        if prep.graph_data is not None:
-            self.graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
-        sharded = (req, prep) if req.options.shards != 1 else None
-        return self.enqueuer.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
-                                     result_bytes=prep.gradient_bytes, key_age_s=key_age_s)
+        early = self.enqueuer.start(body, req.options, key) if prep is None else None
+        try:
+            if prep is None:
+                self.blobs.check(owner, req)
+                prep = self.engine.prepare(req, "meta", graphs=self.graphs.resolver(owner))
+            self.auth.check_rate(owner)
+            if prep.graph_data is not None:
+                self.graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
+            sharded = (req, prep) if req.options.shards != 1 else None
+            return self.enqueuer.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
+                                         result_bytes=prep.gradient_bytes, key_age_s=key_age_s, early=early)
+        finally:
+            if early is not None and early.staged is not None:
+                early.staged.discard()  # a no-op once the enqueue committed it

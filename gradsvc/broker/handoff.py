@@ -26,6 +26,7 @@ import os
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Kinds of file, by suffix: a job's (or shard's) body, a result, a shard's float64 reference gradients.
@@ -43,6 +44,10 @@ DOMAIN_FILE = "domain"
 # What a result key holds when the result is in a file: 0xc1 is the one byte MessagePack never uses, so
 # no MessagePack value (a GradientResult is a map: 0x80-0x8f, 0xde, 0xdf) starts with it.
 MARKER = b"\xc1gradsvc-handoff:"
+
+
+# Staged writes (Handoff.stage): a few at once, each one syscall that releases the GIL.
+_writers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gradsvc-handoff")
 
 
 class HandoffError(ValueError):
@@ -137,6 +142,11 @@ class Handoff:
             raise
         return f"{self.domain}/{name}"
 
+    def stage(self, data) -> "Staged":
+        """Starts writing `data` (on a thread) as a temp file no job names yet: Staged.commit gives it a job's
+        name, Staged.discard drops it. The API writes a large body so while it checks the request."""
+        return Staged(self, data)
+
     def get(self, ref: str) -> bytes | None:
         path = self.path(ref)
         try:
@@ -210,6 +220,36 @@ class Handoff:
     @staticmethod
     def marker(ref: str) -> bytes:
         return MARKER + ref.encode()
+
+
+class Staged:
+    """A file being written (Handoff.stage), not yet any job's. Whoever stages one commits or discards it;
+    a temp file left behind (its process died) goes with the sweep after TMP_MAX_AGE_S."""
+
+    def __init__(self, handoff: Handoff, data) -> None:
+        self.handoff = handoff
+        self.tmp = handoff.dir / f"{_TMP}staged-{uuid.uuid4().hex}"
+        self.written = _writers.submit(Handoff._write, self.tmp, data)
+        self.settled = False
+
+    def commit(self, job_id: str, kind: str) -> str:
+        """The file under (job_id, kind)'s name once written, and its ref; the write's OSError (a full tmpfs)
+        if it failed, the file dropped."""
+        name = file_name(job_id, kind)
+        try:
+            self.written.result()
+            os.replace(self.tmp, self.handoff.dir / name)
+        except BaseException:
+            self.discard()
+            raise
+        self.settled = True
+        return f"{self.handoff.domain}/{name}"
+
+    def discard(self) -> None:
+        """Drops the file once its write is over, unless it was committed (then a no-op)."""
+        if not self.settled:
+            self.settled = True
+            self.written.add_done_callback(lambda _: self.tmp.unlink(missing_ok=True))
 
 
 def is_marker(raw) -> bool:

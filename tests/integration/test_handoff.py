@@ -181,6 +181,28 @@ def test_an_idempotency_key_over_a_large_body_names_one_job_and_leaves_no_body_f
     assert files_of(handoff_dir, [job_id]) == [f"{job_id}.out"]
 
 
+def test_a_body_the_checks_refuse_leaves_no_file(http, handoff_dir):
+    """A large body's file is written while the API checks the request (Enqueuer.start): a body the checks
+    refuse (a NaN weight, bad_weights) leaves neither a job's file nor the staged one behind."""
+    x, y = batch()
+    layers = [{"type": "Linear", "in_features": D_IN, "out_features": HIDDEN}, {"type": "Tanh"},
+              {"type": "Linear", "in_features": HIDDEN, "out_features": D_OUT}]
+    nan = torch.full((HIDDEN, D_IN), float("nan"), dtype=torch.float64)
+    content = msgspec.msgpack.encode({"model": {"layers": layers, "dtype": "float64", "weights": {"0.weight": raw(nan)}},
+                                      "inputs": raw(x), "targets": raw(y), "loss": "mse"})
+    assert len(content) > MIN_BYTES
+    r = post(http, content)
+    assert r.status_code == 422 and msgspec.msgpack.decode(r.content)["error"]["code"] == "bad_weights"
+
+    def left() -> list[str]:
+        return [n for n in os.listdir(handoff_dir) if n.startswith(".tmp-") or n.endswith(".in")]
+
+    deadline = time.monotonic() + 5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert left() == []
+
+
 def test_a_small_job_still_goes_through_redis(http, redis, handoff_dir):
     tiny = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 1}], "dtype": "float64"},
             "inputs": [[1.0, 2.0]], "targets": [[0.5]], "loss": "mse"}

@@ -73,6 +73,29 @@ def test_put_get_take_delete(tmp_path):
     assert h.wanted(10) and not h.wanted(9)
 
 
+def test_a_staged_file_is_named_by_commit_or_dropped_by_discard(tmp_path):
+    h = Handoff(tmp_path, min_bytes=10)
+    data = os.urandom(1 << 20)
+    ref = h.stage(data).commit("job-staged", hf.INPUT)
+    assert ref == h.ref("job-staged", hf.INPUT) and h.take(ref)[:] == data
+    staged = h.stage(data)
+    staged.discard()
+    staged.discard()  # twice is fine; and after commit, discard is a no-op
+    kept = h.stage(b"kept")
+    ref = kept.commit("job-kept", hf.INPUT)
+    kept.discard()
+    deadline = time.monotonic() + 5
+    while len(os.listdir(tmp_path)) > 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(os.listdir(tmp_path)) == ["domain", "job-kept.in"]
+    gone = Handoff(tmp_path / "gone", min_bytes=10)
+    for name in os.listdir(gone.dir):
+        os.unlink(gone.dir / name)
+    os.rmdir(gone.dir)
+    with pytest.raises(OSError):  # the write failed (here: no dir): commit raises it, nothing is left
+        gone.stage(data).commit("job-x", hf.INPUT)
+
+
 @pytest.mark.parametrize("ref", [
     "../x", "/etc/passwd", "{d}/../domain", "{d}//etc/passwd", "{d}/domain", "{d}/x.txt", "{d}/.tmp-x.in",
     "{d}/a/b.in", "{d}/", "{d}", "{d}/-x.in", "{d}/x.in\x00", "{d}/x.in/", "{d}/..in", "other/x.in",

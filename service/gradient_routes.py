@@ -31,6 +31,9 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
                                                                                    prep, age_s))
     if created:
         state.metrics.jobs_submitted.inc()
+        if wait == 0:  # plain async: the job was just queued, whatever a worker made of it since
+            return respond(request, JobAccepted(job_id=job_id, status="queued"), status=202,
+                           headers={"Location": f"/jobs/{job_id}"})
     ended, raw = await reader.wait(job_id, wait)
     if ended and raw is not None:  # finished
         if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy

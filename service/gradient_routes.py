@@ -31,9 +31,10 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
                                                                                    prep, age_s))
     if created:
         state.metrics.jobs_submitted.inc()
-        if wait == 0:  # plain async: the job was just queued, whatever a worker made of it since
-            return respond(request, JobAccepted(job_id=job_id, status="queued"), status=202,
-                           headers={"Location": f"/jobs/{job_id}"})
+        if wait == 0:  # plain async: 202 with the job as it is now, even one a worker has finished already
+            info = await reader.info(job_id, owner, with_result=False)
+            return respond(request, JobAccepted(job_id=job_id, status=info.status, progress=info.progress),
+                           status=202, headers={"Location": f"/jobs/{job_id}"})
     ended, raw = await reader.wait(job_id, wait)
     if ended and raw is not None:  # finished
         if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy

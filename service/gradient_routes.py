@@ -9,7 +9,7 @@ from gradsvc.wire import JobAccepted
 
 from .api_state import ApiState
 from .error_responses import error_response
-from .negotiation import MSGPACK, respond, respond_job, wants_msgpack
+from .negotiation import MSGPACK, Encoded, respond, respond_job, wants_msgpack
 from .parsing import idempotency_key, key_age_s, read_request, wait_s
 from .submission import small_layer_spec
 
@@ -38,7 +38,7 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
     ended, raw = await reader.wait(job_id, wait)
     if ended and raw is not None:  # finished
         if wants_msgpack(request):  # the stored MessagePack is the answer: no decode, no copy
-            return Response(raw, media_type=MSGPACK)
+            return Encoded(raw, media_type=MSGPACK)
         result = reader.decode_result(raw)
         return await respond_job(request, result, result, encoding=req.options.encoding)
     # Failed, or still running: the answer is what GET /jobs/{id} says now (it may have ended meanwhile).

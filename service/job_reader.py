@@ -101,12 +101,12 @@ class JobReader:
         return bool(got), await self.load_result(raw, job_id) if got else None
 
     async def load_result(self, raw: bytes | None, job_id: str) -> bytes | None:
-        """A result key's value as the result's bytes: as stored, or read (in a thread) from the handoff file
-        its marker names; None once either has expired."""
+        """A result key's value as the result's bytes: as stored, or the handoff file its marker names, mapped
+        (in a thread: Handoff.map); None once either has expired."""
         if not handoff_files.is_marker(raw):
             return raw
         try:
-            return await anyio.to_thread.run_sync(handoff_files.load, raw, self.queues.handoff)
+            return await anyio.to_thread.run_sync(handoff_files.load, raw, self.queues.handoff, True)
         except HandoffError as exc:
             # Handoff on behind a balancer over several hosts: each API reads only its own host's files.
             raise ServiceError("result_elsewhere", f"the result of job {job_id} is a file on another host's "

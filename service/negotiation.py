@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import anyio.to_thread
@@ -22,6 +23,16 @@ _INLINE_RESULT_PARAMETERS = 1 << 16
 
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
+
+
+class Encoded(Response):
+    """A response whose content is already encoded, in any buffer (a result's mapped handoff file): sent as
+    it is, where Response would encode what is not bytes."""
+
+    def render(self, content: Any, media_type: str, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(content, (bytes, memoryview, mmap.mmap)):
+            return content
+        return super().render(content, media_type, *args, **kwargs)
 
 
 def wants_msgpack(request: Request) -> bool:

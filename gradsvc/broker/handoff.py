@@ -167,17 +167,25 @@ class Handoff:
         except FileNotFoundError:
             return None
         try:
-            size = os.fstat(fd).st_size
-            data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else b""
-            if size:
-                try:
-                    data.madvise(_POPULATE_READ)
-                except OSError:
-                    pass
+            data = _mapped(fd)
         finally:
             os.close(fd)
         path.unlink(missing_ok=True)
         return data
+
+    def map(self, ref: str) -> "bytes | mmap.mmap | None":
+        """The file's bytes mapped as take() maps them, the file kept (a result the API sends on: the file's
+        own pages go to the socket, where a read copied 12.6 MB into fresh memory first); None when it is gone.
+        A result's file is replaced whole (put) and never written in place, so the map reads what was put."""
+        path = self.path(ref)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        try:
+            return _mapped(fd)
+        finally:
+            os.close(fd)
 
     def delete(self, ref: str) -> None:
         self.path(ref).unlink(missing_ok=True)
@@ -252,6 +260,20 @@ class Staged:
             self.written.add_done_callback(lambda _: self.tmp.unlink(missing_ok=True))
 
 
+def _mapped(fd: int) -> "bytes | mmap.mmap":
+    """An open file's bytes, mapped private and writable (a write into a tensor decoded from them is copy on
+    write, not a fault in a read-only map) and populated at once for reading."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return b""
+    data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        data.madvise(_POPULATE_READ)
+    except OSError:
+        pass
+    return data
+
+
 def is_marker(raw) -> bool:
     return raw is not None and bytes(raw[:len(MARKER)]) == MARKER
 
@@ -260,17 +282,17 @@ def marker_ref(raw: bytes) -> str:
     return bytes(raw[len(MARKER):]).decode("ascii", errors="replace")
 
 
-def load(raw: bytes | None, handoff: Handoff | None) -> bytes | None:
+def load(raw: bytes | None, handoff: Handoff | None, mapped: bool = False) -> "bytes | mmap.mmap | None":
     """What a result (or reference) key's value stands for, whoever stored it: the value itself, or the
-    file its marker names (None when the key or the file is gone: expired). A marker this process cannot
-    open (handoff off here, another domain) raises HandoffError."""
+    file its marker names (None when the key or the file is gone: expired), read, or `mapped` (Handoff.map).
+    A marker this process cannot open (handoff off here, another domain) raises HandoffError."""
     if raw is None or not is_marker(raw):
         return raw
     ref = marker_ref(raw)
     if handoff is None:
         raise HandoffError(f"a result was handed off outside Redis ({ref[:100]!r}) but this process has no "
                            "GRADSVC_HANDOFF_DIR")
-    return handoff.get(ref)
+    return handoff.map(ref) if mapped else handoff.get(ref)
 
 
 def sweep_ages(result_ttl_s: float, failure_ttl_s: float, margin_s: float = 60.0) -> dict[str, float]:

@@ -134,6 +134,24 @@ def test_a_symlink_is_not_followed(tmp_path):
         h.get(f"{h.domain}/job.out")
 
 
+def test_a_result_is_mapped_for_sending_and_its_file_kept(tmp_path):
+    h = Handoff(tmp_path, min_bytes=10)
+    data = os.urandom(1 << 20)
+    ref = h.put("job-mapped", hf.RESULT, data)
+    mapped = hf.load(h.marker(ref), h, mapped=True)
+    assert mapped[:] == data and h.map(ref)[:] == data and hf.load(h.marker(ref), h) == data
+    mapped[:4] = b"mine"  # private: the file, and every later reader, keep what was put
+    assert h.get(ref) == data and h.map(ref)[:] == data
+    h.put("job-mapped", hf.RESULT, b"again")  # replaced whole: a map made before still reads the old bytes
+    assert mapped[4:] == data[4:] and h.map(ref)[:] == b"again"
+    h.delete(ref)
+    assert h.map(ref) is None and hf.load(h.marker(ref), h, mapped=True) is None
+    assert h.map(h.put("job-empty", hf.RESULT, b"")) == b""
+    os.symlink(tmp_path / "domain", tmp_path / "job-link.out")
+    with pytest.raises(OSError):
+        h.map(h.ref("job-link", hf.RESULT))
+
+
 def test_sweep_by_age_and_kind(tmp_path):
     h = Handoff(tmp_path)
     old, new = time.time() - 1000, time.time()

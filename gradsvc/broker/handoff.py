@@ -147,13 +147,19 @@ class Handoff:
         name, Staged.discard drops it. The API writes a large body so while it checks the request."""
         return Staged(self, data)
 
-    def get(self, ref: str) -> bytes | None:
+    def _open(self, ref: str) -> tuple[Path, int] | None:
+        """(the path a ref names, the file open for reading), None when it is gone; symlinks are not followed."""
         path = self.path(ref)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            return path, os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
-        with os.fdopen(fd, "rb") as f:
+
+    def get(self, ref: str) -> bytes | None:
+        opened = self._open(ref)
+        if opened is None:
+            return None
+        with os.fdopen(opened[1], "rb") as f:
             return f.read()
 
     def take(self, ref: str) -> "bytes | mmap.mmap | None":
@@ -161,11 +167,10 @@ class Handoff:
         pages themselves, no copy; they go when the map does): a decoder reads it as it would bytes, and the
         tensors decoded from it are views of it. Mapped private and writable: a write into one of them makes
         a page of its own (copy on write) rather than a fault in a read-only map."""
-        path = self.path(ref)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        opened = self._open(ref)
+        if opened is None:
             return None
+        path, fd = opened
         try:
             data = _mapped(fd)
         finally:
@@ -177,15 +182,13 @@ class Handoff:
         """The file's bytes mapped as take() maps them, the file kept (a result the API sends on: the file's
         own pages go to the socket, where a read copied 12.6 MB into fresh memory first); None when it is gone.
         A result's file is replaced whole (put) and never written in place, so the map reads what was put."""
-        path = self.path(ref)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        opened = self._open(ref)
+        if opened is None:
             return None
         try:
-            return _mapped(fd)
+            return _mapped(opened[1])
         finally:
-            os.close(fd)
+            os.close(opened[1])
 
     def delete(self, ref: str) -> None:
         self.path(ref).unlink(missing_ok=True)

@@ -45,14 +45,11 @@ def compute(request: GradientRequest, config: EngineConfig | None = None, *, pro
         return _compute(request, config, progress, device, graphs, reference, caches)
     except torch.cuda.OutOfMemoryError as exc:
         raise out_of_memory(device, exc) from None
-    except MemoryError as exc:
+    except (MemoryError, RuntimeError) as exc:  # cuBLAS/cuDNN report some allocation failures as plain RuntimeErrors
+        if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
+            raise
         caches.resident_models.clear()  # what the pool holds goes first: the next job may need it
         raise out_of_memory(device, exc) from None
-    except RuntimeError as exc:  # cuBLAS/cuDNN report some allocation failures as plain RuntimeErrors
-        if is_allocation_failure(exc):
-            caches.resident_models.clear()
-            raise out_of_memory(device, exc) from None
-        raise
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import INPUT, Handoff
 from gradsvc.wire import GradientRequest
 from workers.engine import Engine
-from workers.jobs import _Reaper, decode_request
+from workers.jobs import _reaper, decode_request
 
 CPU = torch.device("cpu")
 
@@ -57,14 +57,15 @@ def test_a_handed_off_body_is_decoded_in_place_and_unmapped_by_the_reaper(tmp_pa
     assert torch.allclose(from_wire(result.gradients["fc.weight"]), model.fc.weight.grad)
 
     alive = weakref.ref(mapped)
-    reaper = _Reaper()
-    del req, weight, result
-    reaper.drop([mapped])
-    del mapped
+    taken = [mapped]  # as run_job hands a job's maps to the reaper
+    del req, weight, result, mapped
+    done = _reaper.submit(taken.clear)
+    del taken
+    done.result(timeout=5)
     deadline = time.monotonic() + 5
     while alive() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert alive() is None and reaper.thread.is_alive()
+    assert alive() is None
 
 
 def test_graph_constants_that_outlive_the_request_are_copied_out_of_its_body():

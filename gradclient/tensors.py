@@ -121,7 +121,7 @@ def from_wire(t: Any) -> Any:
     (numpy array without torch). None stays None."""
     if t is None:
         return None
-    raw = t.data if isinstance(t.data, (memoryview, bytes, bytearray)) else None
+    raw = wire.raw_data(t)
     if t.b64 is not None:
         raw = memoryview(bytearray(base64.b64decode(t.b64)))
     if raw is None:

@@ -38,6 +38,11 @@ class Tensor(Struct, omit_defaults=True):
     refs: list[str] | None = None
 
 
+def raw_data(t: Tensor) -> "bytes | bytearray | memoryview | None":
+    """A tensor's raw bytes as it carries them in `data` (None when `data` is nested lists, or absent)."""
+    return t.data if isinstance(t.data, (bytes, bytearray, memoryview)) else None
+
+
 def owned(tensors: "dict[str, Tensor]") -> None:
     """Each tensor's raw bytes as bytes of their own, no longer a view into the message they came in."""
     for t in tensors.values():

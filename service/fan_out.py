@@ -26,7 +26,7 @@ from rq.utils import now
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker.fanin import shard_failed, shard_job_id
 from gradsvc.broker.handoff import Handoff
-from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor
+from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
 from workers.engine.prepare import Prepared
 from workers.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
 from workers.shards import reduce_job, shard_job
@@ -48,7 +48,7 @@ def shard_count(option: int | str, rows: int, live_workers: Callable[[], int], m
 # --- slicing wire values by rows, without torch -----------------------------------------------------------
 def _slice_tensor(t: Tensor, a: int, b: int) -> Tensor:
     shape = [b - a, *t.shape[1:]]
-    if t.b64 is not None or isinstance(t.data, (bytes, bytearray, memoryview)):
+    if t.b64 is not None or raw_data(t) is not None:
         import base64
 
         raw = memoryview(base64.b64decode(t.b64) if t.b64 is not None else t.data)  # a view: no copy here

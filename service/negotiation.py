@@ -9,7 +9,7 @@ import anyio.to_thread
 import msgspec
 from litestar import Request, Response
 
-from gradsvc.wire import GradientResult, PerSample, Tensor
+from gradsvc.wire import GradientResult, PerSample, Tensor, raw_data
 from workers.engine import tensors
 
 from .exceptions import ServiceError
@@ -76,7 +76,7 @@ def for_json(value: Any, encoding: str) -> Any:
 
 
 def _tensor(t: Tensor | None, encoding: str) -> Tensor | None:
-    if t is None or not isinstance(t.data, (bytes, memoryview)):
+    if t is None or raw_data(t) is None:
         return t
     listed = encoding == "list" or (encoding == "auto" and _numel(t) <= LIST_MAX_ELEMENTS)
     return tensors.to_listed(t) if listed else tensors.to_b64(t)

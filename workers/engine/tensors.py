@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 import torch
 
-from gradsvc.wire import DTYPES, ITEMSIZE, Tensor
+from gradsvc.wire import DTYPES, ITEMSIZE, Tensor, raw_data
 
 from .errors import SpecError
 
@@ -89,7 +89,7 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             elements=numel,
             limit=max_elements,
         )
-    raw = value.data if isinstance(value.data, (bytes, bytearray, memoryview)) else None
+    raw = raw_data(value)
     if value.b64 is not None:
         if value.data is not None:
             raise SpecError("bad_tensor", f"{where}: give either 'data' or 'b64', not both", where=where)
@@ -182,5 +182,5 @@ def to_listed(value: Tensor) -> Tensor:
 
 
 def to_b64(value: Tensor) -> Tensor:
-    raw = value.data if isinstance(value.data, (bytes, bytearray, memoryview)) else b""
+    raw = raw_data(value) or b""
     return Tensor(dtype=value.dtype, shape=value.shape, b64=base64.b64encode(raw).decode("ascii"))

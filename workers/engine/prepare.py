@@ -55,7 +55,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=side.parameter_count, options=opts,
                     frozen=frozen, graph=graph, graph_data=side.graph_data if graph is not None else None,
-                    reuse_key=reuse if graph is None else None, resident=reuse if graph is not None else None,
+                    built=reuse if graph is None else None, resident=reuse if graph is not None else None,
                     rows_per_example=rows,
                     batch_flow=side.flow if graph is not None else None)
 

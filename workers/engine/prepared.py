@@ -32,7 +32,7 @@ class Prepared:
     frozen: set[str]
     graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, state, input dtype)
     graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
-    reuse_key: tuple | None = None  # set when `model` may go back to the built-model cache (release_model)
+    built: tuple | None = None  # (key, prepare_layers.Built) when `model` may go back to the built models (release_model)
     resident: tuple | None = None  # (key, resident.Resident) when `model` may go back to the resident graph models
     # Output (and target) rows per batch row, where the output's rows map to the batch's in order (1 for a
     # classifier, seq for every-position LM logits flattened to (batch*seq, vocab)); None where they do

@@ -49,7 +49,7 @@ def test_a_second_request_of_a_spec_reuses_the_first_ones_model():
     x, y = seed_a_batch()
     compute(request(SEED_A_LAYERS, x, y))
     assert len(built) == 1
-    model = built.values()[0]
+    model = built.values()[0].model
     prep = engine.prepare(request(SEED_A_LAYERS, x, y), torch.device("cpu"))
     assert prep.model is model and len(built) == 0  # checked out: no other compute can take it meanwhile
 
@@ -61,7 +61,7 @@ def test_buffers_a_training_forward_changed_are_reset():
     for _ in range(3):  # each request updates BatchNorm's running stats in its model
         result = compute(request(BN_LAYERS, x, y))
     assert len(built) == 1
-    reused = built.values()[0]
+    reused = built.values()[0].model
     assert torch.equal(reused[1].num_batches_tracked, torch.tensor(1))  # one forward's update, not three
     expected = local(bn_module(), x, y)
     for name, g in grads(result).items():
@@ -105,3 +105,31 @@ def test_a_failed_compute_drops_its_model():
     fresh = nn.Sequential(nn.Linear(6, 3)).double()
     for name, g in local(fresh, x, y).items():
         assert torch.allclose(result[name], g, rtol=0, atol=1e-12), name
+
+
+def test_a_pooled_model_is_loaded_in_place_unless_a_module_loads_its_own_way():
+    """prepare writes a request's state into a pooled model entry by entry (Built.slots) where every module loads
+    as nn.Module does; InstanceNorm with running stats has a _load_from_state_dict of its own, so its model goes
+    through load_state_dict, and either way a second request keeps nothing of the first."""
+    engine = Engine()
+    x, y = seed_a_batch(8)
+    plain = engine.prepare(request(BN_LAYERS, x, y), torch.device("cpu"))
+    assert plain.built is not None and plain.built[1].slots is not None
+    assert set(plain.built[1].slots) == set(plain.model.state_dict())
+    norm = [{"type": "Linear", "in_features": 6, "out_features": 8},
+            {"type": "Unflatten", "dim": 1, "unflattened_size": [2, 4]},
+            {"type": "InstanceNorm1d", "num_features": 2, "track_running_stats": True, "affine": True},
+            {"type": "Flatten"}, {"type": "Linear", "in_features": 8, "out_features": 3}]
+    own = engine.prepare(request(norm, x, y), torch.device("cpu"))
+    assert own.built is not None and own.built[1].slots is None
+    torch.manual_seed(9)
+    other = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in own.model.state_dict().items()}
+    first, second = (grads(engine.compute(request(norm, x, y, weights=w))) for w in (other, None))
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(6, 8), nn.Unflatten(1, (2, 4)), nn.InstanceNorm1d(2, track_running_stats=True,
+                                                                                      affine=True),
+                          nn.Flatten(), nn.Linear(8, 3)).double()
+    assert len(engine.caches.built_models) == 1  # the second request took the first one's model from the pool
+    for name, g in local(fresh, x, y).items():
+        assert torch.allclose(second[name], g, rtol=0, atol=1e-12), name
+        assert not torch.allclose(first[name], g), name

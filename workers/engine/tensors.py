@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import sys
 import warnings
 from types import MappingProxyType
 
@@ -175,8 +176,20 @@ def encode(tensor: torch.Tensor) -> Tensor:
     return Tensor(dtype=name, shape=shape, data=raw)
 
 
+# The wire's little-endian dtypes Python reads itself (memoryview.cast), the same numbers torch's tolist gives.
+_NATIVE = MappingProxyType({"float64": "d", "float32": "f", "int64": "q", "int32": "i", "uint8": "B", "bool": "?"}
+                           if sys.byteorder == "little" else {})
+
+
 def to_listed(value: Tensor) -> Tensor:
-    """Raw bytes -> nested lists, for JSON clients that asked for lists."""
+    """Raw bytes -> nested lists, for JSON clients that asked for lists. A dtype Python reads itself is read
+    without torch (seed [A]'s four gradients in the API: 0.4 ms through torch, cold between requests)."""
+    raw, code, shape = raw_data(value), _NATIVE.get(value.dtype), value.shape
+    if raw is not None and code is not None and all(shape) and len(raw) == math.prod(shape) * ITEMSIZE[value.dtype]:
+        flat = memoryview(raw).cast("B").cast(code).tolist()
+        for d in reversed(shape[1:]):
+            flat = [flat[i:i + d] for i in range(0, len(flat), d)]
+        return Tensor(dtype=value.dtype, shape=shape, data=flat if shape else flat[0])
     t = decode(value, where="result", max_elements=1 << 62)
     return Tensor(dtype=value.dtype, shape=value.shape, data=t.tolist())
 

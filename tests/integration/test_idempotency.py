@@ -6,7 +6,6 @@ import copy
 import time
 import uuid
 
-import httpx
 from redis import Redis
 from rq import Worker
 

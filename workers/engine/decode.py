@@ -217,21 +217,47 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
                     max_elements: int, owner: str) -> dict[str, torch.Tensor]:
     """The given weights as tensors, each checked against the state entry of its name: shape; parameters
     cast to the model's dtype and finite; buffers cast to their own dtype."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    small: list[tuple[str, torch.Tensor]] = []  # parameters checked together (the biases and norms of a model)
     for name, wire in given.items():
         t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
         want = list(state[name].shape)
         if list(t.shape) != want:
+            _check_finite(small)  # an earlier weight's fault is named first, as it comes first
             raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, {owner} needs {want}",
                             parameter=name, shape=list(t.shape), expected=want)
         if name in parameters:
             t = t.to(dtype)
-            if not t.is_meta and not tensors.all_finite(t):
+            if t.is_meta:
+                pass
+            elif t.numel() <= _SMALL_WEIGHT:
+                small.append((name, t))
+            elif not tensors.all_finite(t):
+                _check_finite(small)
                 raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
         else:
             t = t.to(state[name].dtype)
         out[name] = t
+    _check_finite(small)
     return out
+
+
+# Parameters up to this many elements are checked for NaN and infinity together, in one pass over their
+# concatenation (a graph's ~50 small weights: one check, not ~100 ops; GPT-2's frozen-backbone body in
+# the API: 6 -> 4.5 ms). A larger one has its own pass (tensors.all_finite).
+_SMALL_WEIGHT = 1 << 14
+
+
+def _check_finite(small: list[tuple[str, torch.Tensor]]) -> None:
+    """SpecError naming the first of `small` (name, parameter, all of one dtype) that holds NaN or infinity."""
+    if not small:
+        return
+    flat = torch.cat([t.reshape(-1) for _, t in small]) if len(small) > 1 else small[0][1]
+    if tensors.all_finite(flat):
+        return
+    for name, t in small:
+        if not tensors.all_finite(t):
+            raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
 
 
 def input_values(value, names: list[str], *, what: str) -> list[tuple[str, object]]:

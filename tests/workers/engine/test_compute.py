@@ -142,3 +142,25 @@ def test_an_empty_tensor_whose_other_sizes_overflow_is_too_large(shape, given):
     assert err.value.code == "too_large" and "zero size" in err.value.message
     assert decode(Tensor(dtype="float32", shape=[0, 1 << 20], b64=""), where="inputs", max_elements=1 << 20).shape == \
         (0, 1 << 20)
+
+
+@pytest.mark.parametrize("bad", ["0.bias", "2.weight", "2.bias"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_named_whichever_weights_are_checked_together(bad, value):
+    """decode_weights checks small parameters for NaN and infinity in one pass: the one that holds it is still
+    the one named, and a shape fault after it comes second."""
+    x, y = seed_a_batch()
+    state = {k: v.clone() for k, v in seed_a_module().state_dict().items()}
+    state[bad].view(-1)[-1] = value
+    weights = {k: tensor_json(v) for k, v in state.items()}
+    body = {"model": {"layers": SEED_A_LAYERS, "dtype": "float64", "weights": weights},
+            "inputs": tensor_json(x), "targets": tensor_json(y), "options": {"numcheck": "off"}}
+    with pytest.raises(SpecError) as info:
+        compute(msgspec.convert(body, GradientRequest))
+    assert info.value.code == "bad_weights" and info.value.detail["parameter"] == bad
+    assert f"{bad!r} holds NaN or infinite values" in info.value.message
+    if bad != "2.bias":  # a wrong shape named after it: the non-finite weight, which comes first, is named
+        weights["2.bias"] = tensor_json(torch.zeros(5, dtype=torch.float64))
+        with pytest.raises(SpecError) as info:
+            compute(msgspec.convert({**body, "model": {**body["model"], "weights": weights}}, GradientRequest))
+        assert info.value.detail["parameter"] == bad

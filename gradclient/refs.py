@@ -33,26 +33,19 @@ class TensorRefs:
     def __init__(self, min_bytes: int = MIN_BYTES, piece_bytes: int = PIECE_BYTES) -> None:
         self.min_bytes, self.piece_bytes = min_bytes, piece_bytes
         self.uploaded: set[str] = set()  # pieces this client sent to the service (and has not heard it lost)
-        # id(tensor) -> (weakref, state, digests and the reference made of them; None while it went in the body)
-        self._known: dict[int, tuple[Any, tuple, list[str] | None, wire.Tensor | None]] = {}
+        # id(tensor) -> (weakref, state, digests; None while it went in the body)
+        self._known: dict[int, tuple[Any, tuple, list[str] | None]] = {}
         self.hashed_bytes = 0  # bytes hashed so far (what "only what changed" saves shows here)
 
     def wire(self, t: Any) -> tuple[wire.Tensor, list[tuple[str, memoryview]]] | None:
-        """`t` by reference and its pieces the service does not hold yet, or None for a small tensor. A tensor
-        unchanged since its last reference, all its pieces held, gives that reference again without its bytes
-        being looked at (a frozen backbone's ~130 tensors: ~2 ms a call)."""
+        """`t` by reference and its pieces the service does not hold yet, or None for a small tensor."""
         if t.numel() * t.element_size() < self.min_bytes:
             return None
-        state, hit = self._entry(t)
-        if hit is not None and hit[1] == state and hit[3] is not None and all(d in self.uploaded for d in hit[2]):
-            return hit[3], []
         name, shape, raw = _torch_bytes(t)
         digests = self._digests(t, raw)
         step = self.piece_bytes
         pending = [(d, raw[i * step:(i + 1) * step]) for i, d in enumerate(digests) if d not in self.uploaded]
-        value = wire.Tensor(dtype=name, shape=shape, refs=digests)
-        self._remember(t, state, digests, value)
-        return value, pending
+        return wire.Tensor(dtype=name, shape=shape, refs=digests), pending
 
     def changing(self, t: Any) -> bool:
         """Whether `t` is a large tensor that changed since the client last sent it (an optimizer step, a
@@ -73,10 +66,10 @@ class TensorRefs:
         hit = self._known.get(id(t))
         return state, hit if hit is not None and hit[0]() is t else None
 
-    def _remember(self, t: Any, state: tuple, digests: list[str] | None, value: wire.Tensor | None = None) -> None:
+    def _remember(self, t: Any, state: tuple, digests: list[str] | None) -> None:
         if len(self._known) > 100_000:  # drop the entries of tensors gone since
             self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
-        self._known[id(t)] = (weakref.ref(t), state, digests, value)
+        self._known[id(t)] = (weakref.ref(t), state, digests)
 
     def _digests(self, t: Any, raw: memoryview) -> list[str]:
         state, hit = self._entry(t)

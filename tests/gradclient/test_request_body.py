@@ -210,31 +210,3 @@ def test_changing_weights_go_in_the_body_and_unchanged_ones_by_reference():
     inline, uploads = _Inline(), []
     first, second = (builder._weight(model.embed.weight, uploads, inline) for _ in range(2))
     assert not first.refs and not second.refs and not uploads
-
-
-def test_an_unchanged_tensor_by_reference_is_not_read_again(monkeypatch):
-    """A frozen tensor sent by reference before, its pieces held, goes by the same reference without its bytes
-    being looked at; once it changes, or the service lost a piece, its bytes are read (and the piece is
-    pending) again."""
-    from gradclient import refs as refs_module
-    from gradclient.refs import TensorRefs
-
-    read = []
-    real = refs_module._torch_bytes
-    monkeypatch.setattr(refs_module, "_torch_bytes", lambda t: read.append(1) or real(t))
-    refs = TensorRefs(min_bytes=1 << 10, piece_bytes=4 << 10)
-    t = torch.randn(64, 64)  # 16 KiB: four pieces
-    first, pending = refs.wire(t)
-    assert len(read) == 1 and len(pending) == 4
-    refs.uploaded.update(d for d, _ in pending)
-    again, pending = refs.wire(t)
-    assert len(read) == 1 and pending == [] and again.refs == first.refs
-    refs.forget(first.refs[:1])  # the service said tensor_not_found
-    _, pending = refs.wire(t)
-    assert len(read) == 2 and [d for d, _ in pending] == first.refs[:1]
-    refs.uploaded.update(d for d, _ in pending)
-    with torch.no_grad():
-        t[0, 0] += 1  # an in-place write: its version moves
-    changed, pending = refs.wire(t)
-    assert len(read) == 3 and changed.refs[0] != first.refs[0] and changed.refs[1:] == first.refs[1:]
-    assert [d for d, _ in pending] == changed.refs[:1]

@@ -14,6 +14,7 @@ from rq import Queue, Worker
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
+from gradsvc.broker.connection import send_async
 from gradsvc.wire import GradientRequest, Options
 from workers.engine.prepare import Prepared
 from workers.jobs import gradient_job
@@ -176,7 +177,8 @@ class Enqueuer:
 
     async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
         """enqueue() of a plain job to the shared queue, over the async connection: RQ writes the job into a
-        pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop."""
+        pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop
+        (`send_async`: their replies are not needed, only their errors)."""
         queues = self.queues
         job_id = queues.epochs.current and queues.epochs.new_job_id()
         if not job_id:
@@ -184,10 +186,7 @@ class Enqueuer:
         recorder = queues.redis.pipeline()
         self._enqueue_plain(recorder, queues.shared["auto"], body, fmt, owner, job_id)
         commands, recorder.command_stack = recorder.command_stack, []
-        pipe = queues.aredis.pipeline(transaction=True)
-        for args, options in commands:
-            pipe.execute_command(*args, **options)
-        await pipe.execute()
+        await send_async(queues.aredis, [args for args, _ in commands], transaction=True)
         if queues.replicated:
             self._replica_acked(await self._wait_for_replica(queues.aredis.pipeline(transaction=False)).execute())
         return job_id

@@ -19,6 +19,7 @@ from rq.utils import utcparse
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
+from gradsvc.broker.connection import send_async
 from gradsvc.broker.fanin import cancel_shards, settle
 from gradsvc.broker.handoff import HandoffError
 from gradsvc.broker.job import MsgpackSerializer
@@ -90,10 +91,10 @@ class JobReader:
         one Redis timeout: past that Redis is taken for hung."""
         try:
             with anyio.fail_after(left_s + self.redis_timeout_s):
-                pipe = self.ablocking.pipeline(transaction=False)
-                pipe.xread({keys.rq_results_stream(job_id): "0-0"}, count=1, block=max(1, int(block_s * 1000)))
-                pipe.get(keys.result_key(self.prefix, job_id))
-                got, raw = await pipe.execute()
+                got, raw = await send_async(self.ablocking, [
+                    ("XREAD", "COUNT", 1, "BLOCK", max(1, int(block_s * 1000)), "STREAMS",
+                     keys.rq_results_stream(job_id), "0-0"),
+                    ("GET", keys.result_key(self.prefix, job_id))])
         except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
             raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job "
                                f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",

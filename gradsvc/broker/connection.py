@@ -5,6 +5,9 @@ master now (each new connection asks them, so a failover is followed by reconnec
 
 from __future__ import annotations
 
+import asyncio
+import math
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -12,7 +15,9 @@ import redis.asyncio as aioredis
 from redis import Redis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.connection import Encoder, PythonRespSerializer
-from redis.exceptions import DataError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import DataError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -112,3 +117,75 @@ class _Packer:
         except TypeError as exc:  # as redis-py reports a value it cannot send
             raise DataError(str(exc)) from exc
 
+
+_PACKER = _Packer()
+
+
+async def send_async(client: aioredis.Redis, commands: Sequence[tuple], *, transaction: bool = False) -> list:
+    """`commands` on one of `client`'s pooled connections, written at once (as MULTI ... EXEC with
+    `transaction`) and their replies read, all under one timeout (the connection's socket timeout): redis-py's
+    asyncio Pipeline.execute for a plain list of commands, at about half its CPU (an enqueue's seven commands:
+    0.55-0.74 -> 0.25-0.39 ms here). redis-py writes each command batch from a task of its own
+    (`asyncio.wait_for`), arms a timeout for each reply and packs in Python; this writes from the caller's
+    task and packs with hiredis, as _Packer does.
+
+    Replies come as Redis sends them (no response callbacks: a GET's bytes, an XREAD's nested lists). A
+    transaction returns EXEC's replies, and raises the error that made Redis refuse a command (EXEC then
+    aborts) or the first error among EXEC's replies; a plain pipeline raises its first error reply once every
+    reply is read. A connection error before any reply is read is retried once on a fresh connection, as the
+    API's clients retry (a pooled connection a Redis restart left dead); a timeout raises redis's
+    TimeoutError, as redis-py's read would."""
+    stack = [("MULTI",), *commands, ("EXEC",)] if transaction else list(commands)
+    packed: list = []
+    for command in stack:
+        packed.extend(_PACKER.pack(*command))
+    pool = client.connection_pool
+    for attempt in (1, 2):
+        conn = await pool.get_connection()
+        replies: list = []
+        first: ResponseError | None = None
+        try:
+            async with asyncio.timeout(conn.socket_timeout):
+                await _write(conn, packed)
+                for _ in stack:
+                    try:
+                        replies.append(await conn.read_response(timeout=math.inf))
+                    except ResponseError as exc:  # an error reply: the connection reads on
+                        first = first or exc
+                        replies.append(exc)
+        except RedisConnectionError:  # read_response and _write disconnected it
+            if replies or attempt == 2:
+                raise
+            continue
+        except TimeoutError:
+            await conn.disconnect()
+            raise RedisTimeoutError(f"Timeout talking to Redis at {conn.host}:{conn.port}") from None
+        except BaseException:
+            await conn.disconnect()  # whatever is left unread goes with it (a cancelled request)
+            raise
+        finally:
+            await pool.release(conn)
+        if first is not None:
+            raise first
+        if not transaction:
+            return replies
+        for reply in replies[-1] or ():
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[-1] or []
+    raise AssertionError("unreachable")
+
+
+async def _write(conn, packed: list) -> None:
+    """The bytes written on the connection's stream from this task; redis-py's send_packed_command when the
+    connection has no stream writer of its own (another kind of connection)."""
+    writer = getattr(conn, "_writer", None)
+    if writer is None or not conn.is_connected:
+        await conn.send_packed_command(packed)
+        return
+    try:
+        writer.writelines(packed)
+        await writer.drain()
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while writing to Redis at {conn.host}:{conn.port}: {exc}") from exc

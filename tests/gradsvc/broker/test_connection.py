@@ -1,6 +1,8 @@
-"""gradsvc/broker/connection.py's command packer and job.py's serializer: the packer writes what redis-py's
-own packers write, byte for byte, sends a large value without copying it, refuses what redis-py refuses;
-a real Redis (a private redis-server) reads back what it was sent. The serializer is what RQ takes."""
+"""gradsvc/broker/connection.py's command packer and send_async, and job.py's serializer. The packer writes
+what redis-py's own packers write, byte for byte, sends a large value without copying it, refuses what
+redis-py refuses; a real Redis (a private redis-server) reads back what it was sent. send_async answers as
+Redis does, raises its errors, retries a dead pooled connection once, times out and drops a connection left
+mid-reply. The serializer is what RQ takes."""
 
 from __future__ import annotations
 
@@ -80,3 +82,129 @@ def test_the_serializer_is_one_rq_takes_by_object_and_by_path():
     assert Queue("q", connection=sync_redis("redis://127.0.0.1:1/0"), serializer=MsgpackSerializer).serializer \
         is MsgpackSerializer
 
+
+# --- send_async: the API's hot round trips ----------------------------------------------------------------
+
+def _async_client(url: str, timeout_s: float = 5.0):
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+
+
+def _run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_send_async_answers_as_redis_does(redis_server):
+    from gradsvc.broker.connection import send_async
+
+    async def go():
+        r = _async_client(redis_server.url)
+        try:
+            await r.flushdb()
+            exec_replies = await send_async(r, [("SET", "a", memoryview(b"xy")), ("INCR", "n"), ("HSET", "h", "f", 1.5),
+                                                ("XADD", "s", "*", "k", "v"), ("GET", "a")], transaction=True)
+            assert exec_replies[1:3] == [1, 1] and exec_replies[4] == b"xy"
+            got, raw = await send_async(r, [("XREAD", "COUNT", 1, "BLOCK", 10, "STREAMS", "s", "0-0"), ("GET", "a")])
+            entries = got[b"s"] if isinstance(got, dict) else dict(got)[b"s"]  # RESP3's map, RESP2's pairs
+            assert entries[0][1] == [b"k", b"v"] and raw == b"xy"
+            nothing, missing = await send_async(r, [("XREAD", "COUNT", 1, "BLOCK", 10, "STREAMS", "none", "0-0"),
+                                                    ("GET", "none")])
+            assert nothing is None and missing is None  # what the API's wait reads as "not ended yet"
+            assert await r.hget("h", "f") == b"1.5"
+        finally:
+            await r.flushdb()
+            await r.aclose()
+
+    _run(go())
+
+
+def test_send_async_raises_redis_errors_and_the_connection_reads_on(redis_server):
+    from redis.exceptions import ResponseError
+
+    from gradsvc.broker.connection import send_async
+
+    async def go():
+        r = _async_client(redis_server.url)
+        try:
+            await r.set("str", "text")
+            with pytest.raises(ResponseError, match="not an integer"):  # at EXEC: the others ran
+                await send_async(r, [("SET", "x", 1), ("INCR", "str")], transaction=True)
+            assert await r.get("x") == b"1"
+            with pytest.raises(ResponseError, match="wrong number of arguments"):  # refused: nothing ran
+                await send_async(r, [("SET", "y", 1), ("GET",)], transaction=True)
+            assert await r.get("y") is None
+            with pytest.raises(ResponseError, match="not an integer"):
+                await send_async(r, [("INCR", "str"), ("SET", "z", 2)])
+            assert await r.get("z") == b"2"
+            assert await send_async(r, [("GET", "x")]) == [b"1"]  # the pooled connection is in step
+            assert len(r.connection_pool._available_connections) == 1
+        finally:
+            await r.flushdb()
+            await r.aclose()
+
+    _run(go())
+
+
+def test_send_async_retries_once_on_a_connection_a_restart_left_dead():
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from gradsvc.broker.connection import send_async
+    from tests.support.stack import RedisServer, free_port
+
+    port = free_port()
+    server = RedisServer(port).start()
+
+    async def go():
+        r = _async_client(server.url, timeout_s=2)
+        try:
+            assert await send_async(r, [("SET", "k", "v")]) == [b"OK"]  # a connection in the pool
+            server.stop()
+            RedisServer(port, proc=None).start()  # another server on the same port: the pooled connection is dead
+            assert await send_async(r, [("SET", "k", "w"), ("GET", "k")], transaction=True) == [b"OK", b"w"]
+        finally:
+            await r.aclose()
+        dead = _async_client("redis://127.0.0.1:1/0", timeout_s=1)
+        try:
+            with pytest.raises(RedisConnectionError):
+                await send_async(dead, [("GET", "k")])
+        finally:
+            await dead.aclose()
+
+    try:
+        _run(go())
+    finally:
+        import subprocess
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True)
+
+
+def test_send_async_times_out_as_redis_py_does_and_drops_the_connection(redis_server):
+    import asyncio
+
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from gradsvc.broker.connection import send_async
+
+    async def go():
+        r = _async_client(redis_server.url, timeout_s=0.3)
+        try:
+            with pytest.raises(RedisTimeoutError):
+                await send_async(r, [("BLPOP", "never", 2)])
+            task = asyncio.ensure_future(send_async(r, [("BLPOP", "never", 0.2)]))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # neither connection went back to the pool with a reply still to come
+            assert all(not c.is_connected for c in r.connection_pool._available_connections)
+            assert await send_async(r, [("PING",)]) == [b"PONG"]
+        finally:
+            await r.aclose()
+
+    _run(go())

@@ -94,6 +94,12 @@ class WorkerContext:
     handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/broker/handoff.py)
     results: ResultBuffer = field(default_factory=ResultBuffer)
     taken: list = field(default_factory=list)  # the job's handoff maps, dropped on the reaper once it is done
+    spare: handoff_files.Spare | None = None  # tmpfs pages kept for the next result's file (made on the reaper)
+    spare_size: int = 0  # the size of the result file the job wrote: its next spare's
+
+    def __post_init__(self) -> None:
+        if self.handoff is not None and self.spare is None:
+            self.spare = handoff_files.Spare(self.handoff)
 
 
 def _owner(job: Job) -> str:
@@ -148,6 +154,16 @@ def context() -> WorkerContext:
     if _context is None:  # a plain `rq worker` started without `gradsvc worker`
         _context = make_context(Settings.from_env())
     return _context
+
+
+def drop_spare() -> None:
+    """Deletes the worker's spare result file (its exit), after any prepare still running on the reaper."""
+    ctx = _context
+    if ctx is not None and ctx.spare is not None:
+        try:
+            _reaper.submit(ctx.spare.drop).result(timeout=10)
+        except Exception:  # the reaper is shut down already, or stuck: the sweep takes the file within minutes
+            ctx.spare.drop()
 
 
 def decode_request(body: "bytes | mmap.mmap", fmt: str) -> GradientRequest:
@@ -224,7 +240,9 @@ def stored_value(job: Job, ctx: WorkerContext, kind: str, data: bytes | memoryvi
     handoff = ctx.handoff
     if handoff is not None and handoff.wanted(len(data)) and keys.in_domain(job.origin, handoff.domain):
         try:
-            return handoff.marker(handoff.put(job.id, kind, data))
+            ref = handoff.put(job.id, kind, data, spare=ctx.spare)
+            ctx.spare_size = len(data)
+            return handoff.marker(ref)
         except OSError as exc:  # the tmpfs is full: Redis still takes it
             log.warning("job %s: handoff of %d bytes failed (%s); storing them in Redis", job.id, len(data), exc)
     return bytes(data)
@@ -307,6 +325,9 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
         if ctx.taken:
             _reaper.submit(ctx.taken.clear)
             ctx.taken = []
+        if ctx.spare_size and ctx.spare is not None:  # after the body's pages are freed: these may be them
+            _reaper.submit(ctx.spare.prepare, ctx.spare_size)
+            ctx.spare_size = 0
     size = ctx.results.size
     device = str(ctx.device) if kind == "reduce" else result.device  # a reduced result may name several devices
     ctx.metrics.observe_result(device, result.timings, result.memory, result.numcheck, queue_s, kind=kind)

@@ -20,7 +20,7 @@ from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings
 
 from .engine import warm_up_shape_check
-from .jobs import context, make_context, set_context
+from .jobs import context, drop_spare, make_context, set_context
 from .worker import REDIS_ERRORS, GradientWorker
 
 log = logging.getLogger("gradsvc.worker")
@@ -93,4 +93,7 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
                       "GRADSVC_WORKER_METRICS_PORT to a free range", worker.name, settings.host, port, exc)
     log.info("worker %s on %s, queues %s, metrics on :%d", worker.name, context().device,
              [q.name for q in worker.queues], port)
-    worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)
+    try:
+        worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)
+    finally:
+        drop_spare()  # the tmpfs pages kept for the next result go with the worker

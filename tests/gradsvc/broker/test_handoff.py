@@ -235,3 +235,41 @@ def test_the_launchers_pid_file_is_mode_0600_as_the_dirs_other_files(tmp_path):
     pid_file = tmp_path / "gradsvc-1" / OWNER_FILE
     assert stat.S_IMODE(pid_file.stat().st_mode) == 0o600 and pid_file.read_text() == str(os.getpid())
     assert stat.S_IMODE((tmp_path / "gradsvc-1").stat().st_mode) == 0o700
+
+
+def test_a_result_goes_into_the_spare_file_once_and_the_spare_is_safe_to_lose(tmp_path):
+    h = Handoff(tmp_path / "h")
+    spare = hf.Spare(h)
+    data = os.urandom(3 << 20)
+    spare.prepare(len(data) + 4096)  # larger than the result: the file is cut to the result's size
+    (kept,) = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
+    assert kept.stat().st_size == len(data) + 4096 and kept.stat().st_blocks * 512 >= len(data)  # allocated
+    ref = h.put("job1", hf.RESULT, data, spare=spare)
+    assert not kept.exists() and h.get(ref) == data and h.path(ref).stat().st_size == len(data)
+    assert stat.S_IMODE(h.path(ref).stat().st_mode) == 0o600
+    # no spare now: the next result makes a file of its own, as it did before spares
+    ref2 = h.put("job2", hf.RESULT, b"x" * 10, spare=spare)
+    assert h.get(ref2) == b"x" * 10
+    # a spare the sweep took (idle past TMP_MAX_AGE_S) costs nothing but its pages
+    spare.prepare(100)
+    (kept,) = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
+    os.utime(kept, (time.time() - hf.TMP_MAX_AGE_S - 5,) * 2)
+    assert h.sweep(600) == 1 and not kept.exists()
+    ref3 = h.put("job3", hf.RESULT, b"y" * 50, spare=spare)
+    assert h.get(ref3) == b"y" * 50
+    assert sorted(p.name for p in (tmp_path / "h").iterdir() if p.name != "domain") == [
+        "job1.out", "job2.out", "job3.out"]
+    # prepare keeps one spare at most; drop deletes it
+    spare.prepare(10)
+    spare.prepare(10)
+    assert len([p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]) == 1
+    spare.drop()
+    assert not [p for p in (tmp_path / "h").iterdir() if p.name.startswith((".tmp-", ".spare-"))]
+
+
+def test_a_spare_on_a_full_tmpfs_is_skipped(tmp_path):
+    h = Handoff(tmp_path / "h")
+    spare = hf.Spare(h)
+    spare.prepare(1 << 60)  # more than any disk: fallocate fails, nothing is left behind
+    assert spare.take() is None
+    assert not [p for p in (tmp_path / "h").iterdir() if p.name.startswith((".tmp-", ".spare-"))]

@@ -125,12 +125,18 @@ class Handoff:
 
     # --- files --------------------------------------------------------------------------------------
     @staticmethod
-    def _write(path: Path, data) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    def _write(path: Path, data, over: bool = False) -> None:
+        """`data` as a new file at `path`; with `over`, written over the start of the existing file there
+        (a Spare's), which is then cut to the data's size."""
+        flags = os.O_WRONLY | os.O_NOFOLLOW | (0 if over else os.O_CREAT | os.O_EXCL)
+        fd = os.open(path, flags, 0o600)
         try:
             view = memoryview(data).cast("B")
+            size = len(view)
             while view:
                 view = view[os.write(fd, view):]
+            if over:
+                os.ftruncate(fd, size)
         finally:
             os.close(fd)
 
@@ -141,11 +147,11 @@ class Handoff:
         kept = spare.take() if spare is not None else None
         if kept is not None:
             try:
-                _overwrite(kept, data)
+                self._write(kept, data, over=True)
                 os.replace(kept, self.dir / name)
-                return f"{self.domain}/{name}"
+                return self.ref(job_id, kind)
             except FileNotFoundError:  # the sweep took it (idle past TMP_MAX_AGE_S): a file of its own below
-                kept.unlink(missing_ok=True)
+                pass
             except BaseException:
                 kept.unlink(missing_ok=True)
                 raise
@@ -156,7 +162,7 @@ class Handoff:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return f"{self.domain}/{name}"
+        return self.ref(job_id, kind)
 
     def stage(self, data) -> "Staged":
         """Starts writing `data` (on a thread) as a temp file no job names yet: Staged.commit gives it a job's
@@ -297,19 +303,6 @@ class Spare:
             path.unlink(missing_ok=True)
 
 
-def _overwrite(path: Path, data) -> None:
-    """`data` written over the start of an existing file (a Spare's), the file then cut to its size."""
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-    try:
-        view = memoryview(data).cast("B")
-        size = len(view)
-        while view:
-            view = view[os.write(fd, view):]
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-
-
 class Staged:
     """A file being written (Handoff.stage), not yet any job's. Whoever stages one commits or discards it;
     a temp file left behind (its process died) goes with the sweep after TMP_MAX_AGE_S."""
@@ -331,7 +324,7 @@ class Staged:
             self.discard()
             raise
         self.settled = True
-        return f"{self.handoff.domain}/{name}"
+        return self.handoff.ref(job_id, kind)
 
     def discard(self) -> None:
         """Drops the file once its write is over, unless it was committed (then a no-op)."""

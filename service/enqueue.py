@@ -55,7 +55,7 @@ class Enqueuer:
             return None
         digest = body_digest(body) if idempotency_key is not None else None
         handed = options.shards == 1 and queues.handoff_ok(options.device)
-        return Early(staged=queues.handoff.stage(body) if handed else None, digest=digest)
+        return Early(staged=queues.handoff.stage(body, queues.spare) if handed else None, digest=digest)
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
                 sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,

@@ -68,6 +68,8 @@ class Queues:
         # (gradsvc/broker/handoff.py), as long as every live worker of the device drains them.
         self.handoff: Handoff | None = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
         handoff_files.install(self.handoff)  # for a shard's failure callback run by this process (a reap)
+        # tmpfs pages kept for the next large body's file (handoff.Spare), deleted by close()
+        self.spare = handoff_files.Spare(self.handoff) if self.handoff is not None else None
         self.domain = {} if self.handoff is None else {
             d: self._queue(keys.domain_queue_name(self.prefix, d, self.handoff.domain)) for d in keys.QUEUE_DEVICES}
         self._routes: dict[str, tuple[float, bool]] = {}
@@ -80,6 +82,8 @@ class Queues:
         await self.aredis.aclose()
         await self.ablocking.aclose()
         self.redis.close()
+        if self.spare is not None:
+            self.spare.drop()
 
     def large_result(self, result_bytes: int) -> bool:
         """Whether a job with a result this large may be handed off (then it is enqueued from a thread, since

@@ -140,34 +140,41 @@ class Handoff:
         finally:
             os.close(fd)
 
-    def put(self, job_id: str, kind: str, data, spare: "Spare | None" = None) -> str:
-        """Writes `data` as the file of (job_id, kind), whole or not at all; returns its ref. With a `spare`
-        that holds a file, into that file's pages."""
-        name = file_name(job_id, kind)
+    def _fill(self, dest: Path, data, spare: "Spare | None" = None, via: Path | None = None) -> None:
+        """Writes `data` as the file `dest`, whole or not at all: into the pages of the `spare`'s file when it
+        holds one, else into a new file (written at `via`, then renamed to `dest`, when given)."""
         kept = spare.take() if spare is not None else None
         if kept is not None:
             try:
                 self._write(kept, data, over=True)
-                os.replace(kept, self.dir / name)
-                return self.ref(job_id, kind)
+                os.replace(kept, dest)
+                return
             except FileNotFoundError:  # the sweep took it (idle past TMP_MAX_AGE_S): a file of its own below
                 pass
             except BaseException:
                 kept.unlink(missing_ok=True)
                 raise
-        tmp = self.dir / f"{_TMP}{name}-{uuid.uuid4().hex[:8]}"
+        tmp = via or dest
         try:
             self._write(tmp, data)
-            os.replace(tmp, self.dir / name)
+            if via is not None:
+                os.replace(via, dest)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+    def put(self, job_id: str, kind: str, data, spare: "Spare | None" = None) -> str:
+        """Writes `data` as the file of (job_id, kind), whole or not at all; returns its ref. With a `spare`
+        that holds a file, into that file's pages."""
+        name = file_name(job_id, kind)
+        self._fill(self.dir / name, data, spare, via=self.dir / f"{_TMP}{name}-{uuid.uuid4().hex[:8]}")
         return self.ref(job_id, kind)
 
-    def stage(self, data) -> "Staged":
+    def stage(self, data, spare: "Spare | None" = None) -> "Staged":
         """Starts writing `data` (on a thread) as a temp file no job names yet: Staged.commit gives it a job's
-        name, Staged.discard drops it. The API writes a large body so while it checks the request."""
-        return Staged(self, data)
+        name, Staged.discard drops it. The API writes a large body so while it checks the request; with a
+        `spare` that holds a file, into that file's pages, and once committed the spare is made again."""
+        return Staged(self, data, spare)
 
     def _open(self, ref: str) -> tuple[Path, int] | None:
         """(the path a ref names, the file open for reading), None when it is gone; symlinks are not followed."""
@@ -256,24 +263,27 @@ class Handoff:
 
 
 class Spare:
-    """One temp file of allocated tmpfs pages a worker keeps for its next result's file (Handoff.put's
-    `spare`). A result's file is kept for GRADSVC_RESULT_TTL_S (a retry reads it again), so each one takes
-    pages tmpfs has not handed out lately, and on a VM those come slowly: 12.6 MB took 9-13 ms written into
-    new pages here, 4-6 ms into pages allocated beforehand (posix_fallocate). The spare is made after a job,
-    on the worker's reaper thread (prepare), of that job's result size: the next result of a training loop
-    is the same size. A spare the sweep took (idle past TMP_MAX_AGE_S) or a full tmpfs only means the next
-    write makes its own pages; drop() deletes it (the worker's exit)."""
+    """One temp file of allocated tmpfs pages kept for the next file a process writes: a worker's next result
+    (Handoff.put's `spare`), the API's next large body (Handoff.stage's). Each such file takes pages tmpfs
+    has not handed out lately (a result is kept for GRADSVC_RESULT_TTL_S; a body's pages are the worker's
+    until its job is done), and on a VM those come slowly: 12.6 MB took 9-13 ms written into new pages here,
+    4-6 ms into pages allocated beforehand (posix_fallocate). The spare is made off the request's path, of
+    the size just written: a worker's after its job, on its reaper thread (prepare); the API's once a staged
+    body is committed, on the writers' thread. The next result or body of a training loop is the same size.
+    A spare the sweep took (idle past TMP_MAX_AGE_S) or a full tmpfs only means the next write makes its
+    own pages; drop() deletes it (the process's exit). One spare: of two writes at once, one makes its own."""
 
     def __init__(self, handoff: Handoff) -> None:
         self.handoff = handoff
         self._path: Path | None = None
         self._lock = threading.Lock()
+        self._dropped = False
 
     def prepare(self, size: int) -> None:
-        """Allocates a file of `size` bytes to keep, unless one is kept already. OSError (a full tmpfs) is
-        dropped: the spare is an optimisation."""
+        """Allocates a file of `size` bytes to keep, unless one is kept already or the spare was dropped.
+        OSError (a full tmpfs) is dropped: the spare is an optimisation."""
         with self._lock:
-            if self._path is not None:
+            if self._path is not None or self._dropped:
                 return
         path = self.handoff.dir / f"{_SPARE}{uuid.uuid4().hex}"
         try:
@@ -287,9 +297,9 @@ class Spare:
             log.debug("no spare result file of %d bytes (%s)", size, exc)
             return
         with self._lock:
-            if self._path is None:
+            if self._path is None and not self._dropped:
                 self._path, path = path, None
-        if path is not None:  # another prepare kept one meanwhile
+        if path is not None:  # another prepare kept one meanwhile, or drop() came
             path.unlink(missing_ok=True)
 
     def take(self) -> Path | None:
@@ -298,6 +308,9 @@ class Spare:
         return path
 
     def drop(self) -> None:
+        """Deletes the kept file, and any that a prepare still running makes (the process's exit)."""
+        with self._lock:
+            self._dropped = True
         path = self.take()
         if path is not None:
             path.unlink(missing_ok=True)
@@ -307,15 +320,15 @@ class Staged:
     """A file being written (Handoff.stage), not yet any job's. Whoever stages one commits or discards it;
     a temp file left behind (its process died) goes with the sweep after TMP_MAX_AGE_S."""
 
-    def __init__(self, handoff: Handoff, data) -> None:
-        self.handoff = handoff
+    def __init__(self, handoff: Handoff, data, spare: Spare | None = None) -> None:
+        self.handoff, self.spare, self.size = handoff, spare, len(memoryview(data).cast("B"))
         self.tmp = handoff.dir / f"{_TMP}staged-{uuid.uuid4().hex}"
-        self.written = _writers.submit(Handoff._write, self.tmp, data)
+        self.written = _writers.submit(handoff._fill, self.tmp, data, spare)
         self.settled = False
 
     def commit(self, job_id: str, kind: str) -> str:
         """The file under (job_id, kind)'s name once written, and its ref; the write's OSError (a full tmpfs)
-        if it failed, the file dropped."""
+        if it failed, the file dropped. The spare is made again meanwhile, for the next body."""
         name = file_name(job_id, kind)
         try:
             self.written.result()
@@ -324,6 +337,8 @@ class Staged:
             self.discard()
             raise
         self.settled = True
+        if self.spare is not None:
+            _writers.submit(self.spare.prepare, self.size)
         return self.handoff.ref(job_id, kind)
 
     def discard(self) -> None:

@@ -273,3 +273,39 @@ def test_a_spare_on_a_full_tmpfs_is_skipped(tmp_path):
     spare.prepare(1 << 60)  # more than any disk: fallocate fails, nothing is left behind
     assert spare.take() is None
     assert not [p for p in (tmp_path / "h").iterdir() if p.name.startswith((".tmp-", ".spare-"))]
+
+
+def test_a_staged_body_goes_into_the_spare_and_commit_makes_the_next_one(tmp_path):
+    """The API's large bodies (Enqueuer.start): staged into the spare's pages, a spare of the body's size made
+    again once committed, none when the body is discarded (the spare it took became that body's file)."""
+    h = Handoff(tmp_path / "h")
+    spare = hf.Spare(h)
+    data = os.urandom(2 << 20)
+    spare.prepare(len(data))
+    (kept,) = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
+    ref = h.stage(data, spare).commit("job-a", hf.INPUT)
+    assert not kept.exists() and h.path(ref).stat().st_size == len(data) and h.take(ref)[:] == data
+    for _ in range(100):  # the prepare runs on the writers' thread
+        made = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
+        if made:
+            break
+        time.sleep(0.02)
+    assert len(made) == 1 and made[0].stat().st_size == len(data)
+    staged = h.stage(b"z" * 100, spare)
+    staged.discard()
+    staged.written.result()
+    time.sleep(0.05)
+    assert not [p for p in (tmp_path / "h").iterdir() if p.name.startswith((".tmp-", ".spare-"))]
+    # with no spare kept, staging writes a file of its own
+    ref = h.stage(b"w" * 10, spare).commit("job-b", hf.INPUT)
+    assert h.take(ref)[:] == b"w" * 10
+
+
+def test_a_prepare_after_drop_keeps_nothing(tmp_path):
+    """drop() at the process's exit, with a prepare still queued behind it: that prepare makes no file."""
+    h = Handoff(tmp_path / "h")
+    spare = hf.Spare(h)
+    spare.drop()
+    spare.prepare(4096)
+    assert spare.take() is None
+    assert not [p for p in (tmp_path / "h").iterdir() if p.name.startswith((".tmp-", ".spare-"))]

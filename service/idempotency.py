@@ -7,7 +7,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from blake3 import blake3
+import xxhash
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -17,9 +17,11 @@ from gradsvc.broker import keys
 from .epochs import Epochs
 from .exceptions import ServiceError
 
-# An Idempotency-Key's body digest is BLAKE3 (cryptographic, as SHA-256 is: a different body under a reused
-# key is told apart; 4x faster here, 93 MB in 21 ms against 82, and it releases the GIL), computed in a thread
-# of its own for a large body while the enqueue writes the body's handoff file, which takes longer.
+# An Idempotency-Key's body digest tells a retry's body (the same bytes) from another body sent under a reused
+# key: a 128-bit XXH3, 12.8 MB in 1.4 ms here against BLAKE3's 5.3 (SHA-256's 21). It need not be cryptographic:
+# a key is its owner's alone (the claim is per owner), so only the owner could make two bodies collide, and all
+# a collision gets them is their own earlier job's answer. Computed in a thread of its own for a large body,
+# beside the write of the body's handoff file (it releases the GIL).
 _DIGEST_INLINE_BYTES = 1 << 20
 _digests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradsvc-digest")
 # A claim until its job is enqueued reads "<job id> <body digest> pending"; then "<job id> <digest>".
@@ -57,9 +59,9 @@ PENDING_POLL_S = 0.02
 def body_digest(body: bytes) -> "Future[str]":
     if len(body) < _DIGEST_INLINE_BYTES:
         done: Future[str] = Future()
-        done.set_result(blake3(body).hexdigest())
+        done.set_result(xxhash.xxh3_128_hexdigest(body))
         return done
-    return _digests.submit(lambda: blake3(body).hexdigest())
+    return _digests.submit(xxhash.xxh3_128_hexdigest, body)
 
 
 @dataclass(eq=False)

@@ -24,6 +24,30 @@ from gradsvc.wire import is_tensor as _is_tensor
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
+# BlobStore.check in one command: each piece's size (0: not kept), its TTL refreshed, and its place in the
+# owner's LRU index moved to now (ZADD XX: a piece the index lost is not added back). KEYS: the index, then the
+# pieces' keys; ARGV: the TTL, now, then the refs (the index's members), in KEYS' order. A frozen backbone's
+# 32 refs as a pipeline of 65 commands took 2.5-4.7 ms of the API's request path, most of it redis-py's
+# per-reply work; the ZADD goes in batches that stay under Lua's unpack limit.
+_CHECK = """
+local ttl, now = ARGV[1], ARGV[2]
+local sizes = {}
+for i = 2, #KEYS do
+  sizes[i - 1] = redis.call('STRLEN', KEYS[i])
+  redis.call('EXPIRE', KEYS[i], ttl)
+end
+local args = {}
+for i = 3, #ARGV do
+  args[#args + 1] = now
+  args[#args + 1] = ARGV[i]
+  if #args >= 2000 or i == #ARGV then
+    redis.call('ZADD', KEYS[1], 'XX', unpack(args))
+    args = {}
+  end
+end
+return sizes
+"""
+
 
 def digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -93,6 +117,7 @@ class BlobStore:
         self.redis, self.prefix, self.ttl_s, self.budget_bytes = redis, prefix, ttl_s, budget_bytes
         self.cache: LRU[bytes] = LRU(max_bytes=cache_bytes)
         self.evictions = 0
+        self._check = redis.register_script(_CHECK)
 
     def put(self, owner: str, ref: str, data: bytes) -> int:
         """Stores one piece (its digest checked by the caller); returns how many of the owner's least
@@ -154,14 +179,10 @@ class BlobStore:
                                 f"lowercase hex digits) as PUT /tensors/{{sha256}} took them, got "
                                 f"{str(bad)[:80]!r}", where=where)
         unique = list(dict.fromkeys(r for _, _, refs in tensors for r in refs))
-        pipe = self.redis.pipeline()
-        for ref in unique:
-            key = keys.blob_key(self.prefix, owner, ref)
-            pipe.strlen(key)
-            pipe.expire(key, self.ttl_s)
-        pipe.zadd(keys.blob_index_key(self.prefix, owner), dict.fromkeys(unique, time.time()), xx=True)
-        answers = pipe.execute()[:-1]
-        sizes = dict(zip(unique, answers[0::2]))
+        answers = self._check(keys=[keys.blob_index_key(self.prefix, owner),
+                                    *(keys.blob_key(self.prefix, owner, ref) for ref in unique)],
+                              args=[self.ttl_s, repr(time.time()), *unique])
+        sizes = dict(zip(unique, answers))
         lost = [r for r in unique if not sizes[r]]
         if lost:
             raise BlobError("tensor_not_found", f"{len(lost)} tensor piece(s) named by refs are not kept here "

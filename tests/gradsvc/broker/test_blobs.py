@@ -43,3 +43,34 @@ def test_a_piece_in_the_workers_cache_is_its_owners_only(store):
     assert store.resolved("alice", request(by_ref)).model.weights["0.weight"].data == piece  # now cached here
     with pytest.raises(BlobError):
         store.resolved("bob", request(by_ref))
+
+
+def test_check_refreshes_each_pieces_ttl_and_lru_place_and_tells_what_is_lost(store):
+    """The API's check (one script): a use refreshes each piece's TTL and moves it to the newest end of its
+    owner's LRU index (a piece the index lost stays out of it); a piece not kept is tensor_not_found, pieces
+    of the wrong total size bad_tensor; another owner's pieces are not there."""
+    from gradsvc.broker import keys
+
+    r = store.redis
+    a, b = bytes(range(8)), bytes(range(8, 16))
+    for piece in (a, b):
+        store.put("alice", digest(piece), piece)
+    index = keys.blob_index_key("test", "alice")
+    for piece in (a, b):
+        r.expire(keys.blob_key("test", "alice", digest(piece)), 5)
+        r.zadd(index, {digest(piece): 1.0})
+    r.zrem(index, digest(b))
+    two = Tensor(dtype="float32", shape=[2, 2], refs=[digest(a), digest(b)])
+    store.check("alice", request(two))
+    for piece in (a, b):
+        assert r.ttl(keys.blob_key("test", "alice", digest(piece))) > 50
+    assert r.zscore(index, digest(a)) > 1e9 and r.zscore(index, digest(b)) is None
+    with pytest.raises(BlobError) as short:
+        store.check("alice", request(Tensor(dtype="float32", shape=[2, 2], refs=[digest(a)])))
+    assert short.value.code == "bad_tensor" and short.value.detail["got_bytes"] == 8
+    with pytest.raises(BlobError) as lost:
+        store.check("bob", request(two))
+    assert lost.value.code == "tensor_not_found" and lost.value.detail["refs"] == [digest(a), digest(b)]
+    assert not r.exists(keys.blob_index_key("test", "bob"))  # bob's look made him no index
+    r.script_flush()  # a Redis that restarted (or a new primary) has no scripts: loaded again
+    store.check("alice", request(two))

@@ -18,7 +18,7 @@ from .epochs import Epochs
 from .exceptions import ServiceError
 
 # An Idempotency-Key's body digest tells a retry's body (the same bytes) from another body sent under a reused
-# key: a 128-bit XXH3, 12.8 MB in 1.4 ms here against BLAKE3's 5.3 (SHA-256's 21). It need not be cryptographic:
+# key: a 128-bit XXH3, 12.8 MB in 1.4 ms here against BLAKE3's 5.3 and SHA-256's 9.0. It need not be cryptographic:
 # a key is its owner's alone (the claim is per owner), so only the owner could make two bodies collide, and all
 # a collision gets them is their own earlier job's answer. Computed in a thread of its own for a large body,
 # beside the write of the body's handoff file (it releases the GIL).

@@ -328,7 +328,7 @@ class Staged:
 
     def commit(self, job_id: str, kind: str) -> str:
         """The file under (job_id, kind)'s name once written, and its ref; the write's OSError (a full tmpfs)
-        if it failed, the file dropped. The spare is made again meanwhile, for the next body."""
+        if it failed, the file dropped. Once committed, the spare is made again (on a writer thread) for the next body."""
         name = file_name(job_id, kind)
         try:
             self.written.result()

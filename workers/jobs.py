@@ -157,13 +157,11 @@ def context() -> WorkerContext:
 
 
 def drop_spare() -> None:
-    """Deletes the worker's spare result file (its exit), after any prepare still running on the reaper."""
+    """Deletes the worker's spare result file (its exit); a prepare still running on the reaper then keeps none
+    (Spare.drop)."""
     ctx = _context
     if ctx is not None and ctx.spare is not None:
-        try:
-            _reaper.submit(ctx.spare.drop).result(timeout=10)
-        except Exception:  # the reaper is shut down already, or stuck: the sweep takes the file within minutes
-            ctx.spare.drop()
+        ctx.spare.drop()
 
 
 def decode_request(body: "bytes | mmap.mmap", fmt: str) -> GradientRequest:

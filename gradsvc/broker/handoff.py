@@ -41,7 +41,7 @@ _DOMAIN = re.compile(r"[0-9a-f]{32}")
 # copy every page of a writable private map: 12 ms for 12.6 MB, against 1.5 ms). Older kernels: EINVAL, skipped.
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _TMP = ".tmp-"  # files being written: swept after TMP_MAX_AGE_S (their writer died)
-_SPARE = ".spare-"  # a worker's pages kept for its next result (Spare): swept as temp files are
+_SPARE = ".spare-"  # pages kept for a process's next result or body (Spare): swept as temp files are
 TMP_MAX_AGE_S = 120.0
 DOMAIN_FILE = "domain"
 
@@ -294,7 +294,7 @@ class Spare:
                 os.close(fd)
         except OSError as exc:
             path.unlink(missing_ok=True)
-            log.debug("no spare result file of %d bytes (%s)", size, exc)
+            log.debug("no spare file of %d bytes (%s)", size, exc)
             return
         with self._lock:
             if self._path is None and not self._dropped:
@@ -328,7 +328,8 @@ class Staged:
 
     def commit(self, job_id: str, kind: str) -> str:
         """The file under (job_id, kind)'s name once written, and its ref; the write's OSError (a full tmpfs)
-        if it failed, the file dropped. Once committed, the spare is made again (on a writer thread) for the next body."""
+        if it failed, the file dropped. Once committed, the spare is made again (on a writer thread) for the
+        next body."""
         name = file_name(job_id, kind)
         try:
             self.written.result()

@@ -156,9 +156,11 @@ class JobReader:
                               {"phase": "reduce", "done": total, "total": total})
             if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
                 status = b"started"
-        if meta_raw is None and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
-            # No record, or only what a worker wrote after Redis lost it (a heartbeat, an end), for an id an
-            # API issued before Redis restarted empty: lost. Its owner went with the record.
+        if (meta_raw is None or status is None) and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
+            # No record, or only what a worker wrote after Redis lost it (a heartbeat, its progress, an end),
+            # for an id an API issued before Redis restarted empty: lost. Its owner went with the record, or
+            # came back only in the meta of a job whose worker then dropped its outcome (workers/worker.py
+            # _reaped): without a status, that job never ends.
             return JobInfo(job_id=job_id, status="failed", error=ErrorInfo(**_JOB_LOST), progress=None, result=None,
                            enqueued_at=None, started_at=None, ended_at=_iso(ended))
         if status is None or meta.get("owner") != owner:

@@ -23,6 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, worker_registration
 from rq.executions import Execution
+from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
 from rq.utils import now, utcformat
@@ -200,6 +201,12 @@ class GradientWorker(SimpleWorker):
             return False
         log.warning("worker %s: job %s was reported lost while this worker was cut off from Redis; its outcome "
                     "is dropped (the job ends once, as reported)", self.name, job.id)
+        try:
+            # Redis restarted empty: the job's progress wrote its meta into a hash of its own, with no status
+            # (read as job_lost) and no TTL. A record that was failed as worker_lost keeps the TTL it has.
+            self.connection.expire(job.key, job.failure_ttl or DEFAULT_FAILURE_TTL, nx=True)
+        except REDIS_ERRORS:
+            pass  # Redis gone again: nothing of the job's was written since either
         pending = getattr(job, "pending_result", None)
         if pending is not None and handoff_files.is_marker(pending[1]) and handoff_files.installed() is not None:
             handoff_files.installed().delete(handoff_files.marker_ref(pending[1]))

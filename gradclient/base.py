@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 import uuid
 from typing import Any, Callable, Generator, TypeVar
@@ -76,6 +77,14 @@ class Driven:
         self.flow.close()  # a driver stopped early (KeyboardInterrupt, a cancelled task): the flow's finally runs
 
 
+# A result this large (its answer's bytes) that gradients() returned is released with the client's next
+# POST /gradients: the service drops it then rather than keep it GRADSVC_RESULT_TTL_S (a training loop's
+# results would fill its memory). Smaller ones cost little to keep. Client(release_results=False) keeps all.
+RELEASE_HEADER = "Gradsvc-Release-Results"
+RELEASE_MIN_BYTES = 1 << 20
+MAX_RELEASED = 16
+
+
 class BaseClient:
     _http_type: type = httpx.Client  # the subclass's httpx client
     _pieces: type[_Pieces] = _Pieces  # a large body's pieces, as that httpx client takes a stream
@@ -85,7 +94,7 @@ class BaseClient:
                  retries: int | None = None, retry_for_s: float = 20.0, backoff_s: float = 0.25,
                  wire_format: str = "msgpack", headers: dict[str, str] | None = None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
-                 ref_min_bytes: int | None = MIN_BYTES) -> None:
+                 ref_min_bytes: int | None = MIN_BYTES, release_results: bool = True) -> None:
         if wire_format not in ("msgpack", "json"):
             raise ValueError(f"wire_format must be 'msgpack' or 'json', got {wire_format!r}")
         self.base_url = (base_url or os.environ.get("GRADSVC_URL") or DEFAULT_URL).rstrip("/")
@@ -105,6 +114,10 @@ class BaseClient:
         self._decoders: dict[tuple[Any, bool], Any] = {}
         self._requests = RequestBuilder(wire_format, self._encoder, ref_min_bytes)
         self._http = self._http_type(base_url=self.base_url, headers=self.headers, transport=transport)
+        # Large results gradients() has returned, released with the next POST /gradients (RELEASE_HEADER).
+        self.release_results = release_results
+        self._held: list[str] = []
+        self._held_lock = threading.Lock()
 
     @property
     def _exports(self) -> dict:
@@ -134,17 +147,23 @@ class BaseClient:
         """POST /gradients, the server waiting up to `wait_s` on the job; then, unless that answered with the
         result, GET /jobs/{id} until the job ends (a POST that failed after creating its job names it)."""
         wait = deadline.wait(wait_s)
+        with self._held_lock:
+            held, self._held = self._held, []
         try:
             response, buf = yield from self._sending("POST", "/gradients", content=prepared, params={"wait": wait},
-                                                     extra_s=wait, idempotency_key=_new_key())
+                                                     extra_s=wait, idempotency_key=_new_key(), release=held)
         except GradientClientError as exc:
             if not _resumable(exc):
                 raise
             job_id = exc.job_id
         else:
             if response.status_code == 200:
-                return self._finished(prepared, build_result(self._decode(wire.GradientResult, response, buf),
-                                                             prepared.local_names))
+                result = self._finished(prepared, build_result(self._decode(wire.GradientResult, response, buf),
+                                                               prepared.local_names))
+                if self.release_results and len(buf) >= RELEASE_MIN_BYTES and result.job_id:
+                    with self._held_lock:
+                        self._held = [*self._held, result.job_id][-MAX_RELEASED:]
+                return result
             job_id = self._decode(wire.JobAccepted, response, buf).job_id
         job = self._job_type(self, job_id, prepared.local_names)
         return self._finished(prepared, (yield from job._waiting(deadline.left(), progress)))
@@ -235,9 +254,11 @@ class BaseClient:
 
     def _request(self, method: str, path: str, *, content: bytes | _Pieces | None = None,
                  params: dict | None = None, extra_s: float = 0.0, idempotency_key: str | None = None,
-                 key_age_s: float | None = None) -> httpx.Request:
+                 key_age_s: float | None = None, release: list[str] | None = None) -> httpx.Request:
         timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        if release:
+            headers[RELEASE_HEADER] = ", ".join(release)
         if idempotency_key and key_age_s is not None:
             # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
             # job may have run, rather than run it a second time under a key it no longer knows.

@@ -52,6 +52,9 @@ class ApiMetrics:
                                  ["method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.jobs_submitted = Counter("gradsvc_jobs_submitted_total", "Jobs accepted onto the queue.",
                                       registry=self.registry)
+        self.results_released = Counter("gradsvc_results_released_total",
+                                        "Results dropped before their TTL at their owner's request "
+                                        "(Gradsvc-Release-Results).", registry=self.registry)
         self.tensor_uploads = Counter("gradsvc_tensor_uploads_total", "Tensor pieces uploaded (PUT /tensors).",
                                       registry=self.registry)
         self.tensor_upload_bytes = Counter("gradsvc_tensor_upload_bytes_total", "Bytes of tensor pieces uploaded.",

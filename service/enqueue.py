@@ -46,16 +46,19 @@ class Enqueuer:
     min_shard_rows: int
     _warned_at: float = float("-inf")  # when _replica_acked last logged (time.monotonic())
 
-    def start(self, body: bytes, options: Options, idempotency_key: str | None) -> Early | None:
+    def start(self, body: bytes, options: Options, idempotency_key: str | None, spare: bool = True) -> Early | None:
         """The enqueue's slow parts begun on threads, for a body large enough to hand off: writing its file
         (written while the meta check runs, which would otherwise come first: 12-19 ms for 12.7 MB) and the
-        digest. None for a smaller body. The caller discards what the enqueue did not use."""
+        digest. None for a smaller body. The caller discards what the enqueue did not use. Without `spare`
+        (the request just freed a result's file) the body goes into new pages, those the file left, and no
+        spare is made after it."""
         queues = self.queues
         if queues.handoff is None or not queues.handoff.wanted(len(body)):
             return None
         digest = body_digest(body) if idempotency_key is not None else None
         handed = options.shards == 1 and queues.handoff_ok(options.device)
-        return Early(staged=queues.handoff.stage(body, queues.spare) if handed else None, digest=digest)
+        staged = queues.handoff.stage(body, queues.spare if spare else None) if handed else None
+        return Early(staged=staged, digest=digest)
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
                 sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio.to_thread
 from litestar import Request, Response, post
 
@@ -10,7 +12,7 @@ from gradsvc.wire import JobAccepted
 from .api_state import ApiState
 from .error_responses import error_response
 from .negotiation import MSGPACK, Encoded, respond, respond_job, wants_msgpack
-from .parsing import idempotency_key, key_age_s, read_request, wait_s
+from .parsing import idempotency_key, key_age_s, read_request, released_results, wait_s
 from .submission import small_layer_spec
 
 
@@ -18,7 +20,16 @@ from .submission import small_layer_spec
 async def submit_gradients(request: Request, owner: str, state: ApiState) -> Response:
     submitter, reader = state.submitter, state.reader
     wait = wait_s(request, state.settings)
-    body, fmt, req = await read_request(request)
+    released = released_results(request)
+    # Results the client holds are dropped while its body comes in (a thread: Redis, then their files).
+    releasing = asyncio.ensure_future(anyio.to_thread.run_sync(reader.release, released, owner)) if released else None
+    try:
+        body, fmt, req = await read_request(request)
+    finally:
+        freed = False
+        if releasing is not None:
+            count, freed = await releasing
+            state.metrics.results_released.inc(count)
     key = idempotency_key(request)
     age_s = key_age_s(request) if key is not None else None
     prep = submitter.prepare_inline(req, body, key)
@@ -28,7 +39,7 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
         job_id, created = await submitter.enqueue_async(body, fmt, owner), True
     else:
         job_id, created = await anyio.to_thread.run_sync(lambda: submitter.enqueue(req, body, fmt, owner, key,
-                                                                                   prep, age_s))
+                                                                                   prep, age_s, freed))
     if created:
         state.metrics.jobs_submitted.inc()
         if wait == 0:  # plain async: 202 with the job as it is now, even one a worker has finished already

@@ -4,6 +4,7 @@ its view (GET /jobs/{id}: status, progress, error, result), cancel, and what /re
 from __future__ import annotations
 
 import base64
+import logging
 import zlib
 from datetime import datetime, timezone
 
@@ -29,6 +30,7 @@ from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 from .exceptions import ServiceError
 from .queues import Queues
 
+log = logging.getLogger("gradsvc")
 _STATUS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "queued": "queued",
            "started": "started", "finished": "finished", "failed": "failed", "stopped": "canceled",
            "canceled": "canceled"}
@@ -38,6 +40,8 @@ _JOB_LOST = {"code": "job_lost", "message": "Redis lost this job's record (it wa
              "the job ran is unknown and its result, if any, is gone; submit it again", "detail": {}}
 _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job was lost (killed, crashed, or cut off "
                 "from Redis) before it finished; submit it again", "detail": {}}
+# A result key's first bytes: a handoff marker (MARKER and its ref) is shorter.
+_MARKER_PEEK = 512
 # An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
 LEASE_CHECK_S = 1.0
 
@@ -179,7 +183,8 @@ class JobReader:
                 result_raw = await self._large_result(job_id, result_len)
             result_raw = await self.load_result(result_raw or None, job_id)
             if result_raw is None:
-                raise ServiceError("not_found", f"the result of job {job_id!r} has expired", job_id=job_id)
+                raise ServiceError("not_found", f"the result of job {job_id!r} has expired, or its owner released it "
+                                   "(Gradsvc-Release-Results)", job_id=job_id)
             result = _result_decoder.decode(result_raw)
         progress = shard_progress or meta.get("progress")
         return JobInfo(
@@ -244,6 +249,37 @@ class JobReader:
             job.save_meta()
         if job.meta.get("shards"):
             cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
+
+    def release(self, job_ids: list[str], owner: str) -> tuple[int, bool]:
+        """Drops the results of those of `job_ids` that are this owner's finished jobs (Gradsvc-Release-Results):
+        their result keys, and their handoff files on this host. Returns (results dropped, whether a file was
+        among them). A job of another key, one not finished, or one Redis no longer has is left as it is. On
+        a VM the pages of a file just deleted are the quick ones to write next (Spare's docstring), so the
+        request's own body takes them. Best effort: Redis unreachable drops nothing (the TTL still does)."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.hmget(Job.key_for(job_id), ("status", "meta"))
+                pipe.getrange(keys.result_key(self.prefix, job_id), 0, _MARKER_PEEK - 1)
+            replies = pipe.execute()
+            dropped = []
+            for job_id, (status, meta_raw), head in zip(job_ids, replies[::2], replies[1::2]):
+                if status == b"finished" and meta_raw and MsgpackSerializer.loads(meta_raw).get("owner") == owner:
+                    dropped.append((job_id, head))
+            if dropped:
+                self.redis.delete(*(keys.result_key(self.prefix, job_id) for job_id, _ in dropped))
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("results not released, Redis unreachable (%s); they expire with their TTL", exc)
+            return 0, False
+        files = False
+        for job_id, head in dropped:
+            if handoff_files.is_marker(head) and self.queues.handoff is not None:
+                try:
+                    self.queues.handoff.delete(handoff_files.marker_ref(head))
+                    files = True
+                except HandoffError:
+                    pass  # another host's file (or domain): its sweep removes it with its age
+        return len(dropped), files
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

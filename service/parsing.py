@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio.to_thread
 import msgspec
 from litestar import Request
@@ -119,3 +121,24 @@ def key_age_s(request: Request) -> float | None:
         raise ServiceError("bad_request", f"the Idempotency-Key-Age header must be the seconds since the key was "
                            f"first sent (a number >= 0), got {raw[:40]!r}", header="Idempotency-Key-Age")
     return age
+
+
+RELEASE_HEADER = "Gradsvc-Release-Results"
+MAX_RELEASED = 16
+_JOB_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def released_results(request: Request) -> list[str]:
+    """Gradsvc-Release-Results: the ids (comma-separated, at most MAX_RELEASED) of this key's finished jobs
+    whose results the client holds and the service may drop now rather than keep GRADSVC_RESULT_TTL_S."""
+    raw = request.headers.get(RELEASE_HEADER.lower())
+    if raw is None:
+        return []
+    ids = [part.strip() for part in raw.split(",") if part.strip()]
+    bad = next((i for i in ids if not _JOB_ID.fullmatch(i)), None)
+    if bad is not None or len(ids) > MAX_RELEASED:
+        what = f"{bad[:60]!r} is not a job id" if bad is not None else f"it names {len(ids)} jobs"
+        raise ServiceError("bad_request", f"the {RELEASE_HEADER} header must list up to {MAX_RELEASED} job ids "
+                           f"(as POST /gradients returned them), comma-separated; {what}", header=RELEASE_HEADER)
+    return list(dict.fromkeys(ids))
+

@@ -1,5 +1,6 @@
 """What a request sends, parsed and checked: the body as a GradientRequest (JSON or MessagePack), the
-`wait` query parameter, and the Idempotency-Key and Idempotency-Key-Age headers. Each fault is a coded 4xx."""
+`wait` query parameter, and the Idempotency-Key, Idempotency-Key-Age and Gradsvc-Release-Results headers.
+Each fault is a coded 4xx."""
 
 from __future__ import annotations
 

@@ -78,11 +78,10 @@ class Driven:
 
 
 # A result this large (its answer's bytes) that gradients() returned is released with the client's next
-# POST /gradients: the service drops it then rather than keep it GRADSVC_RESULT_TTL_S (a training loop's
-# results would fill its memory). Smaller ones cost little to keep. Client(release_results=False) keeps all.
-RELEASE_HEADER = "Gradsvc-Release-Results"
+# POST /gradients (wire.RELEASE_HEADER): the service drops it then rather than keep it GRADSVC_RESULT_TTL_S
+# (a training loop's results would fill its memory). Smaller ones cost little to keep.
+# Client(release_results=False) keeps all.
 RELEASE_MIN_BYTES = 1 << 20
-MAX_RELEASED = 16
 
 
 class BaseClient:
@@ -114,7 +113,7 @@ class BaseClient:
         self._decoders: dict[tuple[Any, bool], Any] = {}
         self._requests = RequestBuilder(wire_format, self._encoder, ref_min_bytes)
         self._http = self._http_type(base_url=self.base_url, headers=self.headers, transport=transport)
-        # Large results gradients() has returned, released with the next POST /gradients (RELEASE_HEADER).
+        # Large results gradients() has returned, released with the next POST /gradients (wire.RELEASE_HEADER).
         self.release_results = release_results
         self._held: list[str] = []
         self._held_lock = threading.Lock()
@@ -162,7 +161,7 @@ class BaseClient:
                                                                prepared.local_names))
                 if self.release_results and len(buf) >= RELEASE_MIN_BYTES and result.job_id:
                     with self._held_lock:
-                        self._held = [*self._held, result.job_id][-MAX_RELEASED:]
+                        self._held = [*self._held, result.job_id][-wire.MAX_RELEASED:]
                 return result
             job_id = self._decode(wire.JobAccepted, response, buf).job_id
         job = self._job_type(self, job_id, prepared.local_names)
@@ -258,7 +257,7 @@ class BaseClient:
         timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         if release:
-            headers[RELEASE_HEADER] = ", ".join(release)
+            headers[wire.RELEASE_HEADER] = ", ".join(release)
         if idempotency_key and key_age_s is not None:
             # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
             # job may have run, rather than run it a second time under a key it no longer knows.

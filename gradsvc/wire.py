@@ -16,6 +16,10 @@ JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
 MAX_TIMING_REPEAT = 50
 # Each shard is an RQ job carrying the model's weights: a bound on what one request may fan out to.
 MAX_SHARDS = 256
+# POST /gradients header: the ids of finished jobs whose results the client holds, for the service to drop
+# now rather than keep GRADSVC_RESULT_TTL_S (docs/api.md); at most this many a request.
+RELEASE_HEADER = "Gradsvc-Release-Results"
+MAX_RELEASED = 16
 
 # Constraints the API refuses at decode (400 invalid_body, with the path); the OpenAPI document declares them.
 NonEmpty = Meta(min_length=1)

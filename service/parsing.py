@@ -11,7 +11,7 @@ import msgspec
 from litestar import Request
 
 from gradsvc.runtime.settings import Settings
-from gradsvc.wire import GradientRequest
+from gradsvc.wire import MAX_RELEASED, RELEASE_HEADER, GradientRequest
 
 from .exceptions import ServiceError
 from .messages import explain, integral_floats_as_ints
@@ -124,8 +124,6 @@ def key_age_s(request: Request) -> float | None:
     return age
 
 
-RELEASE_HEADER = "Gradsvc-Release-Results"
-MAX_RELEASED = 16
 _JOB_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 

@@ -271,15 +271,8 @@ class JobReader:
         except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("results not released, Redis unreachable (%s); they expire with their TTL", exc)
             return 0, False
-        files = False
-        for job_id, head in dropped:
-            if handoff_files.is_marker(head) and self.queues.handoff is not None:
-                try:
-                    self.queues.handoff.delete(handoff_files.marker_ref(head))
-                    files = True
-                except HandoffError:
-                    pass  # another host's file (or domain): its sweep removes it with its age
-        return len(dropped), files
+        files = [handoff_files.drop(head, self.queues.handoff) for _, head in dropped]
+        return len(dropped), any(files)
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

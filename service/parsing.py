@@ -140,4 +140,3 @@ def released_results(request: Request) -> list[str]:
         raise ServiceError("bad_request", f"the {RELEASE_HEADER} header must list up to {MAX_RELEASED} job ids "
                            f"(as POST /gradients returned them), comma-separated; {what}", header=RELEASE_HEADER)
     return list(dict.fromkeys(ids))
-

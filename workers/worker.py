@@ -22,8 +22,8 @@ from redis.client import EMPTY_RESPONSE
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, worker_registration
-from rq.executions import Execution
 from rq.defaults import DEFAULT_FAILURE_TTL
+from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
 from rq.utils import now, utcformat
@@ -208,8 +208,8 @@ class GradientWorker(SimpleWorker):
         except REDIS_ERRORS:
             pass  # Redis gone again: nothing of the job's was written since either
         pending = getattr(job, "pending_result", None)
-        if pending is not None and handoff_files.is_marker(pending[1]) and handoff_files.installed() is not None:
-            handoff_files.installed().delete(handoff_files.marker_ref(pending[1]))
+        if pending is not None:
+            handoff_files.drop(pending[1], handoff_files.installed())
         if isinstance(job, GradientJob):
             job.pending_result = None
         return True

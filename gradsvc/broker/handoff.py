@@ -392,6 +392,19 @@ def load(raw: bytes | None, handoff: Handoff | None, mapped: bool = False) -> "b
     return handoff.map(ref) if mapped else handoff.get(ref)
 
 
+def drop(raw: bytes | None, handoff: Handoff | None) -> bool:
+    """Deletes the file a result (or reference) key's value names, when it is a marker of `handoff`'s dir;
+    whether it did. A value stored in Redis, or a file of another host or domain (left to its own sweep),
+    is not this process's to delete."""
+    if handoff is None or raw is None or not is_marker(raw):
+        return False
+    try:
+        handoff.delete(marker_ref(raw))
+    except HandoffError:
+        return False
+    return True
+
+
 def sweep_ages(result_ttl_s: float, failure_ttl_s: float, margin_s: float = 60.0) -> dict[str, float]:
     """How old each kind of file may grow: results and references as long as their key (plus a margin: the
     file is written just before the key), a body as long as a job that never ran is kept."""

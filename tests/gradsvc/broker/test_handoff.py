@@ -73,6 +73,14 @@ def test_put_get_take_delete(tmp_path):
     assert h.wanted(10) and not h.wanted(9)
 
 
+def test_drop_deletes_only_a_file_its_marker_names_in_this_dir(tmp_path):
+    h, elsewhere = Handoff(tmp_path / "here"), Handoff(tmp_path / "there")
+    mine, theirs = h.put("job-drop-1", hf.RESULT, b"x"), elsewhere.put("job-drop-2", hf.RESULT, b"y")
+    assert not hf.drop(b"plain result bytes", h) and not hf.drop(None, h) and not hf.drop(h.marker(mine), None)
+    assert not hf.drop(h.marker(theirs), h) and elsewhere.get(theirs) == b"y"  # another domain's: its own sweep
+    assert hf.drop(h.marker(mine), h) and h.get(mine) is None
+
+
 def test_a_staged_file_is_named_by_commit_or_dropped_by_discard(tmp_path):
     h = Handoff(tmp_path, min_bytes=10)
     data = os.urandom(1 << 20)

@@ -46,18 +46,18 @@ class Enqueuer:
     min_shard_rows: int
     _warned_at: float = float("-inf")  # when _replica_acked last logged (time.monotonic())
 
-    def start(self, body: bytes, options: Options, idempotency_key: str | None, spare: bool = True) -> Early | None:
+    def start(self, body: bytes, options: Options, idempotency_key: str | None, recycled: bool = False) -> Early | None:
         """The enqueue's slow parts begun on threads, for a body large enough to hand off: writing its file
         (written while the meta check runs, which would otherwise come first: 12-19 ms for 12.7 MB) and the
-        digest. None for a smaller body. The caller discards what the enqueue did not use. Without `spare`
-        (the request just freed a result's file) the body goes into new pages, those the file left, and no
-        spare is made after it."""
+        digest. None for a smaller body. The caller discards what the enqueue did not use. The body goes
+        into the spare's pages; `recycled`: the request's release gave the spare a result's file (its client
+        releases: its next request brings another), so no spare is made after it."""
         queues = self.queues
         if queues.handoff is None or not queues.handoff.wanted(len(body)):
             return None
         digest = body_digest(body) if idempotency_key is not None else None
         handed = options.shards == 1 and queues.handoff_ok(options.device)
-        staged = queues.handoff.stage(body, queues.spare if spare else None) if handed else None
+        staged = queues.handoff.stage(body, queues.spare, refill=not recycled) if handed else None
         return Early(staged=staged, digest=digest)
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,

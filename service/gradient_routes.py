@@ -26,9 +26,9 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
     try:
         body, fmt, req = await read_request(request)
     finally:
-        freed = False
+        recycled = False
         if releasing is not None:
-            count, freed = await releasing
+            count, recycled = await releasing
             state.metrics.results_released.inc(count)
     key = idempotency_key(request)
     age_s = key_age_s(request) if key is not None else None
@@ -39,7 +39,7 @@ async def submit_gradients(request: Request, owner: str, state: ApiState) -> Res
         job_id, created = await submitter.enqueue_async(body, fmt, owner), True
     else:
         job_id, created = await anyio.to_thread.run_sync(lambda: submitter.enqueue(req, body, fmt, owner, key,
-                                                                                   prep, age_s, freed))
+                                                                                   prep, age_s, recycled))
     if created:
         state.metrics.jobs_submitted.inc()
         if wait == 0:  # plain async: 202 with the job as it is now, even one a worker has finished already

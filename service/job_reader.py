@@ -252,10 +252,11 @@ class JobReader:
 
     def release(self, job_ids: list[str], owner: str) -> tuple[int, bool]:
         """Drops the results of those of `job_ids` that are this owner's finished jobs (Gradsvc-Release-Results):
-        their result keys, and their handoff files on this host. Returns (results dropped, whether a file was
-        among them). A job of another key, one not finished, or one Redis no longer has is left as it is. On
-        a VM the pages of a file just deleted are the quick ones to write next (Spare's docstring), so the
-        request's own body takes them. Best effort: Redis unreachable drops nothing (the TTL still does)."""
+        their result keys, and their handoff files on this host. Returns (results dropped, whether the API's
+        spare took a file's pages). A job of another key, one not finished, or one Redis no longer has is left
+        as it is. On a VM pages already written are the quick ones to write again (Spare's docstring), so the
+        first file no one reads is kept as the spare, for the request's own body. Best effort: Redis
+        unreachable drops nothing (the TTL still does)."""
         try:
             pipe = self.redis.pipeline(transaction=False)
             for job_id in job_ids:
@@ -271,8 +272,11 @@ class JobReader:
         except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("results not released, Redis unreachable (%s); they expire with their TTL", exc)
             return 0, False
-        files = [handoff_files.drop(head, self.queues.handoff) for _, head in dropped]
-        return len(dropped), any(files)
+        spare, recycled = self.queues.spare, False
+        for _, head in dropped:
+            if handoff_files.drop(head, self.queues.handoff, None if recycled else spare):
+                recycled = spare is not None
+        return len(dropped), recycled
 
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:

@@ -54,12 +54,12 @@ class Submitter:
 
     def enqueue(self, req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None,
                 prep: Prepared | None = None, key_age_s: float | None = None,
-                freed: bool = False) -> tuple[str, bool]:
+                recycled: bool = False) -> tuple[str, bool]:
         """Validation and enqueue in one thread hop: (job id, whether it was enqueued now). A graph_ref is
         looked up among this owner's graphs (and its TTL refreshed) here; a graph sent whole is kept under
         its ref, for this owner, for the next request. `prep`: the request already validated on the event
-        loop. `freed`: the request released a result's handoff file, whose pages its body's file takes."""
-        early = self.enqueuer.start(body, req.options, key, spare=not freed) if prep is None else None
+        loop. `recycled`: the request released a result whose file's pages its body's file takes (Enqueuer.start)."""
+        early = self.enqueuer.start(body, req.options, key, recycled) if prep is None else None
         try:
             if prep is None:
                 self.blobs.check(owner, req)

@@ -21,6 +21,7 @@ No Redis and no torch here: os, uuid and pathlib only.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -170,19 +171,34 @@ class Handoff:
         self._fill(self.dir / name, data, spare, via=self.dir / f"{_TMP}{name}-{uuid.uuid4().hex[:8]}")
         return self.ref(job_id, kind)
 
-    def stage(self, data, spare: "Spare | None" = None) -> "Staged":
+    def stage(self, data, spare: "Spare | None" = None, refill: bool = True) -> "Staged":
         """Starts writing `data` (on a thread) as a temp file no job names yet: Staged.commit gives it a job's
         name, Staged.discard drops it. The API writes a large body so while it checks the request; with a
-        `spare` that holds a file, into that file's pages, and once committed the spare is made again."""
-        return Staged(self, data, spare)
+        `spare` that holds a file, into that file's pages, and once committed the spare is made again (unless
+        not `refill`: a released result's file is about to be given to it, Handoff.recycle)."""
+        return Staged(self, data, spare, refill)
 
     def _open(self, ref: str) -> tuple[Path, int] | None:
-        """(the path a ref names, the file open for reading), None when it is gone; symlinks are not followed."""
+        """(the path a ref names, the file open for reading), None when it is gone; symlinks are not followed.
+        The fd holds a shared lock (flock) as long as it, or a map made of it, is open: recycle() leaves a
+        file being read alone. A file recycled between the open and the lock no longer has its name: gone."""
         path = self.path(ref)
         try:
-            return path, os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            opened, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            if (opened.st_ino, opened.st_dev) == (named.st_ino, named.st_dev):
+                return path, fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return None
 
     def get(self, ref: str) -> bytes | None:
         opened = self._open(ref)
@@ -210,7 +226,8 @@ class Handoff:
     def map(self, ref: str) -> "bytes | mmap.mmap | None":
         """The file's bytes mapped as take() maps them, the file kept (a result the API sends on: the file's
         own pages go to the socket, where a read copied 12.6 MB into fresh memory first); None when it is gone.
-        A result's file is replaced whole (put) and never written in place, so the map reads what was put."""
+        A result's file is written in place only once recycled, renamed away under a lock the map's own
+        lock holds off (recycle), so the map reads what was put."""
         opened = self._open(ref)
         if opened is None:
             return None
@@ -221,6 +238,25 @@ class Handoff:
 
     def delete(self, ref: str) -> None:
         self.path(ref).unlink(missing_ok=True)
+
+    def recycle(self, ref: str, spare: "Spare") -> bool:
+        """Deletes the file a ref names, its pages given to `spare` for this process's next write, unless
+        someone reads it (the shared lock of _open: a map being sent): then it is only deleted, and that
+        reader keeps its pages. Whether the spare took them."""
+        path = self.path(ref)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                path.unlink(missing_ok=True)
+                return False
+            return spare.keep(path)  # renamed under the lock: a reader waiting on it then finds the name gone
+        finally:
+            os.close(fd)
 
     def discard(self, job_id: str) -> None:
         """Deletes every file of a job or shard id (body, result, reference), whichever exist."""
@@ -277,9 +313,12 @@ class Spare:
     Firecracker VM's), a page free for more than a few seconds is handed back, and the first write to it
     waits on the host: 92.7 MB took 230-490 ms to write here, against 25-30 ms into pages freed just before
     (the kernel hands out those first). posix_fallocate takes pages without writing them, so a spare made
-    from such pages is as slow to fill. What keeps a process's writes quick is pages freed just before: the
-    worker's spare is made as its job's body file goes (its pages), and the API's body goes into the pages
-    of a result its client released with the request (Gradsvc-Release-Results), not into a spare."""
+    from such pages is as slow to fill. Pages freed just before are quick only as long as the kernel does not
+    merge them with free neighbours it handed back: the API's 12.7 MB body took 6-54 ms to write into the
+    pages of a result deleted a moment before. What is always quick is pages that never left a file: the
+    API's spare is the file of a result its client released with the request (Gradsvc-Release-Results,
+    Handoff.recycle), the same 12.7 MB body then took 1.8-3.4 ms. The worker's spare is made as its job's
+    body file goes (its pages)."""
 
     def __init__(self, handoff: Handoff) -> None:
         self.handoff = handoff
@@ -315,6 +354,25 @@ class Spare:
             path, self._path = self._path, None
         return path
 
+    def keep(self, path: Path) -> bool:
+        """The file at `path` made the spare, in place of the one kept (deleted): a file already written, whose
+        pages are the quick ones on a VM (above). False, the file deleted, once the spare is dropped or when
+        the file is gone."""
+        spare = self.handoff.dir / f"{_SPARE}{uuid.uuid4().hex}"
+        with self._lock:
+            if self._dropped:
+                path.unlink(missing_ok=True)
+                return False
+            try:
+                os.rename(path, spare)
+                os.utime(spare)  # idle from now on, for the sweep (TMP_MAX_AGE_S), however old the result
+            except FileNotFoundError:
+                return False
+            old, self._path = self._path, spare
+        if old is not None:
+            old.unlink(missing_ok=True)
+        return True
+
     def drop(self) -> None:
         """Deletes the kept file, and any that a prepare still running makes (the process's exit)."""
         with self._lock:
@@ -328,8 +386,9 @@ class Staged:
     """A file being written (Handoff.stage), not yet any job's. Whoever stages one commits or discards it;
     a temp file left behind (its process died) goes with the sweep after TMP_MAX_AGE_S."""
 
-    def __init__(self, handoff: Handoff, data, spare: Spare | None = None) -> None:
-        self.handoff, self.spare, self.size = handoff, spare, len(memoryview(data).cast("B"))
+    def __init__(self, handoff: Handoff, data, spare: Spare | None = None, refill: bool = True) -> None:
+        self.handoff, self.size = handoff, len(memoryview(data).cast("B"))
+        self.spare = spare if refill else None  # the one made again once committed
         self.tmp = handoff.dir / f"{_TMP}staged-{uuid.uuid4().hex}"
         self.written = _writers.submit(handoff._fill, self.tmp, data, spare)
         self.settled = False
@@ -392,14 +451,18 @@ def load(raw: bytes | None, handoff: Handoff | None, mapped: bool = False) -> "b
     return handoff.map(ref) if mapped else handoff.get(ref)
 
 
-def drop(raw: bytes | None, handoff: Handoff | None) -> bool:
+def drop(raw: bytes | None, handoff: Handoff | None, spare: Spare | None = None) -> bool:
     """Deletes the file a result (or reference) key's value names, when it is a marker of `handoff`'s dir;
-    whether it did. A value stored in Redis, or a file of another host or domain (left to its own sweep),
-    is not this process's to delete."""
+    whether it did. With a `spare`, its pages go to the spare unless someone reads it (Handoff.recycle); then
+    whether the spare took them. A value stored in Redis, or a file of another host or domain (left to its
+    own sweep), is not this process's to delete."""
     if handoff is None or raw is None or not is_marker(raw):
         return False
     try:
-        handoff.delete(marker_ref(raw))
+        ref = marker_ref(raw)
+        if spare is not None:
+            return handoff.recycle(ref, spare)
+        handoff.delete(ref)
     except HandoffError:
         return False
     return True

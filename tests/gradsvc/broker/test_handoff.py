@@ -3,6 +3,7 @@ the routing names in gradsvc/broker/keys.py; `gradsvc up`'s per-stack dir."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import threading
@@ -80,6 +81,42 @@ def test_drop_deletes_only_a_file_its_marker_names_in_this_dir(tmp_path):
     assert not hf.drop(h.marker(theirs), h) and elsewhere.get(theirs) == b"y"  # another domain's: its own sweep
     assert hf.drop(h.marker(mine), h) and h.get(mine) is None
 
+
+
+def test_a_released_file_is_recycled_into_the_spare_unless_someone_reads_it(tmp_path):
+    h = Handoff(tmp_path, min_bytes=10)
+    spare, data, body = hf.Spare(h), os.urandom(1 << 20), os.urandom((1 << 20) + 5)
+    ref = h.put("job-recycled", hf.RESULT, data)
+    inode = (tmp_path / "job-recycled.out").stat().st_ino
+    spare.prepare(1 << 20)  # a spare held already: the recycled file takes its place
+    assert hf.drop(h.marker(ref), h, spare) and h.get(ref) is None
+    assert [n for n in os.listdir(tmp_path) if n != "domain"] == [spare._path.name]
+    assert spare._path.stat().st_ino == inode  # the result's own pages, kept
+    next_ref = h.stage(body, spare, refill=False).commit("job-next", hf.INPUT)
+    assert (tmp_path / "job-next.in").stat().st_ino == inode and spare._path is None  # written over; not made again
+    assert h.take(next_ref)[:] == body  # cut to the body's size
+
+    ref = h.put("job-read", hf.RESULT, data)  # a result being sent: its map holds the file's lock
+    sending = h.map(ref)
+    assert not hf.drop(h.marker(ref), h, spare) and h.get(ref) is None and spare._path is None
+    assert sending[:] == data  # deleted, not written over: the reader keeps its pages
+
+    ref = h.put("job-late", hf.RESULT, data)  # a reader that opened the file just before it was recycled
+    path = tmp_path / "job-late.out"
+    holder = os.open(path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # where recycle holds its lock
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(h.map(ref)))
+    reader.start()
+    time.sleep(0.2)
+    assert spare.keep(path)  # renamed under the lock, then the lock let go
+    os.close(holder)
+    reader.join(5)
+    assert got == [None]  # the name no longer names the file it opened: gone, never the spare's next bytes
+    spare.drop()
+    after = tmp_path / "job-after.out"
+    after.write_bytes(b"x")
+    assert not spare.keep(after) and not after.exists()  # a dropped spare keeps nothing
 
 def test_a_staged_file_is_named_by_commit_or_dropped_by_discard(tmp_path):
     h = Handoff(tmp_path, min_bytes=10)

@@ -183,9 +183,8 @@ class Handoff:
         The fd holds a shared lock (flock) as long as it, or a map made of it, is open: recycle() leaves a
         file being read alone. A file recycled between the open and the lock no longer has its name: gone."""
         path = self.path(ref)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        fd = _opened(path)
+        if fd is None:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -244,9 +243,8 @@ class Handoff:
         someone reads it (the shared lock of _open: a map being sent): then it is only deleted, and that
         reader keeps its pages. Whether the spare took them."""
         path = self.path(ref)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        fd = _opened(path)
+        if fd is None:
             return False
         try:
             try:
@@ -414,6 +412,14 @@ class Staged:
         if not self.settled:
             self.settled = True
             self.written.add_done_callback(lambda _: self.tmp.unlink(missing_ok=True))
+
+
+def _opened(path: Path) -> int | None:
+    """`path` open for reading, symlinks not followed; None when it is gone."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
 
 
 def _mapped(fd: int) -> "bytes | mmap.mmap":

@@ -175,7 +175,8 @@ class Handoff:
         """Starts writing `data` (on a thread) as a temp file no job names yet: Staged.commit gives it a job's
         name, Staged.discard drops it. The API writes a large body so while it checks the request; with a
         `spare` that holds a file, into that file's pages, and once committed the spare is made again (unless
-        not `refill`: a released result's file is about to be given to it, Handoff.recycle)."""
+        not `refill`: the client releases its results, so its next request gives the spare this one's result
+        file, Handoff.recycle)."""
         return Staged(self, data, spare, refill)
 
     def _open(self, ref: str) -> tuple[Path, int] | None:

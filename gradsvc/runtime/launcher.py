@@ -177,14 +177,15 @@ class Launcher:
             Child(f"worker-{i}", [*py, "worker", "--index", str(i)]) for i in range(self.settings.workers)]
         for child in self.children:
             self._spawn(child, env)
-        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
+        # SIGINT too, not only as KeyboardInterrupt: a shell script's background job (`gradsvc up &`) starts
+        # with SIGINT ignored, and Python then raises nothing for it.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self._request_stop())
         log.info("gradsvc is up: http://%s:%d (Ctrl-C stops everything)", self.settings.host, self.settings.port)
         try:
             while not self.stopping:
                 self._supervise(env)
                 time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
         finally:
             self.stop()
         return 0

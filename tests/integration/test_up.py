@@ -10,18 +10,26 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from gradsvc.runtime.launcher import free_port
 
 from tests.support.nets import SEED_A_LAYERS
 
 
-def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl_c(tmp_path):
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("started_as", ["foreground", "background job"])
+def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl_c(tmp_path, started_as):
+    """A shell script's background job (`gradsvc up &`) starts with SIGINT ignored: SIGINT still stops it."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSVC_")}
     env.update(GRADSVC_WORKER_METRICS_PORT=str(free_port()), GRADSVC_LOG_LEVEL="warning")
     proc = subprocess.Popen([sys.executable, "-m", "gradsvc", "up", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--workers", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=_sigint_ignored if started_as == "background job" else None)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -44,7 +52,11 @@ def test_up_serves_gradients_with_an_embedded_redis_and_stops_everything_on_ctrl
         assert r.json()["parameter_count"] == 83
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its children go with it (PR_SET_PDEATHSIG)
+            raise
     time.sleep(0.5)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [c.cmdline() for c in alive]

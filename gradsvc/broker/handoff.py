@@ -21,6 +21,7 @@ No Redis and no torch here: os, uuid and pathlib only.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -188,7 +189,8 @@ class Handoff:
         if fd is None:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            with contextlib.suppress(OSError):  # a filesystem without flock: recycle() cannot lock there either
+                fcntl.flock(fd, fcntl.LOCK_SH)
             opened, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
             if (opened.st_ino, opened.st_dev) == (named.st_ino, named.st_dev):
                 return path, fd
@@ -250,7 +252,7 @@ class Handoff:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            except OSError:  # someone reads it (BlockingIOError), or this filesystem has no flock
                 path.unlink(missing_ok=True)
                 return False
             return spare.keep(path)  # renamed under the lock: a reader waiting on it then finds the name gone

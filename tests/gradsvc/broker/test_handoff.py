@@ -3,6 +3,7 @@ the routing names in gradsvc/broker/keys.py; `gradsvc up`'s per-stack dir."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -117,6 +118,18 @@ def test_a_released_file_is_recycled_into_the_spare_unless_someone_reads_it(tmp_
     after = tmp_path / "job-after.out"
     after.write_bytes(b"x")
     assert not spare.keep(after) and not after.exists()  # a dropped spare keeps nothing
+
+def test_without_flock_a_released_file_is_only_deleted_and_reads_still_work(tmp_path, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(hf.fcntl, "flock", no_locks)  # a filesystem without flock
+    h = Handoff(tmp_path, min_bytes=10)
+    spare = hf.Spare(h)
+    ref = h.put("job-nolock", hf.RESULT, b"result")
+    assert h.map(ref)[:] == b"result" and h.get(ref) == b"result"
+    assert not hf.drop(h.marker(ref), h, spare) and h.get(ref) is None and spare._path is None
+
 
 def test_a_staged_file_is_named_by_commit_or_dropped_by_discard(tmp_path):
     h = Handoff(tmp_path, min_bytes=10)

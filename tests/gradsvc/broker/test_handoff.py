@@ -83,7 +83,6 @@ def test_drop_deletes_only_a_file_its_marker_names_in_this_dir(tmp_path):
     assert hf.drop(h.marker(mine), h) and h.get(mine) is None
 
 
-
 def test_a_released_file_is_recycled_into_the_spare_unless_someone_reads_it(tmp_path):
     h = Handoff(tmp_path, min_bytes=10)
     spare, data, body = hf.Spare(h), os.urandom(1 << 20), os.urandom((1 << 20) + 5)
@@ -118,6 +117,7 @@ def test_a_released_file_is_recycled_into_the_spare_unless_someone_reads_it(tmp_
     after = tmp_path / "job-after.out"
     after.write_bytes(b"x")
     assert not spare.keep(after) and not after.exists()  # a dropped spare keeps nothing
+
 
 def test_without_flock_a_released_file_is_only_deleted_and_reads_still_work(tmp_path, monkeypatch):
     def no_locks(fd, op):

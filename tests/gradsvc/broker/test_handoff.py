@@ -343,12 +343,12 @@ def test_a_staged_body_goes_into_the_spare_and_commit_makes_the_next_one(tmp_pat
     (kept,) = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
     ref = h.stage(data, spare).commit("job-a", hf.INPUT)
     assert not kept.exists() and h.path(ref).stat().st_size == len(data) and h.take(ref)[:] == data
-    for _ in range(100):  # the prepare runs on the writers' thread
-        made = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
-        if made:
+    for _ in range(100):  # the prepare runs on the writers' thread: done once the spare keeps its file (its
+        if spare._path is not None:  # name appears before posix_fallocate has sized it)
             break
         time.sleep(0.02)
-    assert len(made) == 1 and made[0].stat().st_size == len(data)
+    made = [p for p in (tmp_path / "h").iterdir() if p.name.startswith(".spare-")]
+    assert made == [spare._path] and made[0].stat().st_size == len(data)
     staged = h.stage(b"z" * 100, spare)
     staged.discard()
     staged.written.result()

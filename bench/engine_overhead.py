@@ -1,4 +1,4 @@
-"""Engine overhead: workers.engine.compute() against a plain PyTorch loop on the same model and batch.
+"""Engine overhead: gradsvc.engine.compute() against a plain PyTorch loop on the same model and batch.
 
 Compared, per model, in interleaved rounds (each ratio is the median of per-round ratios, so load
 from other processes hits both sides of a ratio alike):
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import footer, header, median, raw_tensor, table, verdict, wide_stack_layers
+from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
 
 CPU = torch.device("cpu")
 

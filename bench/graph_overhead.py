@@ -32,11 +32,11 @@ from torch import nn
 
 from common import footer, header, median, raw_tensor, table, verdict
 from gradclient.export import export_graph
+from gradsvc.engine import Engine, EngineConfig
+from gradsvc.engine.batch import Batch
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
-from workers.engine.batch import Batch
 
-prepare_graph = importlib.import_module("workers.engine.prepare_graph")  # its private steps, timed alone
+prepare_graph = importlib.import_module("gradsvc.engine.prepare_graph")  # its private steps, timed alone
 
 CONFIG = EngineConfig()
 ENGINE = Engine(CONFIG)  # the API's, with its caches

@@ -1,4 +1,4 @@
-"""What the API pays to validate a new graph (workers/engine/prepare.py: compile, then the meta-device shape
+"""What the API pays to validate a new graph (gradsvc/engine/prepare.py: compile, then the meta-device shape
 check, run with grad on), per node, by op: chains of N nodes of one op after a linear, through prepare() on
 meta, one torch thread, as the API runs it. GRADSVC_MAX_GRAPH_NODES (default 5,000) bounds the worst of
 these; a 20,000-node graph cost 1.5-12 s here before that bound (issue 24, item 7).
@@ -16,9 +16,9 @@ import msgspec
 import torch
 
 from common import footer, header, table
+from gradsvc.engine import Engine, config_from_settings, warm_up_shape_check
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, config_from_settings, warm_up_shape_check
 
 # One node of each kind reading the previous node `p` (and, for add, the one 7 before `q`).
 OPS = {

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import footer, header, median, raw_tensor, start_stack, table, verdict, wide_stack_layers
+from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
 
 DEPTH, WIDTH, BATCH = 8, 1024, 256
 REQUESTS = 8

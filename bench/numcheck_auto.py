@@ -17,8 +17,8 @@ import torch
 from common import footer, header, median, table
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
+from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
 from tests.support.models import CASES
 
 REPEAT = 3

@@ -18,8 +18,8 @@ import msgspec
 import torch
 
 from common import footer, header, median, raw_tensor, table
+from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
 
 HIDDEN = [2, 24, 240, 2400, 24000]  # P = 43H + 10: 96, 1042, 10330, 103210, 1032010
 EXACT_MEASURED_MAX = 2_000  # above, exact is extrapolated (10,090 parameters would take ~15 s)

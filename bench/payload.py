@@ -1,11 +1,11 @@
 """Payload formats for one 10M-element float32 gradient (40 MB raw): JSON nested lists vs base64 in
 JSON vs MessagePack raw bytes, each way, with the service's own code.
 
-  encode  a torch gradient -> the bytes the API sends: workers.engine.tensors.encode (raw bytes, as
+  encode  a torch gradient -> the bytes the API sends: gradsvc.engine.tensors.encode (raw bytes, as
           the worker stores them), then for JSON service.negotiation.for_json (nested lists or base64)
           and msgspec's JSON encoder; for MessagePack msgspec's MessagePack encoder.
   decode  the bytes a client sends -> a torch tensor: msgspec decode into gradsvc.wire.Tensor, then
-          workers.engine.tensors.decode (what the worker runs on request tensors).
+          gradsvc.engine.tensors.decode (what the worker runs on request tensors).
 MB/s counts the 40 MB of raw tensor data, whatever the format's size on the wire.
 
 Run: .venv/bin/python bench/payload.py
@@ -20,7 +20,7 @@ import torch
 from common import footer, header, median, table, timed, verdict
 from gradsvc.wire import Tensor
 from service.negotiation import for_json
-from workers.engine import tensors
+from gradsvc.engine import tensors
 
 N = 10_000_000
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from common import footer, header, median, table, timed
-from workers.engine import numcheck
+from gradsvc.engine import numcheck
 
 HIDDEN = [24, 2400, 24000]  # P = 43H + 10: 1042, 103210, 1032010
 

@@ -3,7 +3,7 @@
 
 A private stack (tests/support/stack.py: redis-server, the API on uvicorn, one worker) on loopback; one
 httpx client with keep-alive sends the requests one after another.
-  in-process  workers.engine.compute() on the same request, decoded as the worker decodes it, run
+  in-process  gradsvc.engine.compute() on the same request, decoded as the worker decodes it, run
               just before each request (interleaved, so load from other processes hits both).
   e2e         client-side wall time of POST /gradients?wait=30 to the parsed 200 answer.
   overhead    e2e p50 (p99) minus in-process p50 (the goal: at most 6 ms at p50): what HTTP +
@@ -23,8 +23,8 @@ import msgspec
 import torch
 
 from common import footer, header, median, percentile, seed_a_body, start_stack, table, verdict
+from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
 
 REQUESTS = 300
 WARMUP = 30

@@ -3,7 +3,7 @@ reference measured in the same run (interleaved with the requests, so load from 
 
   small job      seed 003 [A] (6-8-3 tanh float64, batch 4), numcheck off, memory off, JSON, POST
                  /gradients?wait=30 on one keep-alive httpx client, one worker: e2e p50 minus the p50 of
-                 workers.engine.compute() on the same request in this process.   goal <= +3 ms
+                 gradsvc.engine.compute() on the same request in this process.   goal <= +3 ms
   validation     POST /estimate p50 for that spec (seen before) minus GET /healthz p50.   goal <= 0.3 ms
   worker         the small job's timings.total_ms (the worker's compute()), p50.   goal <= 0.7 ms
   medium SDK     8 x (Linear(1024,1024)+ReLU), batch 256, float32, MSE, numcheck off, memory off, sent
@@ -34,8 +34,8 @@ from torch import nn
 
 from common import Stack, concurrent_posts, footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradclient import Client
+from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only answer bytes, only read
 QUICK = "--quick" in sys.argv[1:]

@@ -10,9 +10,9 @@ from litestar.datastructures import State
 
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
+from gradsvc.engine import Engine
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import LayerInfo
-from workers.engine import Engine
 
 from .api_metrics import ApiMetrics
 from .auth import Auth

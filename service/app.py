@@ -19,10 +19,10 @@ from litestar.di import Provide
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.graphs import GraphStore
+from gradsvc.engine import Engine, config_from_settings, layer_catalogue, warm_up_shape_check
 from gradsvc.runtime.malloc import keep_large_buffers
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import LayerInfo
-from workers.engine import Engine, config_from_settings, layer_catalogue, warm_up_shape_check
 
 from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, tensor_routes
 from .api_metrics import ApiMetrics

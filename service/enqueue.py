@@ -15,9 +15,9 @@ from rq import Queue, Worker
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.connection import send_async
+from gradsvc.broker.job import GRADIENT_JOB
+from gradsvc.engine.prepare import Prepared
 from gradsvc.wire import GradientRequest, Options
-from workers.engine.prepare import Prepared
-from workers.jobs import gradient_job
 
 from . import fan_out, recent
 from .exceptions import ServiceError
@@ -198,7 +198,7 @@ class Enqueuer:
         """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""
         record = self.record
         queue.enqueue(
-            gradient_job, arg, fmt,
+            GRADIENT_JOB, arg, fmt,
             job_id=job_id,
             job_timeout=record.timeout_s,
             result_ttl=record.result_ttl_s,

@@ -12,8 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gradsvc.broker.blobs import BlobError
+from gradsvc.engine import EngineError
 from gradsvc.wire import ErrorBody, ErrorInfo
-from workers.engine import EngineError
 
 from .exceptions import ServiceError, status_for
 from .negotiation import respond

@@ -26,10 +26,10 @@ from rq.utils import now
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker.fanin import shard_failed, shard_job_id
 from gradsvc.broker.handoff import Handoff
+from gradsvc.broker.job import REDUCE_JOB, SHARD_JOB
+from gradsvc.engine.prepare import Prepared
+from gradsvc.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
-from workers.engine.prepare import Prepared
-from workers.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
-from workers.shards import reduce_job, shard_job
 
 from . import recent
 from .queues import JobRecord
@@ -143,12 +143,12 @@ def _enqueue(redis: Redis, queue: Queue, cut: Split, record: JobRecord, owner: s
     count = len(shard_ids)
     ttls = {"timeout": record.timeout_s, "result_ttl": record.result_ttl_s, "failure_ttl": record.failure_ttl_s}
     shard_jobs = [
-        Queue.prepare_data(shard_job, (body,), job_id=sid, on_failure=Callback(shard_failed),
+        Queue.prepare_data(SHARD_JOB, (body,), job_id=sid, on_failure=Callback(shard_failed),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
                            meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
                                            "prefix": record.prefix, "owner": owner}}, **ttls)
         for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, cut.bounds))]
-    reduce = queue.create_job(reduce_job, args=(dataclasses.asdict(cut.plan), shard_ids), job_id=job_id,
+    reduce = queue.create_job(REDUCE_JOB, args=(dataclasses.asdict(cut.plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
                               description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
                               **ttls)

@@ -9,8 +9,8 @@ import anyio.to_thread
 import msgspec
 from litestar import Request, Response
 
+from gradsvc.engine import tensors
 from gradsvc.wire import GradientResult, PerSample, Tensor, raw_data
-from workers.engine import tensors
 
 from .exceptions import ServiceError
 

@@ -59,7 +59,7 @@ _OWN_LOSS = {"anyOf": [{"const": "output"},
 
 
 def _declare_targets(request: dict[str, Any]) -> None:
-    """`targets` as the engine reads it (workers/engine/prepare.py): the model's own loss ("output") takes
+    """`targets` as the engine reads it (gradsvc/engine/prepare.py): the model's own loss ("output") takes
     none, every other loss (cross_entropy when `loss` is absent or null) needs them. Said as if/then/else,
     so a generated request with `targets: null` and cross_entropy is invalid, as the API answers (422)."""
     request["properties"]["targets"]["description"] = (

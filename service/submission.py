@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
+from gradsvc.engine import Engine
+from gradsvc.engine.prepare import Prepared
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine
-from workers.engine.prepare import Prepared
 
 from .auth import Auth
 from .enqueue import Enqueuer

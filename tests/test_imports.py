@@ -5,11 +5,11 @@ functions included, so a lazy import cannot hide an upward edge.
     gradsvc (the contract: wire, layers, modules, lru, hashing)         imports nothing of the project
     gradsvc.runtime.settings, gradsvc.runtime.malloc                    the contract
     gradsvc.broker.* (Redis and RQ)                                     the above
-    workers.engine.* (PyTorch only: no Redis, no HTTP, no environment)  the contract
+    gradsvc.engine.* (PyTorch only: no Redis, no HTTP, no environment)  the contract
     gradclient.* (the SDK)                                              the contract
     workers.* (the RQ side)                                             everything above
-    service.* (the API)                                                 everything above, and from workers
-                                                                        only the engine and the job functions
+    service.* (the API)                                                 everything above but workers.* (jobs
+                                                                        are enqueued by dotted path)
     gradsvc.runtime.cli, gradsvc.runtime.launcher, gradsvc.__main__     anything
 """
 
@@ -71,7 +71,7 @@ def _layer(name: str) -> str:
         return "contract"
     if name in CONFIG:
         return "config"
-    for prefix, layer in (("gradsvc.broker", "broker"), ("workers.engine", "engine"), ("gradclient", "sdk"),
+    for prefix, layer in (("gradsvc.broker", "broker"), ("gradsvc.engine", "engine"), ("gradclient", "sdk"),
                           ("workers", "workers"), ("service", "service")):
         if name == prefix or name.startswith(prefix + "."):
             return layer
@@ -88,20 +88,18 @@ ALLOWED = {
     "service": {"contract", "config", "broker", "engine", "service"},
     "top": {"contract", "config", "broker", "engine", "sdk", "workers", "service", "top"},
 }
-JOB_FUNCTIONS = ("workers.jobs", "workers.shards")  # what the API enqueues, by the function object
-# Cycles the redesign is removing (issue 22); the test fails on any other, and on one of these once gone.
+# Cycles being removed: the test fails on any other, and on one of these once gone.
 KNOWN_CYCLES: list[list[str]] = []
 
 
 def test_the_table_knows_every_module():
-    assert {"gradsvc.wire", "gradsvc.broker.keys", "workers.engine.prepare", "service.app",
+    assert {"gradsvc.wire", "gradsvc.broker.keys", "gradsvc.engine.prepare", "service.app",
             "gradclient.client", "gradsvc.runtime.cli"} <= set(MODULES)
 
 
 def test_every_import_points_down_the_layer_table():
     upward = sorted((name, target) for name, targets in GRAPH.items() for target in targets
-                    if _layer(target) not in ALLOWED[_layer(name)]
-                    and not (_layer(name) == "service" and target in JOB_FUNCTIONS))
+                    if _layer(target) not in ALLOWED[_layer(name)])
     assert upward == []
 
 

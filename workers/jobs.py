@@ -24,10 +24,10 @@ from gradsvc.broker.blobs import BlobError, BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import Handoff, HandoffError
 from gradsvc.broker.job import GradientJob
+from gradsvc.engine import ComputeError, Engine, EngineError, SpecError, config_from_settings, resolve_device
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
-from .engine import ComputeError, Engine, EngineError, SpecError, config_from_settings, resolve_device
 from .metrics import WorkerMetrics
 
 log = logging.getLogger("gradsvc.worker")

@@ -16,10 +16,10 @@ from rq import Queue
 from gradsvc.broker import keys
 from gradsvc.broker.connection import connect
 from gradsvc.broker.job import GradientJob, MsgpackSerializer
+from gradsvc.engine import warm_up_shape_check
 from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings
 
-from .engine import warm_up_shape_check
 from .jobs import context, drop_spare, make_context, set_context
 from .worker import REDIS_ERRORS, GradientWorker
 

@@ -17,11 +17,11 @@ from rq.job import Job
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
+from gradsvc.engine import ComputeError
+from gradsvc.engine import tensors
+from gradsvc.engine.reduce import ShardPlan, add_reduce_time, check_combined, reduce_results
 from gradsvc.wire import GradientResult, Tensor
 
-from .engine import ComputeError
-from .engine import tensors
-from .engine.reduce import ShardPlan, add_reduce_time, check_combined, reduce_results
 from .jobs import JobCanceledError, WorkerContext, compute_request, run_job, store_value
 
 log = logging.getLogger("gradsvc.worker")

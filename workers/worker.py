@@ -31,15 +31,14 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
-from gradsvc.broker.job import GradientJob
+from gradsvc.broker.job import GRADIENT_JOB, GradientJob
 from gradsvc.broker.leases import LeaseRegistry, lease_s
 
-from .jobs import gradient_job
 from .transaction import SentTransaction
 from .watchdog import WATCHDOG_S, Running, Watchdog
 
 # RQ records a job's function by its dotted path; the pipelined dequeue compares it to this one's.
-_JOB_FUNCTION = f"{gradient_job.__module__}.{gradient_job.__qualname__}"
+_JOB_FUNCTION = GRADIENT_JOB
 
 log = logging.getLogger("gradsvc.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)

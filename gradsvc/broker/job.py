@@ -7,6 +7,12 @@ import msgspec
 from rq.job import Job
 from rq.serializers import Serializer
 
+# The job functions, by the dotted path RQ records and its worker imports: the API enqueues these names and
+# imports nothing of workers/ (tests/workers/test_jobs.py pins each to its function).
+GRADIENT_JOB = "workers.jobs.gradient_job"
+SHARD_JOB = "workers.shards.shard_job"
+REDUCE_JOB = "workers.shards.reduce_job"
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 

@@ -93,7 +93,7 @@ class Settings:
     tensor_ttl_s: int = _positive(3600)
     tensor_budget_bytes: int = _positive(4 << 30)
     tensor_cache_bytes: int = 2 << 30
-    # The graph models a CPU worker keeps between requests with their weights in place (workers/engine/resident.py):
+    # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
     # a weight sent by the same reference as before is not copied again.
     resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")
     numcheck_exact_max: int = 20_000

@@ -10,9 +10,9 @@ from torch import nn
 from gradclient.convert import UnsupportedModuleError
 from gradclient.export import export_graph
 from gradsvc import wire
-from workers.engine.compiler import build_graph
-from workers.engine.interpreter import load_weights
-from workers.engine.spec import Limits
+from gradsvc.engine.compiler import build_graph
+from gradsvc.engine.interpreter import load_weights
+from gradsvc.engine.spec import Limits
 
 from tests.support import models
 

@@ -80,7 +80,7 @@ def test_any_model_gradients_match_local_autograd(client, case, dtype):
     before = {n: b.clone() for n, b in model.named_buffers()}
     float64 = dtype == torch.float64
     # The float64 check perturbs 3 elements of every tensor: exact over ~1000 parameters would take a
-    # minute per model on a loaded 2-core machine (tests/workers/engine checks exact mode on graphs).
+    # minute per model on a loaded 2-core machine (tests/gradsvc/engine checks exact mode on graphs).
     result = client.gradients(model, x, y, loss=loss, numcheck="sampled" if float64 else "off", numcheck_samples=3)
     assert_close(result.gradients, want, 1e-10 if float64 else 1e-4)
     assert result.dtype == str(dtype).removeprefix("torch.")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.workers.engine.test_options import CNN, RESIDUAL
+from tests.gradsvc.engine.test_options import CNN, RESIDUAL
 from tests.support.nets import SEED_A_LAYERS, from_wire, seed_a_batch, seed_a_module, tensor_json
 
 

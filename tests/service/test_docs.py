@@ -84,7 +84,7 @@ def test_the_202_body_is_documented_with_every_field_it_carries(doc):
 
 def test_the_readme_counts_the_layer_types_get_layers_lists():
     """Issue 26 item 7: "91 types" against the 93 entries of GET /layers (the containers, unsaid)."""
-    from workers.engine import layer_catalogue
+    from gradsvc.engine import layer_catalogue
 
     entries = layer_catalogue()
     text = (ROOT / "README.md").read_text()

@@ -17,7 +17,7 @@ from gradsvc.wire import GradientRequest
 from service.app import create_app
 from service.error_responses import error_response, handle_exception
 from service.exceptions import STATUS, ServiceError
-from workers.engine import ComputeError, EngineConfig, compute, resolve_device
+from gradsvc.engine import ComputeError, EngineConfig, compute, resolve_device
 
 from tests.support.nets import SEED_A_LAYERS
 from tests.support.stack import dead_redis_url

@@ -4,7 +4,7 @@ check, each defined once.
 Each entry of CASES builds (model, inputs, targets, loss): the model seeded, in training mode unless it
 says otherwise, dropout off where gradients are compared (BatchNorm stays in training mode). `build`
 gives (model, inputs) for the tests that export or run a model without a loss. Shared by the engine
-tests (tests/workers/engine), the exporter tests (tests/gradclient/test_export.py), the live-stack tests
+tests (tests/gradsvc/engine), the exporter tests (tests/gradclient/test_export.py), the live-stack tests
 (tests/integration/test_any_model.py, test_numcheck_trust.py) and the benches (bench/numcheck_auto.py,
 bench/graph_interpreter.py, bench/graph_overhead.py).
 """

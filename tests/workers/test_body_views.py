@@ -19,8 +19,8 @@ from gradclient.tensors import from_wire, to_wire
 from gradsvc.broker import keys
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import INPUT, Handoff
+from gradsvc.engine import Engine
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine
 from workers.jobs import _reaper, decode_request
 
 CPU = torch.device("cpu")

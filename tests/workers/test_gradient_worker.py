@@ -31,7 +31,7 @@ from workers.worker import GradientWorker
 from tests.support.nets import SEED_A_LAYERS
 from tests.support.stack import ROOT
 
-engine_compute = importlib.import_module("workers.engine.compute")
+engine_compute = importlib.import_module("gradsvc.engine.compute")
 
 
 @pytest.fixture()

@@ -41,3 +41,15 @@ def test_a_result_past_keep_max_is_not_kept():
     buffers.encode(result(1.0, 1 << 17))
     buffers.release()
     assert len(buffers.buffer) == 0
+
+
+def test_the_dotted_paths_the_api_enqueues_name_the_job_functions():
+    """The API enqueues the job functions by name (it imports nothing of workers/): each name resolves to
+    the function RQ's worker will run."""
+    from gradsvc.broker.job import GRADIENT_JOB, REDUCE_JOB, SHARD_JOB
+    from rq.utils import import_attribute
+
+    from workers.jobs import gradient_job
+    from workers.shards import reduce_job, shard_job
+    assert [import_attribute(name) for name in (GRADIENT_JOB, SHARD_JOB, REDUCE_JOB)] == \
+        [gradient_job, shard_job, reduce_job]

@@ -18,10 +18,10 @@ from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest
 from service.app import JobParts, job_parts
-from workers.engine import EngineConfig, prepare
 from gradsvc.broker.fanin import shard_job_id
 from gradsvc.broker.job import MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry
+from gradsvc.engine import EngineConfig, prepare
 
 from tests.support.nets import SEED_A_LAYERS
 

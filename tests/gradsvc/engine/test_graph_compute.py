@@ -1,5 +1,5 @@
 """Graph models through prepare() and compute(), in process: weights, graph_ref, options, memory,
-training semantics, thread safety. (The graph format itself is tests/workers/engine/test_graph.py's.)"""
+training semantics, thread safety. (The graph format itself is tests/gradsvc/engine/test_graph.py's.)"""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
 from gradsvc import hashing
 from gradsvc.broker import keys
-from gradsvc.wire import GradientRequest
 from gradsvc.broker.graphs import GraphStore
-from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
+from gradsvc.engine import EngineConfig, SpecError, compute, estimate, prepare
+from gradsvc.wire import GradientRequest
 
 from tests.support.models import CASES, local_gradients
 
@@ -292,7 +292,7 @@ def _chain_request(n: int) -> GradientRequest:
 
 def test_a_graph_over_the_node_budget_is_too_large_before_any_node_runs():
     from gradsvc.runtime.settings import Settings
-    from workers.engine import config_from_settings
+    from gradsvc.engine import config_from_settings
 
     config = config_from_settings(Settings())
     assert config.limits.max_graph_nodes == 5_000  # ~3 s of API CPU for the costliest op (bench/graph_validation.py)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsvc.engine import ComputeError, Engine
+from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
-from workers.engine import ComputeError, Engine
-from workers.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 import torch
 
+from gradsvc.engine import Engine, SpecError
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, SpecError
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
-estimate_module = importlib.import_module("workers.engine.estimate")  # the module (the package re-exports a function of that name)
+estimate_module = importlib.import_module("gradsvc.engine.estimate")  # the module (the package re-exports a function of that name)
 ENGINE = Engine()  # the API's, in these tests
 estimate = ENGINE.estimate
 
@@ -91,8 +91,8 @@ def test_threads_share_the_cache_and_agree():
 
 
 def test_the_meta_model_is_built_once_per_spec_and_limits_still_apply():
-    from workers.engine import EngineConfig, prepare
-    from workers.engine.spec import Limits
+    from gradsvc.engine import EngineConfig, prepare
+    from gradsvc.engine.spec import Limits
 
     x, y = seed_a_batch(4)
     req = request(SEED_A_LAYERS, x, y)

@@ -1,5 +1,5 @@
 """Sharded == unsharded: the batch split into 2, 3 and 7 uneven shards, each computed by the engine as
-its own request, reduced by workers/engine/reduce.py, against the whole batch in one compute() (float64,
+its own request, reduced by gradsvc/engine/reduce.py, against the whole batch in one compute() (float64,
 1e-12 relative). The shards are cut by service/fan_out.py, as the API cuts them (wire tensors, no torch)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 from gradsvc.wire import GradientRequest, GradientResult
 from service.fan_out import shard_requests
-from workers.engine import SpecError, compute, prepare
-from workers.engine.prepare import EngineConfig
-from workers.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
-from workers.engine.tensors import decode
+from gradsvc.engine import SpecError, compute, prepare
+from gradsvc.engine.prepare import EngineConfig
+from gradsvc.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
+from gradsvc.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
 

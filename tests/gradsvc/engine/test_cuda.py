@@ -1,6 +1,6 @@
 """The CUDA paths: synchronised timings, the allocator's peak, OOM handling. Skipped without a GPU.
 
-On a machine with one: `.venv/bin/pytest -q tests/workers/engine/test_cuda.py` (CI has none).
+On a machine with one: `.venv/bin/pytest -q tests/gradsvc/engine/test_cuda.py` (CI has none).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import msgspec
 import pytest
 import torch
 
+from gradsvc.engine import ComputeError, EngineConfig, Limits, compute
+from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
-from workers.engine import ComputeError, EngineConfig, Limits, compute
-from workers.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 

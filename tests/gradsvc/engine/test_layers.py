@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsvc.engine import SpecError, compute, estimate
+from gradsvc.engine.errors import EngineError
+from gradsvc.engine.spec import Limits, build, check_shapes
+from gradsvc.engine.tensors import decode
 from gradsvc.modules import LSTM
 from gradsvc.wire import GradientRequest
-from workers.engine import SpecError, compute, estimate
-from workers.engine.errors import EngineError
-from workers.engine.spec import Limits, build, check_shapes
-from workers.engine.tensors import decode
 
 from tests.support.layer_samples import every_argument_value, input_shape
 from tests.support.nets import tensor_json

@@ -1,4 +1,4 @@
-"""A tiny CPU job runs on one intra-op thread (workers.engine.compute._one_thread_if_tiny): same answer,
+"""A tiny CPU job runs on one intra-op thread (gradsvc.engine.compute._one_thread_if_tiny): same answer,
 the process's thread count restored afterwards, larger jobs left on every thread."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import msgspec
 import pytest
 import torch
 
+from gradsvc.engine import compute
 from gradsvc.wire import GradientRequest
-from workers.engine import compute
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
-compute_module = importlib.import_module("workers.engine.compute")  # the module (the package re-exports a function of that name)
+compute_module = importlib.import_module("gradsvc.engine.compute")  # the module (the package re-exports a function of that name)
 
 
 def request(layers, x, y, **kw) -> GradientRequest:

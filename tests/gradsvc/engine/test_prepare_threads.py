@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import torch
 
-from gradsvc.wire import GradientRequest
+from gradsvc.engine import Engine, EngineConfig
+from gradsvc.engine.spec import Limits, build
 from gradsvc.lru import LRU
-from workers.engine import Engine, EngineConfig
-from workers.engine.spec import Limits, build
+from gradsvc.wire import GradientRequest
 
 
 def spec(width: int, batch: int, seed: int) -> GradientRequest:

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradsvc.engine import EngineConfig, SpecError, compute, estimate, prepare
+from gradsvc.engine.spec import Residual
+from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, SpecError, compute, estimate, prepare
-from workers.engine.spec import Residual
-from workers.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 

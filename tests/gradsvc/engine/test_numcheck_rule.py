@@ -10,9 +10,9 @@ import torch
 
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
+from gradsvc.engine import EngineConfig, compute
+from gradsvc.engine import numcheck, quantities
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute
-from workers.engine import numcheck, quantities
 
 from tests.support.models import CASES
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json

@@ -11,9 +11,9 @@ from torch.nn import functional as F
 
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
+from gradsvc.engine import EngineConfig, SpecError, prepare
+from gradsvc.engine.spec import Limits
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, SpecError, prepare
-from workers.engine.spec import Limits
 
 
 class Attend(nn.Module):

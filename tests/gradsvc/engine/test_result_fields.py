@@ -7,8 +7,8 @@ import msgspec
 import pytest
 import torch
 
+from gradsvc.engine import EngineConfig, SpecError, compute, prepare
 from gradsvc.wire import GradientRequest, GradientResult
-from workers.engine import EngineConfig, SpecError, compute, prepare
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json
 

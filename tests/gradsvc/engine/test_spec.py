@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from gradsvc.engine.errors import SpecError
+from gradsvc.engine.spec import LAYERS, Limits, build, check_shapes, layer_catalogue
 from gradsvc.layers import read_args
-from workers.engine.errors import SpecError
-from workers.engine.spec import LAYERS, Limits, build, check_shapes, layer_catalogue
 
 
 def test_parameter_names_equal_nn_sequential_state_dict():

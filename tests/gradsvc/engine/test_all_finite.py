@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.tensors import all_finite
+from gradsvc.engine.tensors import all_finite
 
 BAD = (float("nan"), float("inf"), -float("inf"))
 

@@ -1,5 +1,5 @@
 """A CPU worker keeps the graph models it ran with their weights in place (its Engine's caches.resident_models,
-workers/engine/resident.py): a weight a request names by the same refs as the bytes loaded is not copied again, and
+gradsvc/engine/resident.py): a weight a request names by the same refs as the bytes loaded is not copied again, and
 nothing else of one request may reach the next. Each test runs requests whose state would leak (a changed weight,
 running statistics a training forward wrote, the HVP check's perturbation, inline weights) and compares the model
 the next request gets, and its answer, with a fresh Engine's."""
@@ -14,8 +14,8 @@ from torch import nn
 
 from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
+from gradsvc.engine import ComputeError, Engine, EngineConfig
 from gradsvc.wire import GradientRequest, Tensor
-from workers.engine import ComputeError, Engine, EngineConfig
 
 CPU = torch.device("cpu")
 
@@ -160,7 +160,7 @@ def test_running_out_of_memory_empties_the_pool(monkeypatch):
     the next job (a retry with micro_batch, a smaller model) has that memory."""
     import importlib
 
-    compute_module = importlib.import_module("workers.engine.compute")  # the package's `compute` is the function
+    compute_module = importlib.import_module("gradsvc.engine.compute")  # the package's `compute` is the function
 
     engine, net, (x, y) = Engine(), bn_net().eval(), batch()
     engine.compute(request(net, x, y), device=CPU)

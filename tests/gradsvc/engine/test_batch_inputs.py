@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 from gradclient.export import example_inputs, export_graph
 from gradclient.tensors import from_wire, inputs_to_wire, to_wire
+from gradsvc.engine import EngineConfig, SpecError, compute, prepare
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, SpecError, compute, prepare
 
 
 class Scaled(nn.Module):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gradsvc.engine import ComputeError, EngineConfig, SpecError, compute, estimate
+from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
-from workers.engine import ComputeError, EngineConfig, SpecError, compute, estimate
-from workers.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json, wide_stack_layers
 

@@ -6,9 +6,9 @@ import msgspec
 import pytest
 import torch
 
+from gradsvc.engine import Engine, EngineConfig, compute, numcheck
+from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
-from workers.engine import Engine, EngineConfig, compute, numcheck
-from workers.engine.tensors import decode
 
 from tests.support.nets import seed_a_batch, seed_a_module, tensor_json
 

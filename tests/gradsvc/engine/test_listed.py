@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsvc.engine import tensors
 from gradsvc.wire import Tensor
-from workers.engine import tensors
 
 DTYPES = [torch.float64, torch.float32, torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16,
           torch.bfloat16]

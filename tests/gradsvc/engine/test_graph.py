@@ -12,14 +12,14 @@ import torch
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc import wire
-from workers.engine import SpecError
-from workers.engine import tensors as engine_tensors
-from workers.engine.batch_flow import batch_mixing_nodes
-from workers.engine.compiler import build_graph, validate_graph
-from workers.engine.interpreter import GraphModel, load_weights
-from workers.engine.meta_check import check_graph_shapes
-from workers.engine.ops import OPS, SKIPPED
-from workers.engine.spec import Limits
+from gradsvc.engine import SpecError
+from gradsvc.engine import tensors as engine_tensors
+from gradsvc.engine.batch_flow import batch_mixing_nodes
+from gradsvc.engine.compiler import build_graph, validate_graph
+from gradsvc.engine.interpreter import GraphModel, load_weights
+from gradsvc.engine.meta_check import check_graph_shapes
+from gradsvc.engine.ops import OPS, SKIPPED
+from gradsvc.engine.spec import Limits
 
 from tests.support import models
 

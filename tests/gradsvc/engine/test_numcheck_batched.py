@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import torch
 
+from gradsvc.engine import EngineConfig, compute, numcheck, numcheck_batched
+from gradsvc.engine.prepare import prepare
 from gradsvc.wire import GradientRequest
-from workers.engine import EngineConfig, compute, numcheck, numcheck_batched
-from workers.engine.prepare import prepare
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, seed_a_module, tensor_json
 
@@ -300,8 +300,8 @@ def test_models_that_are_not_pure_functions_of_their_parameters_use_the_loop(lay
 
 def test_random_models_graphs_that_write_buffers_and_other_devices_are_not_batchable():
     from gradclient.export import export_graph
-    from workers.engine.compiler import build_graph
-    from workers.engine.spec import Limits
+    from gradsvc.engine.compiler import build_graph
+    from gradsvc.engine.spec import Limits
 
     model = seed_a_module()
     cpu = torch.device("cpu")

@@ -9,7 +9,8 @@ leases (RQ fails them with AbandonedJobError, which the API reports as `worker_l
 is waited out: the worker retries until it comes back instead of exiting.
 
 The same thread runs the job's watchdog (workers/watchdog.py: hard deadline, cancel and SIGTERM inside one
-long op). The process entry (`gradsvc worker`) is workers/main.py.
+long op). The process entry (`gradsvc worker`) is workers/main.py. Each SimpleWorker method overridden here,
+and each private name of RQ or redis-py used, is listed with its reason in gradsvc/broker/internals.py.
 """
 
 from __future__ import annotations

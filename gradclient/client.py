@@ -18,6 +18,7 @@ from gradsvc import wire
 
 from .base import BaseClient, BaseJob, Driven, Flow, T
 from .result import GradientResult
+from .runs import AsyncRun, Run
 from .transfer import _KEPT_BUFFER_MIN, _LARGE_ANSWER, _AsyncPieces, _Body, _Pieces  # noqa: F401  (tests read the sizes here)
 
 
@@ -141,6 +142,15 @@ class Client(BaseClient):
         """Parameter count and per-layer activation memory, predicted on the meta device; nothing is queued."""
         return self._drive(self._estimating(model, inputs, targets, loss, losses, dtype, seed, options))
 
+    def run(self, name: str, start: int = 0) -> Run:
+        """A training run: `run.gradients(...)` takes gradients()'s arguments and records each call as the
+        run's next step (from `start`), which GET /runs/{name}, the run's page and /metrics show."""
+        return Run(self, name, start)
+
+    def runs(self) -> list[wire.RunSummary]:
+        """GET /runs: this key's runs, most recently stepped first."""
+        return self._drive(self._getting("/runs", list[wire.RunSummary]))
+
     def layers(self) -> list[wire.LayerInfo]:
         return self._drive(self._getting("/layers", list[wire.LayerInfo]))
 
@@ -213,6 +223,13 @@ class AsyncClient(BaseClient):
                        **options: Any) -> wire.Estimate:
         return await self._drive(self._estimating(model, inputs, targets, loss, losses, dtype, seed, options))
 
+    def run(self, name: str, start: int = 0) -> AsyncRun:
+        """Client.run, with coroutine methods."""
+        return AsyncRun(self, name, start)
+
+    async def runs(self) -> list[wire.RunSummary]:
+        return await self._drive(self._getting("/runs", list[wire.RunSummary]))
+
     async def layers(self) -> list[wire.LayerInfo]:
         return await self._drive(self._getting("/layers", list[wire.LayerInfo]))
 
@@ -220,4 +237,4 @@ class AsyncClient(BaseClient):
         return await self._drive(self._getting("/readyz" if ready else "/healthz", dict[str, Any]))
 
 
-__all__ = ["AsyncClient", "AsyncJob", "Client", "Job"]
+__all__ = ["AsyncClient", "AsyncJob", "AsyncRun", "Client", "Job", "Run"]

@@ -15,6 +15,8 @@ from .refs import INLINE_BYTES, TensorRefs
 from .tensors import inputs_to_wire, several_inputs, to_wire
 
 _OPTION_NAMES = frozenset(f.name for f in msgspec.structs.fields(wire.Options))
+# The key under which Run.gradients (gradclient/runs.py) hands its `run` to the request with the options.
+RUN_OPTION = "_run"
 # Exports kept per client; each costs ~1 s of torch.export, so the cache is the point.
 _EXPORTS_KEPT = 32
 
@@ -66,8 +68,16 @@ class RequestBuilder:
 
     def prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
                 seed: int, options: dict[str, Any]) -> Prepared:
-        fmt = self.wire_format
         options = dict(options)
+        run = options.pop(RUN_OPTION, None)  # Run.gradients' step: the body's `run`, not an option
+        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+        if run is not None:
+            prepared.body["run"] = run
+        return prepared
+
+    def _prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
+                 seed: int, options: dict[str, Any]) -> Prepared:
+        fmt = self.wire_format
         local_names: dict[str, str] = {}
         uploads: list = []
         inline = _Inline()

@@ -1,5 +1,7 @@
 """The API's Prometheus metrics, declared once: requests by route template, jobs submitted, and
-queue depth / workers by state, read from Redis when /metrics is scraped (not per request)."""
+queue depth / workers by state and the training runs' gauges, read from Redis when /metrics is scraped (not per
+request). The runs' gauges come from the API, not the workers: any worker records a run's step, and every API
+process reads the same Redis, so each scrape sees every run whichever worker took its last step."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from gradsvc.broker.runs import RunStore
+    from gradsvc.runtime.settings import Settings
+
     from .job_reader import JobReader
 
 # API latencies: sub-millisecond validation answers up to long synchronous waits.
@@ -43,8 +48,59 @@ class _RedisCollector:
         yield workers
 
 
+_RUN_GAUGES = (
+    ("gradsvc_run_loss", "The loss of a training run's last step."),
+    ("gradsvc_run_gradient_norm", "The global L2 norm of the batch gradient at a run's last step (before clipping)."),
+    ("gradsvc_run_noise_scale", "The gradient noise scale B_simple at a run's last step (options.diagnostics)."),
+    ("gradsvc_run_step", "The number of a run's last recorded step."),
+    ("gradsvc_run_check_passed", "1 when the numerical check of a run's last step passed, 0 when it failed."),
+)
+_RUN_MODULE_GAUGES = (
+    ("gradsvc_run_module_gradient_norm", "The L2 norm of one module's gradient at a run's last step."),
+    ("gradsvc_run_update_ratio", "|w_t - w_(t-1)| / |w_(t-1)| of one module's weights at a run's last step."),
+)
+
+
+class _RunCollector:
+    """The last step of the most recently stepped runs (GRADSVC_RUN_METRICS_RUNS, each with at most
+    GRADSVC_RUN_METRICS_MODULES modules); a run idle for GRADSVC_RUN_METRICS_IDLE_S is no longer exported, so
+    its series end. Labelled by run name and owner (the first 8 hex digits of the key's digest, never the key):
+    two keys may name runs alike."""
+
+    def __init__(self, runs: "RunStore", settings: "Settings") -> None:
+        self.runs = runs
+        self.limit, self.modules, self.idle_s = (settings.run_metrics_runs, settings.run_metrics_modules,
+                                                 settings.run_metrics_idle_s)
+
+    def collect(self):
+        run = {name: GaugeMetricFamily(name, doc, labels=["run", "owner"]) for name, doc in _RUN_GAUGES}
+        per_module = {name: GaugeMetricFamily(name, doc, labels=["run", "owner", "module"])
+                      for name, doc in _RUN_MODULE_GAUGES}
+        try:
+            exported = self.runs.exported(self.limit, self.idle_s)
+        except Exception:  # Redis down: export nothing rather than fail the scrape
+            exported = []
+        for entry in exported:
+            last, labels = entry.last, [entry.name, entry.owner[:8]]
+            run["gradsvc_run_loss"].add_metric(labels, last.loss)
+            run["gradsvc_run_gradient_norm"].add_metric(labels, last.grad_norm)
+            run["gradsvc_run_step"].add_metric(labels, last.step)
+            if last.noise_scale is not None:
+                run["gradsvc_run_noise_scale"].add_metric(labels, last.noise_scale)
+            if last.numcheck is not None and last.numcheck.mode != "off":
+                run["gradsvc_run_check_passed"].add_metric(labels, float(last.numcheck.passed))
+            for module in list(last.module_grad_norms)[:self.modules]:
+                per_module["gradsvc_run_module_gradient_norm"].add_metric([*labels, module],
+                                                                          last.module_grad_norms[module])
+                if last.update_ratio and module in last.update_ratio:
+                    per_module["gradsvc_run_update_ratio"].add_metric([*labels, module], last.update_ratio[module])
+        yield from run.values()
+        yield from per_module.values()
+
+
 class ApiMetrics:
-    def __init__(self, reader: "JobReader") -> None:
+    def __init__(self, reader: "JobReader", runs: "RunStore | None" = None,
+                 settings: "Settings | None" = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("gradsvc_http_requests_total", "HTTP requests by route template and status.",
                                 ["method", "route", "status"], registry=self.registry)
@@ -63,6 +119,8 @@ class ApiMetrics:
                                         "Tensor pieces evicted by an owner's byte budget (GRADSVC_TENSOR_BUDGET_BYTES).",
                                         registry=self.registry)
         self.registry.register(_RedisCollector(reader))
+        if runs is not None and settings is not None:
+            self.registry.register(_RunCollector(runs, settings))
 
     def middleware(self, app):
         """ASGI middleware: times each HTTP request, labelled by Litestar's route template. A request whose

@@ -10,6 +10,7 @@ from litestar.datastructures import State
 
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
+from gradsvc.broker.runs import RunStore
 from gradsvc.engine import Engine
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import LayerInfo
@@ -33,3 +34,4 @@ class ApiState(State):
     sessions: Sessions
     schema_doc: bytes  # GET /schema's answer, encoded once
     layers: list[LayerInfo]  # GET /layers's answer
+    runs: RunStore  # training runs: GET/DELETE /runs, the run pages, the run gauges of /metrics

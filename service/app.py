@@ -19,12 +19,13 @@ from litestar.di import Provide
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.connection import sync_redis
 from gradsvc.broker.graphs import GraphStore
+from gradsvc.broker.runs import RunBounds, RunStore
 from gradsvc.engine import Engine, config_from_settings, layer_catalogue, warm_up_shape_check
 from gradsvc.runtime.malloc import keep_large_buffers
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import LayerInfo
 
-from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, tensor_routes
+from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, run_routes, tensor_routes
 from .api_metrics import ApiMetrics
 from .api_state import ApiState
 from .auth import Auth
@@ -40,7 +41,7 @@ log = logging.getLogger("gradsvc.api")
 HANDOFF_SWEEP_S = 60.0
 PIECE_SEND_S = 32.0
 ROUTES = [*gradient_routes.ROUTES, *job_routes.ROUTES, *probe_routes.ROUTES, *tensor_routes.ROUTES, *docs.ROUTES,
-          *pages.ROUTES]
+          *pages.ROUTES, *run_routes.ROUTES]
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
     blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
     sessions = Sessions(auth, queues.aredis, settings.queue_prefix)
-    metrics = ApiMetrics(reader)
+    runs = RunStore(queues.redis, settings.queue_prefix, RunBounds.from_settings(settings))
+    metrics = ApiMetrics(reader, runs, settings)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
     parts = {"settings": settings, "engine": engine, "auth": auth, "graphs": graphs, "blobs": blobs,
              "submitter": Submitter(engine, graphs, blobs, auth, enqueuer), "reader": reader, "metrics": metrics,
-             "sessions": sessions, "schema_doc": schema_doc,
+             "sessions": sessions, "schema_doc": schema_doc, "runs": runs,
              "layers": [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]}
 
     @asynccontextmanager

@@ -15,6 +15,7 @@ from gradsvc.wire import GradientRequest
 
 from .auth import Auth
 from .enqueue import Enqueuer
+from .exceptions import ServiceError
 
 # A body this small with a layer spec is validated on the event loop (a spec seen before: ~0.1 ms; a new
 # one: a few ms, once), sparing the thread hop (bench/summary.py's small job).
@@ -39,6 +40,11 @@ class Submitter:
         """The request validated on the event loop, when it can be checked and enqueued without a thread: a
         small layer spec, the shared queue (a device queue checks for live workers), one shard, no
         Idempotency-Key (a claim to make first) and no rate limit (a counter to bump); else None."""
+        if req.run is not None and req.options.shards != 1:
+            # A sharded job's result is made by its reduce job, which has no request to record a step from.
+            raise ServiceError("bad_option", f"run {req.run.name!r}: a step of a run is one job, but options.shards="
+                               f"{req.options.shards!r} splits it; send the step with shards=1 (the default)",
+                               option="shards", run=req.run.name)
         if (small_layer_spec(req, body) and req.options.device == "auto" and req.options.shards == 1
                 and key is None and self.auth.limit <= 0):
             return self.engine.prepare(req, "meta")

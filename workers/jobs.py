@@ -24,11 +24,13 @@ from gradsvc.broker.blobs import BlobError, BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import Handoff, HandoffError
 from gradsvc.broker.job import GradientJob
+from gradsvc.broker.runs import RunBounds
 from gradsvc.engine import ComputeError, Engine, EngineError, SpecError, config_from_settings, resolve_device
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
 from .metrics import WorkerMetrics
+from .run_steps import prepare_step
 
 log = logging.getLogger("gradsvc.worker")
 _result_encoder = msgspec.msgpack.Encoder()
@@ -275,6 +277,10 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
                                 device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
     ctx.metrics.resident_model_bytes.set(ctx.engine.caches.resident_models.bytes)
+    if request.run is not None and cancel_id is None:  # a shard is no step: the API refuses runs with shards
+        s = ctx.settings
+        job.pending_step = prepare_step(job.connection, s.queue_prefix, RunBounds.from_settings(s), _owner(job),
+                                        job.id, request, result)
     return result
 
 
@@ -302,6 +308,8 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
                                   settings.result_ttl_s)
         else:
             store_value(job, ctx, result_key, handoff_files.RESULT, data)
+            if getattr(job, "pending_step", None) is not None:
+                job.pending_step(job.connection)
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:

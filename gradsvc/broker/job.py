@@ -3,6 +3,8 @@ class that stores the request body uncompressed and writes the result in the suc
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import msgspec
 from rq.job import Job
 from rq.serializers import Serializer
@@ -47,6 +49,8 @@ class GradientJob(Job):
     # A result run_job hands over for the success transaction: (key, bytes, ttl) (see _handle_success).
     pending_result: tuple[str, bytes, int] | None = None
     result_flushed = False  # the pending result went into a transaction (flush_result)
+    # A run's step to record with the result (gradsvc/broker/runs.py): a function adding its write to a pipeline.
+    pending_step: "Callable[[Any], None] | None" = None
 
     def restore(self, raw_data) -> None:
         super().restore(raw_data)
@@ -79,3 +83,5 @@ class GradientJob(Job):
             key, data, ttl = self.pending_result
             connection.set(key, data, ex=ttl)
             self.result_flushed = True
+        if self.pending_step is not None:
+            self.pending_step(connection)

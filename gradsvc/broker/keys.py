@@ -129,3 +129,33 @@ def replication_mark_key(prefix: str) -> str:
 def past_epochs_key(prefix: str) -> str:
     """The epochs before the current one that an API process remembered when it started a new one."""
     return f"{prefix}:epochs"
+
+
+def runs_key(prefix: str, owner: str) -> str:
+    """The owner's runs by name (a sorted set scored by the time of each run's last step)."""
+    return f"{prefix}:runs:{owner}"
+
+
+def run_base(prefix: str, owner: str) -> str:
+    """What every key of one of the owner's runs starts with; run_key appends the name's digest and the part.
+    gradsvc/broker/runs.py's record script builds the same keys from this base (Redis's sha1hex of the name),
+    to drop the runs an owner's bound evicts within the same script; a test pins the two to agree."""
+    return f"{prefix}:run:{owner}:"
+
+
+def run_key(prefix: str, owner: str, name: str, part: str) -> str:
+    """A run's `steps` (a sorted set of encoded steps scored by step number) or `weights` (the previous step's
+    weights, for the update ratio). The name is hashed: what the client sends never becomes part of a key."""
+    return f"{run_base(prefix, owner)}{hashlib.sha1(name.encode()).hexdigest()}:{part}"
+
+
+def run_exports_key(prefix: str) -> str:
+    """Every owner's runs ("<owner> <name>") by the time of their last step: the API's /metrics exports the
+    most recent of them."""
+    return f"{prefix}:run-exports"
+
+
+def run_job_key(prefix: str, job_id: str) -> str:
+    """The run and step a finished job was recorded as (a hash): written once, so a job recorded already (a
+    retried transaction) records nothing again; the job page links to its run from it."""
+    return f"{prefix}:run-job:{job_id}"

@@ -124,6 +124,18 @@ class Settings:
     # dir under /dev/shm. Smaller payloads go through Redis as before.
     handoff_dir: str = ""
     handoff_min_bytes: int = _at_least_zero(1 << 20)
+    # Training runs (docs/runs.md): the steps kept per run (the oldest go first), the runs kept per owner (the
+    # least recently stepped go first), how long a run lives after its last step, and the largest model whose
+    # weights a run keeps from one step to the next for the update ratio (a larger one records it as null).
+    run_max_steps: int = _positive(10_000)
+    run_max_runs: int = _positive(100)
+    run_ttl_s: int = _positive(7 * 86400)
+    run_weights_max_bytes: int = _at_least_zero(64 << 20, " (no update ratios)")
+    # What /metrics exports of the runs: the most recently stepped runs (every owner's), the modules of each
+    # (the first in the model's order), and only runs stepped within run_metrics_idle_s: an idle run's series go.
+    run_metrics_runs: int = _at_least_zero(20, " (no run metrics)")
+    run_metrics_modules: int = _at_least_zero(32)
+    run_metrics_idle_s: int = _positive(900)
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

@@ -1,0 +1,90 @@
+"""GET /runs (the caller's runs), GET /runs/{name} (its steps, as JSON, MessagePack or CSV) and DELETE
+/runs/{name}. Another key's run reads as unknown (404), as another key's job does."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import anyio.to_thread
+from litestar import Request, Response, delete, get
+
+from gradsvc.wire import RunInfo, RunStep
+
+from .api_state import ApiState
+from .exceptions import ServiceError
+from .negotiation import respond
+
+CSV_MEDIA_TYPE = "text/csv; charset=utf-8"
+_FIXED = ("step", "job_id", "ended_at", "loss", "grad_norm", "total_ms", "numcheck_mode", "numcheck_passed",
+          "numcheck_max_rel_error", "noise_scale")
+
+
+async def owned_steps(state: ApiState, owner: str, name: str) -> list[RunStep]:
+    steps = await anyio.to_thread.run_sync(state.runs.steps, owner, name)
+    if steps is None:
+        raise ServiceError("not_found", f"no run {name!r} for this API key (its steps may have expired: "
+                           "GRADSVC_RUN_TTL_S after the last one); GET /runs lists this key's runs", run=name)
+    return steps
+
+
+@get("/runs")
+async def list_runs(request: Request, owner: str, state: ApiState) -> Response:
+    return respond(request, await anyio.to_thread.run_sync(state.runs.runs, owner))
+
+
+@get("/runs/{name:str}")
+async def get_run(request: Request, owner: str, state: ApiState, name: str) -> Response:
+    steps = await owned_steps(state, owner, name)
+    fmt = request.query_params.get("format", "json")
+    if fmt == "csv":
+        return Response(steps_csv(steps), media_type=CSV_MEDIA_TYPE,
+                        headers={"Content-Disposition": 'attachment; filename="run.csv"'})
+    if fmt != "json":
+        raise ServiceError("invalid_parameter", f"format={fmt!r} is not a format of a run; use format=csv, or "
+                           "leave it out for JSON (or MessagePack by Accept)", parameter="format", value=fmt)
+    return respond(request, RunInfo(name=name, steps=steps))
+
+
+@delete("/runs/{name:str}", status_code=200)
+async def delete_run(request: Request, owner: str, state: ApiState, name: str) -> Response:
+    if not await anyio.to_thread.run_sync(state.runs.delete, owner, name):
+        raise ServiceError("not_found", f"no run {name!r} for this API key; GET /runs lists this key's runs",
+                           run=name)
+    return respond(request, {"deleted": name})
+
+
+def steps_csv(steps: list[RunStep]) -> str:
+    """One row a step: the step's figures, then one column per named loss, module gradient norm and module
+    update ratio (`loss[name]`, `grad_norm[module]`, `update_ratio[module]`; empty where a step has none)."""
+    losses = _columns(s.losses for s in steps)
+    modules = _columns(s.module_grad_norms for s in steps)
+    ratios = _columns(s.update_ratio for s in steps)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([*_FIXED, *(f"loss[{n}]" for n in losses), *(f"grad_norm[{m}]" for m in modules),
+                     *(f"update_ratio[{m}]" for m in ratios)])
+    for s in steps:
+        nc = s.numcheck
+        writer.writerow([s.step, s.job_id, s.ended_at, repr(s.loss), repr(s.grad_norm), repr(s.total_ms),
+                         nc.mode if nc else "", ("true" if nc.passed else "false") if nc else "",
+                         repr(nc.max_rel_error) if nc else "", _cell(s.noise_scale),
+                         *(_cell((s.losses or {}).get(n)) for n in losses),
+                         *(_cell(s.module_grad_norms.get(m)) for m in modules),
+                         *(_cell((s.update_ratio or {}).get(m)) for m in ratios)])
+    return out.getvalue()
+
+
+def _columns(maps) -> list[str]:
+    """The keys of every map, in the order they first appear (a module's place in the model)."""
+    seen: dict[str, None] = {}
+    for m in maps:
+        seen.update(dict.fromkeys(m or ()))
+    return list(seen)
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else repr(value)
+
+
+ROUTES = [list_runs, get_run, delete_run]

@@ -1,0 +1,181 @@
+"""Training runs through the SDK, the API, Redis and a real worker: a loop trains an MLP and a small transformer
+with a local optimizer through client.run, and every recorded step matches what the loop saw: its loss, the
+norms of the gradients the call returned, the update ratios of the optimizer's steps; the CSV says the same;
+another API key sees none of it."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from gradclient import Client
+from gradclient.errors import BadOptionError, NotFoundError
+from tests.support.models import SmallTransformer
+from tests.support.stack import module_stack
+
+pytestmark = pytest.mark.timeout(600)
+KEYS = ("run-key-alice", "run-key-bob")
+runs_stack = module_stack(workers=1, GRADSVC_API_KEYS=",".join(KEYS))
+
+
+def module_of(name: str) -> str:
+    parent = name.rpartition(".")[0]
+    return parent or name
+
+
+def norms(tensors: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    squares: dict[str, float] = {}
+    for name, t in tensors.items():
+        squares[module_of(name)] = squares.get(module_of(name), 0.0) + float(t.double().pow(2).sum())
+    return math.sqrt(sum(squares.values())), {m: math.sqrt(s) for m, s in squares.items()}
+
+
+def ratios(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    moved = norms({n: after[n] - before[n] for n in before})[1]
+    size = norms(before)[1]
+    return {m: moved[m] / size[m] for m in moved}
+
+
+def train(client: Client, name: str, model: nn.Module, batches, steps: int, **options) -> list[dict]:
+    """A local training loop whose gradients come from the service: what each step saw, to compare."""
+    run = client.run(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    seen = []
+    for step in range(steps):
+        x, y = batches(step)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result = run.gradients(model, x, y, loss="cross_entropy", **options)
+        grads = {n: torch.as_tensor(g) for n, g in result.gradients.items() if g is not None}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].to(p.dtype)
+        opt.step()
+        seen.append({"loss": result.loss, "job_id": result.job_id, "grads": grads, "weights": weights})
+    return seen
+
+
+def assert_recorded(steps, seen: list[dict]) -> None:
+    assert [s.step for s in steps] == list(range(len(seen)))
+    for t, (rec, want) in enumerate(zip(steps, seen)):
+        assert rec.job_id == want["job_id"]
+        assert rec.loss == want["loss"]
+        grad_norm, module_norms = norms(want["grads"])
+        assert rec.grad_norm == pytest.approx(grad_norm, rel=1e-6)
+        assert rec.module_grad_norms.keys() == module_norms.keys()
+        for m, v in module_norms.items():
+            assert rec.module_grad_norms[m] == pytest.approx(v, rel=1e-6), m
+        if t == 0:
+            assert rec.update_ratio is None
+            continue
+        expected = ratios(seen[t - 1]["weights"], want["weights"])
+        assert rec.update_ratio.keys() == expected.keys()
+        for m, v in expected.items():
+            assert v > 0 and rec.update_ratio[m] == pytest.approx(v, rel=1e-6), m
+
+
+def mlp_batches(step: int):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+
+
+def transformer_batches(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 20, (4, 6), generator=gen), torch.randint(0, 3, (4,), generator=gen)
+
+
+@pytest.fixture()
+def alice(runs_stack):
+    with Client(runs_stack.base_url, api_key=KEYS[0], timeout=300) as c:
+        yield c
+
+
+@pytest.fixture()
+def bob_http(runs_stack):
+    with httpx.Client(base_url=runs_stack.base_url, headers={"Authorization": f"Bearer {KEYS[1]}"},
+                      timeout=60) as c:
+        yield c
+
+
+def test_mlp_run_records_each_steps_loss_norms_and_update_ratios(alice):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    seen = train(alice, "mlp <b>&", model, mlp_batches, steps=4)
+    steps = alice.run("mlp <b>&").steps()
+    assert_recorded(steps, seen)
+    assert all(s.numcheck is not None and s.numcheck.passed for s in steps)
+    assert set(steps[0].module_grad_norms) == {"0", "2"}
+    listed = {r.name: r for r in alice.runs()}
+    assert listed["mlp <b>&"].steps == 4 and listed["mlp <b>&"].last_step == 3
+
+
+def test_small_transformer_run_records_each_step_as_the_loop_saw_it(alice):
+    torch.manual_seed(0)
+    model = SmallTransformer(dim=16, layers=1, vocab=20, classes=3)
+    seen = train(alice, "transformer", model, transformer_batches, steps=3, numcheck="directional")
+    steps = alice.run("transformer").steps()
+    assert_recorded(steps, seen)
+    assert "pos" in steps[0].module_grad_norms  # a parameter of the root module is a module of its own
+    assert "encoder.layers.0.self_attn" in steps[0].module_grad_norms
+
+
+def test_run_csv_has_a_row_per_step_with_modules_as_columns(alice):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    train(alice, "csv-run", model, mlp_batches, steps=3, numcheck="off")
+    run = alice.run("csv-run")
+    steps = run.steps()
+    rows = list(csv.DictReader(io.StringIO(run.csv())))
+    assert len(rows) == 3
+    for row, s in zip(rows, steps):
+        assert int(row["step"]) == s.step and row["job_id"] == s.job_id
+        assert float(row["loss"]) == s.loss and float(row["grad_norm"]) == s.grad_norm
+        for m in ("0", "2"):
+            assert float(row[f"grad_norm[{m}]"]) == s.module_grad_norms[m]
+            assert row[f"update_ratio[{m}]"] == ("" if s.update_ratio is None else repr(s.update_ratio[m]))
+        assert row["numcheck_mode"] == "off"
+
+
+def test_another_key_sees_no_run_and_cannot_delete_it_with_404(alice, bob_http):
+    model = nn.Sequential(nn.Linear(6, 3))
+    train(alice, "private", model, mlp_batches, steps=1, numcheck="off")
+    assert bob_http.get("/runs").json() == []
+    for method in ("GET", "DELETE"):
+        r = bob_http.request(method, "/runs/private")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    assert bob_http.get("/runs/private", params={"format": "csv"}).status_code == 404
+    assert len(alice.run("private").steps()) == 1
+
+
+def test_delete_removes_the_run_and_a_later_read_is_404(alice):
+    train(alice, "to-delete", nn.Sequential(nn.Linear(6, 3)), mlp_batches, steps=1, numcheck="off")
+    alice.run("to-delete").delete()
+    with pytest.raises(NotFoundError):
+        alice.run("to-delete").steps()
+    assert "to-delete" not in {r.name for r in alice.runs()}
+
+
+def test_service_numbers_steps_sent_without_a_number(runs_stack, bob_http):
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
+            "inputs": [[1.0, 2.0]], "targets": [1], "options": {"numcheck": "off"}, "run": {"name": "auto"}}
+    for _ in range(3):
+        assert bob_http.post("/gradients", json=body).status_code == 200
+    steps = bob_http.get("/runs/auto").json()["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+
+
+def test_rejects_a_run_with_shards_with_422(alice):
+    with pytest.raises(BadOptionError, match="shards"):
+        alice.run("sharded").gradients(nn.Sequential(nn.Linear(6, 3)), *mlp_batches(0), shards=2)
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "tab\there", "x" * 129])
+def test_rejects_a_bad_run_name_with_400(bob_http, name):
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
+            "inputs": [[1.0, 2.0]], "targets": [1], "run": {"name": name}}
+    r = bob_http.post("/gradients", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body", r.text

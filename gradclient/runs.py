@@ -4,7 +4,7 @@ AsyncRun drive the same flows, as Client and AsyncClient do."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 from gradsvc import wire
@@ -12,9 +12,6 @@ from gradsvc import wire
 from .base import Flow
 from .request import RUN_OPTION
 from .result import GradientResult
-
-if TYPE_CHECKING:
-    from .client import AsyncClient, Client
 
 
 class BaseRun:
@@ -50,8 +47,6 @@ class BaseRun:
 class Run(BaseRun):
     """client.run(name): gradients() records each call as the run's next step; steps(), csv(), delete()."""
 
-    client: "Client"
-
     def gradients(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy",
                   **kwargs: Any) -> GradientResult:
         """client.gradients(...), recorded as step `self.step` of the run; the step number then goes up by one."""
@@ -73,8 +68,6 @@ class Run(BaseRun):
 
 class AsyncRun(BaseRun):
     """Run's methods as coroutines (AsyncClient.run)."""
-
-    client: "AsyncClient"
 
     async def gradients(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy",
                         **kwargs: Any) -> GradientResult:

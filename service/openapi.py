@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 
 from gradsvc import __version__
-from gradsvc.wire import ErrorBody, Estimate, GradientRequest, GradientResult, JobAccepted, JobInfo, LayerInfo
+from gradsvc.wire import (RUN_NAME_PATTERN, ErrorBody, Estimate, GradientRequest, GradientResult, JobAccepted, JobInfo,
+                          LayerInfo, RunInfo, RunSummary)
 
 _REF = "#/components/schemas/{name}"
 # The README's first request (seed 003 [A]'s 6-8-3 tanh net), with the check off: a body the API accepts.
@@ -72,11 +73,34 @@ def _declare_targets(request: dict[str, Any]) -> None:
     request["else"] = {"required": ["targets"], "properties": {"targets": {"not": {"type": "null"}}}}
 
 
+def _run_paths() -> dict[str, Any]:
+    """GET /runs, GET and DELETE /runs/{name} (docs/runs.md)."""
+    name = {"name": "name", "in": "path", "required": True,
+            "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": RUN_NAME_PATTERN}}
+    fmt = {"name": "format", "in": "query", "required": False, "description": "csv: one row a step, modules as "
+           "columns; absent: JSON", "schema": {"type": "string", "enum": ["json", "csv"]}}
+    return {
+        "/runs": {"get": {"operationId": "getRuns", "responses": {
+            "200": {"description": "this key's runs, most recently stepped first",
+                    "content": _json({"type": "array", "items": _ref("RunSummary")})}, **_errors(401, 503)}}},
+        "/runs/{name}": {
+            "get": {"operationId": "getRun", "parameters": [name, fmt], "responses": {
+                "200": {"description": "the run's steps", "content": {**_json(_ref("RunInfo")),
+                                                                      "text/csv": {"schema": {"type": "string"}}}},
+                **_errors(400, 401, 404, 503)}},
+            "delete": {"operationId": "deleteRun", "parameters": [name], "responses": {
+                "200": {"description": "deleted", "content": _json({
+                    "type": "object", "required": ["deleted"], "properties": {"deleted": {"type": "string"}}})},
+                **_errors(401, 404, 503)}}},
+    }
+
+
 def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: bool = False) -> dict[str, Any]:
     """`keys_required`: GRADSVC_API_KEYS is set, so every route but the probes (and /metrics unless
     `metrics_require_key`) declares the Bearer key: /docs's Authorize button sends it."""
-    (_, _, _, _, _, _, _), components = msgspec.json.schema_components(
-        [GradientRequest, GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo], ref_template=_REF)
+    (_, _, _, _, _, _, _, _, _), components = msgspec.json.schema_components(
+        [GradientRequest, GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo, RunSummary, RunInfo],
+        ref_template=_REF)
     _declare_rules(components)
     job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
     wait = {"name": "wait", "in": "query", "required": False,
@@ -133,6 +157,7 @@ def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: b
                     "type": "object", "required": ["missing"],
                     "properties": {"missing": {"type": "array", "items": {"type": "string"}}}})},
                               **_errors(400, 401, 413, 415, 503)}}},
+            **_run_paths(),
             "/healthz": {"get": {"operationId": "healthz", "responses": {"200": {"description": "alive"}}}},
             "/readyz": {"get": {"operationId": "readyz", "responses": {
                 "200": {"description": "Redis reachable and a worker alive"}, **_errors(503)}}},

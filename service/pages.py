@@ -1,19 +1,22 @@
-"""The job pages for a browser: log in once, the owner's recent jobs, one page per job (its status while it
-runs, then the loss, the check per parameter, memory bars per layer, timings and the grad_fn chain)."""
+"""The pages for a browser: log in once, the owner's recent jobs, one page per job (its status while it
+runs, then the loss, the check per parameter, memory bars per layer, timings and the grad_fn chain), the owner's
+training runs and one page per run (its curves, module x step heatmaps and check verdicts)."""
 
 from __future__ import annotations
 
 from urllib.parse import quote
 
+import anyio.to_thread
 from litestar import Request, Response, get, post
 from litestar.response import Redirect
 from markupsafe import Markup
 
 from gradsvc.wire import JobInfo
 
-from . import graph_svg, html, recent
+from . import graph_svg, html, recent, run_svg
 from .exceptions import ServiceError
 from .api_state import ApiState
+from .run_routes import owned_steps
 from .sessions import SESSION_TTL_S, Sessions
 
 # A running job's page reloads itself this often (a <meta> refresh: no script).
@@ -94,14 +97,17 @@ async def job_page(request: Request, viewer: str | None, state: ApiState, job_id
         if exc.code != "not_found":
             raise
         return html.page("missing.html", status_code=404, message=exc.message, logged_in=sessions.auth.enabled)
-    return html.page("job.html", logged_in=sessions.auth.enabled, **job_context(job))
+    context = job_context(job)
+    if job.status == "finished":
+        context["run"] = await anyio.to_thread.run_sync(state.runs.job_run, job_id)
+    return html.page("job.html", logged_in=sessions.auth.enabled, **context)
 
 
 def job_context(job: JobInfo) -> dict:
     """What job.html shows: the job, and for a result its bars (percentages of the largest) and chain."""
     r = job.result
     context = {"job": job, "r": r, "running": job.status in ("queued", "started"), "refresh_s": REFRESH_S,
-               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None}
+               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None, "run": None}
     if r is None:
         return context
     if r.memory is not None:
@@ -117,9 +123,43 @@ def job_context(job: JobInfo) -> dict:
     return context
 
 
+@get("/ui/runs", include_in_schema=False)
+async def run_list(request: Request, viewer: str | None, state: ApiState) -> Response:
+    if viewer is None:
+        return login_redirect(request)
+    runs = await anyio.to_thread.run_sync(state.runs.runs, viewer)
+    return html.page("runs.html", runs=runs, logged_in=state.sessions.auth.enabled)
+
+
+@get("/ui/runs/{name:str}", include_in_schema=False)
+async def run_page(request: Request, viewer: str | None, state: ApiState, name: str) -> Response:
+    if viewer is None:
+        return login_redirect(request)
+    try:
+        steps = await owned_steps(state, viewer, name)  # GET /runs/{name}'s rule: another key's run is unknown
+    except ServiceError as exc:
+        return html.page("missing.html", status_code=404, message=exc.message, what="run",
+                         logged_in=state.sessions.auth.enabled)
+    return html.page("run.html", logged_in=state.sessions.auth.enabled, **run_context(name, steps))
+
+
+def run_context(name: str, steps) -> dict:
+    """What run.html shows: the run's steps and its plots (SVG made here, every name escaped by run_svg)."""
+    noise = [(s.step, s.noise_scale) for s in steps if s.noise_scale is not None]
+    plots = {
+        "loss_svg": run_svg.curve("loss-plot", "loss", [(s.step, s.loss) for s in steps]),
+        "norm_svg": run_svg.curve("norm-plot", "gradient norm", [(s.step, s.grad_norm) for s in steps]),
+        "noise_svg": run_svg.curve("noise-plot", "noise scale", noise) if noise else "",
+        "norm_heatmap": run_svg.heatmap("norm-heatmap", "gradient norm per module", steps, "module_grad_norms"),
+        "ratio_heatmap": run_svg.heatmap("ratio-heatmap", "update ratio per module", steps, "update_ratio"),
+        "verdict_svg": run_svg.verdicts("verdict-strip", steps),
+    }
+    return {"name": name, "steps": steps, **{k: Markup(v) for k, v in plots.items()}}
+
+
 @get("/ui/static/{name:str}", include_in_schema=False)
 async def page_asset(name: str) -> Response:
     return html.asset(html.STATIC, {"pages.css": "text/css"}, name)
 
 
-ROUTES = [login_form, login, logout, job_list, job_page, page_asset]
+ROUTES = [login_form, login, logout, job_list, job_page, run_list, run_page, page_asset]

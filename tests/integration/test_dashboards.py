@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gradsvc.runtime.launcher import free_port
 
@@ -22,8 +23,9 @@ from .test_metrics import NEEDS_PROMETHEUS, samples, seed_a_body
 
 DEPLOY = ROOT / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
-# Grafana's built-in interval variables, given the value they take for a one-hour view.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+# Grafana's built-in interval variables, given the value they take for a one-hour view, and the dashboards' own
+# (the runs dashboard's $run: a run name).
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "$run": "exp-1"}
 PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan", "by", "without", "on", "ignoring",
                    "group_left", "group_right"}
 
@@ -64,17 +66,20 @@ def metric_names(expr: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def exported(stack) -> set[str]:
-    """Every sample name (with _bucket/_sum/_count/_total) the API and the worker export after a real job."""
+    """Every sample name (with _bucket/_sum/_count/_total) the API and the worker export after a real job, a step
+    of a training run; and the families declared without a sample yet (a run's noise scale, when no step asked
+    for it)."""
     with stack.http_client() as http:
-        r = http.post("/gradients", json=seed_a_body(numcheck="exact"))
+        r = http.post("/gradients", json={**seed_a_body(numcheck="exact"), "run": {"name": "exp-1"}})
         assert r.status_code == 200, r.text
         api = http.get("/metrics").text
     worker = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).text
-    return set(samples(api)) | set(samples(worker))
+    declared = {f.name for text in (api, worker) for f in text_string_to_metric_families(text) if f.type == "gauge"}
+    return set(samples(api)) | set(samples(worker)) | declared
 
 
 def test_dashboards_exist_and_every_panel_has_a_query():
-    assert {p.name for p in DASHBOARDS} == {"gradsvc-api.json", "gradsvc-jobs.json"}
+    assert {p.name for p in DASHBOARDS} == {"gradsvc-api.json", "gradsvc-jobs.json", "gradsvc-runs.json"}
     for path in DASHBOARDS:
         for panel in panels(json.loads(path.read_text())):
             if panel["type"] != "row":

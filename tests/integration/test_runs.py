@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
+import subprocess
 
 import httpx
 import pytest
 import torch
+from msgspec.structs import fields as msgspec_fields
 from torch import nn
 
 from gradclient import Client
 from gradclient.errors import BadOptionError, NotFoundError
+from gradsvc import wire
+from gradsvc.runtime.launcher import free_port, wait_port
 from tests.support.models import SmallTransformer
-from tests.support.stack import module_stack
+from tests.support.stack import ROOT, module_stack
+
+from .test_dashboards import panels
+from .test_metrics import needs_prometheus, poll, prometheus_config
 
 pytestmark = pytest.mark.timeout(600)
 KEYS = ("run-key-alice", "run-key-bob")
@@ -179,3 +187,47 @@ def test_rejects_a_bad_run_name_with_400(bob_http, name):
             "inputs": [[1.0, 2.0]], "targets": [1], "run": {"name": name}}
     r = bob_http.post("/gradients", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body", r.text
+
+
+@pytest.fixture()
+def prometheus(runs_stack, tmp_path):
+    """A Prometheus on loopback scraping the stack's API (which exports the runs) every second."""
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(prometheus_config(runs_stack.api_port, runs_stack.metrics_port))
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_port(port, 30)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+@needs_prometheus
+def test_every_panel_of_the_runs_dashboard_shows_the_run_in_a_real_prometheus(alice, prometheus):
+    # The noise scale comes with options.diagnostics; where this service has none, its panel is the one left out.
+    diagnostics = "diagnostics" in {f.name for f in msgspec_fields(wire.Options)}
+    options = {"diagnostics": ["noise_scale"]} if diagnostics else {}
+    torch.manual_seed(0)
+    train(alice, "dash <run>", nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), mlp_batches, steps=3,
+          **options)
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/gradsvc-runs.json").read_text())
+    assert dashboard["title"] == "gradsvc training runs"
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["run"]
+    variable = dashboard["templating"]["list"][0]["query"]["query"]
+    runs = poll(prometheus, "gradsvc_run_step", lambda r: any(x["metric"]["run"] == "dash <run>" for x in r))
+    assert "dash <run>" in {x["metric"]["run"] for x in runs}, variable
+    for panel in panels(dashboard):
+        if panel["type"] == "row" or (not diagnostics and "noise_scale" in panel["targets"][0]["expr"]):
+            continue
+        expr = panel["targets"][0]["expr"].replace("$run", "dash <run>")
+        got = poll(prometheus, expr, bool)
+        assert got, f"{panel['title']!r}: {expr} returned no data"
+        if "module" in expr:
+            assert {x["metric"]["module"] for x in got} == {"0", "2"}, panel["title"]
+    step = poll(prometheus, 'gradsvc_run_step{run="dash <run>"}', lambda r: r and r[0]["value"][1] == "2")
+    assert step[0]["value"][1] == "2"

@@ -4,7 +4,7 @@ per parameter, the memory bars, the timings and the grad_fn chain; /docs renders
 runs; no console error and no request to another origin; another key's job page is refused.
 
 One browser for the module. GRADSVC_SCREENSHOT=docs/job-page.png also writes the job page's screenshot
-there (the README's picture)."""
+there (the README's picture); GRADSVC_RUN_SCREENSHOT=docs/run-page.png the run page's (docs/runs.md's)."""
 
 from __future__ import annotations
 
@@ -166,3 +166,72 @@ def test_the_docs_render_the_schema_and_its_example_runs_as_written(browser, pag
     browser.save_screenshot(str(tmp_path / "docs.png"))
     assert _console_errors(browser) == []
     assert _foreign_requests(browser, base) == []
+
+
+RUN_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def run_steps(page_stack) -> list[str]:
+    """A training run of KEY_A's (an MLP, SGD, RUN_STEPS steps through client.run): its job ids in step order."""
+    import torch
+    from torch import nn
+
+    from gradclient import Client
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    job_ids = []
+    with Client(page_stack.base_url, api_key=KEY_A, timeout=120) as client:
+        run = client.run("exp <b>\"1\" &amp;")
+        for step in range(RUN_STEPS):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            result = run.gradients(model, x, y, numcheck="off" if step == 2 else "auto")
+            for name, p in model.named_parameters():
+                p.grad = torch.as_tensor(result.gradients[name])
+            opt.step()
+            job_ids.append(result.job_id)
+    return job_ids
+
+
+def test_a_runs_page_draws_a_point_per_step_and_links_each_steps_job(browser, page_stack, run_steps, tmp_path):
+    from urllib.parse import quote
+
+    base = page_stack.base_url
+    name = 'exp <b>"1" &amp;'
+    path = f"/ui/runs/{quote(name, safe='')}"
+    _login(browser, base, "/ui/runs", KEY_A)
+    browser.find_element(By.CSS_SELECTOR, "#runs a").click()  # the list links the run's page
+    WebDriverWait(browser, 10).until(EC.presence_of_element_located((By.ID, "run-name")))
+    assert browser.current_url == base + path
+    assert browser.find_element(By.ID, "run-name").text == name  # escaped: shown as text, not markup
+    for plot in ("loss-plot", "norm-plot"):
+        assert len(browser.find_elements(By.CSS_SELECTOR, f"svg#{plot} circle.point")) == RUN_STEPS, plot
+    modules = browser.find_elements(By.CSS_SELECTOR, "svg#norm-heatmap text.module")
+    assert [m.text for m in modules] == ["0", "2"]
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg#norm-heatmap rect.cell")) == 2 * RUN_STEPS
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg#ratio-heatmap rect.cell")) == 2 * (RUN_STEPS - 1)
+    links = browser.find_elements(By.CSS_SELECTOR, "svg#verdict-strip a")
+    assert [a.get_dom_attribute("href") for a in links] == [f"/ui/jobs/{job_id}" for job_id in run_steps]
+    verdicts = [a.find_element(By.TAG_NAME, "rect").get_attribute("class") for a in links]
+    assert verdicts == ["verdict passed"] * 2 + ["verdict off"] + ["verdict passed"] * 2
+    assert browser.find_element(By.CSS_SELECTOR, "svg#loss-plot").size["height"] > 100
+    shot = tmp_path / "run-page.png"
+    browser.find_element(By.TAG_NAME, "body").screenshot(str(shot))
+    if os.environ.get("GRADSVC_RUN_SCREENSHOT"):
+        shutil.copy(shot, Path(__file__).resolve().parents[2] / os.environ["GRADSVC_RUN_SCREENSHOT"])
+    assert _console_errors(browser) == []
+    assert _foreign_requests(browser, base) == []
+    browser.get(f"{base}/ui/jobs/{run_steps[-1]}")  # the job page links back to its run
+    link = browser.find_element(By.CSS_SELECTOR, "#run-link a")
+    assert link.text == name and link.get_attribute("href") == base + path
+
+
+def test_another_keys_run_page_and_list_show_nothing_of_the_run(browser, page_stack, run_steps):
+    base = page_stack.base_url
+    _login(browser, base, "/ui/runs", KEY_B)
+    assert browser.find_elements(By.ID, "no-runs")
+    browser.get(f"{base}/ui/runs/exp")
+    assert "no run" in browser.find_element(By.ID, "not-found").text

@@ -15,18 +15,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
-import torch
+import numpy as np
 
 from gradsvc.broker.runs import RunBounds, RunStore
 from gradsvc.engine import tensors
-from gradsvc.wire import (
-    ITEMSIZE,
-    GradientRequest,
-    GradientResult,
-    RunCheck,
-    RunStep,
-    Tensor,
-)
+from gradsvc.wire import ITEMSIZE, GradientRequest, GradientResult, RunCheck, RunStep, Tensor, raw_data
 
 _weights_encoder = msgspec.msgpack.Encoder()
 _weights_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
@@ -39,36 +32,41 @@ def module_of(name: str) -> str:
     return parent or name
 
 
-def _decoded(t: Tensor, name: str) -> torch.Tensor:
-    return tensors.decode(t, where=name, max_elements=_ANY_SIZE)
+# The wire dtypes numpy reads from raw little-endian bytes; others (bfloat16) go through torch.
+_NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2"}
 
 
-def gradient_norms(gradients: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
-    """The global L2 norm and each module's (over the parameters under its path), accumulated in float64."""
-    names = list(gradients)
-    norms = torch._foreach_norm([gradients[n].double() for n in names]) if names else []
-    squares: dict[str, float] = {}
-    for name, norm in zip(names, norms):
+def _flat(t: Tensor, name: str) -> np.ndarray:
+    """A wire tensor's elements as one float64 vector. numpy, not torch: a step's tensors are a small job's
+    few small ones, where torch's per-call overhead (~20 us) would be most of the recording's cost."""
+    raw = raw_data(t)
+    if raw is not None and t.dtype in _NUMPY:
+        return np.frombuffer(raw, dtype=_NUMPY[t.dtype]).astype(np.float64)
+    if isinstance(t.data, list):
+        return np.asarray(t.data, dtype=np.float64).reshape(-1)
+    return tensors.decode(t, where=name, max_elements=_ANY_SIZE).double().reshape(-1).numpy()
+
+
+def _by_module(names: list[str], squares: list[float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, sq in zip(names, squares):
         module = module_of(name)
-        squares[module] = squares.get(module, 0.0) + float(norm) ** 2
+        out[module] = out.get(module, 0.0) + sq
+    return out
+
+
+def gradient_norms(gradients: dict[str, np.ndarray]) -> tuple[float, dict[str, float]]:
+    """The global L2 norm and each module's (over the parameters under its path), in float64."""
+    squares = _by_module(list(gradients), [float(np.dot(g, g)) for g in gradients.values()])
     return math.sqrt(sum(squares.values())), {m: math.sqrt(s) for m, s in squares.items()}
 
 
-def update_ratios(previous: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> dict[str, float]:
-    """|w_t - w_(t-1)| / |w_(t-1)| per module, over the parameters both steps carry with the same shape."""
+def update_ratios(previous: dict[str, np.ndarray], current: dict[str, np.ndarray]) -> dict[str, float]:
+    """|w_t - w_(t-1)| / |w_(t-1)| per module, over the parameters both steps carry with the same size."""
     names = [n for n, w in current.items() if n in previous and previous[n].shape == w.shape]
-    if not names:
-        return {}
-    before = [previous[n].double() for n in names]
-    moved = torch._foreach_norm(torch._foreach_sub([current[n].double() for n in names], before))
-    sizes = torch._foreach_norm(before)
-    diff: dict[str, float] = {}
-    base: dict[str, float] = {}
-    for name, d, b in zip(names, moved, sizes):
-        module = module_of(name)
-        diff[module] = diff.get(module, 0.0) + float(d) ** 2
-        base[module] = base.get(module, 0.0) + float(b) ** 2
-    return {m: math.sqrt(diff[m] / base[m]) for m in diff if base[m] > 0}
+    moved = _by_module(names, [float(np.dot(d, d)) for d in (current[n] - previous[n] for n in names)])
+    base = _by_module(names, [float(np.dot(previous[n], previous[n])) for n in names])
+    return {m: math.sqrt(moved[m] / base[m]) for m in moved if base[m] > 0}
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -95,20 +93,28 @@ def _kept_weights(request: GradientRequest, names: list[str], bounds: RunBounds)
 def step_of(request: GradientRequest, result: GradientResult, job_id: str,
             previous: bytes | None, bounds: RunBounds) -> tuple[RunStep, bytes]:
     """The step to record and the weights to keep for the next one (b"": none)."""
-    grads = {n: _decoded(g, n) for n, g in result.gradients.items() if g is not None}
+    grads = {n: _flat(g, n) for n, g in result.gradients.items() if g is not None}
     grad_norm, module_norms = gradient_norms(grads)
     kept = _kept_weights(request, list(result.gradients), bounds)
+    current = {n: _flat(t, n) for n, t in kept.items()}
     ratios = None
-    if previous and kept:
-        before = {n: _decoded(t, n) for n, t in _weights_decoder.decode(previous).items()}
-        ratios = update_ratios(before, {n: _decoded(t, n) for n, t in kept.items()}) or None
+    if previous and current:
+        before = {n: _flat(t, n) for n, t in _weights_decoder.decode(previous).items()}
+        ratios = update_ratios(before, current) or None
     noise_scale, clip = _extras(result)
     nc = result.numcheck
     step = RunStep(step=request.run.step or 0, job_id=job_id, ended_at=datetime.now(timezone.utc).isoformat(),
                    loss=result.loss, losses=result.losses, grad_norm=grad_norm, module_grad_norms=module_norms,
                    update_ratio=ratios, noise_scale=noise_scale, clip=clip, total_ms=result.timings.total_ms,
                    numcheck=None if nc is None else RunCheck(nc.mode, nc.passed, nc.max_rel_error))
-    return step, _weights_encoder.encode(kept) if kept else b""
+    return step, _weights_encoder.encode({n: _as_raw(t, current[n]) for n, t in kept.items()}) if kept else b""
+
+
+def _as_raw(t: Tensor, flat: np.ndarray) -> Tensor:
+    """A weight as raw bytes in its own dtype (what the next step reads fastest), whatever form the body gave."""
+    if raw_data(t) is not None or t.dtype not in _NUMPY:
+        return Tensor(dtype=t.dtype, shape=t.shape, data=t.data, b64=t.b64)
+    return Tensor(dtype=t.dtype, shape=t.shape, data=flat.astype(_NUMPY[t.dtype]).tobytes())
 
 
 def prepare_step(connection, prefix: str, bounds: RunBounds, owner: str, job_id: str,

@@ -24,7 +24,7 @@ def test_gradient_norms_are_torchs_clip_grad_norm_total_and_each_modules_norm():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
     model(torch.randn(3, 5)).sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad.double().flatten().numpy() for n, p in model.named_parameters()}
     total, modules = gradient_norms(grads)
     assert total == pytest.approx(float(nn.utils.clip_grad_norm_(model.parameters(), float("inf"))), rel=1e-6)
     for index in ("0", "2"):
@@ -40,7 +40,8 @@ def test_update_ratio_is_the_modules_step_size_over_its_previous_weights_after_a
     model(torch.randn(8, 4)).pow(2).mean().backward()
     torch.optim.Adam(model.parameters(), lr=0.01).step()
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ratios = update_ratios(before, after)
+    ratios = update_ratios({n: w.double().flatten().numpy() for n, w in before.items()},
+                           {n: w.double().flatten().numpy() for n, w in after.items()})
     for index in ("0", "2"):
         names = [f"{index}.weight", f"{index}.bias"]
         moved = torch.cat([(after[n] - before[n]).flatten() for n in names]).double().norm()

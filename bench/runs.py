@@ -1,0 +1,109 @@
+"""Training runs: what recording a step costs a small job, and how fast a 100-step run is served.
+
+A private stack (tests/support/stack.py: redis-server, the API, one worker) on loopback; one httpx client with
+keep-alive. The small job is the 6-8-3 tanh float64 net (83 parameters, batch 4) with its weights in the body
+(as a training loop sends them, so each step keeps them and computes update ratios), numcheck off.
+  without run   POST /gradients?wait=30, client wall time to the parsed 200 answer
+  with run      the same body with "run": {"name", "step"}, interleaved with the above, so load from other
+                processes shifts both alike (the goal: p50 within 0.3 ms of the plain job's)
+  page, CSV     a 100-step run's /ui/runs/{name} page and GET /runs/{name}?format=csv (and its JSON), client
+                wall time per request (the goal: under 50 ms each)
+
+Run: .venv/bin/python bench/runs.py
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import common  # noqa: F401  (puts the repo on sys.path)
+import httpx
+import msgspec
+
+from common import footer, header, median, percentile, seed_a_body, start_stack, table, verdict
+from tests.support.nets import seed_a_module
+
+REQUESTS = 300
+WARMUP = 30
+PAGE_STEPS = 100
+READS = 50
+
+
+def step_body() -> dict:
+    body = seed_a_body({"numcheck": "off"})
+    body["model"]["weights"] = {n: {"dtype": "float64", "shape": list(t.shape), "data": t.tolist()}
+                                for n, t in seed_a_module().state_dict().items()}
+    return body
+
+
+def post_ms(client: httpx.Client, content: bytes) -> float:
+    t0 = time.perf_counter()
+    r = client.post("/gradients", params={"wait": 30}, content=content, headers={"Content-Type": "application/json"})
+    r.json()
+    assert r.status_code == 200, r.text
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def recording_cost(client: httpx.Client) -> list[list]:
+    plain = step_body()
+    with_run = copy.deepcopy(plain)
+    times: dict[str, list[float]] = {"plain": [], "run": []}
+    for i in range(WARMUP + REQUESTS):
+        with_run["run"] = {"name": "bench-steps", "step": i}
+        a = post_ms(client, msgspec.json.encode(plain))
+        b = post_ms(client, msgspec.json.encode(with_run))
+        if i >= WARMUP:
+            times["plain"].append(a)
+            times["run"].append(b)
+    pairs = [b - a for a, b in zip(times["plain"], times["run"])]
+    return [["without run", median(times["plain"]), percentile(times["plain"], 99), ""],
+            ["with run", median(times["run"]), percentile(times["run"], 99), median(pairs)]]
+
+
+def read_ms(client: httpx.Client, path: str, params: dict | None = None) -> list[float]:
+    out = []
+    for _ in range(READS):
+        t0 = time.perf_counter()
+        r = client.get(path, params=params)
+        assert r.status_code == 200, r.text[:300]
+        out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def serving(client: httpx.Client) -> list[list]:
+    body = step_body()
+    for i in range(PAGE_STEPS):
+        body["run"] = {"name": "bench-page", "step": i}
+        post_ms(client, msgspec.json.encode(body))
+    rows = []
+    for name, path, params in [("run page /ui/runs/{name}", "/ui/runs/bench-page", None),
+                               ("GET /runs/{name}?format=csv", "/runs/bench-page", {"format": "csv"}),
+                               ("GET /runs/{name} (JSON)", "/runs/bench-page", None)]:
+        ms = read_ms(client, path, params)
+        rows.append([name, median(ms), percentile(ms, 99)])
+    return rows
+
+
+def main() -> list[list]:
+    started = header("Training runs: a step's recording cost; a 100-step run's page and CSV", __doc__.split("Run:")[0])
+    stack = start_stack(workers=1)
+    try:
+        with httpx.Client(base_url=stack.base_url, timeout=60, headers=stack.auth_headers()) as client:
+            cost = recording_cost(client)
+            served = serving(client)
+    finally:
+        stack.stop()
+    table(["small job", "p50 ms", "p99 ms", "median of pairs (run - plain) ms"], cost)
+    extra = cost[1][1] - cost[0][1]
+    print(f"\ngoal: p50 with run within 0.3 ms of without: {extra:+.3f} ms ({verdict(extra, 0.3)}); "
+          f"{REQUESTS} pairs after {WARMUP} warm-up")
+    table([f"{PAGE_STEPS}-step run", "p50 ms", "p99 ms"], served)
+    worst = max(row[1] for row in served[:2])
+    print(f"\ngoal: page and CSV p50 under 50 ms: worst {worst:.2f} ms ({verdict(worst, 50.0)}); {READS} reads each")
+    footer(started)
+    return cost + served
+
+
+if __name__ == "__main__":
+    main()

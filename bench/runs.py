@@ -6,6 +6,9 @@ keep-alive. The small job is the 6-8-3 tanh float64 net (83 parameters, batch 4)
   without run   POST /gradients?wait=30, client wall time to the parsed 200 answer
   with run      the same body with "run": {"name", "step"}, interleaved with the above, so load from other
                 processes shifts both alike (the goal: p50 within 0.3 ms of the plain job's)
+  worker side   in this process, against the stack's Redis: what a step adds to the worker's job (read the
+                previous weights, compute the norms and ratios, the record script in the success transaction),
+                as the difference from the same transaction without it, interleaved
   page, CSV     a 100-step run's /ui/runs/{name} page and GET /runs/{name}?format=csv (and its JSON), client
                 wall time per request (the goal: under 50 ms each)
 
@@ -20,9 +23,15 @@ import time
 import common  # noqa: F401  (puts the repo on sys.path)
 import httpx
 import msgspec
+import redis
+import torch
 
 from common import footer, header, median, percentile, seed_a_body, start_stack, table, verdict
+from gradsvc.broker.runs import RunBounds
+from gradsvc.engine import Engine, EngineConfig
+from gradsvc.wire import GradientRequest, GradientResult
 from tests.support.nets import seed_a_module
+from workers.run_steps import StepRecorder
 
 REQUESTS = 300
 WARMUP = 30
@@ -61,6 +70,36 @@ def recording_cost(client: httpx.Client) -> list[list]:
             ["with run", median(times["run"]), percentile(times["run"], 99), median(pairs)]]
 
 
+def worker_side(redis_url: str) -> list[list]:
+    """Microseconds a step adds to the worker's job, measured in this process around the same success
+    transaction with and without the step's write."""
+    body = {**step_body(), "run": {"name": "bench-worker", "step": None}}
+    request = msgspec.json.decode(msgspec.json.encode(body), type=GradientRequest)
+    result = Engine(EngineConfig()).compute(request, device=torch.device("cpu"))
+    result = msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=GradientResult)  # as the worker holds it
+    client = redis.Redis.from_url(redis_url)
+    plain, recorded = [], []
+    for i in range(WARMUP + REQUESTS):
+        t0 = time.perf_counter()
+        with client.pipeline() as pipe:
+            pipe.set("bench:result", b"x", ex=60)
+            pipe.execute()
+        t1 = time.perf_counter()
+        write = StepRecorder(client, "bench", RunBounds(), "owner", f"job-{i}", request).finish(result)
+        with client.pipeline() as pipe:
+            pipe.set("bench:result", b"x", ex=60)
+            write(pipe)
+            pipe.execute()
+        t2 = time.perf_counter()
+        if i >= WARMUP:
+            plain.append(1e6 * (t1 - t0))
+            recorded.append(1e6 * (t2 - t1))
+    client.close()
+    return [["success transaction", median(plain), percentile(plain, 99), ""],
+            ["with the step (read, compute, write)", median(recorded), percentile(recorded, 99),
+             median([b - a for a, b in zip(plain, recorded)])]]
+
+
 def read_ms(client: httpx.Client, path: str, params: dict | None = None) -> list[float]:
     out = []
     for _ in range(READS):
@@ -92,17 +131,20 @@ def main() -> list[list]:
         with httpx.Client(base_url=stack.base_url, timeout=60, headers=stack.auth_headers()) as client:
             cost = recording_cost(client)
             served = serving(client)
+        worker = worker_side(stack.redis.url)
     finally:
         stack.stop()
     table(["small job", "p50 ms", "p99 ms", "median of pairs (run - plain) ms"], cost)
     extra = cost[1][1] - cost[0][1]
     print(f"\ngoal: p50 with run within 0.3 ms of without: {extra:+.3f} ms ({verdict(extra, 0.3)}); "
           f"{REQUESTS} pairs after {WARMUP} warm-up")
+    table(["worker side", "p50 us", "p99 us", "median of pairs us"], worker)
+    print(f"\nthe step's own cost in the worker: {worker[1][3]:.0f} us (median of pairs)")
     table([f"{PAGE_STEPS}-step run", "p50 ms", "p99 ms"], served)
     worst = max(row[1] for row in served[:2])
     print(f"\ngoal: page and CSV p50 under 50 ms: worst {worst:.2f} ms ({verdict(worst, 50.0)}); {READS} reads each")
     footer(started)
-    return cost + served
+    return cost + worker + served
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
 from .metrics import WorkerMetrics
-from .run_steps import prepare_step
+from .run_steps import StepRecorder
 
 log = logging.getLogger("gradsvc.worker")
 _result_encoder = msgspec.msgpack.Encoder()
@@ -273,14 +273,17 @@ def gradient_job(body: bytes | str, fmt: str) -> dict:
 def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,
                     cancel_id: str | None = None, reference: dict | None = None) -> GradientResult:
     request = _with_pieces(ctx, job, decode_request(job_input(job, ctx, body, cancel_id), fmt))
+    recorder = None
+    if request.run is not None and cancel_id is None:  # a shard is no step: the API refuses runs with shards
+        s = ctx.settings
+        recorder = StepRecorder(job.connection, s.queue_prefix, RunBounds.from_settings(s), _owner(job), job.id,
+                                request)
     result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
                                 device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
     result.timings.queue_ms = 1e3 * queue_s
     ctx.metrics.resident_model_bytes.set(ctx.engine.caches.resident_models.bytes)
-    if request.run is not None and cancel_id is None:  # a shard is no step: the API refuses runs with shards
-        s = ctx.settings
-        job.pending_step = prepare_step(job.connection, s.queue_prefix, RunBounds.from_settings(s), _owner(job),
-                                        job.id, request, result)
+    if recorder is not None:
+        job.pending_step = recorder.finish(result)
     return result
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
@@ -23,7 +24,8 @@ from gradsvc.wire import ITEMSIZE, GradientRequest, GradientResult, RunCheck, Ru
 
 _weights_encoder = msgspec.msgpack.Encoder()
 _weights_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
-_ANY_SIZE = 1 << 62  # decode's element bound: these tensors were bounded when the job decoded them
+_ANY_SIZE = 1 << 62
+_prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsvc-run-weights")  # decode's element bound: these tensors were bounded when the job decoded them
 
 
 def module_of(name: str) -> str:
@@ -117,11 +119,19 @@ def _as_raw(t: Tensor, flat: np.ndarray) -> Tensor:
     return Tensor(dtype=t.dtype, shape=t.shape, data=flat.astype(_NUMPY[t.dtype]).tobytes())
 
 
-def prepare_step(connection, prefix: str, bounds: RunBounds, owner: str, job_id: str,
-                 request: GradientRequest, result: GradientResult):
-    """The run's step computed now (one Redis read: the previous weights), returned as the write that records
-    it, for the job's success transaction."""
-    run = request.run
-    store = RunStore(connection, prefix, bounds)
-    step, weights = step_of(request, result, job_id, store.previous_weights(owner, run.name), bounds)
-    return lambda client: store.record(client, owner, job_id, step, run.name, run.step is not None, weights)
+class StepRecorder:
+    """A run's step for one job: the previous step's weights are read from Redis while the job computes (on a
+    thread of their own: the read's round trip overlaps the computation), then finish() computes the step and
+    returns the write that records it, for the job's success transaction."""
+
+    def __init__(self, connection, prefix: str, bounds: RunBounds, owner: str, job_id: str,
+                 request: GradientRequest) -> None:
+        self.store = RunStore(connection, prefix, bounds)
+        self.owner, self.job_id, self.request = owner, job_id, request
+        self.previous = _prefetch.submit(self.store.previous_weights, owner, request.run.name)
+
+    def finish(self, result: GradientResult) -> Callable[[Any], None]:
+        run, store = self.request.run, self.store
+        step, weights = step_of(self.request, result, self.job_id, self.previous.result(), store.bounds)
+        return lambda client: store.record(client, self.owner, self.job_id, step, run.name, run.step is not None,
+                                           weights)

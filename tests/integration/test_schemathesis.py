@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Examples per operation: 30 in `make test-all` (GRADSVC_TEST_ALL=1), 15 in `make test` (suite time).
 MAX_EXAMPLES = 30 if TEST_ALL else 15
 OPERATIONS = ["POST /gradients", "POST /estimate", "GET /jobs/{job_id}", "DELETE /jobs/{job_id}", "GET /layers",
-              "PUT /tensors/{ref}", "POST /tensors/missing",
+              "PUT /tensors/{ref}", "POST /tensors/missing", "GET /runs", "GET /runs/{name}", "DELETE /runs/{name}",
               "GET /healthz", "GET /readyz", "GET /metrics"]
 
 

@@ -7,7 +7,7 @@ import csv
 import io
 
 import anyio.to_thread
-from litestar import Request, Response, delete, get
+from litestar import Request, Response, delete, get, route
 
 from gradsvc.wire import RunInfo, RunStep
 
@@ -26,6 +26,12 @@ async def owned_steps(state: ApiState, owner: str, name: str) -> list[RunStep]:
         raise ServiceError("not_found", f"no run {name!r} for this API key (its steps may have expired: "
                            "GRADSVC_RUN_TTL_S after the last one); GET /runs lists this key's runs", run=name)
     return steps
+
+
+@route("/runs/{name:str}", http_method=["OPTIONS"], include_in_schema=False)
+async def run_options() -> Response:
+    # Litestar's own OPTIONS answer for a path served by two handlers lists only the first one's methods.
+    return Response(None, status_code=204, headers={"Allow": "DELETE, GET, OPTIONS"})
 
 
 @get("/runs")
@@ -87,4 +93,4 @@ def _cell(value: float | None) -> str:
     return "" if value is None else repr(value)
 
 
-ROUTES = [list_runs, get_run, delete_run]
+ROUTES = [run_options, list_runs, get_run, delete_run]

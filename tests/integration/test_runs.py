@@ -181,6 +181,11 @@ def test_rejects_a_run_with_shards_with_422(alice):
         alice.run("sharded").gradients(nn.Sequential(nn.Linear(6, 3)), *mlp_batches(0), shards=2)
 
 
+def test_options_on_a_run_lists_its_methods(bob_http):
+    r = bob_http.options("/runs/anything")
+    assert r.status_code == 204 and r.headers["allow"] == "DELETE, GET, OPTIONS"
+
+
 @pytest.mark.parametrize("name", ["", "a/b", "tab\there", "x" * 129])
 def test_rejects_a_bad_run_name_with_400(bob_http, name):
     body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
@@ -231,3 +236,36 @@ def test_every_panel_of_the_runs_dashboard_shows_the_run_in_a_real_prometheus(al
             assert {x["metric"]["module"] for x in got} == {"0", "2"}, panel["title"]
     step = poll(prometheus, 'gradsvc_run_step{run="dash <run>"}', lambda r: r and r[0]["value"][1] == "2")
     assert step[0]["value"][1] == "2"
+
+
+@pytest.mark.slow  # 90 s (a stack of its own, a killed worker's lease); tests/gradsvc/broker/test_runs.py covers
+# a replayed write recording once, this the whole path
+def test_a_step_whose_worker_is_killed_records_nothing_and_its_resend_is_recorded_once():
+    import signal
+
+    from tests.support.stack import start_stack, wait_status
+
+    s = start_stack(workers=1)
+    try:
+        with s.http_client(timeout=90) as http:
+            small = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
+                     "inputs": [[1.0, 2.0]], "targets": [1], "options": {"numcheck": "off"}}
+            assert http.post("/gradients", json={**small, "run": {"name": "killed", "step": 0}}).status_code == 200
+            layers = [{"type": "Linear", "in_features": 256, "out_features": 256}, {"type": "Tanh"}] * 4
+            slow = {"model": {"layers": layers, "dtype": "float64"}, "inputs": [[0.1] * 256] * 16,
+                    "targets": [[0.0] * 256] * 16, "loss": "mse", "options": {"numcheck": "exact"},
+                    "run": {"name": "killed", "step": 1}}
+            lost = http.post("/gradients?wait=0", json=slow).json()["job_id"]
+            assert wait_status(http, lost, ("started",))["status"] == "started"
+            s.workers[0].send_signal(signal.SIGKILL)
+            s.workers[0].wait()
+            assert wait_status(http, lost)["error"]["code"] == "worker_lost"
+            s.start_worker()
+            s.wait_ready(1)
+            resent = http.post("/gradients", json={**small, "run": {"name": "killed", "step": 1}})
+            assert resent.status_code == 200, resent.text
+            steps = http.get("/runs/killed").json()["steps"]
+            assert [(x["step"], x["job_id"]) for x in steps] == [(0, steps[0]["job_id"]), (1, resent.json()["job_id"])]
+            assert lost not in {x["job_id"] for x in steps}
+    finally:
+        s.stop()

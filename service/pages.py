@@ -29,6 +29,9 @@ VERDICTS = {
     "failed": "its error is outside the tolerance",
     "": "this check did not look at it",
 }
+# A run's page draws its last PLOT_STEPS steps and lists its last TABLE_STEPS.
+PLOT_STEPS = 1000
+TABLE_STEPS = 200
 _PHASES = ("queue_ms", "prepare_ms", "forward_ms", "backward_ms", "memory_ms", "numcheck_ms", "total_ms")
 _PAGE_PATHS = ("/ui/", "/docs")
 
@@ -143,8 +146,11 @@ async def run_page(request: Request, viewer: str | None, state: ApiState, name: 
     return html.page("run.html", logged_in=state.sessions.auth.enabled, **run_context(name, steps))
 
 
-def run_context(name: str, steps) -> dict:
-    """What run.html shows: the run's steps and its plots (SVG made here, every name escaped by run_svg)."""
+def run_context(name: str, kept) -> dict:
+    """What run.html shows: the run's steps and its plots (SVG made here, every name escaped by run_svg). A long
+    run shows its last PLOT_STEPS steps (a page of 10,000 steps x 30 modules would be 300,000 heatmap cells);
+    the CSV has them all."""
+    steps = kept[-PLOT_STEPS:]
     noise = [(s.step, s.noise_scale) for s in steps if s.noise_scale is not None]
     plots = {
         "loss_svg": run_svg.curve("loss-plot", "loss", [(s.step, s.loss) for s in steps]),
@@ -154,7 +160,8 @@ def run_context(name: str, steps) -> dict:
         "ratio_heatmap": run_svg.heatmap("ratio-heatmap", "update ratio per module", steps, "update_ratio"),
         "verdict_svg": run_svg.verdicts("verdict-strip", steps),
     }
-    return {"name": name, "steps": steps, **{k: Markup(v) for k, v in plots.items()}}
+    return {"name": name, "steps": steps, "kept": len(kept), "table_steps": steps[-TABLE_STEPS:][::-1],
+            **{k: Markup(v) for k, v in plots.items()}}
 
 
 @get("/ui/static/{name:str}", include_in_schema=False)

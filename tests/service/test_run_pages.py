@@ -1,0 +1,40 @@
+"""A run's page and CSV made from its steps, without a server: every run and module name escaped (they are the
+requester's data), a point a step in each curve, a heatmap cell a module and step, each verdict linking its job;
+the CSV reads back to the same numbers, with names that need quoting."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from gradsvc.wire import RunCheck, RunStep
+from service import html
+from service.pages import run_context
+from service.run_routes import steps_csv
+
+EVIL = '<script>alert("x")</script>'
+
+
+def steps(n: int = 4) -> list[RunStep]:
+    return [RunStep(step=i, job_id=f"job-{i}", ended_at="t", loss=1.0 / (i + 1), grad_norm=2.0 + i,
+                    module_grad_norms={"0": 1.0 + i, EVIL: 0.5, "a,b": 0.25},
+                    update_ratio={"0": 1e-3, EVIL: 2e-3} if i else None, total_ms=1.0, losses={"task": 0.1},
+                    numcheck=RunCheck("exact", i != 2, 1e-9)) for i in range(n)]
+
+
+def test_the_run_page_escapes_every_name_and_draws_a_point_a_step():
+    page = html.page("run.html", logged_in=False, **run_context(EVIL, steps())).content
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert page.count('class="point"') == 2 * 4  # loss and gradient norm
+    assert page.count('<rect class="cell"') == 3 * 4 + 2 * 3  # norms: 3 modules x 4 steps; ratios from step 1
+    assert [f'href="/ui/jobs/job-{i}"' in page for i in range(4)] == [True] * 4
+    assert page.count("verdict failed") == 1
+
+
+def test_the_csv_has_a_row_a_step_and_a_column_a_module_whatever_its_name():
+    rows = list(csv.DictReader(io.StringIO(steps_csv(steps()))))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert float(rows[3][f"grad_norm[{EVIL}]"]) == 0.5 and float(rows[3]["grad_norm[a,b]"]) == 0.25
+    assert rows[0]["update_ratio[0]"] == "" and float(rows[1][f"update_ratio[{EVIL}]"]) == 2e-3
+    assert float(rows[2]["loss[task]"]) == 0.1 and rows[2]["numcheck_passed"] == "false"
+    assert [float(r["loss"]) for r in rows] == [s.loss for s in steps()]

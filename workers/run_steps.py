@@ -11,8 +11,8 @@ than GRADSVC_RUN_WEIGHTS_MAX_BYTES keeps none and records no ratio."""
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 import msgspec
@@ -24,8 +24,8 @@ from gradsvc.wire import ITEMSIZE, GradientRequest, GradientResult, RunCheck, Ru
 
 _weights_encoder = msgspec.msgpack.Encoder()
 _weights_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
-_ANY_SIZE = 1 << 62
-_prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsvc-run-weights")  # decode's element bound: these tensors were bounded when the job decoded them
+_ANY_SIZE = 1 << 62  # decode's element bound: these tensors were bounded when the job decoded them
+_prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsvc-run-weights")
 
 
 def module_of(name: str) -> str:

@@ -11,7 +11,7 @@ from gradsvc.wire import (RUN_NAME_PATTERN, ErrorBody, Estimate, GradientRequest
                           LayerInfo, RunInfo, RunSummary)
 
 _REF = "#/components/schemas/{name}"
-# The README's first request (seed 003 [A]'s 6-8-3 tanh net), with the check off: a body the API accepts.
+# The README's first request (the 6-8-3 tanh net), with the check off: a body the API accepts.
 EXAMPLE_REQUEST = {
     "model": {"layers": [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
                          {"type": "Linear", "in_features": 8, "out_features": 3}], "dtype": "float64", "seed": 0},

@@ -42,7 +42,7 @@ def api_schema(schema_stack):
 
 
 def test_st_run_with_every_check_reports_no_failure(schema_stack):
-    """The command a user runs (issue 13): `st run <url>/schema --checks all`, from the repository root, but
+    """The command a user runs: `st run <url>/schema --checks all`, from the repository root, but
     for use_after_free: DELETE /jobs/{id} cancels and the job stays readable, as the contract says, which that
     check (DELETE-as-delete) flags once the stateful phase reaches a real job (schemathesis.toml says so too;
     `--checks all` overrides the file, hence the flag)."""

@@ -1,4 +1,4 @@
-"""GET /schema says what the API accepts: `targets` by loss (issue 25's schemathesis fault), and the Bearer
+"""GET /schema says what the API accepts: `targets` by loss (a fault schemathesis found), and the Bearer
 scheme only where keys are configured."""
 
 from __future__ import annotations

@@ -269,3 +269,13 @@ def test_a_step_whose_worker_is_killed_records_nothing_and_its_resend_is_recorde
             assert lost not in {x["job_id"] for x in steps}
     finally:
         s.stop()
+
+
+def test_a_run_survives_an_api_restart(runs_stack, alice):
+    train(alice, "durable", nn.Sequential(nn.Linear(6, 3)), mlp_batches, steps=2, numcheck="off")
+    before = alice.run("durable").steps()
+    runs_stack.api.terminate()
+    runs_stack.api.wait(timeout=30)
+    runs_stack.start_api()
+    runs_stack.wait_ready(1)
+    assert alice.run("durable").steps() == before

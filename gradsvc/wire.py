@@ -198,6 +198,7 @@ Inputs = Annotated[Any, Meta(description=(
 # /runs/{name}, hence no "/" and no control characters.
 RUN_NAME_PATTERN = r"^[^/\x00-\x1f\x7f]+$"
 RunName = Annotated[str, Meta(min_length=1, max_length=128, pattern=RUN_NAME_PATTERN)]
+MAX_RUN_STEP = 10**12
 
 
 class RunRef(Struct, forbid_unknown_fields=True):
@@ -205,7 +206,8 @@ class RunRef(Struct, forbid_unknown_fields=True):
     service numbers it, one after the run's last recorded step (0 for its first)."""
 
     name: RunName
-    step: Annotated[int, Meta(ge=0)] | None = None
+    # At most 10^12: the record script (Lua, whose numbers are doubles) writes every step number exactly.
+    step: Annotated[int, Meta(ge=0, le=MAX_RUN_STEP)] | None = None
 
 
 class GradientRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):

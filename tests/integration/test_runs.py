@@ -186,10 +186,11 @@ def test_options_on_a_run_lists_its_methods(bob_http):
     assert r.status_code == 204 and r.headers["allow"] == "DELETE, GET, OPTIONS"
 
 
-@pytest.mark.parametrize("name", ["", "a/b", "tab\there", "x" * 129])
-def test_rejects_a_bad_run_name_with_400(bob_http, name):
+@pytest.mark.parametrize("run", [{"name": ""}, {"name": "a/b"}, {"name": "tab\there"}, {"name": "x" * 129},
+                                 {"name": "x", "step": -1}, {"name": "x", "step": 10**12 + 1}])
+def test_rejects_a_bad_run_name_or_step_with_400(bob_http, run):
     body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
-            "inputs": [[1.0, 2.0]], "targets": [1], "run": {"name": name}}
+            "inputs": [[1.0, 2.0]], "targets": [1], "run": run}
     r = bob_http.post("/gradients", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_body", r.text
 

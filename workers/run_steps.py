@@ -11,7 +11,6 @@ than GRADSVC_RUN_WEIGHTS_MAX_BYTES keeps none and records no ratio."""
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -25,7 +24,6 @@ from gradsvc.wire import ITEMSIZE, GradientRequest, GradientResult, RunCheck, Ru
 _weights_encoder = msgspec.msgpack.Encoder()
 _weights_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
 _ANY_SIZE = 1 << 62  # decode's element bound: these tensors were bounded when the job decoded them
-_prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsvc-run-weights")
 
 
 def module_of(name: str) -> str:
@@ -120,18 +118,18 @@ def _as_raw(t: Tensor, flat: np.ndarray) -> Tensor:
 
 
 class StepRecorder:
-    """A run's step for one job: the previous step's weights are read from Redis while the job computes (on a
-    thread of their own: the read's round trip overlaps the computation), then finish() computes the step and
-    returns the write that records it, for the job's success transaction."""
+    """A run's step for one job: the previous step's weights, read from Redis before the job computes (read on
+    a thread to overlap the computation measured no better on a loaded 2-core host, bench/runs.py), then finish()
+    computes the step and returns the write that records it, for the job's success transaction."""
 
     def __init__(self, connection, prefix: str, bounds: RunBounds, owner: str, job_id: str,
                  request: GradientRequest) -> None:
         self.store = RunStore(connection, prefix, bounds)
         self.owner, self.job_id, self.request = owner, job_id, request
-        self.previous = _prefetch.submit(self.store.previous_weights, owner, request.run.name)
+        self.previous = self.store.previous_weights(owner, request.run.name)
 
     def finish(self, result: GradientResult) -> Callable[[Any], None]:
         run, store = self.request.run, self.store
-        step, weights = step_of(self.request, result, self.job_id, self.previous.result(), store.bounds)
+        step, weights = step_of(self.request, result, self.job_id, self.previous, store.bounds)
         return lambda client: store.record(client, self.owner, self.job_id, step, run.name, run.step is not None,
                                            weights)

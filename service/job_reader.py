@@ -244,7 +244,7 @@ class JobReader:
             job.cancel()
             if self.queues.handoff is not None:  # its handed-off body: no worker will read it now
                 self.queues.handoff.discard(job_id)
-            job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
+            job.meta["error"] = {"code": "canceled", "message": "canceled by POST /jobs/{id}/cancel before it started",
                                  "detail": {}}
             job.save_meta()
         if job.meta.get("shards"):

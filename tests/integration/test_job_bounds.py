@@ -146,7 +146,7 @@ def test_sigterm_to_a_worker_inside_one_long_op_ends_it_and_reports_its_job_work
     _replace(bounded, proc)
 
 
-def test_delete_of_a_job_inside_one_long_op_ends_it_canceled_while_the_other_worker_serves(http, redis, bounded):
+def test_a_cancel_of_a_job_inside_one_long_op_ends_it_canceled_while_the_other_worker_serves(http, redis, bounded):
     job_id, proc = _wedge(http, redis, bounded)
     t0 = time.monotonic()
     assert http.post(f"/jobs/{job_id}/cancel").status_code == 200

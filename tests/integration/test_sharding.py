@@ -229,7 +229,7 @@ def _assert_nothing_queued_or_running(redis: Redis, ids: list[str]) -> None:
         assert redis.hget(Job.key_for(sid), "status") in (b"finished", b"failed", b"canceled"), sid
 
 
-def test_delete_cancels_every_shard_and_progress_counts_them(http, redis, shard_stack):
+def test_a_cancel_stops_every_shard_and_progress_counts_them(http, redis, shard_stack):
     from concurrent.futures import ThreadPoolExecutor
 
     def waiting_post() -> httpx.Response:

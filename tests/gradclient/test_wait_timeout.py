@@ -1,4 +1,4 @@
-"""Issue 16 item 11: a wait that runs out tells the caller how to reach the job again, with a method that
+"""A wait that runs out tells the caller how to reach the job again, with a method that
 exists (`client.gradients` returns no job; `client.job(id)` does)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _accepted_after_the_wait(request: httpx.Request) -> float | None:
 
 
 def test_timeout_bounds_the_whole_call_including_the_servers_wait():
-    """Issue 26 item 2: timeout=0.3 with wait_s=3 returned after ~3 s (the POST's server-side wait came first)."""
+    """timeout=0.3 with wait_s=3 returns after ~0.3 s, not ~3 s: the POST's server-side wait is cut to the timeout."""
     import time
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -84,7 +84,7 @@ def test_async_timeout_bounds_the_whole_call_including_the_servers_wait():
 
 
 def test_a_job_is_named_job_id_as_everywhere_else_with_id_as_its_alias():
-    """Issue 26 item 7: the SDK's Job had only `id` where the wire, the errors and the result say `job_id`."""
+    """The SDK's Job has `job_id`, as the wire, the errors and the result say (not only `id`)."""
     import anyio
 
     from gradclient import AsyncClient

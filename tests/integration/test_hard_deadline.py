@@ -1,4 +1,4 @@
-"""A job that one long C++ op holds (issue 24 item 1) ends `timeout` or `canceled` within a bounded time: the
+"""A job that one long C++ op holds ends `timeout` or `canceled` within a bounded time: the
 worker's heartbeat thread fails it and ends the process, and `gradsvc up` starts a fresh worker that serves
 the next job. Through `gradsvc up` itself, since its supervisor is part of what is tested."""
 

@@ -1,4 +1,4 @@
-"""One job's bounds through a live two-worker stack that serves other jobs throughout (issue 24).
+"""One job's bounds through a live two-worker stack that serves other jobs throughout.
 
 Memory (GRADSVC_MAX_JOB_BYTES): the meta-device check counts what node outputs do not show (a dense kernel's
 copy of an expanded operand) and a graph's intermediates against the setting (422 `too_large`, nothing

@@ -58,7 +58,7 @@ def lhttp(limits_stack: Stack):
         yield client
 
 
-@pytest.mark.slow  # make test-all; see README, Tests
+@pytest.mark.slow  # make test-all; see docs/testing.md
 def test_a_job_running_past_many_heartbeats_is_not_abandoned_and_ends_with_timeout(lhttp, limits_stack):
     job_id = submit(lhttp, long_body())
     seen, started = [], time.monotonic()
@@ -145,7 +145,7 @@ def fault_stack():
     s.stop()
 
 
-@pytest.mark.slow  # make test-all; see README, Tests
+@pytest.mark.slow  # make test-all; see docs/testing.md
 def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_resumes(fault_stack):
     s = fault_stack
     http = httpx.Client(base_url=s.base_url, timeout=30)

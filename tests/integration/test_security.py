@@ -48,7 +48,7 @@ def test_every_route_but_the_probes_metrics_and_docs_needs_a_valid_bearer_key(se
 
 
 def test_probes_and_metrics_need_no_key_while_submitting_does(secured):
-    """Issue 13: a Kubernetes or compose probe carries no secret; Prometheus scrapes /metrics as is."""
+    """A Kubernetes or compose probe carries no secret; Prometheus scrapes /metrics as is."""
     assert httpx.get(secured.base_url + "/healthz").status_code == 200
     ready = httpx.get(secured.base_url + "/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text

@@ -100,19 +100,19 @@ def test_users_are_pointed_to_docs_api_md_not_design_md():
 
 
 def test_the_202_body_is_documented_with_every_field_it_carries(doc):
-    """Issue 26 item 7: the route table said `{job_id, status}`; the 202 carries progress too."""
+    """The route table names every field of the 202 body (`progress` too, not only `{job_id, status}`)."""
     row = next(line for line in doc.splitlines() if line.startswith("| `POST /gradients"))
     shown = re.search(r"202 `\{([^}]*)\}`", row)[1]
     assert [f.strip() for f in shown.split(",")] == list(wire.JobAccepted.__struct_fields__)
 
 
-def test_the_readme_counts_the_layer_types_get_layers_lists():
-    """Issue 26 item 7: "91 types" against the 93 entries of GET /layers (the containers, unsaid)."""
+def test_the_models_page_counts_the_layer_types_get_layers_lists():
+    """The count of layer types says the two containers apart from the entries GET /layers lists."""
     from gradsvc.engine import layer_catalogue
 
     entries = layer_catalogue()
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "models.md").read_text()
     m = re.search(r"(\d+) layer types, plus the two containers\n\(`GET /layers` lists all (\d+) entries", text)
-    assert m, "the README says how many layer types GET /layers lists"
+    assert m, "docs/models.md says how many layer types GET /layers lists"
     containers = [e for e in entries if e.get("container")]
     assert (int(m[1]), int(m[2]), len(containers)) == (len(entries) - len(containers), len(entries), 2)

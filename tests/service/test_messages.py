@@ -1,4 +1,4 @@
-"""Issue 16's rule: every error the API answers names what is wrong, where (field path or parameter), the
+"""The rule: every error the API answers names what is wrong, where (field path or parameter), the
 limit or the valid values, and the fix; no Python reprs, no framework stock texts. Framework errors (size
 limit, query parameters, methods, media types, unknown routes) go through the same renderer.
 
@@ -214,7 +214,7 @@ def test_integer_options_written_as_integral_floats_are_integers_as_json_schema_
 
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])
 def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_validated(fmt):
-    """Issue 26 item 1: the API took `micro_batch: 1.0` but queued the original bytes, which the worker's strict
+    """The API took `micro_batch: 1.0` but queued the original bytes, which the worker's strict
     decode refused (a traceback, then a failed job); the queued body now carries the ints."""
     import msgspec
 
@@ -235,7 +235,7 @@ def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_v
 @pytest.mark.parametrize("options, option", [({"hvp": {"vector": "ones"}}, "hvp.vector"),
                                              ({"checkpoint_segments": 5}, "checkpoint_segments")])
 def test_a_bad_option_carries_a_detail_naming_the_option_and_value(client, options, option):
-    """Issue 26 item 8: these answered `"detail": {}`."""
+    """These carry their facts in `detail`, not `"detail": {}`."""
     r = post(client, body(options=options))
     err = error_of(r)
     assert r.status_code == 422 and err["code"] == "bad_option", r.text
@@ -247,7 +247,7 @@ def test_a_bad_option_carries_a_detail_naming_the_option_and_value(client, optio
     (body(targets=[0, 1, 2]), "targets for the loss (cross_entropy)"),
     (body(loss="nope"), "the loss: unknown type 'nope'")])
 def test_a_single_loss_is_called_the_loss_not_loss_loss(client, payload, needle):
-    """Issue 26 item 8: "targets for loss 'loss' ...", "loss 'loss' needs targets"."""
+    """Not "targets for loss 'loss' ...", "loss 'loss' needs targets"."""
     err = error_of(post(client, payload))
     assert needle in err["message"] and "'loss'" not in err["message"], err["message"]
 

@@ -80,7 +80,7 @@ def test_rate_limit_allows_the_limit_then_429_with_retry_after_per_key():
     assert err.value.code == "rate_limited" and err.value.status == 429
     retry = int(err.value.headers["Retry-After"])
     assert 1 <= retry <= 60 and err.value.detail["retry_after_s"] == retry
-    # Issue 26 item 8: the message names the setting that sets the limit.
+    # The message names the setting that sets the limit.
     assert "GRADSVC_RATE_LIMIT_PER_MINUTE=3" in err.value.message
     assert err.value.detail["setting"] == "GRADSVC_RATE_LIMIT_PER_MINUTE" and err.value.detail["limit"] == 3
     auth.check_rate("bob")  # another key has its own window
@@ -224,7 +224,7 @@ def test_readyz_needs_no_key_even_with_keys_set():
         assert client.get("/layers").status_code == 401
 
 
-# --- settings: a bad value stops the process naming the variable (issue 16 item 7) ----------------------
+# --- settings: a bad value stops the process naming the variable ----------------------------------------
 @pytest.mark.parametrize("var, value, says", [("GRADSVC_LOG_LEVEL", "loud", "debug, info, warning, error, critical"),
                                               ("GRADSVC_METRICS_REQUIRE_KEY", "maybe", "true"),
                                               ("GRADSVC_PORT", "eighty", "an integer")])

@@ -23,7 +23,10 @@ from .lanczos import lanczos, quadrature, top_ritz
 
 # Hutchinson's probes when only the trace is asked for.
 DEFAULT_PROBES = 100
+# Lanczos steps per density probe (PyHessian's default is 100; 30 resolves the bulk and the outliers), and the
+# cap on the top eigenvalues' Lanczos run, which stops earlier once the tolerance is met.
 DEFAULT_DENSITY_STEPS = 30
+DEFAULT_TOP_STEPS = 100
 
 
 class Products:
@@ -105,7 +108,7 @@ def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureO
     gen = torch.Generator().manual_seed(opts.seed)
     size = products.size
     if opts.top:
-        steps = min(size, opts.iterations or max(2 * opts.top + 20, 40))
+        steps = min(size, opts.iterations or max(DEFAULT_TOP_STEPS, 10 * opts.top))
         values, vectors, _ = top_ritz(products, size, opts.top, steps, opts.tolerance, gen)
         result.top_eigenvalues = values.tolist()
         result.residuals = [_residual(products, lam, v) for lam, v in zip(values.tolist(), vectors)]

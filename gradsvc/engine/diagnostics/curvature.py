@@ -55,7 +55,8 @@ class Products:
         self.count += 1
         pieces = self._split(v)
         out = self._apply(pieces)
-        return torch.cat([o.reshape(-1).to(torch.float64) for o in out])
+        # Lanczos keeps its basis on the CPU in float64: P x steps numbers, beside products that dominate
+        return torch.cat([o.reshape(-1).to("cpu", torch.float64) for o in out])
 
     def _split(self, v: torch.Tensor) -> list[torch.Tensor]:
         parts, i = [], 0

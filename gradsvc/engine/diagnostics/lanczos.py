@@ -34,7 +34,7 @@ class Tridiagonal:
 def lanczos(apply: Operator, start: torch.Tensor, steps: int,
             converged: Callable[[Tridiagonal], bool] | None = None) -> Tridiagonal:
     """Up to `steps` Lanczos steps from `start`, stopping early at an invariant subspace or when
-    `converged` says so (asked every few steps)."""
+    `converged` says so (asked every step: the tridiagonal's eigenproblem is tiny beside a product)."""
     q = start / start.norm()
     basis = [q]
     alpha: list[float] = []
@@ -50,7 +50,7 @@ def lanczos(apply: Operator, start: torch.Tensor, steps: int,
         state = Tridiagonal(stacked, alpha, beta, b)
         if b <= 1e-12 * max(abs(x) for x in alpha) or j == steps - 1:
             return state
-        if converged is not None and j % 4 == 3 and converged(state):
+        if converged is not None and converged(state):
             return state
         beta.append(b)
         basis.append(w / b)
@@ -59,16 +59,20 @@ def lanczos(apply: Operator, start: torch.Tensor, steps: int,
 
 def top_ritz(apply: Operator, size: int, k: int, steps: int, tolerance: float,
              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The k largest Ritz values (largest first) and their vectors (k, P), with the products used; stops
-    once each of the k has |beta_m s_m| <= tolerance x |theta| (the residual Lanczos knows without a product)."""
+    """The k largest Ritz values (largest first) and their vectors (k, P), with the steps taken; stops once
+    each of the k has an error bound under tolerance x |theta|: the residual Lanczos knows without a product,
+    r = |beta_m s_m|, or r^2 / gap (the Kato-Temple bound, gap to the nearest other Ritz value) where smaller."""
 
     def converged(state: Tridiagonal) -> bool:
-        if len(state.alpha) < k:
+        if len(state.alpha) <= k:
             return False
         values, vectors = state.ritz()
         top = torch.arange(len(values) - 1, len(values) - 1 - k, -1)
         resid = (state.last_beta * vectors[-1, top]).abs()
-        return bool((resid <= tolerance * values[top].abs().clamp_min(1e-300)).all())
+        others = (values[top, None] - values[None, :]).abs()  # (k, m)
+        others[torch.arange(k), top] = torch.inf
+        bound = torch.minimum(resid, resid ** 2 / others.min(dim=1).values.clamp_min(1e-300))
+        return bool((bound <= tolerance * values[top].abs().clamp_min(1e-300)).all())
 
     start = torch.randn(size, generator=gen, dtype=torch.float64)
     state = lanczos(apply, start, steps, converged)

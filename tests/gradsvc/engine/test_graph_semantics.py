@@ -21,7 +21,8 @@ from gradsvc.engine.meta_check import check_graph_shapes
 from gradsvc.engine.ops import OPS
 from gradsvc.wire import GradientRequest
 
-from tests.support.public_models import VAE, CausalSelfAttention, Noisy, RotaryAttention, Sequence, Siamese
+from tests.support.public_models import (VAE, CausalSelfAttention, Noisy, RotaryAttention, Sequence, Siamese,
+                                         SpectralMix)
 from .test_graph import LIMITS, graph_model, over_the_wire
 
 CONFIG = EngineConfig()
@@ -155,6 +156,19 @@ def test_a_complex_buffer_follows_the_float64_copy_as_complex128():
     g64 = copy.deepcopy(gm).to(torch.float64)
     assert g64.get_buffer("freqs_cis").dtype == torch.complex128
     assert torch.equal(g64.get_buffer("freqs_cis"), model.freqs_cis.to(torch.complex128))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_input_takes_the_runs_dtype_and_its_gradients_equal_eager(dtype):
+    torch.manual_seed(0)
+    model, z, y = SpectralMix(), torch.randn(3, 4, dtype=dtype), torch.randn(3, 3)
+    if dtype == torch.complex128:
+        model, y = model.double(), y.double()
+    result = compute(request(model, (z,), y, "mse", dtype="float64" if dtype == torch.complex128 else "float32",
+                             numcheck="exact"), CONFIG)
+    assert_close(result, eager(model, lambda: nn.functional.mse_loss(model(z), y)),
+                 TOL32 if dtype == torch.complex64 else 1e-10)
+    assert result.numcheck.passed, result.numcheck
 
 
 def test_siamese_cosine_similarity_equals_eager():

@@ -5,11 +5,14 @@ LSTMCell loop. Each gradient equals local autograd (float32: within 1e-4 of the 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.support.public_models import VAE, CausalSelfAttention, RotaryAttention, Sequence, Siamese
+from gradclient.export import export_graph
+from gradclient.tensors import to_wire
+from tests.support.public_models import VAE, CausalSelfAttention, RotaryAttention, Sequence, Siamese, SpectralMix
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
@@ -53,13 +56,33 @@ def test_vae_with_randn_like_and_its_bce_and_kl_loss_follows_the_seed(client):
     assert not torch.equal(torch.as_tensor(fresh.gradients["fc1.weight"]), torch.as_tensor(result.gradients["fc1.weight"]))
 
 
-@pytest.mark.parametrize("table", ["buffer", "attribute"])
-def test_llama_rotary_embedding_with_complex_ops(client, table):
+@pytest.mark.parametrize("table, wire_format", [("buffer", "msgpack"), ("attribute", "json")])
+def test_llama_rotary_embedding_with_complex_ops(stack, table, wire_format):
+    """The complex rotary table travels as a buffer (MessagePack raw bytes) or a graph constant (JSON b64)."""
     torch.manual_seed(0)
     model, x, y = RotaryAttention(table=table), torch.randn(2, 6, 16), torch.randn(2, 6, 16)
-    result = client.gradients(model, x, y, loss="mse", numcheck="exact")
+    with stack.sdk_client(wire_format=wire_format) as client:
+        result = client.gradients(model, x, y, loss="mse", numcheck="exact")
     assert_close(result, local(model, lambda: F.mse_loss(model(x), y)))
     assert result.numcheck.passed, result.numcheck
+
+
+def test_a_complex_input_in_json_as_real_imaginary_pairs(http):
+    """A curl user's body: the complex input as nested [real, imaginary] pairs, the graph exported by the SDK."""
+    torch.manual_seed(0)
+    model, z, y = SpectralMix(), torch.randn(3, 4, dtype=torch.complex64), torch.randn(3, 3)
+    eg = export_graph(model, (z,))
+    body = {"model": {"graph": msgspec.to_builtins(eg.graph), "dtype": "float32",
+                      "weights": {k: msgspec.to_builtins(to_wire(v, "json")) for k, v in eg.weights.items()}},
+            "inputs": {"dtype": "complex64", "shape": [3, 4], "data": torch.view_as_real(z).tolist()},
+            "targets": y.tolist(), "loss": "mse", "options": {"numcheck": "exact", "encoding": "list"}}
+    r = http.post("/gradients?wait=120", json=body)
+    assert r.status_code == 200, r.text
+    want = local(model, lambda: F.mse_loss(model(z), y))
+    got = {n: torch.tensor(t["data"], dtype=torch.float32) for n, t in r.json()["gradients"].items()}
+    for name, g in want.items():
+        assert float((got[name] - g).abs().max()) <= TOL * float(g.abs().max()), name
+    assert r.json()["numcheck"]["passed"]
 
 
 def test_siamese_pairs_scored_by_cosine_similarity(client):

@@ -309,6 +309,13 @@ def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, acr
                         f"(batch statistics), so a part of the batch does not give its share of the batch's "
                         f"gradient; remove {option}, or put that module in eval mode before export",
                         node=node, op=op, module=module)
+    drawing = next((s for s in template.compiled.steps if s.op.random), None)
+    if drawing is not None:
+        where = f"module {drawing.module!r}" if drawing.module else "the root module"
+        raise SpecError("bad_option", f"{option}: node {drawing.name!r} ({drawing.op.name}) in {where} draws random "
+                        f"numbers, and a part of the batch draws other numbers than the whole batch does (the seed "
+                        f"replays one forward over the whole batch), so the parts' gradients would not add up to the "
+                        f"batch's; remove {option}", node=drawing.name, op=drawing.op.name, module=drawing.module)
     if across_jobs:
         random = next((s for s in template.compiled.steps if draws_masks(s)), None)
         if random is not None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
-from gradsvc.engine import EngineConfig, compute
+from gradsvc.engine import EngineConfig, SpecError, compute, prepare
 from gradsvc.engine.compiler import build_graph
 from gradsvc.engine.devices import is_random
 from gradsvc.engine.meta_check import check_graph_shapes
@@ -124,6 +124,28 @@ def test_every_random_op_replays_eager_under_a_seed_and_float64_draws_the_float3
     g64.upcast_all = True
     torch.manual_seed(5)
     assert (g64(x.double()) - want.double()).abs().max() < 1e-6  # the same numbers, not float64's own stream
+
+
+class NoiseInjection(nn.Module):
+    """Gaussian noise on the hidden features in training, as denoising and regularising nets add it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h + 0.1 * torch.randn_like(h))
+
+
+@pytest.mark.parametrize("option", [{"micro_batch": 2}, {"per_sample": "norms"}, {"shards": 2}])
+def test_options_splitting_the_batch_are_refused_for_a_graph_drawing_random_numbers(option):
+    """A part of the batch draws other noise than the whole batch: its gradients would not add up."""
+    torch.manual_seed(0)
+    with pytest.raises(SpecError) as err:
+        prepare(request(NoiseInjection(), (torch.randn(4, 6),), torch.randn(4, 3), "mse", **option), CONFIG)
+    assert err.value.code == "bad_option" and "randn_like" in err.value.message
+    assert f"remove options.{next(iter(option))}" in err.value.message
 
 
 def test_a_generator_argument_in_a_graph_is_refused_saying_the_seed_decides():

@@ -7,7 +7,7 @@ name, a pointer or a storage, no printing, and no op returning uninitialised mem
 family runs as its `zeros*` twin). In-place ops run on intermediates, or on buffers (running
 statistics) under no_grad; on a parameter or an input they are refused.
 
-A graph means what its program says on any device and kernel: `view` and `_unsafe_view` run as
+A graph means what its program says on any device and kernel: `view`, `_unsafe_view` and `view_as` run as
 `reshape` (a view wherever the input's layout allows one), because the layout a kernel returned at
 capture (which made a `.contiguous()` a no-op there) is not the worker's. Random ops draw from the
 job's seed (devices.seeded), as dropout does. Every op of PyTorch's core ATen opset that has a
@@ -251,8 +251,13 @@ def _reshape(self: torch.Tensor, size: list) -> torch.Tensor:
     return torch.reshape(self, size)  # a view wherever the input's layout allows one, a copy elsewhere
 
 
+def _reshape_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return torch.reshape(self, other.shape)
+
+
 # Layout facts that held at capture only: these run as what they mean on any device.
-_AS_RESHAPE = frozenset({"view.default", "_unsafe_view.default"})
+_AS_RESHAPE = MappingProxyType({"view.default": _reshape, "_unsafe_view.default": _reshape,
+                                "view_as.default": _reshape_as})
 
 
 def drawn_in(op: Op, draw: torch.dtype) -> Callable:
@@ -340,7 +345,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
         try:
             if ovl is None:
                 raise TypeError("not in this torch")
-            fn = _no_op if entry in asserts else _reshape if entry in _AS_RESHAPE else _ZERO_FILLED.get(entry)
+            fn = _no_op if entry in asserts else _AS_RESHAPE.get(entry) or _ZERO_FILLED.get(entry)
             table[name] = _from_schema(name, ovl, fn=fn, is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
                                        reshapes=entry in reshapes, recurrent=entry in recurrent, random=entry in draws)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash

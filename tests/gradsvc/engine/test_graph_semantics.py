@@ -75,6 +75,7 @@ def test_view_runs_as_a_view_where_the_layout_allows_and_copies_where_it_does_no
     t = x.transpose(0, 1)
     assert torch.equal(view(t, [12, 2]), t.reshape(12, 2))
     assert torch.equal(OPS["aten._unsafe_view.default"].fn(t, [3, 8]), t.reshape(3, 8))
+    assert torch.equal(OPS["aten.view_as.default"].fn(t, torch.empty(24)), t.reshape(24))
 
 
 def test_nanogpt_attention_with_contiguous_view_equals_eager_and_passes_the_check():

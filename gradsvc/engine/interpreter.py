@@ -131,7 +131,7 @@ class GraphModel(nn.Module):
             self._programs[key] = prog
         return prog
 
-    def to(self, *args: Any, **kwargs: Any) -> "GraphModel":
+    def to(self, *args: Any, **kwargs: Any) -> GraphModel:
         """nn.Module.to, except that a complex buffer (a rotary table) follows a floating dtype as its complex
         twin (float64: complex128) where nn.Module.to would cast it to the real dtype, dropping its imaginary
         part (the numerical check's float64 copy is made with .to(float64))."""

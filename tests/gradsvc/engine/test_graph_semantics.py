@@ -21,8 +21,8 @@ from gradsvc.engine.meta_check import check_graph_shapes
 from gradsvc.engine.ops import OPS
 from gradsvc.wire import GradientRequest
 
-from tests.support.public_models import (VAE, CausalSelfAttention, Noisy, RotaryAttention, Sequence, Siamese,
-                                         SpectralMix)
+from tests.support.public_models import VAE, CausalSelfAttention, Noisy, RotaryAttention, Sequence, Siamese, SpectralMix
+
 from .test_graph import LIMITS, graph_model, over_the_wire
 
 CONFIG = EngineConfig()

@@ -48,7 +48,8 @@ def test_every_core_aten_op_with_a_derivative_formula_is_allowed_or_refused_with
     unaccounted = [op for op in differentiable if f"aten.{op}" not in OPS and op not in REFUSED_CORE]
     print(f"\ncore ATen opset: {len(allowed)} of {len(differentiable)} ops with a derivative formula allowed "
           f"({len(core)} core ops, {sum(f'aten.{op}' in OPS for op in core)} allowed); refused: {sorted(REFUSED_CORE)}")
-    assert not unaccounted, f"core ops with a derivative formula neither allowed nor refused with a reason: {unaccounted}"
+    assert not unaccounted, f"core ops with a derivative formula, neither allowed nor refused with a reason: " \
+                            f"{unaccounted}"
     assert len(differentiable) >= 150  # the reading of torch's tables still finds the opset
     assert len(allowed) == len(differentiable) - len(REFUSED_CORE)
     assert not any(f"aten.{op}" in OPS for op in REFUSED_CORE)

@@ -98,7 +98,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
                 raise bad_graph(f"{where}: constant {inp.target!r} is not in 'constants' (keys: "
                            f"{sorted(spec.constants)[:8]})", input=inp.name)
             constants[inp.target] = tensors.decode(spec.constants[inp.target], where=f"model.graph.constants"
-                                                   f"[{inp.target!r}]", max_elements=limits.max_elements)
+                                                   f"[{inp.target!r}]", max_elements=limits.max_elements,
+                                                   complex_ok=True)
         slot = len(kinds)
         slots[inp.name] = slot
         kinds.append("tensor")

@@ -102,10 +102,14 @@ def _graph_input(raw, where: str, spec, template: GraphTemplate, dtype: torch.dt
     """One user input: floating in the model's dtype; integer (token ids, edge indices) and bool (masks)
     kept as the graph captured them."""
     x = tensors.decode(as_tensor_value(raw, where), where=where, max_elements=limits.max_elements,
-                       shape_only=shape_only)
+                       shape_only=shape_only, complex_ok=bool(spec.dtype and spec.dtype.startswith("complex")))
     want = spec.dtype
     want_dtype = tensors.TORCH_DTYPES.get(want or "", torch.float32)
-    if not want_dtype.is_floating_point:
+    if want_dtype.is_complex:  # a spectrum, a complex signal: real values are complex ones without an imaginary part
+        x = x.to(want_dtype)
+        if not x.is_meta and not tensors.all_finite(x):
+            raise SpecError("bad_tensor", f"{where} holds NaN or infinite values", where=where)
+    elif not want_dtype.is_floating_point:
         if x.dtype.is_floating_point:
             raise SpecError("bad_tensor", f"{where}: the graph takes {want} values here (token ids, indices or a "
                             f"mask: input {spec.name!r}), got {str(x.dtype).removeprefix('torch.')}; send {want}",

@@ -55,14 +55,22 @@ def torch_dtype(name: str, *, where: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def decode(value: Tensor | list | float | int, *, where: str, max_elements: int, shape_only: bool = False) -> torch.Tensor:
+def decode(value: Tensor | list | float | int, *, where: str, max_elements: int, shape_only: bool = False,
+           complex_ok: bool = False) -> torch.Tensor:
     """A wire tensor (or bare nested list/scalar) as a torch tensor; never copies raw bytes twice.
 
-    With `shape_only` (POST /estimate), a tensor given as dtype and shape alone becomes a meta tensor.
+    With `shape_only` (POST /estimate), a tensor given as dtype and shape alone becomes a meta tensor. A complex
+    tensor only where `complex_ok` (a graph's inputs, buffers and constants): elsewhere a cast would drop its
+    imaginary part.
     """
     if not isinstance(value, Tensor):
         return _from_nested(value, None, where=where, max_elements=max_elements)
     dtype = torch_dtype(value.dtype, where=where)
+    if dtype.is_complex and not complex_ok:
+        raise SpecError("bad_tensor", f"{where}: dtype {value.dtype} is taken only by a graph model's inputs, buffers "
+                        "and constants (parameters, targets and layer models are real); send a real dtype, or the "
+                        "real and imaginary parts as a last dimension of size 2 (torch.view_as_real)",
+                        where=where, dtype=value.dtype)
     shape = value.shape
     if any((not isinstance(n, int)) or n < 0 for n in shape) or len(shape) > 8:
         raise SpecError(
@@ -216,7 +224,7 @@ def to_listed(value: Tensor) -> Tensor:
         for d in reversed(shape[1:]):
             flat = [flat[i:i + d] for i in range(0, len(flat), d)]
         return Tensor(dtype=value.dtype, shape=shape, data=flat if shape else flat[0])
-    t = decode(value, where="result", max_elements=1 << 62)
+    t = decode(value, where="result", max_elements=1 << 62, complex_ok=True)
     return Tensor(dtype=value.dtype, shape=value.shape, data=(torch.view_as_real(t) if t.is_complex() else t).tolist())
 
 

@@ -46,7 +46,7 @@ def over_the_wire(eg, fmt: str) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]
     else:
         raw = msgspec.msgpack.encode(body)
         spec = msgspec.msgpack.decode(raw, type=wire.ModelSpec)
-    weights = {k: engine_tensors.decode(v, where=k, max_elements=1 << 30) for k, v in spec.weights.items()}
+    weights = {k: engine_tensors.decode(v, where=k, max_elements=1 << 30, complex_ok=True) for k, v in spec.weights.items()}
     return spec.graph, weights
 
 

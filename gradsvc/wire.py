@@ -10,8 +10,13 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta, Struct
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool", "complex64", "complex128")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1,
+            "complex64": 8, "complex128": 16}
+# Complex tensors: raw bytes (MessagePack `data`, JSON `b64`) interleave each element's real and imaginary
+# parts (little-endian float32 for complex64, float64 for complex128); nested `data` lists hold each element
+# as a [real, imaginary] pair (one more dimension of size 2 than `shape`).
+COMPLEX_DTYPES = ("complex64", "complex128")
 JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
 MAX_TIMING_REPEAT = 50
 # Each shard is an RQ job carrying the model's weights: a bound on what one request may fan out to.

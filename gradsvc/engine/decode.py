@@ -280,7 +280,8 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
     out: dict[str, torch.Tensor] = {}
     small: list[tuple[str, torch.Tensor]] = []  # parameters checked together (the biases and norms of a model)
     for name, wire in given.items():
-        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
+        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements,
+                           complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
         want = list(state[name].shape)
         if list(t.shape) != want:
             _check_finite(small)  # an earlier weight's fault is named first, as it comes first

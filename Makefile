@@ -23,6 +23,8 @@ $(VENV)/.installed-server: pyproject.toml Makefile | $(PY)
 $(VENV)/.installed-dev: $(VENV)/.installed-server
 	@echo "installing the test dependencies into $(VENV)/ (the dev extra)"
 	@$(PIP) -e '.[server,dev]' "$(TORCH_PIN)"
+	@# BackPACK (the diagnostics tests' answer key) declares torchvision, which is not needed and would replace torch
+	@$(PIP) --no-deps "backpack-for-pytorch>=1.7"
 	@touch $@
 
 install-server: $(VENV)/.installed-server

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gradsvc.wire import GraphNode, Memory, Numcheck, ShardsInfo, Timings
+from gradsvc.wire import ClipResult, Density, GraphNode, Memory, NoiseScale, Norms, Numcheck, ShardsInfo, Timings
 
 from .tensors import from_wire
 
@@ -19,6 +19,30 @@ from .tensors import from_wire
 class PerSample:
     norms: Any = None  # (batch,) per-example gradient norms
     gradients: dict[str, Any] | None = None  # {param: (batch, *param.shape)}
+
+
+@dataclass
+class Diagnostics:
+    """result.diagnostics decoded: one entry per name asked for in diagnostics=[...]."""
+
+    norms: Norms | None = None  # .global_ (the wire's "global"), .parameters {name: float}, .modules {path: float}
+    variance: dict[str, Any] | None = None  # BackPACK's Variance per parameter
+    second_moment: dict[str, Any] | None = None  # BackPACK's SumGradSquared per parameter
+    noise_scale: NoiseScale | None = None  # .b_simple, .trace_covariance, .gradient_norm_squared, .reason
+
+
+@dataclass
+class Curvature:
+    """result.curvature decoded: eigenvalues largest first with |M v - lambda v| / |lambda| each."""
+
+    matrix: str
+    top_eigenvalues: list[float]
+    residuals: list[float]
+    trace: float | None = None
+    trace_stderr: float | None = None
+    density: Density | None = None
+    products: int = 0
+    eigenvectors: list[dict[str, Any]] | None = None  # gradient-shaped, one {param: tensor} per eigenvalue
 
 
 @dataclass
@@ -50,6 +74,9 @@ class GradientResult:
     graph_ref: str | None = None  # graph models: the service's handle on the graph (the SDK resends it for you)
     seed: int = 0  # the seed the job ran with (dropout masks): pass seed= to repeat the call exactly
     upload_bytes: int = 0  # what this call sent: the body and the weight pieces the service did not hold yet
+    diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
+    clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
+    curvature: Curvature | None = None  # curvature={"top": k, "trace": True, ...}
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -98,4 +125,25 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
+        diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
+        curvature=_curvature(raw.curvature, tensors),
     )
+
+
+def _diagnostics(raw: Any, names: dict[str, str], tensors) -> Diagnostics | None:
+    if raw is None:
+        return None
+    norms = raw.norms
+    if norms is not None and names:
+        norms = Norms(global_=norms.global_, parameters={names.get(k, k): v for k, v in norms.parameters.items()},
+                      modules=norms.modules)
+    return Diagnostics(norms=norms, variance=tensors(raw.variance), second_moment=tensors(raw.second_moment),
+                       noise_scale=raw.noise_scale)
+
+
+def _curvature(raw: Any, tensors) -> Curvature | None:
+    if raw is None:
+        return None
+    return Curvature(matrix=raw.matrix, top_eigenvalues=raw.top_eigenvalues, residuals=raw.residuals,
+                     trace=raw.trace, trace_stderr=raw.trace_stderr, density=raw.density, products=raw.products,
+                     eigenvectors=None if raw.eigenvectors is None else [tensors(v) for v in raw.eigenvectors])

@@ -244,7 +244,7 @@ class JobReader:
             job.cancel()
             if self.queues.handoff is not None:  # its handed-off body: no worker will read it now
                 self.queues.handoff.discard(job_id)
-            write_error(job, "canceled", "canceled by DELETE /jobs/{id} before it started")
+            write_error(job, "canceled", "canceled by POST /jobs/{id}/cancel before it started")
         if JobMeta.of(job.meta).shards:
             cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
 

@@ -103,4 +103,9 @@ def _result_for_json(r: GradientResult, encoding: str) -> GradientResult:
         hvp=_tensors(r.hvp, encoding),
         per_sample=None if r.per_sample is None else PerSample(
             norms=_tensor(r.per_sample.norms, encoding), gradients=_tensors(r.per_sample.gradients, encoding)),
+        diagnostics=None if r.diagnostics is None else msgspec.structs.replace(
+            r.diagnostics, variance=_tensors(r.diagnostics.variance, encoding),
+            second_moment=_tensors(r.diagnostics.second_moment, encoding)),
+        curvature=r.curvature if r.curvature is None or r.curvature.eigenvectors is None else msgspec.structs.replace(
+            r.curvature, eigenvectors=[_tensors(v, encoding) for v in r.curvature.eigenvectors]),
     )

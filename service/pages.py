@@ -110,7 +110,8 @@ def job_context(job: JobInfo) -> dict:
     """What job.html shows: the job, and for a result its bars (percentages of the largest) and chain."""
     r = job.result
     context = {"job": job, "r": r, "running": job.status in ("queued", "started"), "refresh_s": REFRESH_S,
-               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None, "run": None}
+               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None, "norm_rows": [],
+               "density_rows": [], "run": None}
     if r is None:
         return context
     if r.memory is not None:
@@ -121,9 +122,33 @@ def job_context(job: JobInfo) -> dict:
     top_ms = max(times.values()) or 1
     context["timing_rows"] = [{"phase": phase.removesuffix("_ms"), "ms": ms, "pct": round(100 * ms / top_ms, 1)}
                               for phase, ms in times.items()]
+    context.update(_diagnostics_rows(r))
     if r.graph:
         context["graph_svg"] = Markup(graph_svg.render(r.graph))  # names escaped by graph_svg itself
     return context
+
+
+DENSITY_BINS = 24
+
+
+def _diagnostics_rows(r) -> dict:
+    """Bars for the module norms (percent of the largest) and the density's weights binned by eigenvalue."""
+    out: dict = {}
+    norms = r.diagnostics.norms if r.diagnostics is not None else None
+    if norms is not None:
+        top = max(norms.modules.values(), default=0.0) or 1.0
+        out["norm_rows"] = [{"module": m, "norm": v, "pct": round(100 * v / top, 1)} for m, v in norms.modules.items()]
+    density = r.curvature.density if r.curvature is not None else None
+    if density is not None and density.eigenvalues:
+        lo, hi = min(density.eigenvalues), max(density.eigenvalues)
+        width = (hi - lo) / DENSITY_BINS or 1.0
+        bins = [0.0] * DENSITY_BINS
+        for value, weight in zip(density.eigenvalues, density.weights):
+            bins[min(int((value - lo) / width), DENSITY_BINS - 1)] += weight
+        peak = max(bins) or 1.0
+        out["density_rows"] = [{"at": lo + (i + 0.5) * width, "weight": w, "pct": round(100 * w / peak, 1)}
+                               for i, w in enumerate(bins)]
+    return out
 
 
 @get("/ui/runs", include_in_schema=False)

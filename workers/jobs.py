@@ -44,7 +44,7 @@ class RecordedFailureError(Exception):
 
 
 class JobCanceledError(Exception):
-    """DELETE /jobs/{id} asked a running job to stop."""
+    """POST /jobs/{id}/cancel asked a running job to stop."""
 
 
 class ResultBuffer:
@@ -314,7 +314,7 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:
-        raise _fail(job, ctx, "canceled", "the job was canceled by DELETE /jobs/{id} while running",
+        raise _fail(job, ctx, "canceled", "the job was canceled by POST /jobs/{id}/cancel while running",
                     kind=kind) from None
     except JobTimeoutException:
         raise _fail(job, ctx, "timeout", f"the job ran past its timeout of {job.timeout} s; use a smaller model, "

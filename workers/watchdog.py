@@ -102,7 +102,7 @@ class Watchdog:
         if self.worker.connection.exists(running.cancel_key):
             running.canceled_at = running.canceled_at or at
             if at - running.canceled_at > CANCEL_GRACE_S:
-                self.stop_hard(running, "canceled", "the job was canceled by DELETE /jobs/{id} while running "
+                self.stop_hard(running, "canceled", "the job was canceled by POST /jobs/{id}/cancel while running "
                                "inside one operation, so its worker was restarted")
 
     def _terminated(self) -> bool:

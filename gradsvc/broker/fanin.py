@@ -100,7 +100,7 @@ def cancel_shards(connection: Redis, job: Job) -> None:
     ones stop on the job's cancel flag), and a POST waiting on it wakes (RQ's cancel writes no result)."""
     cancel_queued(connection, JobMeta.of(job.meta).shards or [])
     if job.get_status(refresh=True) == JobStatus.CANCELED:
-        Result.create_failure(job, job.failure_ttl, "canceled by DELETE /jobs/{id}")
+        Result.create_failure(job, job.failure_ttl, "canceled by POST /jobs/{id}/cancel")
 
 
 def cancel_queued(connection: Redis, shard_ids: list[str]) -> None:

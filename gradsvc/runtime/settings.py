@@ -119,6 +119,9 @@ class Settings:
     log_level: str = _rule("info", lambda v: v.lower() in LOG_LEVELS, f"use one of {', '.join(LOG_LEVELS)}")
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False
+    # /schema and /docs describe the API, no caller's data: open by default, so a client generator can read the
+    # schema with keys on; set, they ask for a key (or the browser's session) like the other routes.
+    docs_require_key: bool = False
     # Large bodies and results handed over as files when the API and the workers share a host
     # (gradsvc/broker/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
     # dir under /dev/shm. Smaller payloads go through Redis as before.

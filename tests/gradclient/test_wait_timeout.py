@@ -14,12 +14,12 @@ SPEC = {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}], "dt
 
 
 def queued_forever(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/jobs/j-123/cancel":
+        return httpx.Response(200, content=msgspec.json.encode(wire.JobInfo(job_id="j-123", status="canceled")),
+                              headers={"content-type": "application/json"})
     if request.method == "POST":
         return httpx.Response(202, content=msgspec.json.encode(wire.JobAccepted(job_id="j-123", status="queued")),
                               headers={"content-type": "application/json", "location": "/jobs/j-123"})
-    if request.method == "DELETE":
-        return httpx.Response(200, content=msgspec.json.encode(wire.JobInfo(job_id="j-123", status="canceled")),
-                              headers={"content-type": "application/json"})
     return httpx.Response(200, content=msgspec.json.encode(wire.JobInfo(job_id="j-123", status="queued")),
                           headers={"content-type": "application/json"})
 
@@ -38,8 +38,8 @@ def test_a_wait_timeout_names_client_job_and_the_named_method_works():
 
 
 def _accepted_after_the_wait(request: httpx.Request) -> float | None:
-    """A POST is answered 202 after its `wait`, as the server holds it; None for the other methods."""
-    return float(request.url.params["wait"]) if request.method == "POST" else None
+    """A POST /gradients is answered 202 after its `wait`, as the server holds it; None for the other requests."""
+    return float(request.url.params["wait"]) if request.url.path == "/gradients" else None
 
 
 def test_timeout_bounds_the_whole_call_including_the_servers_wait():

@@ -152,7 +152,8 @@ def test_a_wrong_media_type_is_415_with_the_accepted_types(client):
 
 
 @pytest.mark.parametrize("method,path,allowed", [("PUT", "/gradients", "POST"), ("GET", "/gradients", "POST"),
-                                                 ("POST", "/layers", "GET"), ("PATCH", "/jobs/abc", "DELETE, GET")])
+                                                 ("POST", "/layers", "GET"), ("PATCH", "/jobs/abc", "GET"),
+                                                 ("DELETE", "/jobs/abc", "GET")])
 def test_a_wrong_method_is_405_with_allow_and_the_accepted_methods(client, method, path, allowed):
     r = client.request(method, path)
     err = error_of(r)
@@ -163,9 +164,15 @@ def test_a_wrong_method_is_405_with_allow_and_the_accepted_methods(client, metho
         assert m in err["message"]
 
 
-def test_options_lists_every_method_of_a_path_with_two_handlers(client):
+def test_options_lists_the_methods_of_a_job_and_of_its_cancel(client):
     r = client.options("/jobs/abc")
-    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"DELETE", "GET", "OPTIONS"}
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"GET", "OPTIONS"}
+    assert set(client.options("/jobs/abc/cancel").headers["allow"].split(", ")) == {"POST", "OPTIONS"}
+
+
+def test_a_delete_of_a_job_is_a_405_that_names_the_cancels_route(client):
+    err = error_of(client.delete("/jobs/abc"))
+    assert err["code"] == "method_not_allowed" and "POST /jobs/{id}/cancel" in err["message"]
 
 
 def test_an_unknown_route_lists_the_routes(client):

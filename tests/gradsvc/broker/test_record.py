@@ -25,7 +25,7 @@ def test_a_shard_s_owner_is_read_from_its_place():
 def test_errors_and_progress_written_by_a_worker_read_back_typed_from_redis():
     job = _job(JobMeta(owner="key-a").as_meta())
     write_progress(job, "numcheck", 3, 10)
-    write_error(job, "canceled", "canceled by DELETE /jobs/{id} before it started")
+    write_error(job, "canceled", "canceled by POST /jobs/{id}/cancel before it started")
     stored = JobMeta.of(Job.fetch(job.id, connection=job.connection, serializer=MsgpackSerializer).meta)
     assert stored.owner == "key-a" and stored.is_canceled
     assert (stored.progress.phase, stored.progress.done, stored.progress.total) == ("numcheck", 3, 10)

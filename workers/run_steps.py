@@ -83,6 +83,17 @@ def _extras(result: GradientResult) -> tuple[float | None, dict | None]:
     return (None if b_simple is None else float(b_simple)), (None if clip is None else msgspec.to_builtins(clip))
 
 
+def _before_clipping(grad_norm: float, modules: dict[str, float], clip: Any) -> tuple[float, dict[str, float]]:
+    """The norms of the gradient before a global clip (options.clip), which scaled the returned one by `scale`:
+    the same division restores every module's. A per-example clip (DP-SGD) cannot be undone: its norms stay
+    those of the gradient returned."""
+    scale = _field(clip, "scale")
+    if not scale or scale == 1.0:
+        return grad_norm, modules
+    total = _field(clip, "total_norm")
+    return (total if total is not None else grad_norm / scale), {m: v / scale for m, v in modules.items()}
+
+
 def _kept_weights(request: GradientRequest, names: list[str], bounds: RunBounds) -> dict[str, Tensor]:
     weights = request.model.weights or {}
     kept = {n: weights[n] for n in names if n in weights}
@@ -94,7 +105,7 @@ def step_of(request: GradientRequest, result: GradientResult, job_id: str,
             previous: bytes | None, bounds: RunBounds) -> tuple[RunStep, bytes]:
     """The step to record and the weights to keep for the next one (b"": none)."""
     grads = {n: _flat(g, n) for n, g in result.gradients.items() if g is not None}
-    grad_norm, module_norms = gradient_norms(grads)
+    grad_norm, module_norms = _before_clipping(*gradient_norms(grads), _field(result, "clip"))
     kept = _kept_weights(request, list(result.gradients), bounds)
     current = {n: _flat(t, n) for n, t in kept.items()}
     ratios = None

@@ -12,6 +12,7 @@ import math
 import subprocess
 
 import httpx
+import msgspec
 import pytest
 import torch
 from msgspec.structs import fields as msgspec_fields
@@ -280,3 +281,17 @@ def test_a_run_survives_an_api_restart(runs_stack, alice):
     runs_stack.start_api()
     runs_stack.wait_ready(1)
     assert alice.run("durable").steps() == before
+
+
+def test_a_step_records_the_noise_scale_and_clip_its_call_returned(alice):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    result = alice.run("diagnosed").gradients(model, *mlp_batches(0), numcheck="off", diagnostics=["noise_scale"],
+                                              clip={"max_norm": 0.1})
+    step = alice.run("diagnosed").steps()[0]
+    assert step.noise_scale is not None and step.noise_scale == result.diagnostics.noise_scale.b_simple
+    assert step.clip == msgspec.to_builtins(result.clip) and step.clip["scale"] < 1
+    unclipped = {n: torch.as_tensor(g) / step.clip["scale"] for n, g in result.gradients.items()}
+    grad_norm, module_norms = norms(unclipped)  # the norms before the clip, as the issue asks
+    assert step.grad_norm == pytest.approx(grad_norm, rel=1e-5) == pytest.approx(result.clip.total_norm, rel=1e-5)
+    assert step.module_grad_norms == pytest.approx(module_norms, rel=1e-5)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+import anyio.to_thread
+
 from litestar import Request, Response, get, post
 from litestar.response import Redirect
 from markupsafe import Markup
@@ -94,10 +96,13 @@ async def job_page(request: Request, viewer: str | None, state: ApiState, job_id
         if exc.code != "not_found":
             raise
         return html.page("missing.html", status_code=404, message=exc.message, logged_in=sessions.auth.enabled)
-    return html.page("job.html", logged_in=sessions.auth.enabled, **job_context(job))
+    max_nodes = state.settings.page_graph_nodes
+    # Off the event loop: a result's page (its drawing, its tables) costs time that grows with the result.
+    return await anyio.to_thread.run_sync(
+        lambda: html.page("job.html", logged_in=sessions.auth.enabled, **job_context(job, max_nodes)))
 
 
-def job_context(job: JobInfo) -> dict:
+def job_context(job: JobInfo, max_graph_nodes: int = graph_svg.DEFAULT_MAX_NODES) -> dict:
     """What job.html shows: the job, and for a result its bars (percentages of the largest) and chain."""
     r = job.result
     context = {"job": job, "r": r, "running": job.status in ("queued", "started"), "refresh_s": REFRESH_S,
@@ -113,7 +118,8 @@ def job_context(job: JobInfo) -> dict:
     context["timing_rows"] = [{"phase": phase.removesuffix("_ms"), "ms": ms, "pct": round(100 * ms / top_ms, 1)}
                               for phase, ms in times.items()]
     if r.graph:
-        context["graph_svg"] = Markup(graph_svg.render(r.graph))  # names escaped by graph_svg itself
+        # names escaped by graph_svg itself
+        context["graph_svg"] = Markup(graph_svg.render(r.graph, max_graph_nodes))
     return context
 
 

@@ -119,6 +119,9 @@ class Settings:
     log_level: str = _rule("info", lambda v: v.lower() in LOG_LEVELS, f"use one of {', '.join(LOG_LEVELS)}")
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False
+    # The job page draws at most this many nodes of the grad_fn chain (the nearest the loss; the page says how
+    # many it left out): the drawing's cost grows with its nodes, and a long recurrent chain has tens of thousands.
+    page_graph_nodes: int = _positive(400)
     # Large bodies and results handed over as files when the API and the workers share a host
     # (gradsvc/broker/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
     # dir under /dev/shm. Smaller payloads go through Redis as before.

@@ -17,6 +17,7 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  +-- ServiceUnavailableError          try again later (the SDK retries these with backoff)
  |    +-- ConnectionFailedError        connection_failed: the service could not be reached
  |    +-- QueueUnavailableError 503, NotReadyError 503
+ |    +-- RedisOutOfMemoryError, RedisReadOnlyError, RedisRefusesWritesError 503: Redis refuses writes
  +-- InternalServerError              500: a gradsvc bug
 
 The code-specific classes are built from gradsvc.wire.ERROR_CODES, the table the API and the workers

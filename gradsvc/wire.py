@@ -470,6 +470,12 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "result_elsewhere": ErrorCode(421, "ResultElsewhereError", "request",
                                   "the result is a file on another host's GRADSVC_HANDOFF_DIR; ask that host's API"),
     "queue_unavailable": ErrorCode(503, "QueueUnavailableError", "unavailable", "Redis is unreachable"),
+    "redis_oom": ErrorCode(503, "RedisOutOfMemoryError", "unavailable",
+                           "Redis is at its maxmemory and refuses writes; see Retry-After"),
+    "redis_readonly": ErrorCode(503, "RedisReadOnlyError", "unavailable",
+                                "Redis is a read-only replica (a failover is in progress or demoted it)"),
+    "redis_unavailable": ErrorCode(503, "RedisRefusesWritesError", "unavailable",
+                                   "Redis refuses writes (MISCONF: its snapshots fail; NOREPLICAS; MASTERDOWN)"),
     "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
     "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),
 }

@@ -62,6 +62,10 @@ class ApiMetrics:
         self.tensor_evictions = Counter("gradsvc_tensor_evictions_total",
                                         "Tensor pieces evicted by an owner's byte budget (GRADSVC_TENSOR_BUDGET_BYTES).",
                                         registry=self.registry)
+        self.redis_refusals = Counter("gradsvc_redis_refusals_total",
+                                      "Requests answered 503 because Redis refused a write, by the code answered "
+                                      "(redis_oom, redis_readonly, redis_unavailable).", ["code"],
+                                      registry=self.registry)
         self.registry.register(_RedisCollector(reader))
 
     def middleware(self, app):

@@ -1,4 +1,5 @@
-"""What the service says about itself: /healthz and /readyz (probes, no API key), /metrics (Prometheus),
+"""What the service says about itself: /healthz and /readyz (probes, no API key; ready: Redis reachable and
+taking writes, a worker alive), /metrics (Prometheus),
 /schema (the OpenAPI document) and /layers (the layer table)."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ async def readyz(request: Request, state: ApiState) -> Response:  # a probe: no 
 
     def check() -> int:
         reader.ping()
+        reader.probe_write()  # a Redis that answers but refuses writes is not ready: 503 with its code
         reader.epochs.refresh()  # Redis restarted empty: a new epoch, and ids of the old one read as lost
         return len(reader.workers())
 

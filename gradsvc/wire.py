@@ -454,6 +454,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
                                  "model.graph_ref names no graph this service keeps; send the graph again"),
     "tensor_not_found": ErrorCode(422, "TensorNotFoundError", "request",
                                   "a tensor's refs name bytes this service does not keep; upload them again"),
+    "too_many_refs": ErrorCode(422, "TooManyRefsError", "request",
+                               "a request names more tensor pieces by reference than GRADSVC_MAX_REFS"),
     "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),
     "device_unavailable": ErrorCode(422, "DeviceUnavailableError", "request", "the requested device is not there"),
     "rate_limited": ErrorCode(429, "RateLimitedError", "request", "this API key sent too many jobs; see Retry-After"),

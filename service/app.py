@@ -72,7 +72,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
     # connection of their own whose timeout covers sending one at 1 MB/s.
     piece_redis = sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
                              socket_timeout=settings.redis_timeout_s + PIECE_SEND_S)
-    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
+    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes,
+                      max_refs=settings.max_refs)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
     sessions = Sessions(auth, queues.aredis, settings.queue_prefix)
     metrics = ApiMetrics(reader)

@@ -93,6 +93,8 @@ class Settings:
     tensor_ttl_s: int = _positive(3600)
     tensor_budget_bytes: int = _positive(4 << 30)
     tensor_cache_bytes: int = 2 << 30
+    # The refs (tensor pieces) one request may name: their check holds Redis ~2 us each (gradsvc/broker/blobs.py).
+    max_refs: int = _positive(4096)
     # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
     # a weight sent by the same reference as before is not copied again.
     resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")

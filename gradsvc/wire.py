@@ -438,6 +438,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "NotFoundError", "request", "no such route, or no such job for this API key"),
     "method_not_allowed": ErrorCode(405, "MethodNotAllowedError", "request", "the route does not take this method"),
     "body_too_large": ErrorCode(413, "BodyTooLargeError", "request", "the body is over GRADSVC_MAX_BODY_BYTES"),
+    "headers_too_large": ErrorCode(431, "HeadersTooLargeError", "request",
+                                   "the request's headers are over GRADSVC_MAX_HEADER_BYTES or GRADSVC_MAX_HEADERS"),
     "unsupported_media_type": ErrorCode(415, "UnsupportedMediaTypeError", "request",
                                         "the body is neither JSON nor MessagePack"),
     "unknown_layer": ErrorCode(422, "UnknownLayerError", "request", "a layer type or argument is not allowed"),

@@ -118,6 +118,12 @@ class Settings:
     # expiry (httpx and the SDK: 5 s), or a client may send its next request on a connection the server
     # is closing at that moment and get a connection reset instead of an answer (uvicorn's default is 5 s).
     keep_alive_s: float = _positive(75.0)
+    # HTTP connections (service/http_server.py): a request's head in bytes and header lines (over either: 431,
+    # before any key is checked), and how long an answer's unsent bytes may sit without one being read before
+    # the connection is cut (a client that never reads a large result would hold it in memory for good).
+    max_header_bytes: int = _positive(64 << 10)
+    max_headers: int = _positive(100)
+    write_timeout_s: float = _positive(30.0)
     log_level: str = _rule("info", lambda v: v.lower() in LOG_LEVELS, f"use one of {', '.join(LOG_LEVELS)}")
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False

@@ -81,3 +81,154 @@ def test_a_read_only_redis_answers_503_redis_readonly(refusing):
     with keyed(refusing, KEYS[1]) as http:
         done = http.post("/gradients?wait=60", json=small_body())
     assert done.status_code == 200, (done.text, refusing.logs())
+
+
+# --- attacks on one stack that keeps serving: the attacker's key, a bystander's key -----------------------------
+WRITE_TIMEOUT_S = 2
+MAX_REFS = 64
+
+
+@pytest.fixture(scope="module")
+def attacked() -> Stack:
+    s = start_stack(workers=1, GRADSVC_API_KEYS=",".join(KEYS), GRADSVC_WRITE_TIMEOUT_S=str(WRITE_TIMEOUT_S),
+                    GRADSVC_MAX_REFS=str(MAX_REFS))
+    yield s
+    s.stop()
+
+
+def _latencies_meanwhile(stack: Stack, work, key: str = KEYS[1]) -> tuple[object, list[float]]:
+    """Runs work() while another key polls /healthz and GET /layers: (work's answer, their latencies in s)."""
+    import threading
+
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with keyed(stack, key, timeout=60) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                assert http.get("/healthz").status_code == 200 and http.get("/layers").status_code == 200
+                seen.append(time.monotonic() - started)
+                time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        answer = work()
+    finally:
+        stop.set()
+        poller.join()
+    return answer, seen
+
+
+def test_the_job_page_of_a_6011_node_chain_is_summarised_and_stalls_no_other_key(attacked):
+    steps = 1500
+    body = {"model": {"layers": [{"type": "RNN", "input_size": 1, "hidden_size": 1, "batch_first": True}],
+                      "dtype": "float32", "seed": 0},
+            "inputs": [[[0.01]] * steps], "targets": [[[0.0]] * steps], "loss": "mse",
+            "options": {"numcheck": "off", "memory": False, "graph": True}}
+    with keyed(attacked, KEYS[0], timeout=180) as http:
+        r = http.post("/gradients?wait=150", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["graph"]) == 4 * steps + 11
+        page, latencies = _latencies_meanwhile(attacked, lambda: http.get(f"/ui/jobs/{r.json()['job_id']}"))
+    assert page.status_code == 200
+    assert f"the 400 nodes nearest the loss of {4 * steps + 11}" in page.text
+    assert max(latencies) < 1.0, latencies  # the quadratic layout on the event loop stalled them for seconds
+
+
+def test_a_megabyte_of_headers_is_431_before_any_key_is_checked(attacked):
+    r = httpx.post(attacked.base_url + "/gradients", json=small_body(), headers={"x-pad": "a" * (1 << 20)})
+    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+    with keyed(attacked, KEYS[1]) as http:
+        assert http.post("/gradients?wait=60", json=small_body()).status_code == 200
+
+
+def _large_result_job(http: httpx.Client) -> str:
+    """A finished job whose result is 16 MiB (the float32 gradients of a 2048 x 2048 layer)."""
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2048, "out_features": 2048}], "seed": 0},
+            "inputs": {"dtype": "float32", "shape": [1, 2048], "b64": ""}, "targets": [[0.0] * 2048],
+            "loss": "mse", "options": {"numcheck": "off", "memory": False}}
+    import base64
+
+    body["inputs"]["b64"] = base64.b64encode(b"\x00\x00\x80\x3f" * 2048).decode()
+    r = http.post("/gradients?wait=120", json=body, headers={"Accept": "application/msgpack"})
+    assert r.status_code == 200, r.text[:500]
+    return r.headers.get("x-job-id") or _job_id_of(r)
+
+
+def _job_id_of(r: httpx.Response) -> str:
+    import msgspec
+
+    return msgspec.msgpack.decode(r.content)["job_id"]
+
+
+def test_a_reader_that_never_reads_a_large_result_is_cut_after_the_write_timeout(attacked):
+    import socket
+
+    with keyed(attacked, KEYS[0], timeout=180) as http:
+        job_id = _large_result_job(http)
+    host, port = "127.0.0.1", attacked.api_port
+    readers = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, port))
+        s.sendall(f"GET /jobs/{job_id} HTTP/1.1\r\nhost: x\r\naccept: application/msgpack\r\n"
+                  f"authorization: Bearer {KEYS[0]}\r\n\r\n".encode())
+        readers.append(s)
+    time.sleep(WRITE_TIMEOUT_S * 2 + 3)  # none of them reads
+    for s in readers:
+        got = 0
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        finally:
+            s.close()
+        assert got < 16 << 20  # cut, the rest dropped: the connection did not wait for the reader
+    metrics = httpx.get(attacked.base_url + "/metrics").text
+    assert 'gradsvc_http_connections_closed_total{reason="stalled_reader"} 3.0' in metrics
+
+
+def test_a_zero_byte_piece_is_refused_at_upload_not_reported_held(attacked):
+    import hashlib
+
+    with keyed(attacked, KEYS[0]) as http:
+        r = http.put(f"/tensors/{hashlib.sha256(b'').hexdigest()}", content=b"")
+    assert r.status_code == 422 and r.json()["error"]["code"] == "bad_tensor", r.text
+    assert "0 bytes" in r.json()["error"]["message"]
+
+
+def test_more_refs_than_the_limit_is_422_too_many_refs(attacked):
+    import hashlib
+
+    piece = b"\x00" * 8
+    ref = hashlib.sha256(piece).hexdigest()
+    body = small_body()
+    body["inputs"] = {"dtype": "float64", "shape": [2, 6], "refs": [ref] * (MAX_REFS + 1)}
+    with keyed(attacked, KEYS[0]) as http:
+        assert http.put(f"/tensors/{ref}", content=piece).status_code == 201
+        r = http.post("/gradients?wait=10", json=body)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "too_many_refs", r.text
+    assert r.json()["error"]["detail"] == {"count": MAX_REFS + 1, "limit": MAX_REFS}
+
+
+@pytest.mark.parametrize("option", [{"shards": 2}, {"shards": 2, "input_grad": True}])
+def test_inputs_by_reference_with_shards_is_422_bad_option_saying_how_to_fix(attacked, option):
+    import hashlib
+    import struct
+
+    rows = [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]
+    piece = struct.pack("<12d", *rows[0], *rows[1])
+    ref = hashlib.sha256(piece).hexdigest()
+    body = small_body(**option)
+    body["inputs"] = {"dtype": "float64", "shape": [2, 6], "refs": [ref]}
+    with keyed(attacked, KEYS[0]) as http:
+        assert http.put(f"/tensors/{ref}", content=piece).status_code == 201
+        r = http.post("/gradients?wait=30", json=body)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "bad_option" and "inline" in error["message"] and "shards to 1" in error["message"]

@@ -216,19 +216,125 @@ def test_more_refs_than_the_limit_is_422_too_many_refs(attacked):
     assert r.json()["error"]["detail"] == {"count": MAX_REFS + 1, "limit": MAX_REFS}
 
 
-@pytest.mark.parametrize("option", [{"shards": 2}, {"shards": 2, "input_grad": True}])
-def test_inputs_by_reference_with_shards_is_422_bad_option_saying_how_to_fix(attacked, option):
+def _rows_piece(http: httpx.Client) -> str:
+    """small_body's inputs uploaded as one piece (float64, 2 x 6): its ref."""
     import hashlib
     import struct
 
-    rows = [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.6, 0.5, 0.4, 0.3, 0.2, 0.1]]
+    rows = small_body()["inputs"]
     piece = struct.pack("<12d", *rows[0], *rows[1])
     ref = hashlib.sha256(piece).hexdigest()
+    assert http.put(f"/tensors/{ref}", content=piece).status_code == 201
+    return ref
+
+
+@pytest.mark.parametrize("option", [{"shards": 2}, {"shards": 2, "input_grad": True}])
+def test_inputs_by_reference_with_shards_is_422_bad_option_saying_how_to_fix(attacked, option):
     body = small_body(**option)
-    body["inputs"] = {"dtype": "float64", "shape": [2, 6], "refs": [ref]}
     with keyed(attacked, KEYS[0]) as http:
-        assert http.put(f"/tensors/{ref}", content=piece).status_code == 201
+        body["inputs"] = {"dtype": "float64", "shape": [2, 6], "refs": [_rows_piece(http)]}
         r = http.post("/gradients?wait=30", json=body)
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "bad_option" and "inline" in error["message"] and "shards to 1" in error["message"]
+
+
+# --- the soak: the attacks above on a loop while another key runs ordinary jobs ---------------------------------
+SOAK_S = 60
+
+
+def _attack_round(stack: Stack, http: httpx.Client, large_job: str, chain_job: str) -> list[tuple[str, int]]:
+    """One pass of the attacks through the attacker's key: (attack, status) of each."""
+    import hashlib
+    import socket
+
+    out = []
+    r = httpx.post(stack.base_url + "/gradients", json=small_body(), headers={"x-pad": "a" * (1 << 20)})
+    out.append(("headers", r.status_code))
+    stalled = []
+    for _ in range(2):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", stack.api_port))
+        s.sendall(f"GET /jobs/{large_job} HTTP/1.1\r\nhost: x\r\naccept: application/msgpack\r\n"
+                  f"authorization: Bearer {KEYS[0]}\r\n\r\n".encode())
+        stalled.append(s)
+    out.append(("page", http.get(f"/ui/jobs/{chain_job}").status_code))
+    ref = hashlib.sha256(b"\x00" * 8).hexdigest()
+    many = small_body()
+    many["inputs"] = {"dtype": "float64", "shape": [2, 6], "refs": [ref] * (MAX_REFS + 1)}
+    out.append(("refs", http.post("/gradients?wait=5", json=many).status_code))
+    out.append(("empty piece", http.put(f"/tensors/{hashlib.sha256(b'').hexdigest()}", content=b"").status_code))
+    seeded = small_body()
+    seeded["model"]["seed"] = 1 << 64
+    out.append(("seed", http.post("/gradients?wait=5", json=seeded).status_code))
+    sharded = small_body(shards=2)
+    sharded["inputs"] = {"dtype": "float64", "shape": [2, 6], "refs": [_rows_piece(http)]}
+    r = http.post("/gradients?wait=5", json=sharded)
+    out.append(("shards", r.status_code if "shards to 1" in r.text else -r.status_code))
+    time.sleep(WRITE_TIMEOUT_S + 2)  # the stalled readers are cut meanwhile; then they go
+    for s in stalled:
+        s.close()
+    return out
+
+
+def _completed(stack: Stack) -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("gradsvc_jobs_completed_total{"))
+
+
+@pytest.mark.slow
+def test_a_minute_of_attacks_leaves_another_keys_jobs_fast_and_each_run_once(attacked):
+    import statistics
+    import threading
+    import uuid
+
+    with keyed(attacked, KEYS[0], timeout=180) as http:
+        large_job = _large_result_job(http)
+        steps = 1500
+        chain = {"model": {"layers": [{"type": "RNN", "input_size": 1, "hidden_size": 1, "batch_first": True}],
+                           "dtype": "float32", "seed": 0}, "inputs": [[[0.01]] * steps],
+                 "targets": [[[0.0]] * steps], "loss": "mse",
+                 "options": {"numcheck": "off", "memory": False, "graph": True}}
+        chain_job = http.post("/gradients?wait=150", json=chain).json()["job_id"]
+    time.sleep(1)  # the worker's counters settle
+    completed_before = _completed(attacked)
+    stop = threading.Event()
+    attacks: list[tuple[str, int]] = []
+
+    def attack() -> None:
+        with keyed(attacked, KEYS[0], timeout=60) as http:
+            while not stop.is_set():
+                attacks.extend(_attack_round(attacked, http, large_job, chain_job))
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    answers, latencies = [], []
+    deadline = time.monotonic() + SOAK_S
+    try:
+        with keyed(attacked, KEYS[1], timeout=60) as http:
+            i = 0
+            while time.monotonic() < deadline:
+                body = small_body()
+                body["inputs"][0][0] = 0.01 * i  # each job its own input: its loss says whose answer it is
+                started = time.monotonic()
+                r = http.post("/gradients?wait=30", json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
+                latencies.append(time.monotonic() - started)
+                answers.append((i, r.status_code, r.json()))
+                i += 1
+    finally:
+        stop.set()
+        attacker.join()
+    expected = {"headers": 431, "page": 200, "refs": 422, "empty piece": 422, "seed": 422, "shards": 422}
+    assert attacks and all(status == expected[name] for name, status in attacks), attacks
+    assert all(status == 200 for _, status, _ in answers), [a for a in answers if a[1] != 200][:3]
+    ids = [a["job_id"] for _, _, a in answers]
+    assert len(set(ids)) == len(ids) >= 20  # none lost, none answered twice
+    losses = [a["loss"] for _, _, a in answers]
+    assert len(set(losses)) == len(losses)  # each answer is its own job's
+    time.sleep(1)
+    assert _completed(attacked) - completed_before == len(answers)  # each ran once, and nothing else ran
+    assert statistics.median(latencies) < 1.0 and max(latencies) < 5.0, sorted(latencies)[-5:]
+    print(f"{len(answers)} jobs of the other key, latency median {statistics.median(latencies):.3f} s, max "
+          f"{max(latencies):.3f} s; {len(attacks)} attacks")

@@ -480,6 +480,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
                                 "Redis is a read-only replica (a failover is in progress or demoted it)"),
     "redis_unavailable": ErrorCode(503, "RedisRefusesWritesError", "unavailable",
                                    "Redis refuses writes (MISCONF: its snapshots fail; NOREPLICAS; MASTERDOWN)"),
+    "server_busy": ErrorCode(503, "ServerBusyError", "unavailable",
+                             "the API holds GRADSVC_MAX_BODIES_BYTES of request bodies already; see Retry-After"),
     "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
     "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),
 }

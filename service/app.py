@@ -30,6 +30,7 @@ from .api_state import ApiState
 from .auth import Auth
 from .enqueue import Enqueuer
 from .error_responses import handle_exception
+from .http_server import BodyBudget
 from .idempotency import IdempotencyClaims
 from .job_reader import JobReader
 from .queues import JobRecord, Queues
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         state=ApiState(parts),
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
-        middleware=[metrics.middleware],
+        middleware=[metrics.middleware, BodyBudget(settings.max_bodies_bytes).middleware],
         openapi_config=None,
         request_max_body_size=settings.max_body_bytes,
         debug=False,

@@ -3,6 +3,8 @@
 - A request's head (request line and headers) is bounded in bytes and in header lines
   (GRADSVC_MAX_HEADER_BYTES, GRADSVC_MAX_HEADERS): past either the connection is answered 431 and closed, as
   its bytes arrive, before the parser (which keeps a header whole in memory until it ends) holds them.
+- Request bodies held at once are bounded in bytes (GRADSVC_MAX_BODIES_BYTES; a JSON body costs about 4x its
+  size while it is decoded): past it a body is refused 503 server_busy before it is read (BodyBudget).
 - A reader that stops reading its answer is cut: when the bytes waiting to be sent to a connection have not
   gone down for GRADSVC_WRITE_TIMEOUT_S, the connection is aborted, its buffer (a whole result) dropped.
 
@@ -19,6 +21,8 @@ import json
 import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .exceptions import ServiceError
 
 log = logging.getLogger("gradsvc.api")
 
@@ -109,3 +113,59 @@ def protocol(settings) -> type[BoundedProtocol]:
     return type("GradsvcHttpProtocol", (BoundedProtocol,), {
         "max_header_bytes": settings.max_header_bytes, "max_headers": settings.max_headers,
         "write_timeout_s": settings.write_timeout_s})
+
+
+class BodyBudget:
+    """The bytes of request bodies the API holds at once: a body takes its Content-Length (or, sent chunked, its
+    bytes as they arrive) when the handler first reads it, and gives it back when the request ends. A body that
+    would take the total past the limit is refused 503 server_busy, unless it would be the only one."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+
+    def take(self, n: int) -> None:
+        if self.held_bytes and self.held_bytes + n > self.limit_bytes:
+            raise ServiceError("server_busy", f"the API is holding {self.held_bytes} bytes of request bodies and "
+                               f"this one's {n} would take it past its limit of {self.limit_bytes} "
+                               "(GRADSVC_MAX_BODIES_BYTES); retry after Retry-After, or send large tensors by "
+                               "reference (PUT /tensors, as the SDK does) so that bodies stay small",
+                               headers={"Retry-After": "2"}, held_bytes=self.held_bytes, body_bytes=n,
+                               limit_bytes=self.limit_bytes)
+        self.held_bytes += n
+
+    def middleware(self, app):
+        async def wrapped(scope, receive, send):
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            declared = _content_length(scope)
+            taken = 0
+
+            async def counted_receive():
+                nonlocal taken
+                if declared is not None and not taken and declared:
+                    self.take(declared)
+                    taken = declared
+                message = await receive()
+                if declared is None and message["type"] == "http.request" and message.get("body"):
+                    self.take(len(message["body"]))
+                    taken += len(message["body"])
+                return message
+
+            try:
+                await app(scope, counted_receive, send)
+            finally:
+                self.held_bytes -= taken
+
+        return wrapped
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return max(int(value), 0)
+            except ValueError:
+                return None
+    return None

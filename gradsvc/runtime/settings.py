@@ -62,6 +62,9 @@ class Settings:
     queue_prefix: str = "gradsvc"
     # One body: since weights go up by reference in pieces (PUT /tensors), it caps a piece, not a model.
     max_body_bytes: int = _positive(256 * 1024 * 1024)
+    # The bodies the API holds at once, by their sizes (a JSON body costs ~4x its size in memory while decoded):
+    # past it a body is refused 503 server_busy (one body alone is always taken).
+    max_bodies_bytes: int = _positive(1024 * 1024 * 1024)
     # The model a worker builds, weighs and differentiates: 200M admits the common first real models (GPT-2
     # small 124M, BERT-base 110M) with room, at 0.8 GB of float32 weights and as much again in gradients.
     max_parameters: int = _positive(200_000_000)

@@ -112,3 +112,47 @@ def test_the_uvicorn_methods_overridden_are_there_with_their_parameters():
     for name, params in expected.items():
         assert list(inspect.signature(getattr(HttpToolsProtocol, name)).parameters) == params, name
     assert "transport" in inspect.getsource(HttpToolsProtocol.connection_made)
+
+
+def test_bodies_past_the_budget_are_refused_server_busy_while_another_is_held():
+    import asyncio
+
+    from service.exceptions import ServiceError
+
+    budget = http_server.BodyBudget(limit_bytes=1000)
+    release = asyncio.Event()
+    outcomes: list[str] = []
+
+    async def handler(scope, receive, send):
+        try:
+            await receive()
+        except ServiceError as exc:
+            outcomes.append(exc.code)
+            return
+        outcomes.append("read")
+        if scope["path"] == "/hold":
+            await release.wait()
+
+    def request(path: str, size: int, chunked: bool = False):
+        headers = [] if chunked else [(b"content-length", str(size).encode())]
+        scope = {"type": "http", "path": path, "headers": headers}
+
+        async def receive():
+            return {"type": "http.request", "body": b"x" * size, "more_body": False}
+
+        return budget.middleware(handler)(scope, receive, None)
+
+    async def scenario():
+        held = asyncio.ensure_future(request("/hold", 800))
+        await asyncio.sleep(0.01)
+        assert budget.held_bytes == 800
+        await request("/", 300)  # 1100 > 1000: refused
+        await request("/", 300, chunked=True)  # counted as it arrives: refused too
+        await request("/", 150)  # 950: taken
+        release.set()
+        await held
+        assert budget.held_bytes == 0
+        await request("/", 5000)  # alone, a body over the budget is still taken
+
+    asyncio.run(scenario())
+    assert outcomes == ["read", "server_busy", "server_busy", "read", "read"]

@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes,
                       max_refs=settings.max_refs)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
-    sessions = Sessions(auth, queues.aredis, settings.queue_prefix)
+    sessions = Sessions(auth, queues.aredis, settings.queue_prefix, settings.login_failures_per_minute)
     metrics = ApiMetrics(reader)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))

@@ -3,7 +3,7 @@ runs, then the loss, the check per parameter, memory bars per layer, timings and
 
 from __future__ import annotations
 
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import anyio.to_thread
 
@@ -55,9 +55,14 @@ async def login_form(request: Request, state: ApiState) -> Response:
 @post("/ui/login", include_in_schema=False, status_code=303)
 async def login(request: Request, state: ApiState) -> Response:
     sessions = state.sessions
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        # Another site's page posting the form (login CSRF: the browser would hold the attacker's session).
+        raise ServiceError("bad_request", f"the login form was posted from another site (Origin {origin[:100]!r}); "
+                           "log in from this service's own page, /ui/login", header="Origin")
     form = await request.form()
     nxt = _next_path(form.get("next"))
-    token = await sessions.login(str(form.get("key", "")))
+    token = await sessions.login(str(form.get("key", "")), request.client.host if request.client else "")
     if token is None:
         return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=SESSION_TTL_S // 3600,
                          logged_in=False)

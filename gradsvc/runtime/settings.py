@@ -115,6 +115,8 @@ class Settings:
     worker_heartbeat_s: int = _positive(2)
     idempotency_ttl_s: int = _positive(86400)
     rate_limit_per_minute: int = _at_least_zero(0, " (off)")
+    # Wrong keys one client address may try at /ui/login in a minute before it is refused 429 for the rest of it.
+    login_failures_per_minute: int = _at_least_zero(10, " (off)")
     min_shard_rows: int = _positive(256)
     redis_timeout_s: float = _positive(2.0)
     # How long the API keeps an idle keep-alive connection open. It must outlast the clients' own idle

@@ -338,3 +338,18 @@ def test_a_minute_of_attacks_leaves_another_keys_jobs_fast_and_each_run_once(att
     assert statistics.median(latencies) < 1.0 and max(latencies) < 5.0, sorted(latencies)[-5:]
     print(f"{len(answers)} jobs of the other key, latency median {statistics.median(latencies):.3f} s, max "
           f"{max(latencies):.3f} s; {len(attacks)} attacks")
+
+
+def test_the_login_form_refuses_another_sites_origin_and_throttles_wrong_keys(attacked):
+    with httpx.Client(base_url=attacked.base_url, timeout=30) as browser:
+        forged = browser.post("/ui/login", data={"key": KEYS[0], "next": "/ui/jobs"},
+                              headers={"Origin": "https://evil.example"}, follow_redirects=False)
+        assert forged.status_code == 400 and "Origin" in forged.json()["error"]["message"]
+        assert "set-cookie" not in forged.headers
+        same = browser.post("/ui/login", data={"key": KEYS[0], "next": "/ui/jobs"},
+                            headers={"Origin": attacked.base_url}, follow_redirects=False)
+        assert same.status_code == 303 and "gradsvc_session" in same.headers["set-cookie"]
+        if time.time() % 60 > 55:  # the failures are counted per minute: all twelve in one
+            time.sleep(61 - time.time() % 60)
+        statuses = [browser.post("/ui/login", data={"key": f"guess-{i}"}).status_code for i in range(12)]
+    assert statuses[:10] == [401] * 10 and statuses[10:] == [429, 429], statuses

@@ -83,6 +83,19 @@ def test_a_read_only_redis_answers_503_redis_readonly(refusing):
     assert done.status_code == 200, (done.text, refusing.logs())
 
 
+def test_a_redis_short_of_its_replicas_answers_503_redis_unavailable(refusing):
+    r = refusing.redis_client()
+    try:
+        r.config_set("min-replicas-to-write", 1)  # no replica: every write is refused NOREPLICAS
+        _refused_everywhere(refusing, "redis_unavailable")
+    finally:
+        r.config_set("min-replicas-to-write", 0)
+        r.close()
+    with keyed(refusing, KEYS[1]) as http:
+        done = http.post("/gradients?wait=60", json=small_body())
+    assert done.status_code == 200, (done.text, refusing.logs())
+
+
 # --- attacks on one stack that keeps serving: the attacker's key, a bystander's key -----------------------------
 WRITE_TIMEOUT_S = 2
 MAX_REFS = 64

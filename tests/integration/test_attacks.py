@@ -55,11 +55,13 @@ def test_redis_at_maxmemory_answers_503_redis_oom_and_readyz_says_so_and_the_wor
     try:
         r.config_set("maxmemory", 1)
         _refused_everywhere(refusing, "redis_oom")
-        time.sleep(8)  # an idle worker's dequeue timeouts and heartbeats meet the refusals meanwhile
-        assert worker.poll() is None, refusing.logs()
+        starting = refusing.start_worker()  # its registration is a write: it waits rather than exits
+        time.sleep(12)  # an idle worker's dequeue timeouts and heartbeats meet the refusals meanwhile
+        assert worker.poll() is None and starting.poll() is None, refusing.logs()
     finally:
         r.config_set("maxmemory", 0)
         r.close()
+    refusing.wait_ready(workers=2, timeout_s=60)
     metrics = httpx.get(refusing.base_url + "/metrics").text
     assert 'gradsvc_redis_refusals_total{code="redis_oom"}' in metrics
     with keyed(refusing, KEYS[1]) as http:

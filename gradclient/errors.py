@@ -10,7 +10,7 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  |    +-- BodyTooLargeError 413, UnsupportedMediaTypeError 415, RateLimitedError 429 (retry_after_s)
  |    +-- UnknownLayerError, ShapeMismatchError, BadWeightsError, BadTensorError, BadLossError,
  |        BadTargetError, BadOptionError, UnsupportedOpError, NoGradientError, GraphNotFoundError, TensorNotFoundError,
- |        TooLargeError, DeviceUnavailableError                                422
+ |        TooLargeError, DeviceUnavailableError, IdempotencyKeyReusedError     422
  +-- JobFailedError                   the job was queued, ran and failed (job_id says which); never retried
  |    +-- NonFiniteError 422, CanceledError 409, InputLostError 410, ResultTooLargeError 413
  |    +-- WorkerLostError 503, JobTimeoutError 504, OutOfMemoryError 507

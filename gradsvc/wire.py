@@ -460,6 +460,10 @@ ERROR_CODES: dict[str, ErrorCode] = {
                                "a request names more tensor pieces by reference than GRADSVC_MAX_REFS"),
     "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),
     "device_unavailable": ErrorCode(422, "DeviceUnavailableError", "request", "the requested device is not there"),
+    # 422 as the IETF's Idempotency-Key draft (draft-ietf-httpapi-idempotency-key-header) answers a key reused
+    # with another body: the request is well formed, the key cannot name two requests.
+    "idempotency_key_reused": ErrorCode(422, "IdempotencyKeyReusedError", "request",
+                                        "an Idempotency-Key was reused for a different request body"),
     "rate_limited": ErrorCode(429, "RateLimitedError", "request", "this API key sent too many jobs; see Retry-After"),
     "non_finite": ErrorCode(422, "NonFiniteError", "job", "the loss or a gradient is NaN or infinite"),
     "canceled": ErrorCode(409, "CanceledError", "job", "the job was canceled"),

@@ -122,6 +122,8 @@ def _framework_error(request: Request, exc: HTTPException) -> Response:
         allowed = [m for m in every if m not in ("HEAD", "OPTIONS")]
         code = "method_not_allowed"
         message = f"{method} is not allowed on {path}; it accepts {', '.join(allowed) or 'no method'} (see docs/api.md)"
+        if method == "DELETE" and path.startswith("/jobs/"):  # the cancel's route before it moved
+            message += "; to cancel the job, POST /jobs/{id}/cancel"
         detail = {"method": method, "allowed": allowed}
     elif status == 404:
         code = "not_found"

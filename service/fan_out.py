@@ -27,6 +27,7 @@ from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker.fanin import shard_failed, shard_job_id
 from gradsvc.broker.handoff import Handoff
 from gradsvc.broker.job import REDUCE_JOB, SHARD_JOB
+from gradsvc.broker.record import JobMeta, ShardPlace
 from gradsvc.engine.prepare import Prepared
 from gradsvc.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
@@ -153,12 +154,12 @@ def _enqueue(redis: Redis, queue: Queue, cut: Split, record: JobRecord, owner: s
     shard_jobs = [
         Queue.prepare_data(SHARD_JOB, (body,), job_id=sid, on_failure=Callback(shard_failed),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
-                           meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
-                                           "prefix": record.prefix, "owner": owner}}, **ttls)
+                           meta=JobMeta(shard=ShardPlace(parent=job_id, index=k, count=count, rows=[a, b],
+                                                         prefix=record.prefix, owner=owner)).as_meta(), **ttls)
         for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, cut.bounds))]
     reduce = queue.create_job(REDUCE_JOB, args=(dataclasses.asdict(cut.plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
-                              description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
+                              description=f"gradients, {count} shards", meta=JobMeta(owner=owner, shards=shard_ids).as_meta(),
                               **ttls)
     reduce.origin = queue.name
     reduce.enqueued_at = now()

@@ -36,6 +36,7 @@ from gradsvc.broker import keys
 from gradsvc.broker.connection import REFUSAL_ERRORS, refusal
 from gradsvc.broker.job import GRADIENT_JOB, GradientJob
 from gradsvc.broker.leases import LeaseRegistry, lease_s
+from gradsvc.broker.record import JobMeta
 
 from .transaction import SentTransaction
 from .watchdog import WATCHDOG_S, Running, Watchdog
@@ -113,7 +114,8 @@ class GradientWorker(SimpleWorker):
         self.set_state(WorkerStatus.BUSY, pipeline=pipe)
         self._starting = pipe
         # A shard stops on its parent job's flag (DELETE, or a failed sibling), as workers/jobs.py polls it.
-        cancel_id = (job.meta.get("shard") or {}).get("parent") or job.id
+        shard = JobMeta.of(job.meta).shard
+        cancel_id = shard.parent if shard else job.id
         self._running = Running(job, execution, time.monotonic(), keys.cancel_key(self.prefix, cancel_id))
         return execution
 

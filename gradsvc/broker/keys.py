@@ -64,7 +64,7 @@ def rq_results_stream(job_id: str) -> str:
 
 
 def cancel_key(prefix: str, job_id: str) -> str:
-    """Set by DELETE /jobs/{id} for a running job; the job checks it between steps and stops."""
+    """Set by POST /jobs/{id}/cancel for a running job; the job checks it between steps and stops."""
     return f"{prefix}:cancel:{job_id}"
 
 
@@ -115,7 +115,7 @@ def session_key(prefix: str, token: str) -> str:
 def epoch_key(prefix: str) -> str:
     """The current data epoch: "<8 hex> <unix time it began> <run_id of the Redis it began on>", created
     when missing. Redis restarted empty has none, so the next reader starts a new epoch: job ids carry the
-    epoch they were issued in (their first 8 hex digits), which tells a job Redis lost from one that never
+    epoch they were issued in (their last 8 hex digits), which tells a job Redis lost from one that never
     existed (service/epochs.py: also when another Redis process may have lost the last writes)."""
     return f"{prefix}:epoch"
 

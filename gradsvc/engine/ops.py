@@ -277,7 +277,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
 
 OPS, SKIPPED = _build_table()  # SKIPPED: none on torch 2.13
 
-ALLOWED_OPS_DOC = "README.md, section 'Graph format (exported models)' (the list: gradsvc/engine/ops.py)"
+ALLOWED_OPS_DOC = "docs/graph-format.md (the list: gradsvc/engine/ops.py, and GET /schema)"
 
 
 def op_catalogue() -> list[str]:

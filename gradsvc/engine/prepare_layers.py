@@ -158,7 +158,7 @@ def _weights(request: GradientRequest, facts: "_Facts", dtype: torch.dtype, max_
 
 # A CPU worker keeps the models it built, per (spec, dtype, device), and reuses one for the next request of
 # the same spec: building a model (module construction, default init on meta, storage) is most of a small
-# job's worker time (seed [A]: ~0.6 of 1.1 ms, bench/summary.py). A model is checked out exclusively
+# job's worker time (the 6-8-3 tanh net: ~0.6 of 1.1 ms, bench/summary.py). A model is checked out exclusively
 # (prepare) and handed back after a successful compute (release_model), so two computes never share one.
 # What a request could leave in it is reset by prepare: every state_dict entry is loaded, requires_grad is
 # set per request (passes.trainable), the memory hooks are removed as they finish; a model with state
@@ -186,7 +186,7 @@ class Built:
     built: its state_dict's own tensors (`slots`) when every module loads as nn.Module does (no load hooks, no
     override of its own), so prepare copies each entry in place instead of walking the modules through
     load_state_dict on every request; and whether it may go back to the pool (`keep`), which release_model found by
-    walking it after every request (both walks: seed [A]'s compute in process 1.04 -> 0.89 ms)."""
+    walking it after every request (both walks: the 6-8-3 tanh net's compute in process 1.04 -> 0.89 ms)."""
 
     model: nn.Module
     slots: dict[str, torch.Tensor] | None

@@ -2,7 +2,7 @@
 
 Every flag overrides the GRADSVC_* variable of the same name (GRADSVC_HOST, GRADSVC_PORT,
 GRADSVC_WORKERS, GRADSVC_WORKER_DEVICE, GRADSVC_REDIS_URL); the rest of the settings come from the
-environment only (README, Settings).
+environment only (docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -135,6 +135,9 @@ class Settings:
     # The job page draws at most this many nodes of the grad_fn chain (the nearest the loss; the page says how
     # many it left out): the drawing's cost grows with its nodes, and a long recurrent chain has tens of thousands.
     page_graph_nodes: int = _positive(400)
+    # /schema and /docs describe the API, no caller's data: open by default, so a client generator can read the
+    # schema with keys on; set, they ask for a key (or the browser's session) like the other routes.
+    docs_require_key: bool = False
     # Large bodies and results handed over as files when the API and the workers share a host
     # (gradsvc/broker/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
     # dir under /dev/shm. Smaller payloads go through Redis as before.

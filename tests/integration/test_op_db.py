@@ -29,7 +29,7 @@ from gradsvc.engine.ops import OPS
 from tests.support.nets import from_wire
 from tests.support.suite import TEST_ALL
 
-MIN_CONFORMING = 185  # measured 186 of 224 (README, "Any model")
+MIN_CONFORMING = 185  # measured 186 of 224 (docs/models.md)
 # Samples per op: one in `make test` (each allow-listed op still against torch's own gradient), two in
 # `make test-all` (GRADSVC_TEST_ALL=1), which the README's figure was measured with.
 SAMPLES_PER_OP = 2 if TEST_ALL else 1

@@ -44,7 +44,7 @@ def test_the_same_request_without_the_split_reaches_the_queue(api):
 
 @pytest.mark.parametrize("shards", [0, 300, -1])
 def test_shards_outside_1_to_256_is_a_400_invalid_body_as_the_schema_declares(api, shards):
-    """Issue 26 item 3: the range was the engine's (422 bad_option) and missing from GET /schema."""
+    """The range is the schema's (400 invalid_body, declared in GET /schema), not the engine's 422 bad_option."""
     linear = [{"type": "Linear", "in_features": 6, "out_features": 3}]
     r = api.post("/gradients", json=body(layers=linear, shards=shards))
     assert r.status_code == 400, r.text

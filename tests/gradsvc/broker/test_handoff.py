@@ -282,7 +282,7 @@ def test_up_makes_one_dir_per_port_and_claims_it(tmp_path):
 
 
 def test_the_launchers_pid_file_is_mode_0600_as_the_dirs_other_files(tmp_path):
-    """Issue 26 item 7: launcher.pid was written 0644 (the umask's) where the README says files are 0600."""
+    """launcher.pid is 0600 like every file of the dir (docs/large-models.md), not 0644 (the umask's)."""
     from gradsvc.runtime.launcher import OWNER_FILE, claim_handoff_dir
 
     old = os.umask(0o022)

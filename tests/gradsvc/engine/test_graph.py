@@ -402,7 +402,7 @@ def test_unknown_op_is_unsupported_op_naming_op_node_module_and_where_the_list_i
     err = refused(spec([linear(), {"name": "z", "op": "aten.not_an_op.default", "args": [{"node": "y"}],
                                    "module": "block.3", "module_type": "Mystery"}]), "unsupported_op")
     assert "'aten.not_an_op.default'" in err.message and "'z'" in err.message and "'block.3'" in err.message
-    assert "README" in err.message
+    assert "docs/graph-format.md" in err.message
     assert err.detail == {"op": "aten.not_an_op.default", "node": "z", "module": "block.3"}
 
 

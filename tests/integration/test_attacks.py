@@ -101,12 +101,13 @@ def test_a_redis_short_of_its_replicas_answers_503_redis_unavailable(refusing):
 # --- attacks on one stack that keeps serving: the attacker's key, a bystander's key -----------------------------
 WRITE_TIMEOUT_S = 2
 MAX_REFS = 64
+MAX_BODIES = 4 << 20
 
 
 @pytest.fixture(scope="module")
 def attacked() -> Stack:
     s = start_stack(workers=1, GRADSVC_API_KEYS=",".join(KEYS), GRADSVC_WRITE_TIMEOUT_S=str(WRITE_TIMEOUT_S),
-                    GRADSVC_MAX_REFS=str(MAX_REFS))
+                    GRADSVC_MAX_REFS=str(MAX_REFS), GRADSVC_MAX_BODIES_BYTES=str(MAX_BODIES))
     yield s
     s.stop()
 
@@ -206,6 +207,32 @@ def test_a_reader_that_never_reads_a_large_result_is_cut_after_the_write_timeout
         assert got < 16 << 20  # cut, the rest dropped: the connection did not wait for the reader
     metrics = httpx.get(attacked.base_url + "/metrics").text
     assert 'gradsvc_http_connections_closed_total{reason="stalled_reader"} 3.0' in metrics
+
+
+def test_a_body_past_the_bodies_budget_is_503_server_busy_while_another_is_held(attacked):
+    import hashlib
+    import threading
+
+    def slow_chunks():
+        for _ in range(48):  # 3 MiB over ~2.4 s: held by the API all that while
+            yield b"\x00" * (64 << 10)
+            time.sleep(0.05)
+
+    held: list[httpx.Response] = []
+    with keyed(attacked, KEYS[0]) as http:
+        uploader = threading.Thread(target=lambda: held.append(http.put(
+            f"/tensors/{hashlib.sha256(b'x').hexdigest()}", content=slow_chunks(),
+            headers={"content-length": str(3 << 20)})))
+        uploader.start()
+        time.sleep(0.8)
+        with keyed(attacked, KEYS[1]) as other:
+            r = other.post("/gradients", content=b" " * (2 << 20), headers={"content-type": "application/json"})
+        uploader.join()
+        after = http.post("/gradients?wait=60", json=small_body())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text[:300]
+    assert int(r.headers["retry-after"]) > 0 and "GRADSVC_MAX_BODIES_BYTES" in r.json()["error"]["message"]
+    assert held[0].status_code == 422  # the held body was read whole (its digest is not the path's)
+    assert after.status_code == 200  # the budget was given back
 
 
 def test_a_zero_byte_piece_is_refused_at_upload_not_reported_held(attacked):

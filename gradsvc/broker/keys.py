@@ -129,3 +129,14 @@ def replication_mark_key(prefix: str) -> str:
 def past_epochs_key(prefix: str) -> str:
     """The epochs before the current one that an API process remembered when it started a new one."""
     return f"{prefix}:epochs"
+
+
+def write_probe_key(prefix: str) -> str:
+    """What /readyz and a starting worker write (a byte, for seconds) to learn whether Redis takes writes: at
+    maxmemory, read-only after a failover or failing its snapshots it answers reads and refuses writes."""
+    return f"{prefix}:write-probe"
+
+
+def login_failures_key(prefix: str, client: str, window: int) -> str:
+    """Failed /ui/login attempts from one client address in one minute (service/sessions.py throttles them)."""
+    return f"{prefix}:login-failures:{client}:{window}"

@@ -17,6 +17,8 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  +-- ServiceUnavailableError          try again later (the SDK retries these with backoff)
  |    +-- ConnectionFailedError        connection_failed: the service could not be reached
  |    +-- QueueUnavailableError 503, NotReadyError 503
+ |    +-- RedisOutOfMemoryError, RedisReadOnlyError, RedisRefusesWritesError 503: Redis refuses writes
+ |    +-- ServerBusyError 503: the API holds GRADSVC_MAX_BODIES_BYTES of bodies already
  +-- InternalServerError              500: a gradsvc bug
 
 The code-specific classes are built from gradsvc.wire.ERROR_CODES, the table the API and the workers

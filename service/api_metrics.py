@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from gradsvc.broker.runs import RunStore
@@ -98,6 +98,20 @@ class _RunCollector:
         yield from per_module.values()
 
 
+class _ConnectionCollector:
+    """What service/http_server.py refused or cut, by reason (it counts them: it runs below the app)."""
+
+    def collect(self):
+        from .http_server import CLOSED
+
+        closed = CounterMetricFamily("gradsvc_http_connections_closed", "HTTP connections the API refused or cut: "
+                                     "headers_too_large (431), stalled_reader (GRADSVC_WRITE_TIMEOUT_S).",
+                                     labels=["reason"])
+        for reason, n in CLOSED.items():
+            closed.add_metric([reason], n)
+        yield closed
+
+
 class ApiMetrics:
     def __init__(self, reader: "JobReader", runs: "RunStore | None" = None,
                  settings: "Settings | None" = None) -> None:
@@ -118,7 +132,12 @@ class ApiMetrics:
         self.tensor_evictions = Counter("gradsvc_tensor_evictions_total",
                                         "Tensor pieces evicted by an owner's byte budget (GRADSVC_TENSOR_BUDGET_BYTES).",
                                         registry=self.registry)
+        self.redis_refusals = Counter("gradsvc_redis_refusals_total",
+                                      "Requests answered 503 because Redis refused a write, by the code answered "
+                                      "(redis_oom, redis_readonly, redis_unavailable).", ["code"],
+                                      registry=self.registry)
         self.registry.register(_RedisCollector(reader))
+        self.registry.register(_ConnectionCollector())
         if runs is not None and settings is not None:
             self.registry.register(_RunCollector(runs, settings))
 

@@ -31,6 +31,7 @@ from .api_state import ApiState
 from .auth import Auth
 from .enqueue import Enqueuer
 from .error_responses import handle_exception
+from .http_server import BodyBudget
 from .idempotency import IdempotencyClaims
 from .job_reader import JobReader
 from .queues import JobRecord, Queues
@@ -73,9 +74,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
     # connection of their own whose timeout covers sending one at 1 MB/s.
     piece_redis = sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
                              socket_timeout=settings.redis_timeout_s + PIECE_SEND_S)
-    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
+    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes,
+                      max_refs=settings.max_refs)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
-    sessions = Sessions(auth, queues.aredis, settings.queue_prefix)
+    sessions = Sessions(auth, queues.aredis, settings.queue_prefix, settings.login_failures_per_minute)
     runs = RunStore(queues.redis, settings.queue_prefix, RunBounds.from_settings(settings))
     metrics = ApiMetrics(reader, runs, settings)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
@@ -106,7 +108,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         state=ApiState(parts),
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
-        middleware=[metrics.middleware],
+        middleware=[metrics.middleware, BodyBudget(settings.max_bodies_bytes).middleware],
         openapi_config=None,
         request_max_body_size=settings.max_body_bytes,
         debug=False,

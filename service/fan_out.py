@@ -33,6 +33,7 @@ from gradsvc.engine.reduce import ShardPlan, check_shardable, plan_for, split_ro
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
 
 from . import recent
+from .exceptions import ServiceError
 from .queues import JobRecord
 
 _encoder = msgspec.msgpack.Encoder()
@@ -48,6 +49,13 @@ def shard_count(option: int | str, rows: int, live_workers: Callable[[], int], m
 
 # --- slicing wire values by rows, without torch -----------------------------------------------------------
 def _slice_tensor(t: Tensor, a: int, b: int) -> Tensor:
+    if t.data is None and t.b64 is None:
+        # Its bytes are pieces in Redis, cut where the uploader cut them, not at rows: the API holds no bytes
+        # to slice, and fetching them here would put the whole batch through the API's memory.
+        raise ServiceError("bad_option", "options.shards splits the batch by rows, and a batched input or target "
+                           "here is sent by reference (refs), whose pieces cannot be split by rows; send the batched "
+                           "inputs and targets inline ('data' or 'b64'; weights may stay by reference), or set "
+                           "options.shards to 1", option="shards")
     shape = [b - a, *t.shape[1:]]
     if t.b64 is not None or raw_data(t) is not None:
         import base64

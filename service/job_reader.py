@@ -280,6 +280,10 @@ class JobReader:
     def ping(self) -> bool:
         return bool(self.redis.ping())
 
+    def probe_write(self) -> None:
+        """One short-lived write: Redis at maxmemory, read-only or failing its snapshots raises here."""
+        self.redis.set(keys.write_probe_key(self.prefix), b"1", px=10_000)
+
     def workers(self) -> list[Worker]:
         return Worker.all(connection=self.redis)
 

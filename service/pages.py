@@ -4,7 +4,9 @@ training runs and one page per run (its curves, module x step heatmaps and check
 
 from __future__ import annotations
 
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
+
+import anyio.to_thread
 
 import anyio.to_thread
 from litestar import Request, Response, get, post
@@ -59,9 +61,14 @@ async def login_form(request: Request, state: ApiState) -> Response:
 @post("/ui/login", include_in_schema=False, status_code=303)
 async def login(request: Request, state: ApiState) -> Response:
     sessions = state.sessions
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        # Another site's page posting the form (login CSRF: the browser would hold the attacker's session).
+        raise ServiceError("bad_request", f"the login form was posted from another site (Origin {origin[:100]!r}); "
+                           "log in from this service's own page, /ui/login", header="Origin")
     form = await request.form()
     nxt = _next_path(form.get("next"))
-    token = await sessions.login(str(form.get("key", "")))
+    token = await sessions.login(str(form.get("key", "")), request.client.host if request.client else "")
     if token is None:
         return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=SESSION_TTL_S // 3600,
                          logged_in=False)
@@ -100,13 +107,14 @@ async def job_page(request: Request, viewer: str | None, state: ApiState, job_id
         if exc.code != "not_found":
             raise
         return html.page("missing.html", status_code=404, message=exc.message, logged_in=sessions.auth.enabled)
-    context = job_context(job)
-    if job.status == "finished":
-        context["run"] = await anyio.to_thread.run_sync(state.runs.job_run, job_id)
-    return html.page("job.html", logged_in=sessions.auth.enabled, **context)
+    max_nodes = state.settings.page_graph_nodes
+    run = await anyio.to_thread.run_sync(state.runs.job_run, job_id) if job.status == "finished" else None
+    # Off the event loop: a result's page (its drawing, its tables) costs time that grows with the result.
+    return await anyio.to_thread.run_sync(
+        lambda: html.page("job.html", logged_in=sessions.auth.enabled, **{**job_context(job, max_nodes), "run": run}))
 
 
-def job_context(job: JobInfo) -> dict:
+def job_context(job: JobInfo, max_graph_nodes: int = graph_svg.DEFAULT_MAX_NODES) -> dict:
     """What job.html shows: the job, and for a result its bars (percentages of the largest) and chain."""
     r = job.result
     context = {"job": job, "r": r, "running": job.status in ("queued", "started"), "refresh_s": REFRESH_S,
@@ -124,7 +132,8 @@ def job_context(job: JobInfo) -> dict:
                               for phase, ms in times.items()]
     context.update(_diagnostics_rows(r))
     if r.graph:
-        context["graph_svg"] = Markup(graph_svg.render(r.graph))  # names escaped by graph_svg itself
+        # names escaped by graph_svg itself
+        context["graph_svg"] = Markup(graph_svg.render(r.graph, max_graph_nodes))
     return context
 
 

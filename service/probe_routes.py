@@ -1,5 +1,6 @@
-"""What the service says about itself: /healthz and /readyz (probes, no API key), /metrics (Prometheus),
-/schema (the OpenAPI document), /layers (the layer table), and / (a browser sent to the docs)."""
+"""What the service says about itself: /healthz and /readyz (probes, no API key; ready: Redis reachable and
+taking writes, a worker alive), /metrics (Prometheus), /schema (the OpenAPI document), /layers (the layer
+table), and / (a browser sent to the docs)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ async def readyz(request: Request, state: ApiState) -> Response:  # a probe: no 
 
     def check() -> int:
         reader.ping()
+        reader.probe_write()  # a Redis that answers but refuses writes is not ready: 503 with its code
         reader.epochs.refresh()  # Redis restarted empty: a new epoch, and ids of the old one read as lost
         return len(reader.workers())
 

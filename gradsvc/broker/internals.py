@@ -18,6 +18,9 @@ methods; each further one is listed with its reason):
     bootstrap, teardown       the heartbeat thread starts and stops with the worker
     check_for_suspension      checked once a second at most, not before every job
     run_maintenance_tasks     expired leases are reaped by the heartbeat thread instead
+    dequeue_job_and_maintain_ttl
+                              Redis refusing writes (OOM, READONLY, a failover's UNBLOCKED) is waited out
+                              as RQ waits out a lost connection, not the end of the worker
 
 Private or undocumented names used:
 
@@ -57,6 +60,7 @@ RELIED_ON: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     ("rq.worker.SimpleWorker.teardown", ("self",)),
     ("rq.worker.SimpleWorker.check_for_suspension", ("self", "burst")),
     ("rq.worker.SimpleWorker.run_maintenance_tasks", ("self",)),
+    ("rq.worker.SimpleWorker.dequeue_job_and_maintain_ttl", ("self", "timeout", "max_idle_time")),
     ("rq.job.Job._handle_success", ("self", "result_ttl", "pipeline", "worker_name", "execution_id",
                                     "execution_started_at", "execution_ended_at")),
     ("rq.job.Job.restore", ("self", "raw_data")),

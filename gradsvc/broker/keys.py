@@ -159,3 +159,14 @@ def run_job_key(prefix: str, job_id: str) -> str:
     """The run and step a finished job was recorded as (a hash): written once, so a job recorded already (a
     retried transaction) records nothing again; the job page links to its run from it."""
     return f"{prefix}:run-job:{job_id}"
+
+
+def write_probe_key(prefix: str) -> str:
+    """What /readyz and a starting worker write (a byte, for seconds) to learn whether Redis takes writes: at
+    maxmemory, read-only after a failover or failing its snapshots it answers reads and refuses writes."""
+    return f"{prefix}:write-probe"
+
+
+def login_failures_key(prefix: str, client: str, window: int) -> str:
+    """Failed /ui/login attempts from one client address in one minute (service/sessions.py throttles them)."""
+    return f"{prefix}:login-failures:{client}:{window}"

@@ -88,6 +88,30 @@ def test_the_grad_fn_svg_draws_a_box_per_node_and_an_arrow_per_edge():
     assert svg.count('class="grad-fn"') == 4 and svg.count("<line") == 4
 
 
+def _recurrent_chain(steps: int) -> list[GraphNode]:
+    """The grad_fn chain of a one-unit RNN over `steps` steps: four nodes a step, each pointing at the next."""
+    n = 4 * steps + 12
+    return [GraphNode(id=i, name=f"AddmmBackward{i % 4}", next=[i + 1] if i + 1 < n else []) for i in range(n)]
+
+
+def test_a_24012_node_chain_is_drawn_in_milliseconds_and_summarised_past_the_node_limit():
+    import time
+
+    nodes = _recurrent_chain(6000)
+    started = time.perf_counter()
+    svg = render(nodes, 400)
+    took_s = time.perf_counter() - started
+    assert took_s < 1.0  # the quadratic layout took 38.8 s here, on the event loop
+    assert svg.count('class="grad-fn"') == 400 and svg.count("<line") == 399
+    assert "the 400 nodes nearest the loss of 24012; 23612 more" in svg
+    assert 'data-id="0"' in svg and 'data-id="399"' in svg and 'data-id="400"' not in svg
+
+
+def test_a_chain_within_the_node_limit_is_drawn_whole_with_no_summary():
+    svg = render(_recurrent_chain(10), 400)
+    assert svg.count('class="grad-fn"') == 52 and "grad-fn-summary" not in svg
+
+
 @pytest.fixture(scope="module")
 def keyed() -> TestClient:
     # A dead Redis: the login form's failure and the redirects need none.

@@ -136,6 +136,8 @@ class ApiMetrics:
                                       "Requests answered 503 because Redis refused a write, by the code answered "
                                       "(redis_oom, redis_readonly, redis_unavailable).", ["code"],
                                       registry=self.registry)
+        for code in ("redis_oom", "redis_readonly", "redis_unavailable"):
+            self.redis_refusals.labels(code)  # exported at 0 from the start, as Prometheus advises for known labels
         self.registry.register(_RedisCollector(reader))
         self.registry.register(_ConnectionCollector())
         if runs is not None and settings is not None:

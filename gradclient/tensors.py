@@ -39,17 +39,46 @@ def is_tensor_like(x: Any) -> bool:
 
 
 def several_inputs(x: Any) -> bool:
-    """Several model inputs: a mapping of named tensors (a Hugging Face batch), or a list or tuple whose
-    items are all tensors or arrays (the positional arguments). A nested list of numbers is one tensor."""
+    """Several model inputs: a mapping of named inputs (a Hugging Face batch), or a list or tuple whose
+    items are all tensors or arrays, or nested tuples, lists or dicts of them (the positional arguments). A
+    nested list of numbers is one tensor."""
     if isinstance(x, wire.Tensor):
         return False
     if isinstance(x, typing.Mapping):
         return True
-    return isinstance(x, (list, tuple)) and bool(x) and all(is_tensor_like(v) or isinstance(v, wire.Tensor) for v in x)
+    return isinstance(x, (list, tuple)) and bool(x) and all(_tensor_or_tree(v) for v in x)
+
+
+def _tensor_or_tree(v: Any) -> bool:
+    return is_tensor_like(v) or isinstance(v, wire.Tensor) or is_tree(v) or isinstance(v, typing.Mapping)
+
+
+def is_tree(v: Any) -> bool:
+    """A tuple or list holding tensors (or more of them, nested): an argument such as an LSTM's (h, c)."""
+    return isinstance(v, (list, tuple)) and bool(v) and all(_tensor_or_tree(x) for x in v)
+
+
+def is_nested(x: Any) -> bool:
+    """Inputs of which some argument is itself a tuple, list or dict of tensors."""
+    values = x.values() if isinstance(x, typing.Mapping) else x if isinstance(x, (list, tuple)) else []
+    return any(is_tree(v) or isinstance(v, typing.Mapping) for v in values)
+
+
+def input_leaves(x: Any, where: str = "inputs") -> list[tuple[str, Any]]:
+    """(where, tensor) of every tensor in nested inputs, in the order torch.export flattens them (the graph's
+    inputs): tuples and lists in order, dicts by key in insertion order."""
+    if isinstance(x, typing.Mapping):
+        return [leaf for k, v in x.items() for leaf in input_leaves(v, f"{where}[{k!r}]")]
+    if isinstance(x, (list, tuple)) and (where == "inputs" or is_tree(x)):
+        return [leaf for i, v in enumerate(x) for leaf in input_leaves(v, f"{where}[{i}]")]
+    return [(where, x)]
 
 
 def inputs_to_wire(x: Any, fmt: str = "msgpack") -> Any:
-    """A request's `inputs`: one tensor, a list of tensors (positional) or an object of named tensors."""
+    """A request's `inputs`: one tensor, a list of tensors (positional) or an object of named tensors; nested
+    inputs as the list of their tensors in the graph's order."""
+    if several_inputs(x) and is_nested(x):
+        return [_one(v, where, fmt) for where, v in input_leaves(x)]
     if several_inputs(x):
         if isinstance(x, typing.Mapping):
             return {_name(k): _one(v, f"inputs[{k!r}]", fmt) for k, v in x.items()}

@@ -113,6 +113,10 @@ class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
     constants: dict[str, Tensor] = {}
     buffer_mutations: dict[str, str] = {}
     version: int = 1
+    # The structure forward returns, over `outputs`: an integer is outputs[i], a list a tuple or list, an
+    # object a dict or ModelOutput (by key), null a None. Absent: the outputs as a flat tuple. It names the
+    # outputs `loss: {"output": ...}` may pick and shapes `result.outputs`.
+    output_tree: Any = None
     # Custom autograd Functions the nodes call (op "function.<key>"), by key.
     functions: dict[str, FunctionSpec] = {}
 
@@ -144,11 +148,16 @@ class ModelSpec(Struct, forbid_unknown_fields=True):
 
 
 class LossSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    type: str
+    """A built-in loss (`type`), or the model's own loss: `{"type": "output"}`, or `{"output": k}` naming the
+    scalar among forward's outputs (k: a position in the tuple it returns, or a key of the dict or
+    ModelOutput it returns)."""
+
+    type: str | None = None
     reduction: str = "mean"
     name: str | None = None
     weight: float = 1.0
     target: str | None = None
+    output: int | str | None = None
 
 
 class HvpOptions(Struct, forbid_unknown_fields=True):
@@ -185,6 +194,8 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # false: the batch's gradient is neither computed nor returned (every gradient null), only what
     # per_sample asks for: a sweep of per-example norms over a dataset with fixed weights.
     batch_gradient: bool = True
+    # Graph models: return forward's outputs (result.outputs, the structure forward returns).
+    outputs: bool = False
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
@@ -348,6 +359,12 @@ class GradientResult(Struct, omit_defaults=False):
     # The seed this job ran with (model.seed): dropout masks and the random HVP vector; send it again to
     # repeat the call exactly.
     seed: int = 0
+    # Graph models: the new value of each buffer forward writes (batch norm's running statistics and
+    # counters), by state_dict name, as one forward over the whole batch leaves it; null when forward
+    # writes none, or when the batch ran in parts (micro_batch, shards).
+    buffers: dict[str, Tensor] | None = None
+    # options.outputs: forward's outputs, in the structure of the graph's output_tree (tensors as elsewhere).
+    outputs: Any = None
 
 
 class Estimate(Struct):

@@ -55,7 +55,8 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
 
 
 _OWN_LOSS = {"anyOf": [{"const": "output"},
-                       {"type": "object", "required": ["type"], "properties": {"type": {"const": "output"}}}]}
+                       {"type": "object", "required": ["type"], "properties": {"type": {"const": "output"}}},
+                       {"type": "object", "required": ["output"], "properties": {"output": {"not": {"type": "null"}}}}]}
 
 
 def _declare_targets(request: dict[str, Any]) -> None:

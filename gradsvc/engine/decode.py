@@ -28,10 +28,13 @@ def loss_terms(request: GradientRequest) -> list[LossTerm]:
             name = spec.name or f"loss{i}"
             if any(t.name == name for t in terms):
                 raise SpecError("bad_loss", f"two losses are named {name!r}; give each a distinct 'name'", loss=name)
+            if spec.output is not None:
+                raise SpecError("bad_loss", f"losses[{i}]: 'output' (the model's own loss) stands alone; give it as "
+                                "'loss', not in 'losses'", loss=name)
             terms.append(make_term(name, spec.type, spec.reduction, spec.weight, spec.target))
         return terms
     loss = request.loss if request.loss is not None else "cross_entropy"
-    if loss == OWN_LOSS or (isinstance(loss, LossSpec) and loss.type == OWN_LOSS):
+    if loss == OWN_LOSS or (isinstance(loss, LossSpec) and (loss.type == OWN_LOSS or loss.output is not None)):
         return [own_term(loss)]
     if isinstance(loss, str):
         return [make_term("loss", loss, "mean", 1.0, None)]

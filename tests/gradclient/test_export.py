@@ -52,12 +52,30 @@ class DataDependent(nn.Module):
         return -self.fc(x)
 
 
+def test_control_flow_on_values_is_captured_as_this_call_ran_it(capfd):
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(3, 4).abs()  # x.sum() > 0: the first branch
+    eg = export_graph(model, (x,))
+    assert eg.capture == "specialised" and not eg.dynamic_batch
+    assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
+    assert capfd.readouterr().err == ""  # neither torch's logs nor the failed traces' graphs
+
+
+class LeavesTorch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.from_numpy(x.detach().numpy() * 2))  # through numpy: no capture can follow it
+
+
 def test_unexportable_module_raises_unsupported_module_with_torchs_reason():
     with pytest.raises(UnsupportedModuleError) as info:
-        export_graph(DataDependent(), (torch.randn(3, 4),))
+        export_graph(LeavesTorch(), (torch.randn(3, 4),))
     message = str(info.value)
-    assert "torch.export cannot capture DataDependent" in message
-    assert "data-dependent" in message.lower() or "guard" in message.lower()
+    assert "torch.export cannot capture LeavesTorch" in message
+    assert "numpy" in message.lower()
 
 
 def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():

@@ -198,3 +198,13 @@ def test_options_outputs_is_refused_with_micro_batch():
     with pytest.raises(SpecError, match="options.outputs") as err:
         compute(request(model, (ids, state), loss="cross_entropy", targets=y, outputs=True, micro_batch=2), CONFIG)
     assert err.value.code == "bad_option"
+
+
+def test_splitting_the_batch_is_refused_for_a_state_batched_along_dim_1():
+    torch.manual_seed(0)
+    model = StatefulLM()
+    ids, y = torch.randint(0, 17, (4, 5)), torch.randint(0, 17, (20,))
+    state = (torch.zeros(1, 4, 12), torch.zeros(1, 4, 12))
+    with pytest.raises(SpecError, match="options.micro_batch") as err:
+        compute(request(model, (ids, state), loss="cross_entropy", targets=y, micro_batch=2), CONFIG)
+    assert err.value.code == "bad_option"

@@ -559,17 +559,16 @@ def test_a_dcgan_loop_with_adam_and_batch_norm_ends_on_the_local_loops_state_dic
     batches = [(torch.rand(4, 1, 8, 8, generator=gen) * 2 - 1, torch.randn(4, 8, 1, 1, generator=gen))
                for _ in range(3)]
     for real, z in batches:
-        for model, opt, step in ((DiscriminatorLoss(d_here, g_here), opt_d_here, (real, z)),
-                                 (GeneratorLoss(g_here, d_here), opt_g_here, (z,))):
+        for make, opt, args in ((DiscriminatorLoss, opt_d_here, (real, z)), (GeneratorLoss, opt_g_here, (z,))):
             opt.zero_grad()
-            model(*step).backward()
+            make(g_here, d_here)(*args).backward()
             opt.step()
-        for model, opt, step in ((DiscriminatorLoss(d, g), opt_d, (real, z)), (GeneratorLoss(g, d), opt_g, (z,))):
-            model = DiscriminatorLoss(g, d) if len(step) == 2 else model
-            result = client.gradients(model, step, loss="output", numcheck="off")
+        for make, opt, args in ((DiscriminatorLoss, opt_d, (real, z)), (GeneratorLoss, opt_g, (z,))):
+            step = make(g, d)
+            result = client.gradients(step, args, loss="output", numcheck="off")
             assert result.buffers  # forward's batch norm statistics came back and were written into g and d
             opt.zero_grad()
-            result.set_grads(model)
+            result.set_grads(step)
             opt.step()
     assert_state_dicts_close(g.state_dict(), g_here.state_dict())
     assert_state_dicts_close(d.state_dict(), d_here.state_dict())

@@ -68,9 +68,9 @@ def _example_tree(v, where: str):
 
 def _example(v, where: str) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
-        if v.layout != torch.strided:
-            raise BadTensorError(f"{where}: a {str(v.layout).removeprefix('torch.')} tensor cannot be sent to an "
-                                 "exported module yet; send it dense (.to_dense()) and let forward read it as such")
+        if v.layout not in (torch.strided, torch.sparse_coo, torch.sparse_csr):
+            raise BadTensorError(f"{where}: a {str(v.layout).removeprefix('torch.')} tensor cannot travel; send it "
+                                 "dense, sparse COO (.to_sparse()) or sparse CSR (.to_sparse_csr())")
         return v.detach()
     if isinstance(v, (bool, str, bytes, type(None))):
         raise BadTensorError(f"{where}: cannot send a {type(v).__name__} to an exported module; each input is a "
@@ -89,7 +89,8 @@ def batch_dims(xs: list[torch.Tensor]) -> list[int | None]:
     when only its dim 1 is (an RNN's (layers, batch, hidden) state), else None (a graph's edge_index
     (2, edges), a mask shared by every example: it goes whole to every part of a split batch)."""
     rows = next((x.shape[0] for x in xs if x.dim() >= 1), None)
-    return [0 if x.dim() >= 1 and x.shape[0] == rows else
+    return [None if x.layout != torch.strided else  # a sparse adjacency is the whole graph, shared by its nodes
+            0 if x.dim() >= 1 and x.shape[0] == rows else
             1 if x.dim() >= 3 and x.shape[1] == rows else None for x in xs]
 
 

@@ -249,7 +249,7 @@ def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
     modes = tuple(m.training for m in model.modules())
     xs, tree = pytree.tree_flatten((args, kwargs))
     attributes = tuple(_plain_attributes(m) for m in model.modules())
-    shapes = tuple((str(x.dtype), tuple(x.shape[1:]) if b else tuple(x.shape), b)
+    shapes = tuple((str(x.dtype), str(x.layout), tuple(x.shape[1:]) if b else tuple(x.shape), b)
                    for x, b in zip(xs, batched_inputs(xs)))
     return (type(model), repr(model), tensors, modes, tuple(kwargs), str(tree), shapes, attributes)
 

@@ -110,6 +110,8 @@ def to_wire(x: Any, fmt: str = "msgpack") -> Any:
     and nested lists pass through, as the API accepts them for inputs and targets."""
     if isinstance(x, wire.Tensor) or isinstance(x, (list, int, float)):
         return x
+    if torch is not None and isinstance(x, torch.Tensor) and x.layout != torch.strided:
+        return _sparse(x, fmt)
     if torch is not None and isinstance(x, torch.Tensor):
         name, shape, raw = _torch_bytes(x)
     elif np is not None and isinstance(x, np.ndarray):
@@ -119,6 +121,20 @@ def to_wire(x: Any, fmt: str = "msgpack") -> Any:
     if fmt == "json":
         return wire.Tensor(dtype=name, shape=shape, b64=base64.b64encode(raw).decode("ascii"))
     return wire.Tensor(dtype=name, shape=shape, data=raw)  # a memoryview: msgspec writes it as bin
+
+
+def _sparse(x: "torch.Tensor", fmt: str) -> wire.Tensor:
+    """A sparse COO tensor as (indices, values), a CSR one as (crow_indices, col_indices, values)."""
+    name = str(x.dtype).removeprefix("torch.")
+    if x.layout == torch.sparse_coo:
+        x = x.coalesce()
+        return wire.Tensor(dtype=name, shape=list(x.shape), layout="sparse_coo", indices=to_wire(x.indices(), fmt),
+                           values=to_wire(x.values(), fmt))
+    if x.layout == torch.sparse_csr:
+        return wire.Tensor(dtype=name, shape=list(x.shape), layout="sparse_csr",
+                           crow_indices=to_wire(x.crow_indices(), fmt), col_indices=to_wire(x.col_indices(), fmt),
+                           values=to_wire(x.values(), fmt))
+    raise BadTensorError(f"a tensor of layout {x.layout} cannot travel; send it dense, sparse COO or sparse CSR")
 
 
 def _torch_bytes(x: "torch.Tensor") -> tuple[str, list[int], memoryview]:
@@ -212,6 +228,9 @@ def _from_numpy_bytes(t: Any, raw: memoryview | bytes) -> "np.ndarray":
     return a.reshape(t.shape)
 
 
+_DERIVING: set = set()
+
+
 @functools.cache
 def decode_type(tp: Any) -> Any:
     """The wire type `tp` with every `bytes` field decoded as a memoryview into the message buffer (the
@@ -219,8 +238,14 @@ def decode_type(tp: Any) -> Any:
     if tp is bytes:
         return memoryview
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        fields = msgspec.structs.fields(tp)
-        new = [(f.name, decode_type(f.type)) for f in fields]
+        if tp in _DERIVING:  # a Struct inside itself (a sparse Tensor's parts): kept, it holds no bytes field
+            return tp
+        _DERIVING.add(tp)
+        try:
+            fields = msgspec.structs.fields(tp)
+            new = [(f.name, decode_type(f.type)) for f in fields]
+        finally:
+            _DERIVING.discard(tp)
         if all(n[1] == f.type for n, f in zip(new, fields)):
             return tp
         spec = []

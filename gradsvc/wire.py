@@ -40,6 +40,14 @@ class Tensor(Struct, omit_defaults=True):
     data: list | memoryview | None = None  # bytes too, as given to the constructor
     b64: str | None = None
     refs: list[str] | None = None
+    # A sparse tensor (a graph input only): `layout` "sparse_coo" with `indices` (int64, (len(shape), nnz)) and
+    # `values` ((nnz,), of `dtype`), or "sparse_csr" with `crow_indices` ((rows + 1,)), `col_indices` ((nnz,))
+    # and `values`; `shape` is the dense shape and the tensor itself carries no data.
+    layout: str | None = None
+    indices: Tensor | None = None
+    values: Tensor | None = None
+    crow_indices: Tensor | None = None
+    col_indices: Tensor | None = None
 
 
 def raw_data(t: Tensor) -> "bytes | bytearray | memoryview | None":
@@ -80,6 +88,8 @@ class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # A user input's batch dimension: 0, or null for an input without one (a graph's edge_index, a mask
     # shared by every example), which goes whole to every micro-batch, shard and per-example gradient.
     batch_dim: Literal[0] | None = 0
+    # A sparse user input: "sparse_coo" or "sparse_csr" (the request sends it in that layout); null: dense.
+    layout: Literal["sparse_coo", "sparse_csr"] | None = None
 
 
 class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):

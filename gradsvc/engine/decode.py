@@ -58,8 +58,17 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     if raw is None:
         raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets; add 'targets' to the request",
                         loss=term.name)
-    return tensors.decode(as_tensor_value(raw, where), where=where, max_elements=max_elements,
+    return tensors.decode(dense_only(as_tensor_value(raw, where), where), where=where, max_elements=max_elements,
                           shape_only=shape_only)
+
+
+def dense_only(value, where: str):
+    """`value` unless it is a sparse tensor object, which only a graph's sparse input takes."""
+    if isinstance(value, Tensor) and value.layout is not None:
+        raise SpecError("bad_tensor", f"{where}: a {value.layout!r} tensor; only a graph model's input declared "
+                        "sparse takes one, everything else is dense: send 'data' or 'b64' without 'layout'",
+                        where=where)
+    return value
 
 
 def decode_targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, dtype: torch.dtype,
@@ -223,7 +232,8 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
     out: dict[str, torch.Tensor] = {}
     small: list[tuple[str, torch.Tensor]] = []  # parameters checked together (the biases and norms of a model)
     for name, wire in given.items():
-        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements)
+        t = tensors.decode(dense_only(wire, f"weights[{name!r}]"), where=f"weights[{name!r}]",
+                           max_elements=max_elements)
         want = list(state[name].shape)
         if list(t.shape) != want:
             _check_finite(small)  # an earlier weight's fault is named first, as it comes first

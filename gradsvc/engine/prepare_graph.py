@@ -13,7 +13,7 @@ from torch import nn
 from gradsvc import hashing, wire
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
-from . import outputs, resident, tensors
+from . import outputs, resident, sparse, tensors
 from .batch import Batch
 from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
@@ -104,8 +104,15 @@ def _graph_input(raw, where: str, spec, template: GraphTemplate, dtype: torch.dt
                  shape_only: bool) -> torch.Tensor:
     """One user input: floating in the model's dtype; integer (token ids, edge indices) and bool (masks)
     kept as the graph captured them."""
-    x = tensors.decode(as_tensor_value(raw, where), where=where, max_elements=limits.max_elements,
-                       shape_only=shape_only)
+    value = as_tensor_value(raw, where)
+    if sparse.is_sparse_value(value) or spec.layout is not None:
+        if not sparse.is_sparse_value(value):
+            raise SpecError("bad_tensor", f"{where}: the graph takes a {spec.layout} tensor here (input "
+                            f"{spec.name!r}); send {{dtype, shape, layout: {spec.layout!r}, ...}} with its parts "
+                            "(docs/api.md, Tensors)", where=where)
+        x = sparse.decode(value, spec.layout, where, limits.max_elements)
+        return x.to(dtype) if x.is_floating_point() else x
+    x = tensors.decode(value, where=where, max_elements=limits.max_elements, shape_only=shape_only)
     want = spec.dtype
     want_dtype = tensors.TORCH_DTYPES.get(want or "", torch.float32)
     if not want_dtype.is_floating_point:
@@ -158,7 +165,7 @@ def _graph_output(caches: EngineCaches, template: GraphTemplate, dtype: torch.dt
     key = (template.key, dtype, inputs.signature, math_attention)
     hit = caches.graph_shapes.get(key)
     if hit is None:
-        out = check_graph_shapes(_fresh(template, "meta", dtype), *[x.to("meta") for x in inputs.tensors],
+        out = check_graph_shapes(_fresh(template, "meta", dtype), *[sparse.on_meta(x) for x in inputs.tensors],
                                  limits=limits, math_attention=math_attention)
         hit = (out.shape, out.dtype, out.requires_grad)
         caches.graph_shapes.put(key, hit)
@@ -171,7 +178,7 @@ def _output_shapes(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -
     """Every output's (shape, dtype), from a meta run of a private copy; None when the run fails."""
     try:
         with torch.no_grad():
-            values = _fresh(template, "meta", dtype).run(*[x.to("meta") for x in inputs.tensors])
+            values = _fresh(template, "meta", dtype).run(*[sparse.on_meta(x) for x in inputs.tensors])
     except Exception:  # noqa: BLE001  (check_graph_shapes runs next and names the node that failed)
         return None
     return [(list(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ([1, 1], torch.int64) for v in values]

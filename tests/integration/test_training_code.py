@@ -490,11 +490,40 @@ def test_a_transformer_encoder_with_a_causal_mask_is_captured_for_this_call(clie
     assert len(capfd.readouterr().err.splitlines()) < 5  # torch's logs of the failed attempts stay quiet
 
 
-def test_a_sparse_input_is_a_typed_error_naming_the_argument(client):
-    model = MessagePassing()
-    adjacency = torch.eye(6).to_sparse()
-    with pytest.raises(BadTensorError, match=r"inputs\[1\].*sparse"):
-        client.gradients(model, [torch.randn(6, 4), adjacency], torch.randint(0, 3, (6,)))
+class GCN(nn.Module):
+    """Two graph convolutions over a normalised sparse adjacency, as the official GCN example writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gc1 = nn.Linear(5, 8)
+        self.gc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.spmm(adj, self.gc1(x)))  # (nodes, 8)
+        return F.log_softmax(torch.spmm(adj, self.gc2(h)), dim=1)  # (nodes, 3)
+
+
+def normalised_adjacency(nodes: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float() + torch.eye(nodes)
+    a = ((a + a.T) > 0).float()
+    return a / a.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_gcn_with_a_sparse_adjacency(client, layout):
+    torch.manual_seed(0)
+    model, x, y = GCN(), torch.randn(7, 5), torch.randint(0, 3, (7,))
+    dense = normalised_adjacency()
+    adj = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    result = client.gradients(model, (x, adj), y, loss="nll", numcheck="off")
+    assert_close(result, local(model, lambda: F.nll_loss(model(x, adj), y)))
+
+
+def test_a_tensor_layout_that_cannot_travel_is_a_typed_error_naming_the_argument(client):
+    blocked = torch.eye(6).to_sparse_bsr((2, 2))
+    with pytest.raises(BadTensorError, match=r"inputs\[1\].*sparse_bsr"):
+        client.gradients(GCN(), [torch.randn(6, 5), blocked], torch.randint(0, 3, (6,)), loss="nll")
 
 
 class Generator(nn.Module):

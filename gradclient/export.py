@@ -177,10 +177,13 @@ def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims
             raise
         except Exception as exc:  # noqa: BLE001  (torch raises many kinds; the first one's reason is kept)
             first = first or exc
+    why = reason(first)
+    fix = ("A buffer written through `.data` (or a tensor attribute assigned in forward) cannot be captured: write "
+           "the buffer in place under `with torch.no_grad():` instead (`self.ema.mul_(d).add_(x)`)"
+           if "lifted_tensor" in why else "Move what export cannot trace out of forward (Python-side state, I/O, "
+           "non-tensor results), or send a module that wraps the traceable part")
     raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__} (tried a dynamic batch, "
-                                 f"this batch size, and draft_export specialised to this call): {reason(first)}. "
-                                 "Move what export cannot trace out of forward (Python-side state, I/O, "
-                                 "non-tensor results), or send a module that wraps the traceable part") from None
+                                 f"this batch size, and draft_export specialised to this call): {why}. {fix}") from None
 
 
 def _without_checks(ep: "torch.export.ExportedProgram") -> "torch.export.ExportedProgram":

@@ -4,6 +4,8 @@ stand-in the shape checks run on (meta kernels do not take sparse tensors)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from gradsvc.wire import Tensor
@@ -11,8 +13,8 @@ from gradsvc.wire import Tensor
 from . import tensors
 from .errors import SpecError
 
-LAYOUTS = {"sparse_coo": torch.sparse_coo, "sparse_csr": torch.sparse_csr}
-_PARTS = {"sparse_coo": ("indices", "values"), "sparse_csr": ("crow_indices", "col_indices", "values")}
+_PARTS = MappingProxyType({"sparse_coo": ("indices", "values"),
+                           "sparse_csr": ("crow_indices", "col_indices", "values")})
 
 
 def is_sparse_value(value) -> bool:
@@ -23,8 +25,8 @@ def decode(value: Tensor, want: str | None, where: str, max_elements: int) -> to
     """The sparse tensor `value` describes, its parts checked (dtypes, shapes, index bounds); `want` is the
     layout the graph's input declares (None: dense, which a sparse value does not fit)."""
     layout = value.layout
-    if layout not in LAYOUTS:
-        raise SpecError("bad_tensor", f"{where}: layout {layout!r} is not one of {sorted(LAYOUTS)}", where=where)
+    if layout not in _PARTS:
+        raise SpecError("bad_tensor", f"{where}: layout {layout!r} is not one of {sorted(_PARTS)}", where=where)
     if want != layout:
         takes = f"a {want} tensor" if want else "a dense tensor"
         raise SpecError("bad_tensor", f"{where}: the graph takes {takes} here (as captured), got {layout}; send it "

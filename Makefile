@@ -1,22 +1,37 @@
 # Two commands on a fresh machine: `make run` (the whole stack) and `make test` (every test).
-# Each installs what it needs into a local venv first; torch is pinned to the CPU wheel here.
+# Each installs what it needs into a local venv first, quietly: `make run` the service's dependencies
+# (the `server` extra and torch), `make test` the rest (the `dev` extra). torch is pinned to the CPU wheel here.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install run test test-all bench clean
+.PHONY: install install-server run test test-all bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e '.[server,dev]' "$(TORCH_PIN)"
-	touch $@
+$(PY):
+	@echo "creating $(VENV)/"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
 
-install: $(VENV)/.installed
+$(VENV)/.installed-server: pyproject.toml Makefile | $(PY)
+	@echo "installing the service into $(VENV)/ (the server extra and $(TORCH_PIN); minutes the first time)"
+	@$(PIP) "$(TORCH_PIN)"
+	@$(PIP) -e '.[server]' "$(TORCH_PIN)"
+	@touch $@
 
-run: install
+$(VENV)/.installed-dev: $(VENV)/.installed-server
+	@echo "installing the test dependencies into $(VENV)/ (the dev extra)"
+	@$(PIP) -e '.[server,dev]' "$(TORCH_PIN)"
+	@# BackPACK (the diagnostics tests' answer key) declares torchvision, which is not needed and would replace torch
+	@$(PIP) --no-deps "backpack-for-pytorch>=1.7"
+	@touch $@
+
+install-server: $(VENV)/.installed-server
+
+install: $(VENV)/.installed-dev
+
+run: install-server
 	$(VENV)/bin/gradsvc up
 
 test: install

@@ -3,7 +3,7 @@
 
 Per model, interleaved rounds; each side's time in a round is the fastest of 3 calls, and each
 ratio is the median of per-round ratios (load from other processes hits both sides alike). One
-torch thread, so that the ratio reads the interpreter, not thread scheduling on a shared machine. The goal (issue 10: engine overhead <= 1.10x in-process
+torch thread, so that the ratio reads the interpreter, not thread scheduling on a shared machine. The goal (engine overhead <= 1.10x in-process
 `ep.module()` for a small transformer) is read on graph/ep.module. Also timed: validating a
 graph (compile_graph: schema checks of every node), the meta-device shape check, the batch-mixing
 scan, and refusing a 100,000-node graph (decode from JSON + validate).

@@ -8,7 +8,7 @@ processes hits both sides alike):
   phases     the engine's own timed phases, timings.forward_ms + timings.backward_ms of one compute()
              call (numcheck off, memory off, timing_repeat=3: the median pass), against the median of
              3 ep.module steps: the graph interpreter, micro-batching and timing pieces.
-             The goal (issue 10: <= 1.10x in-process ep.module()) is read on phases/ep.module.
+             The goal (<= 1.10x in-process ep.module()) is read on phases/ep.module.
   call       the whole compute() wall time (decode, graph look-up, weights checked and loaded,
              forward, backward, gradients encoded), over ep.module's step.
 Then the API's side of step two, prepare() on the meta device as POST /gradients runs it: the graph

@@ -1,7 +1,7 @@
 """What the API pays to validate a new graph (gradsvc/engine/prepare.py: compile, then the meta-device shape
 check, run with grad on), per node, by op: chains of N nodes of one op after a linear, through prepare() on
 meta, one torch thread, as the API runs it. GRADSVC_MAX_GRAPH_NODES (default 5,000) bounds the worst of
-these; a 20,000-node graph cost 1.5-12 s here before that bound (issue 24, item 7).
+these; a 20,000-node graph cost 1.5-12 s here without that bound.
 
 Run: .venv/bin/python bench/graph_validation.py [nodes]
 """

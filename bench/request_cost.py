@@ -1,7 +1,7 @@
 """What one small job costs each process, in CPU time, and Redis in commands: figures that move far less
 with the machine's load than wall-clock ones (on a shared 2-core machine those swing 20-50% between runs).
 
-A private stack (tests/support/stack.py, one worker). Seed [A] (6-8-3 tanh, float64, batch 4), numcheck off,
+A private stack (tests/support/stack.py, one worker). The 6-8-3 tanh net (float64, batch 4), numcheck off,
 memory off, JSON, POST /gradients?wait=30 from one keep-alive httpx client, one request after another:
   CPU ms per job   user + system CPU time of the client (this process), the API, the worker and
                    redis-server over N requests (psutil), divided by N.

@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/run_all.py [--quick] [name ...]   (names: engine_overhead small_job medium_job
 throughput payload numcheck_cost sharding first_job graph_overhead summary; default all). The last one,
-summary, prints issue 12's figures against their goals as one table; `--quick` runs it alone, shorter
+summary, prints the request path's figures against their goals as one table; `--quick` runs it alone, shorter
 (`.venv/bin/python bench/run_all.py --quick`).
 """
 

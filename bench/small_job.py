@@ -1,4 +1,4 @@
-"""Small job end to end: seed 003 [A]'s 6-8-3 tanh float64 net (83 parameters, batch 4), POST
+"""Small job end to end: the 6-8-3 tanh float64 net (83 parameters, batch 4), POST
 /gradients with a sync wait, against the same request computed in this process.
 
 A private stack (tests/support/stack.py: redis-server, the API on uvicorn, one worker) on loopback; one
@@ -62,7 +62,7 @@ def run_variant(client: httpx.Client, body: dict, binary: bool) -> dict[str, lis
 
 
 def main() -> list[list]:
-    started = header("Small job: seed [A] end to end (sync wait) vs in-process compute", __doc__.split("Run:")[0])
+    started = header("Small job: the 6-8-3 tanh net end to end (sync wait) vs in-process compute", __doc__.split("Run:")[0])
     stack = start_stack(workers=1)
     rows = []
     try:

@@ -1,7 +1,7 @@
-"""Issue 12's table in one run: each figure of the request path against its goal, with the in-process
+"""The request path's goals in one run: each figure of the request path against its goal, with the in-process
 reference measured in the same run (interleaved with the requests, so load from other processes hits both).
 
-  small job      seed 003 [A] (6-8-3 tanh float64, batch 4), numcheck off, memory off, JSON, POST
+  small job      the 6-8-3 tanh net (float64, batch 4), numcheck off, memory off, JSON, POST
                  /gradients?wait=30 on one keep-alive httpx client, one worker: e2e p50 minus the p50 of
                  gradsvc.engine.compute() on the same request in this process.   goal <= +3 ms
   validation     POST /estimate p50 for that spec (seen before) minus GET /healthz p50.   goal <= 0.3 ms
@@ -12,7 +12,7 @@ reference measured in the same run (interleaved with the requests, so load from 
                  gradients down) / (e2e - in-process).   goal >= 1 GB/s
   medium JSON    the same job, the SDK's JSON body (base64 tensors) posted with plain httpx, answer in
                  MessagePack (Accept): e2e p50 / in-process.   (no goal; shows the SDK against httpx)
-  throughput     tiny jobs (seed [A], numcheck sampled), 2 workers (GRADSVC_WORKERS=2), 32 client
+  throughput     tiny jobs (the 6-8-3 tanh net, numcheck sampled), 2 workers (GRADSVC_WORKERS=2), 32 client
                  threads each POST /gradients?wait=30 one after another: requests/s and p99 latency.
                  goal >= 400 requests/s, p99 <= 200 ms
 
@@ -117,7 +117,7 @@ def throughput(stack: Stack) -> dict[str, float]:
 
 
 def main() -> list[list]:
-    started = header("Summary: issue 12's figures against their goals" + (" (--quick)" if QUICK else ""),
+    started = header("Summary: the request path's figures against their goals" + (" (--quick)" if QUICK else ""),
                      __doc__.split("Run:")[0])
     stack = start_stack(workers=1)
     try:

@@ -1,4 +1,4 @@
-"""Throughput of tiny jobs (seed [A]'s 83-parameter net, numcheck off) with 1 and 2 workers, jobs/s.
+"""Throughput of tiny jobs (the 6-8-3 tanh net, 83 parameters, numcheck off) with 1 and 2 workers, jobs/s.
 
 A private stack (tests/support/stack.py) per row. "2 workers" runs with GRADSVC_WORKERS=2, as `gradsvc up`
 starts them: each CPU worker then takes cores / 2 intra-op threads; the last row leaves

@@ -1,4 +1,4 @@
-"""Seed 004's training loop, every step's gradients computed by the service.
+"""A plain training loop, every step's gradients computed by the service.
 
 The MLP 784 -> 128 (ReLU) -> 10 with CrossEntropy and SGD, on synthetic 28x28 "digits" (labels from a
 fixed random teacher, so there is something to learn). A local copy trains beside it with
@@ -7,7 +7,7 @@ as many threads as this process (one `gradsvc up` worker), within about 1e-8 oth
 each uses half the cores, and a float32 matmul sums in an order that follows the thread count). The
 script prints the largest weight difference and checks it is below WEIGHT_TOLERANCE (1e-6).
 
-    python examples/train_mlp.py --base-url http://127.0.0.1:8000 --epochs 3
+    .venv/bin/python examples/train_mlp.py --base-url http://127.0.0.1:8000 --epochs 3
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from . import errors
 from .client import AsyncClient, AsyncJob, Client, Job
 from .errors import *  # noqa: F403 - the exception tree is part of the package's surface
 from .errors import ERRORS, GradientClientError
-from .result import GradientResult, PerSample
+from .result import Curvature, Diagnostics, GradientResult, PerSample
 
 __version__ = "0.1.0"
 
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AsyncClient", "AsyncJob", "Client", "Job", "GradientResult", "PerSample", "Estimate", "LayerInfo",
+    "AsyncClient", "AsyncJob", "Client", "Job", "GradientResult", "PerSample", "Diagnostics", "Curvature", "Estimate", "LayerInfo",
     "LayerMemory", "Memory", "Numcheck", "ParameterCheck", "Timings", "GradientClientError", "ERRORS", "errors",
     *_TORCH_NAMES,
     *errors.__all__,

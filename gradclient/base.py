@@ -46,8 +46,8 @@ MSGPACK = "application/msgpack"
 JSON = "application/json"
 # Errors before the request reached the server: safe to send again whatever the method.
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
-# Errors after it may have: retried for GET and DELETE, which create nothing, and for a POST only under
-# its Idempotency-Key, which makes the service answer with the job the first attempt created.
+# Errors after it may have: retried for GET and a job's cancel, which create nothing, and for a POST /gradients
+# only under its Idempotency-Key, which makes the service answer with the job the first attempt created.
 _IDEMPOTENT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 # 503 codes that mean "nothing ran, ask again"; worker_lost is a job that failed (perhaps by killing its
 # worker): it reaches the caller as WorkerLostError and is never sent again.
@@ -367,7 +367,7 @@ class BaseJob:
         return (yield from self.client._getting(f"/jobs/{self.job_id}", wire.JobInfo))
 
     def _cancel(self) -> Flow[str]:
-        response, buf = yield from self.client._sending("DELETE", f"/jobs/{self.job_id}")
+        response, buf = yield from self.client._sending("POST", f"/jobs/{self.job_id}/cancel")
         return self.client._decode(wire.JobInfo, response, buf).status
 
     def _waiting(self, timeout: float | None, progress: bool) -> Flow[GradientResult]:
@@ -404,8 +404,9 @@ def _outcome(info: wire.JobInfo, local_names: dict[str, str]) -> GradientResult 
 
 
 def _replayable(method: str, path: str, kw: dict[str, Any]) -> bool:
-    """Whether sending the request again cannot create a second job. POST /estimate creates nothing."""
-    return method != "POST" or path == "/estimate" or kw.get("idempotency_key") is not None
+    """Whether sending the request again cannot create a second job. POST /estimate and a cancel create nothing."""
+    return (method != "POST" or path == "/estimate" or path.endswith("/cancel")
+            or kw.get("idempotency_key") is not None)
 
 
 def _resumable(exc: GradientClientError) -> bool:

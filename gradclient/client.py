@@ -35,7 +35,7 @@ class Job(BaseJob):
         return self.info().status
 
     def cancel(self) -> str:
-        """DELETE /jobs/{id}: a queued job is canceled at once, a running one at its next step."""
+        """POST /jobs/{id}/cancel: a queued job is canceled at once, a running one at its next step."""
         return self.client._drive(self._cancel())
 
     def result(self, timeout: float | None = None, progress: bool = False) -> GradientResult:

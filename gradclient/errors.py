@@ -10,13 +10,15 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  |    +-- BodyTooLargeError 413, UnsupportedMediaTypeError 415, RateLimitedError 429 (retry_after_s)
  |    +-- UnknownLayerError, ShapeMismatchError, BadWeightsError, BadTensorError, BadLossError,
  |        BadTargetError, BadOptionError, UnsupportedOpError, NoGradientError, GraphNotFoundError, TensorNotFoundError,
- |        TooLargeError, DeviceUnavailableError                                422
+ |        TooLargeError, DeviceUnavailableError, IdempotencyKeyReusedError     422
  +-- JobFailedError                   the job was queued, ran and failed (job_id says which); never retried
  |    +-- NonFiniteError 422, CanceledError 409, InputLostError 410, ResultTooLargeError 413
  |    +-- WorkerLostError 503, JobTimeoutError 504, OutOfMemoryError 507
  +-- ServiceUnavailableError          try again later (the SDK retries these with backoff)
  |    +-- ConnectionFailedError        connection_failed: the service could not be reached
  |    +-- QueueUnavailableError 503, NotReadyError 503
+ |    +-- RedisOutOfMemoryError, RedisReadOnlyError, RedisRefusesWritesError 503: Redis refuses writes
+ |    +-- ServerBusyError 503: the API holds GRADSVC_MAX_BODIES_BYTES of bodies already
  +-- InternalServerError              500: a gradsvc bug
 
 The code-specific classes are built from gradsvc.wire.ERROR_CODES, the table the API and the workers

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from gradsvc import wire
-from gradsvc.wire import GraphNode, Memory, Numcheck, ShardsInfo, Timings
+from gradsvc.wire import ClipResult, Density, GraphNode, Memory, NoiseScale, Norms, Numcheck, ShardsInfo, Timings
 
 from .tensors import from_wire
 
@@ -22,6 +22,30 @@ from .tensors import from_wire
 class PerSample:
     norms: Any = None  # (batch,) per-example gradient norms
     gradients: dict[str, Any] | None = None  # {param: (batch, *param.shape)}
+
+
+@dataclass
+class Diagnostics:
+    """result.diagnostics decoded: one entry per name asked for in diagnostics=[...]."""
+
+    norms: Norms | None = None  # .global_ (the wire's "global"), .parameters {name: float}, .modules {path: float}
+    variance: dict[str, Any] | None = None  # BackPACK's Variance per parameter
+    second_moment: dict[str, Any] | None = None  # BackPACK's SumGradSquared per parameter
+    noise_scale: NoiseScale | None = None  # .b_simple, .trace_covariance, .gradient_norm_squared, .reason
+
+
+@dataclass
+class Curvature:
+    """result.curvature decoded: eigenvalues largest first with |M v - lambda v| / |lambda| each."""
+
+    matrix: str
+    top_eigenvalues: list[float]
+    residuals: list[float]
+    trace: float | None = None
+    trace_stderr: float | None = None
+    density: Density | None = None
+    products: int = 0
+    eigenvectors: list[dict[str, Any]] | None = None  # gradient-shaped, one {param: tensor} per eigenvalue
 
 
 @dataclass
@@ -61,6 +85,9 @@ class GradientResult:
     # How the module was captured: "dynamic" (one graph for any batch size), "static" (this batch size), or
     # "specialised" (each data-dependent branch as this call took it; captured again on every call).
     capture: str | None = None
+    diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
+    clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
+    curvature: Curvature | None = None  # curvature={"top": k, "trace": True, ...}
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -110,6 +137,8 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
         buffers=tensors(raw.buffers), outputs=_tree(raw.outputs),
+        diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
+        curvature=_curvature(raw.curvature, tensors),
     )
 
 
@@ -158,3 +187,22 @@ def _pair(tree: Any, value: Any, found: dict[int, Any]) -> None:
     elif isinstance(tree, dict) and isinstance(value, dict):
         for k, t in tree.items():
             _pair(t, value.get(k), found)
+
+
+def _diagnostics(raw: Any, names: dict[str, str], tensors) -> Diagnostics | None:
+    if raw is None:
+        return None
+    norms = raw.norms
+    if norms is not None and names:
+        norms = Norms(global_=norms.global_, parameters={names.get(k, k): v for k, v in norms.parameters.items()},
+                      modules=norms.modules)
+    return Diagnostics(norms=norms, variance=tensors(raw.variance), second_moment=tensors(raw.second_moment),
+                       noise_scale=raw.noise_scale)
+
+
+def _curvature(raw: Any, tensors) -> Curvature | None:
+    if raw is None:
+        return None
+    return Curvature(matrix=raw.matrix, top_eigenvalues=raw.top_eigenvalues, residuals=raw.residuals,
+                     trace=raw.trace, trace_stderr=raw.trace_stderr, density=raw.density, products=raw.products,
+                     eigenvectors=None if raw.eigenvectors is None else [tensors(v) for v in raw.eigenvectors])

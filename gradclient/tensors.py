@@ -31,7 +31,9 @@ except ImportError:
 from .errors import BadTensorError
 
 _NUMPY_NAMES = {"float16": "float16", "float32": "float32", "float64": "float64", "int32": "int32",
-                "int64": "int64", "uint8": "uint8", "bool": "bool"}
+                "int64": "int64", "uint8": "uint8", "bool": "bool", "complex64": "complex64",
+                "complex128": "complex128"}
+_COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}  # nested data: [real, imaginary] pairs
 
 
 def is_tensor_like(x: Any) -> bool:
@@ -175,6 +177,11 @@ def from_wire(t: Any) -> Any:
 
 
 def _from_list(t: Any) -> Any:
+    if t.dtype in _COMPLEX_PARTS:
+        if torch is not None:
+            pairs = torch.tensor(t.data, dtype=getattr(torch, _COMPLEX_PARTS[t.dtype]))
+            return torch.view_as_complex(pairs.reshape(*t.shape, 2))
+        return np.asarray(t.data, dtype=_COMPLEX_PARTS[t.dtype]).reshape(*t.shape, 2).view(t.dtype)[..., 0]
     if torch is not None:
         dtype = getattr(torch, t.dtype)
         return torch.tensor(t.data, dtype=dtype).reshape(t.shape)

@@ -10,8 +10,13 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta, Struct
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool", "complex64", "complex128")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "bool": 1,
+            "complex64": 8, "complex128": 16}
+# Complex tensors: raw bytes (MessagePack `data`, JSON `b64`) interleave each element's real and imaginary
+# parts (little-endian float32 for complex64, float64 for complex128); nested `data` lists hold each element
+# as a [real, imaginary] pair (one more dimension of size 2 than `shape`).
+COMPLEX_DTYPES = ("complex64", "complex128")
 JOB_STATUSES = ("queued", "started", "finished", "failed", "canceled")
 MAX_TIMING_REPEAT = 50
 # Each shard is an RQ job carrying the model's weights: a bound on what one request may fan out to.
@@ -177,6 +182,36 @@ class HvpOptions(Struct, forbid_unknown_fields=True):
 
 NumcheckMode = Literal["auto", "off", "exact", "sampled", "directional"]
 
+# options.diagnostics names: what researchers compute from the gradients (docs/diagnostics.md).
+DIAGNOSTICS = ("norms", "variance", "second_moment", "noise_scale")
+# Of those, the ones made of per-example gradients (refused where the examples cannot be separated).
+PER_EXAMPLE_DIAGNOSTICS = ("variance", "second_moment", "noise_scale")
+
+
+class ClipOptions(Struct, forbid_unknown_fields=True):
+    """Gradient clipping: global (as torch.nn.utils.clip_grad_norm_) or per example (Opacus's DP-SGD step,
+    noise of standard deviation noise_multiplier x max_norm drawn from the job's seed)."""
+
+    max_norm: Annotated[float, Meta(gt=0)]
+    per_sample: bool = False
+    noise_multiplier: Annotated[float, Meta(ge=0)] = 0.0
+
+
+class CurvatureOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Curvature of the loss from matrix-vector products of the Hessian or the GGN (J^T H_out J): the `top`
+    eigenvalues by Lanczos, the Hutchinson trace over `probes` Rademacher vectors, and the stochastic Lanczos
+    quadrature density (`probes` runs of `iterations` steps)."""
+
+    matrix: Literal["hessian", "ggn"] = "hessian"
+    top: Annotated[int, Meta(ge=0)] = 1
+    trace: bool = False
+    density: bool = False
+    probes: AtLeastOne | None = None
+    iterations: AtLeastOne | None = None
+    tolerance: Annotated[float, Meta(gt=0, lt=1)] = 1e-3
+    seed: int = 0
+    eigenvectors: bool = False
+
 
 class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     numcheck: NumcheckMode = "auto"
@@ -206,6 +241,10 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     batch_gradient: bool = True
     # Graph models: return forward's outputs (result.outputs, the structure forward returns).
     outputs: bool = False
+    # Gradient diagnostics (DIAGNOSTICS), each an entry of result.diagnostics; clipping; curvature.
+    diagnostics: list[Literal["norms", "variance", "second_moment", "noise_scale"]] = []
+    clip: ClipOptions | None = None
+    curvature: CurvatureOptions | None = None
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
@@ -319,6 +358,68 @@ class PerSample(Struct):
     gradients: dict[str, Tensor] | None = None
 
 
+class Norms(Struct):
+    """L2 norms of the batch gradient before any clipping: the whole, each parameter's, each module's (the
+    module path that owns the parameters: the layer index for a layer spec)."""
+
+    global_: float = msgspec.field(name="global")
+    parameters: dict[str, float] = {}
+    modules: dict[str, float] = {}
+
+
+class NoiseScale(Struct):
+    """McCandlish et al. (2018): with g_n each example's loss gradient and g their mean over N,
+    S = sum |g_n - g|^2 / (N - 1) (trace_covariance), |G|^2 = |g|^2 - S / N (gradient_norm_squared),
+    b_simple = S / |G|^2; null with the `reason` when |G|^2 <= 0 or N < 2."""
+
+    b_simple: float | None
+    trace_covariance: float | None
+    gradient_norm_squared: float | None
+    reason: str = ""
+
+
+class Diagnostics(Struct, omit_defaults=True):
+    """One entry per name asked for in options.diagnostics. `variance` and `second_moment` are BackPACK's
+    Variance and SumGradSquared for the request's loss reduction, per trainable parameter."""
+
+    norms: Norms | None = None
+    variance: dict[str, Tensor] | None = None
+    second_moment: dict[str, Tensor] | None = None
+    noise_scale: NoiseScale | None = None
+
+
+class ClipResult(Struct, omit_defaults=True):
+    """Global clipping: the pre-clip `total_norm` and the `scale` applied to every gradient. Per-sample:
+    how many of the `examples` were `clipped`, and the noise's standard deviation (`noise_std`)."""
+
+    total_norm: float | None = None
+    scale: float | None = None
+    clipped: int | None = None
+    examples: int | None = None
+    noise_std: float | None = None
+
+
+class Density(Struct):
+    """The stochastic Lanczos quadrature spectrum: Ritz values and their weights (summing to 1)."""
+
+    eigenvalues: list[float]
+    weights: list[float]
+
+
+class Curvature(Struct, omit_defaults=True):
+    """What options.curvature asked for. `residuals[i]` is |M v_i - lambda_i v_i| / |lambda_i| for the i-th
+    top eigenpair (largest first); `products` counts the matrix-vector products computed."""
+
+    matrix: str
+    top_eigenvalues: list[float] = []
+    residuals: list[float] = []
+    trace: float | None = None
+    trace_stderr: float | None = None
+    density: Density | None = None
+    products: int = 0
+    eigenvectors: list[dict[str, Tensor]] | None = None
+
+
 class GraphNode(Struct):
     id: int
     name: str
@@ -375,6 +476,10 @@ class GradientResult(Struct, omit_defaults=False):
     buffers: dict[str, Tensor] | None = None
     # options.outputs: forward's outputs, in the structure of the graph's output_tree (tensors as elsewhere).
     outputs: Any = None
+    # options.diagnostics, options.clip and options.curvature (null when not asked for).
+    diagnostics: Diagnostics | None = None
+    clip: ClipResult | None = None
+    curvature: Curvature | None = None
 
 
 class Estimate(Struct):
@@ -465,6 +570,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "NotFoundError", "request", "no such route, or no such job for this API key"),
     "method_not_allowed": ErrorCode(405, "MethodNotAllowedError", "request", "the route does not take this method"),
     "body_too_large": ErrorCode(413, "BodyTooLargeError", "request", "the body is over GRADSVC_MAX_BODY_BYTES"),
+    "headers_too_large": ErrorCode(431, "HeadersTooLargeError", "request",
+                                   "the request's headers are over GRADSVC_MAX_HEADER_BYTES or GRADSVC_MAX_HEADERS"),
     "unsupported_media_type": ErrorCode(415, "UnsupportedMediaTypeError", "request",
                                         "the body is neither JSON nor MessagePack"),
     "unknown_layer": ErrorCode(422, "UnknownLayerError", "request", "a layer type or argument is not allowed"),
@@ -481,8 +588,14 @@ ERROR_CODES: dict[str, ErrorCode] = {
                                  "model.graph_ref names no graph this service keeps; send the graph again"),
     "tensor_not_found": ErrorCode(422, "TensorNotFoundError", "request",
                                   "a tensor's refs name bytes this service does not keep; upload them again"),
+    "too_many_refs": ErrorCode(422, "TooManyRefsError", "request",
+                               "a request names more tensor pieces by reference than GRADSVC_MAX_REFS"),
     "too_large": ErrorCode(422, "TooLargeError", "request", "the model or batch is over a size limit"),
     "device_unavailable": ErrorCode(422, "DeviceUnavailableError", "request", "the requested device is not there"),
+    # 422 as the IETF's Idempotency-Key draft (draft-ietf-httpapi-idempotency-key-header) answers a key reused
+    # with another body: the request is well formed, the key cannot name two requests.
+    "idempotency_key_reused": ErrorCode(422, "IdempotencyKeyReusedError", "request",
+                                        "an Idempotency-Key was reused for a different request body"),
     "rate_limited": ErrorCode(429, "RateLimitedError", "request", "this API key sent too many jobs; see Retry-After"),
     "non_finite": ErrorCode(422, "NonFiniteError", "job", "the loss or a gradient is NaN or infinite"),
     "canceled": ErrorCode(409, "CanceledError", "job", "the job was canceled"),
@@ -497,6 +610,14 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "result_elsewhere": ErrorCode(421, "ResultElsewhereError", "request",
                                   "the result is a file on another host's GRADSVC_HANDOFF_DIR; ask that host's API"),
     "queue_unavailable": ErrorCode(503, "QueueUnavailableError", "unavailable", "Redis is unreachable"),
+    "redis_oom": ErrorCode(503, "RedisOutOfMemoryError", "unavailable",
+                           "Redis is at its maxmemory and refuses writes; see Retry-After"),
+    "redis_readonly": ErrorCode(503, "RedisReadOnlyError", "unavailable",
+                                "Redis is a read-only replica (a failover is in progress or demoted it)"),
+    "redis_unavailable": ErrorCode(503, "RedisRefusesWritesError", "unavailable",
+                                   "Redis refuses writes (MISCONF: its snapshots fail; NOREPLICAS; MASTERDOWN)"),
+    "server_busy": ErrorCode(503, "ServerBusyError", "unavailable",
+                             "the API holds GRADSVC_MAX_BODIES_BYTES of request bodies already; see Retry-After"),
     "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
     "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),
 }

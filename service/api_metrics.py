@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from .job_reader import JobReader
@@ -43,6 +43,20 @@ class _RedisCollector:
         yield workers
 
 
+class _ConnectionCollector:
+    """What service/http_server.py refused or cut, by reason (it counts them: it runs below the app)."""
+
+    def collect(self):
+        from .http_server import CLOSED
+
+        closed = CounterMetricFamily("gradsvc_http_connections_closed", "HTTP connections the API refused or cut: "
+                                     "headers_too_large (431), stalled_reader (GRADSVC_WRITE_TIMEOUT_S).",
+                                     labels=["reason"])
+        for reason, n in CLOSED.items():
+            closed.add_metric([reason], n)
+        yield closed
+
+
 class ApiMetrics:
     def __init__(self, reader: "JobReader") -> None:
         self.registry = CollectorRegistry()
@@ -62,7 +76,12 @@ class ApiMetrics:
         self.tensor_evictions = Counter("gradsvc_tensor_evictions_total",
                                         "Tensor pieces evicted by an owner's byte budget (GRADSVC_TENSOR_BUDGET_BYTES).",
                                         registry=self.registry)
+        self.redis_refusals = Counter("gradsvc_redis_refusals_total",
+                                      "Requests answered 503 because Redis refused a write, by the code answered "
+                                      "(redis_oom, redis_readonly, redis_unavailable).", ["code"],
+                                      registry=self.registry)
         self.registry.register(_RedisCollector(reader))
+        self.registry.register(_ConnectionCollector())
 
     def middleware(self, app):
         """ASGI middleware: times each HTTP request, labelled by Litestar's route template. A request whose

@@ -30,6 +30,7 @@ from .api_state import ApiState
 from .auth import Auth
 from .enqueue import Enqueuer
 from .error_responses import handle_exception
+from .http_server import BodyBudget
 from .idempotency import IdempotencyClaims
 from .job_reader import JobReader
 from .queues import JobRecord, Queues
@@ -72,9 +73,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
     # connection of their own whose timeout covers sending one at 1 MB/s.
     piece_redis = sync_redis(settings.redis_url, socket_connect_timeout=settings.redis_timeout_s,
                              socket_timeout=settings.redis_timeout_s + PIECE_SEND_S)
-    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes)
+    blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes,
+                      max_refs=settings.max_refs)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
-    sessions = Sessions(auth, queues.aredis, settings.queue_prefix)
+    sessions = Sessions(auth, queues.aredis, settings.queue_prefix, settings.login_failures_per_minute)
     metrics = ApiMetrics(reader)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
@@ -104,7 +106,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         state=ApiState(parts),
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
-        middleware=[metrics.middleware],
+        middleware=[metrics.middleware, BodyBudget(settings.max_bodies_bytes).middleware],
         openapi_config=None,
         request_max_body_size=settings.max_body_bytes,
         debug=False,

@@ -9,6 +9,7 @@ from pathlib import Path
 from litestar import Request, Response, get
 
 from . import html
+from .api_state import ApiState
 from .pages import login_redirect
 
 # Found without importing the package (its __init__ wires web frameworks this service does not use).
@@ -19,8 +20,8 @@ _OWN_ASSETS = {"docs.js": "text/javascript"}  # the initializer: a file, since t
 
 
 @get("/docs", include_in_schema=False)
-async def api_docs(request: Request, viewer: str | None) -> Response:
-    if viewer is None:
+async def api_docs(request: Request, viewer: str | None, state: ApiState) -> Response:
+    if viewer is None and state.settings.docs_require_key:
         return login_redirect(request)
     return html.page("docs.html")
 

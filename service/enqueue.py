@@ -16,6 +16,7 @@ from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.connection import send_async
 from gradsvc.broker.job import GRADIENT_JOB
+from gradsvc.broker.record import JobMeta
 from gradsvc.engine.prepare import Prepared
 from gradsvc.wire import GradientRequest, Options
 
@@ -203,7 +204,7 @@ class Enqueuer:
             job_timeout=record.timeout_s,
             result_ttl=record.result_ttl_s,
             failure_ttl=record.failure_ttl_s,
-            meta={"owner": owner},
+            meta=JobMeta(owner=owner).as_meta(),
             description="gradients",
             pipeline=pipe,
         )

@@ -20,7 +20,9 @@ from redis.exceptions import ResponseError
 
 from gradsvc.broker import keys
 
-EPOCH_HEX = 8  # a job id's first 8 hex digits: its epoch (the other 90 random bits keep it unguessable)
+# A job id's last 8 hex digits: its epoch (the other 90 random bits keep it unguessable). Last, so that ids
+# of one Redis lifetime differ from their first characters, which people read and lists abbreviate.
+EPOCH_HEX = 8
 # The epoch record swapped only if no other API process swapped it first; an epoch ended goes to the past set.
 _SWAP = """
 local current = redis.call('GET', KEYS[1])
@@ -91,16 +93,23 @@ class Epochs:
                 and replication.get("second_repl_offset") == -1)
 
     def new_job_id(self) -> str:
-        """A UUID whose first 8 hex digits are the current epoch."""
+        """A random UUID (version 4) whose last 8 hex digits are the current epoch."""
         epoch = self.current or self.refresh()
-        return str(uuid.UUID(hex=epoch + uuid.uuid4().hex[EPOCH_HEX:]))
+        return str(uuid.UUID(hex=uuid.uuid4().hex[:-EPOCH_HEX] + epoch))
 
     def is_lost(self, job_id: str) -> bool:
-        """Whether `job_id`, absent from Redis, was issued in an earlier epoch: Redis lost it."""
-        epoch = job_id[:EPOCH_HEX]
-        if epoch == self.refresh():
+        """Whether `job_id`, absent from Redis, was issued in an earlier epoch: Redis lost it. Ids issued
+        before the epoch moved to their end carry it first; both places are read (a random match is 2^-32)."""
+        digits = job_id.replace("-", "")
+        epochs = {digits[-EPOCH_HEX:], digits[:EPOCH_HEX]}
+        if self.refresh() in epochs:
             return False
-        return epoch in self.past or bool(self.redis.sismember(self.past_key, epoch))
+        if epochs & self.past:
+            return True
+        with self.redis.pipeline(transaction=False) as pipe:
+            for epoch in epochs:
+                pipe.sismember(self.past_key, epoch)
+            return any(pipe.execute())
 
     def began_within(self, age_s: float) -> bool:
         """Whether the current epoch began within the last `age_s` seconds (after a request first sent then)."""

@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gradsvc.broker.blobs import BlobError
+from gradsvc.broker.connection import refusal
 from gradsvc.engine import EngineError
 from gradsvc.wire import ErrorBody, ErrorInfo
 
@@ -40,12 +41,35 @@ def handle_exception(request: Request, exc: Exception) -> Response:
         return error_response(request, "queue_unavailable", "the job queue (Redis) is unreachable "
                               f"({type(exc).__name__}); retry in a few seconds, or ask the operator to check "
                               "GRADSVC_REDIS_URL", headers={"Retry-After": "2"})
+    code = refusal(exc)
+    if code is not None:
+        return _refused(request, code, exc)
     if isinstance(exc, ValidationException):
         return _parameter_error(request, exc)
     if isinstance(exc, HTTPException):
         return _framework_error(request, exc)
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(request, "internal_error", f"unexpected {type(exc).__name__}; this is a gradsvc bug")
+
+
+_REFUSED = {
+    "redis_oom": "Redis is at its memory limit (maxmemory) and refuses writes; retry after Retry-After, release "
+                 "results you hold (Gradsvc-Release-Results) or ask the operator to raise maxmemory or free memory",
+    "redis_readonly": "Redis is read-only (a replica: a failover is in progress or demoted the server "
+                      "GRADSVC_REDIS_URL names); retry after Retry-After, or ask the operator to point the service "
+                      "at the new master (GRADSVC_REDIS_SENTINELS follows one)",
+    "redis_unavailable": "Redis refuses writes (its snapshots fail, it lacks its replicas, or its master is down); "
+                         "retry after Retry-After, or ask the operator to check the Redis log",
+}
+REFUSED_RETRY_S = 5
+
+
+def _refused(request: Request, code: str, exc: Exception) -> Response:
+    """Redis answering but refusing writes: a 503 saying which refusal, counted (gradsvc_redis_refusals_total)."""
+    request.app.state.metrics.redis_refusals.labels(code).inc()
+    log.warning("%s %s: Redis refused a write (%s)", request.method, request.url.path, str(exc)[:200])
+    return error_response(request, code, _REFUSED[code], {"reply": str(exc)[:200]},
+                          headers={"Retry-After": str(REFUSED_RETRY_S)})
 
 
 def _parameter_error(request: Request, exc: ValidationException) -> Response:
@@ -98,6 +122,8 @@ def _framework_error(request: Request, exc: HTTPException) -> Response:
         allowed = [m for m in every if m not in ("HEAD", "OPTIONS")]
         code = "method_not_allowed"
         message = f"{method} is not allowed on {path}; it accepts {', '.join(allowed) or 'no method'} (see docs/api.md)"
+        if method == "DELETE" and path.startswith("/jobs/"):  # the cancel's route before it moved
+            message += "; to cancel the job, POST /jobs/{id}/cancel"
         detail = {"method": method, "allowed": allowed}
     elif status == 404:
         code = "not_found"

@@ -27,11 +27,13 @@ from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker.fanin import shard_failed, shard_job_id
 from gradsvc.broker.handoff import Handoff
 from gradsvc.broker.job import REDUCE_JOB, SHARD_JOB
+from gradsvc.broker.record import JobMeta, ShardPlace
 from gradsvc.engine.prepare import Prepared
 from gradsvc.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
 
 from . import recent
+from .exceptions import ServiceError
 from .queues import JobRecord
 
 _encoder = msgspec.msgpack.Encoder()
@@ -47,6 +49,13 @@ def shard_count(option: int | str, rows: int, live_workers: Callable[[], int], m
 
 # --- slicing wire values by rows, without torch -----------------------------------------------------------
 def _slice_tensor(t: Tensor, a: int, b: int) -> Tensor:
+    if t.data is None and t.b64 is None:
+        # Its bytes are pieces in Redis, cut where the uploader cut them, not at rows: the API holds no bytes
+        # to slice, and fetching them here would put the whole batch through the API's memory.
+        raise ServiceError("bad_option", "options.shards splits the batch by rows, and a batched input or target "
+                           "here is sent by reference (refs), whose pieces cannot be split by rows; send the batched "
+                           "inputs and targets inline ('data' or 'b64'; weights may stay by reference), or set "
+                           "options.shards to 1", option="shards")
     shape = [b - a, *t.shape[1:]]
     if t.b64 is not None or raw_data(t) is not None:
         import base64
@@ -145,12 +154,12 @@ def _enqueue(redis: Redis, queue: Queue, cut: Split, record: JobRecord, owner: s
     shard_jobs = [
         Queue.prepare_data(SHARD_JOB, (body,), job_id=sid, on_failure=Callback(shard_failed),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
-                           meta={"shard": {"parent": job_id, "index": k, "count": count, "rows": [a, b],
-                                           "prefix": record.prefix, "owner": owner}}, **ttls)
+                           meta=JobMeta(shard=ShardPlace(parent=job_id, index=k, count=count, rows=[a, b],
+                                                         prefix=record.prefix, owner=owner)).as_meta(), **ttls)
         for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, cut.bounds))]
     reduce = queue.create_job(REDUCE_JOB, args=(dataclasses.asdict(cut.plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
-                              description=f"gradients, {count} shards", meta={"owner": owner, "shards": shard_ids},
+                              description=f"gradients, {count} shards", meta=JobMeta(owner=owner, shards=shard_ids).as_meta(),
                               **ttls)
     reduce.origin = queue.name
     reduce.enqueued_at = now()

@@ -110,8 +110,8 @@ class IdempotencyClaims:
                 if pending:
                     continue
             if earlier_digest != digest:
-                raise ServiceError("bad_request", "Idempotency-Key was used for a different request body within "
-                                   f"GRADSVC_IDEMPOTENCY_TTL_S ({self.ttl_s} s), by job "
+                raise ServiceError("idempotency_key_reused", "Idempotency-Key was used for a different request "
+                                   f"body within GRADSVC_IDEMPOTENCY_TTL_S ({self.ttl_s} s), by job "
                                    f"{earlier_id}; send a new key with a new request", header="Idempotency-Key",
                                    job_id=earlier_id)
             return earlier_id

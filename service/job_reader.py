@@ -25,6 +25,7 @@ from gradsvc.broker.fanin import cancel_shards, settle
 from gradsvc.broker.handoff import HandoffError
 from gradsvc.broker.job import MsgpackSerializer
 from gradsvc.broker.leases import LeaseRegistry, lease_s
+from gradsvc.broker.record import JobMeta, write_error
 from gradsvc.wire import ErrorInfo, GradientResult, JobInfo, Progress
 
 from .exceptions import ServiceError
@@ -142,10 +143,10 @@ class JobReader:
             # wait for a worker's reaper, so a job outlives no worker at all as "started".
             await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
             return await self.info(job_id, owner, with_result=with_result, _reaped=True)
-        meta = MsgpackSerializer.loads(meta_raw) if meta_raw else {}
+        meta = JobMeta.of(MsgpackSerializer.loads(meta_raw) if meta_raw else None)
         shard_progress = None
-        if meta.get("shards") and status in (b"deferred", b"queued", b"started"):
-            done, running, leases, failed = await _shard_progress(self.aredis, meta["shards"])
+        if meta.shards and status in (b"deferred", b"queued", b"started"):
+            done, running, leases, failed = await _shard_progress(self.aredis, meta.shards)
             lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
             if (lapsed or (failed and status == b"deferred")) and not _reaped:
                 # As above, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
@@ -155,9 +156,9 @@ class JobReader:
                 for shard_id in failed:
                     await anyio.to_thread.run_sync(settle, self.redis, shard_id)
                 return await self.info(job_id, owner, with_result=with_result, _reaped=True)
-            total = len(meta["shards"])
-            shard_progress = ({"phase": "shards", "done": done, "total": total} if done < total else
-                              {"phase": "reduce", "done": total, "total": total})
+            total = len(meta.shards)
+            shard_progress = (Progress(phase="shards", done=done, total=total) if done < total else
+                              Progress(phase="reduce", done=total, total=total))
             if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
                 status = b"started"
         if (meta_raw is None or status is None) and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
@@ -167,16 +168,16 @@ class JobReader:
             # _reaped): without a status, that job never ends.
             return JobInfo(job_id=job_id, status="failed", error=ErrorInfo(**_JOB_LOST), progress=None, result=None,
                            enqueued_at=None, started_at=None, ended_at=_iso(ended))
-        if status is None or meta.get("owner") != owner:
+        if status is None or meta.owner != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
             raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
                                "expired (results are kept GRADSVC_RESULT_TTL_S seconds)", job_id=job_id)
         state = _STATUS.get(status.decode(), "queued")
-        error = meta.get("error")
-        if error and error.get("code") == "canceled":
+        error = meta.error
+        if meta.is_canceled:
             state = "canceled"
         if state == "failed" and not error:
-            error = await self._failure_from_rq(job_id)
+            error = ErrorInfo(**await self._failure_from_rq(job_id))
         result = None
         if state == "finished" and with_result:
             if result_len > RESULT_IN_ONE:
@@ -186,12 +187,11 @@ class JobReader:
                 raise ServiceError("not_found", f"the result of job {job_id!r} has expired, or its owner released it "
                                    "(Gradsvc-Release-Results)", job_id=job_id)
             result = _result_decoder.decode(result_raw)
-        progress = shard_progress or meta.get("progress")
         return JobInfo(
             job_id=job_id,
             status=state,
-            progress=Progress(**progress) if progress else None,
-            error=ErrorInfo(**error) if error else None,
+            progress=shard_progress or meta.progress,
+            error=error,
             result=result,
             enqueued_at=_iso(enqueued),
             started_at=_iso(started),
@@ -244,10 +244,8 @@ class JobReader:
             job.cancel()
             if self.queues.handoff is not None:  # its handed-off body: no worker will read it now
                 self.queues.handoff.discard(job_id)
-            job.meta["error"] = {"code": "canceled", "message": "canceled by DELETE /jobs/{id} before it started",
-                                 "detail": {}}
-            job.save_meta()
-        if job.meta.get("shards"):
+            write_error(job, "canceled", "canceled by POST /jobs/{id}/cancel before it started")
+        if JobMeta.of(job.meta).shards:
             cancel_shards(self.redis, job)  # its shards, queued or running (they poll the flag set above)
 
     def release(self, job_ids: list[str], owner: str) -> tuple[int, bool]:
@@ -265,7 +263,7 @@ class JobReader:
             replies = pipe.execute()
             dropped = []
             for job_id, (status, meta_raw), head in zip(job_ids, replies[::2], replies[1::2]):
-                if status == b"finished" and meta_raw and MsgpackSerializer.loads(meta_raw).get("owner") == owner:
+                if status == b"finished" and meta_raw and JobMeta.of(MsgpackSerializer.loads(meta_raw)).owner == owner:
                     dropped.append((job_id, head))
             if dropped:
                 self.redis.delete(*(keys.result_key(self.prefix, job_id) for job_id, _ in dropped))
@@ -281,6 +279,10 @@ class JobReader:
     # --- what /readyz and /metrics read from Redis -------------------------------------------------
     def ping(self) -> bool:
         return bool(self.redis.ping())
+
+    def probe_write(self) -> None:
+        """One short-lived write: Redis at maxmemory, read-only or failing its snapshots raises here."""
+        self.redis.set(keys.write_probe_key(self.prefix), b"1", px=10_000)
 
     def workers(self) -> list[Worker]:
         return Worker.all(connection=self.redis)

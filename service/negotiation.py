@@ -105,6 +105,11 @@ def _result_for_json(r: GradientResult, encoding: str) -> GradientResult:
             norms=_tensor(r.per_sample.norms, encoding), gradients=_tensors(r.per_sample.gradients, encoding)),
         buffers=_tensors(r.buffers, encoding),
         outputs=_tree(r.outputs, encoding),
+        diagnostics=None if r.diagnostics is None else msgspec.structs.replace(
+            r.diagnostics, variance=_tensors(r.diagnostics.variance, encoding),
+            second_moment=_tensors(r.diagnostics.second_moment, encoding)),
+        curvature=r.curvature if r.curvature is None or r.curvature.eigenvectors is None else msgspec.structs.replace(
+            r.curvature, eigenvectors=[_tensors(v, encoding) for v in r.curvature.eigenvectors]),
     )
 
 

@@ -3,7 +3,9 @@ runs, then the loss, the check per parameter, memory bars per layer, timings and
 
 from __future__ import annotations
 
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
+
+import anyio.to_thread
 
 from litestar import Request, Response, get, post
 from litestar.response import Redirect
@@ -53,9 +55,14 @@ async def login_form(request: Request, state: ApiState) -> Response:
 @post("/ui/login", include_in_schema=False, status_code=303)
 async def login(request: Request, state: ApiState) -> Response:
     sessions = state.sessions
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        # Another site's page posting the form (login CSRF: the browser would hold the attacker's session).
+        raise ServiceError("bad_request", f"the login form was posted from another site (Origin {origin[:100]!r}); "
+                           "log in from this service's own page, /ui/login", header="Origin")
     form = await request.form()
     nxt = _next_path(form.get("next"))
-    token = await sessions.login(str(form.get("key", "")))
+    token = await sessions.login(str(form.get("key", "")), request.client.host if request.client else "")
     if token is None:
         return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=SESSION_TTL_S // 3600,
                          logged_in=False)
@@ -94,14 +101,18 @@ async def job_page(request: Request, viewer: str | None, state: ApiState, job_id
         if exc.code != "not_found":
             raise
         return html.page("missing.html", status_code=404, message=exc.message, logged_in=sessions.auth.enabled)
-    return html.page("job.html", logged_in=sessions.auth.enabled, **job_context(job))
+    max_nodes = state.settings.page_graph_nodes
+    # Off the event loop: a result's page (its drawing, its tables) costs time that grows with the result.
+    return await anyio.to_thread.run_sync(
+        lambda: html.page("job.html", logged_in=sessions.auth.enabled, **job_context(job, max_nodes)))
 
 
-def job_context(job: JobInfo) -> dict:
+def job_context(job: JobInfo, max_graph_nodes: int = graph_svg.DEFAULT_MAX_NODES) -> dict:
     """What job.html shows: the job, and for a result its bars (percentages of the largest) and chain."""
     r = job.result
     context = {"job": job, "r": r, "running": job.status in ("queued", "started"), "refresh_s": REFRESH_S,
-               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None}
+               "verdicts": VERDICTS, "memory_rows": [], "timing_rows": [], "graph_svg": None, "norm_rows": [],
+               "density_rows": []}
     if r is None:
         return context
     if r.memory is not None:
@@ -112,9 +123,34 @@ def job_context(job: JobInfo) -> dict:
     top_ms = max(times.values()) or 1
     context["timing_rows"] = [{"phase": phase.removesuffix("_ms"), "ms": ms, "pct": round(100 * ms / top_ms, 1)}
                               for phase, ms in times.items()]
+    context.update(_diagnostics_rows(r))
     if r.graph:
-        context["graph_svg"] = Markup(graph_svg.render(r.graph))  # names escaped by graph_svg itself
+        # names escaped by graph_svg itself
+        context["graph_svg"] = Markup(graph_svg.render(r.graph, max_graph_nodes))
     return context
+
+
+DENSITY_BINS = 24
+
+
+def _diagnostics_rows(r) -> dict:
+    """Bars for the module norms (percent of the largest) and the density's weights binned by eigenvalue."""
+    out: dict = {}
+    norms = r.diagnostics.norms if r.diagnostics is not None else None
+    if norms is not None:
+        top = max(norms.modules.values(), default=0.0) or 1.0
+        out["norm_rows"] = [{"module": m, "norm": v, "pct": round(100 * v / top, 1)} for m, v in norms.modules.items()]
+    density = r.curvature.density if r.curvature is not None else None
+    if density is not None and density.eigenvalues:
+        lo, hi = min(density.eigenvalues), max(density.eigenvalues)
+        width = (hi - lo) / DENSITY_BINS or 1.0
+        bins = [0.0] * DENSITY_BINS
+        for value, weight in zip(density.eigenvalues, density.weights):
+            bins[min(int((value - lo) / width), DENSITY_BINS - 1)] += weight
+        peak = max(bins) or 1.0
+        out["density_rows"] = [{"at": lo + (i + 0.5) * width, "weight": w, "pct": round(100 * w / peak, 1)}
+                               for i, w in enumerate(bins)]
+    return out
 
 
 @get("/ui/static/{name:str}", include_in_schema=False)

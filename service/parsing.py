@@ -31,7 +31,23 @@ async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
         req, body = await anyio.to_thread.run_sync(_decode, body, fmt)
     else:
         req, body = _decode(body, fmt)
+    check_seeds(req)
     return body, fmt, req
+
+
+# torch.manual_seed's range: a seed outside it is refused here, not by the worker after the queue.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def check_seeds(req: GradientRequest) -> None:
+    seeds = {"model.seed": req.model.seed}
+    if req.options.hvp is not None:
+        seeds["options.hvp.seed"] = req.options.hvp.seed
+    for where, seed in seeds.items():
+        if not SEED_MIN <= seed <= SEED_MAX:
+            raise ServiceError("bad_option", f"{where} is {seed}, outside the 64 bits torch.manual_seed takes "
+                               f"({SEED_MIN} to {SEED_MAX}); send a seed in that range (torch.initial_seed() is one)",
+                               option=where, value=str(seed))
 
 
 def _decode(body: bytes, fmt: str) -> tuple[GradientRequest, bytes]:

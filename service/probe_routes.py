@@ -1,10 +1,12 @@
-"""What the service says about itself: /healthz and /readyz (probes, no API key), /metrics (Prometheus),
-/schema (the OpenAPI document) and /layers (the layer table)."""
+"""What the service says about itself: /healthz and /readyz (probes, no API key; ready: Redis reachable and
+taking writes, a worker alive), /metrics (Prometheus), /schema (the OpenAPI document), /layers (the layer
+table), and / (a browser sent to the docs)."""
 
 from __future__ import annotations
 
 import anyio.to_thread
 from litestar import Request, Response, get
+from litestar.response import Redirect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .api_state import ApiState
@@ -28,6 +30,7 @@ async def readyz(request: Request, state: ApiState) -> Response:  # a probe: no 
 
     def check() -> int:
         reader.ping()
+        reader.probe_write()  # a Redis that answers but refuses writes is not ready: 503 with its code
         reader.epochs.refresh()  # Redis restarted empty: a new epoch, and ids of the old one read as lost
         return len(reader.workers())
 
@@ -47,9 +50,15 @@ async def metrics_route(request: Request, state: ApiState) -> Response:
 
 @get("/schema")
 async def schema(request: Request, viewer: str | None, state: ApiState) -> Response:
-    if viewer is None:  # the Bearer key, or the session cookie of a browser on /docs
+    if state.settings.docs_require_key and viewer is None:  # the Bearer key, or a browser's session on /docs
         state.auth.owner(request)  # raises the 401 that names the header
     return Response(state.schema_doc, media_type="application/json")
 
 
-ROUTES = [list_layers, healthz, readyz, metrics_route, schema]
+@get("/", include_in_schema=False)
+async def root() -> Redirect:
+    # A browser pointed at the service's address lands on its interactive docs, which link the job pages.
+    return Redirect("/docs", status_code=307)
+
+
+ROUTES = [list_layers, healthz, readyz, metrics_route, schema, root]

@@ -24,6 +24,7 @@ from gradsvc.broker.blobs import BlobError, BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import Handoff, HandoffError
 from gradsvc.broker.job import GradientJob
+from gradsvc.broker.record import JobMeta, write_error, write_progress
 from gradsvc.engine import ComputeError, Engine, EngineError, SpecError, config_from_settings, resolve_device
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
@@ -37,11 +38,11 @@ _msgpack_request = msgspec.msgpack.Decoder(GradientRequest)
 
 
 class RecordedFailureError(Exception):
-    """Raised out of the job function so RQ records the failure; the code is in job.meta['error']."""
+    """Raised out of the job function so RQ records the failure; the code is in the job's meta (gradsvc/broker/record.py)."""
 
 
 class JobCanceledError(Exception):
-    """DELETE /jobs/{id} asked a running job to stop."""
+    """POST /jobs/{id}/cancel asked a running job to stop."""
 
 
 class ResultBuffer:
@@ -103,8 +104,7 @@ class WorkerContext:
 
 
 def _owner(job: Job) -> str:
-    """The job's owner (a shard's is in its shard meta)."""
-    return job.meta.get("owner") or job.meta.get("shard", {}).get("owner") or keys.ANONYMOUS_OWNER
+    return JobMeta.of(job.meta).job_owner
 
 
 def _graphs(ctx: WorkerContext, job: Job):
@@ -174,7 +174,7 @@ def decode_request(body: "bytes | mmap.mmap", fmt: str) -> GradientRequest:
 
 
 class _ProgressReporter:
-    """Writes {phase, done, total} into job.meta and polls the cancel flag, each at most a few times a second.
+    """Writes {phase, done, total} into the job's meta and polls the cancel flag, each at most a few times a second.
     A shard polls its parent job's flag (`cancel_id`): DELETE, or a failed sibling, stops every shard."""
 
     def __init__(self, job: Job, prefix: str, cancel_id: str | None = None) -> None:
@@ -193,16 +193,14 @@ class _ProgressReporter:
                     raise JobCanceledError()
             if now - self.last_save > 0.5 or (done == total and now - self.started > 0.2):
                 self.last_save = now
-                self.job.meta["progress"] = {"phase": phase, "done": done, "total": total}
-                self.job.save_meta()
+                write_progress(self.job, phase, done, total)
         except (RedisConnectionError, RedisTimeoutError):
             pass  # progress is advisory: a Redis blip must not fail the computation
 
 
 def _fail(job: Job, ctx: WorkerContext, code: str, message: str, detail: dict | None = None,
           kind: str = "job") -> RecordedFailureError:
-    job.meta["error"] = {"code": code, "message": message, "detail": detail or {}}
-    job.save_meta()
+    write_error(job, code, message, detail)
     ctx.metrics.observe_failure(str(ctx.device), code, kind=kind)
     return RecordedFailureError(f"{code}: {message}")
 
@@ -305,7 +303,7 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, kind) from None
     except JobCanceledError:
-        raise _fail(job, ctx, "canceled", "the job was canceled by DELETE /jobs/{id} while running",
+        raise _fail(job, ctx, "canceled", "the job was canceled by POST /jobs/{id}/cancel while running",
                     kind=kind) from None
     except JobTimeoutException:
         raise _fail(job, ctx, "timeout", f"the job ran past its timeout of {job.timeout} s; use a smaller model, "

@@ -59,15 +59,17 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
 
 
 def _wait_for_redis(settings: Settings) -> None:
-    """A worker started while Redis is down waits for it rather than exiting."""
+    """A worker started while Redis is down, or refusing writes (its registration is one), waits for it rather
+    than exiting."""
     connection = redis_connection(settings)
     delay = 0.5
     while True:
         try:
-            connection.ping()
+            connection.set(keys.write_probe_key(settings.queue_prefix), b"1", px=10_000)
             return
         except REDIS_ERRORS as exc:
-            log.warning("Redis at %s unreachable (%s); retrying in %.1f s", settings.redis_url, exc, delay)
+            log.warning("Redis at %s unreachable or refusing writes (%s); retrying in %.1f s", settings.redis_url,
+                        exc, delay)
             time.sleep(delay)
             delay = min(delay * 1.5, 5.0)
         finally:

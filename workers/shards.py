@@ -17,6 +17,7 @@ from rq.job import Job
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
+from gradsvc.broker.record import JobMeta
 from gradsvc.engine import ComputeError
 from gradsvc.engine import tensors
 from gradsvc.engine.reduce import ShardPlan, add_reduce_time, check_combined, reduce_results
@@ -35,7 +36,7 @@ def shard_job(body: bytes | str) -> dict:
     result key for the reduce job."""
 
     def work(job: Job, ctx: WorkerContext, queue_s: float) -> GradientResult:
-        parent = job.meta["shard"]["parent"]
+        parent = JobMeta.of(job.meta).shard.parent
         reference: dict = {}
         result = compute_request(job, ctx, body, "msgpack", queue_s, cancel_id=parent, reference=reference)
         if reference:  # the float64 autograd gradients of its rows, for the combined returned-gradient check

@@ -26,6 +26,8 @@ from rq.timeouts import JobTimeoutException
 from rq.utils import now
 from rq.worker import SimpleWorker
 
+from gradsvc.broker.record import write_error
+
 log = logging.getLogger("gradsvc.worker")
 
 # A job past its timeout gets this long for RQ's own timeout to stop it between steps; then it is stopped hard.
@@ -100,7 +102,7 @@ class Watchdog:
         if self.worker.connection.exists(running.cancel_key):
             running.canceled_at = running.canceled_at or at
             if at - running.canceled_at > CANCEL_GRACE_S:
-                self.stop_hard(running, "canceled", "the job was canceled by DELETE /jobs/{id} while running "
+                self.stop_hard(running, "canceled", "the job was canceled by POST /jobs/{id}/cancel while running "
                                "inside one operation, so its worker was restarted")
 
     def _terminated(self) -> bool:
@@ -124,8 +126,7 @@ class Watchdog:
                   worker.name, job.id, {"timeout": "ran past its timeout", "canceled": "was canceled"}.get(
                       code, "outlived its worker's SIGTERM"))
         try:
-            job.meta["error"] = {"code": code, "message": message, "detail": {"hard_stop": True}}
-            job.save_meta()
+            write_error(job, code, message, {"hard_stop": True})
             job.ended_at = now()
             if job.failure_callback is not None:  # a shard: fail (or, canceled, settle) its job
                 try:

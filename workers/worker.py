@@ -9,7 +9,8 @@ leases (RQ fails them with AbandonedJobError, which the API reports as `worker_l
 is waited out: the worker retries until it comes back instead of exiting.
 
 The same thread runs the job's watchdog (workers/watchdog.py: hard deadline, cancel and SIGTERM inside one
-long op). The process entry (`gradsvc worker`) is workers/main.py.
+long op). The process entry (`gradsvc worker`) is workers/main.py. Each SimpleWorker method overridden here,
+and each private name of RQ or redis-py used, is listed with its reason in gradsvc/broker/internals.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 from redis.client import EMPTY_RESPONSE
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, worker_registration
 from rq.defaults import DEFAULT_FAILURE_TTL
@@ -31,8 +33,10 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
+from gradsvc.broker.connection import REFUSAL_ERRORS, refusal
 from gradsvc.broker.job import GRADIENT_JOB, GradientJob
 from gradsvc.broker.leases import LeaseRegistry, lease_s
+from gradsvc.broker.record import JobMeta
 
 from .transaction import SentTransaction
 from .watchdog import WATCHDOG_S, Running, Watchdog
@@ -41,7 +45,9 @@ from .watchdog import WATCHDOG_S, Running, Watchdog
 _JOB_FUNCTION = GRADIENT_JOB
 
 log = logging.getLogger("gradsvc.worker")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError)
+# Redis unreachable, or answering but refusing writes (at maxmemory, read-only after a failover): both are
+# waited out the same way, rather than the work loop dying on the first refused heartbeat.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, *REFUSAL_ERRORS)
 SUSPENSION_CHECK_S = 1.0
 
 
@@ -81,7 +87,7 @@ class GradientWorker(SimpleWorker):
         try:
             return super().heartbeat(timeout or self.lease_s)
         except REDIS_ERRORS as exc:  # the dequeue loop that follows backs off until Redis returns
-            log.warning("worker %s: heartbeat failed, Redis unreachable (%s)", self.name, exc)
+            log.warning("worker %s: heartbeat failed, Redis unreachable or refusing writes (%s)", self.name, exc)
 
     def set_state(self, state: str, pipeline=None):
         if pipeline is not None:
@@ -108,7 +114,8 @@ class GradientWorker(SimpleWorker):
         self.set_state(WorkerStatus.BUSY, pipeline=pipe)
         self._starting = pipe
         # A shard stops on its parent job's flag (DELETE, or a failed sibling), as workers/jobs.py polls it.
-        cancel_id = (job.meta.get("shard") or {}).get("parent") or job.id
+        shard = JobMeta.of(job.meta).shard
+        cancel_id = shard.parent if shard else job.id
         self._running = Running(job, execution, time.monotonic(), keys.cancel_key(self.prefix, cancel_id))
         return execution
 
@@ -243,7 +250,7 @@ class GradientWorker(SimpleWorker):
         try:
             super().teardown()
         except REDIS_ERRORS as exc:
-            log.warning("worker %s: could not register its death, Redis unreachable (%s)", self.name, exc)
+            log.warning("worker %s: could not register its death, Redis unreachable or refusing writes (%s)", self.name, exc)
 
     def _beat_loop(self) -> None:
         next_beat = time.monotonic()
@@ -256,7 +263,7 @@ class GradientWorker(SimpleWorker):
             except REDIS_ERRORS as exc:
                 if (running := self._running) is not None:
                     running.lease_failed = True
-                log.warning("worker %s: heartbeat failed, Redis unreachable (%s); retrying", self.name, exc)
+                log.warning("worker %s: heartbeat failed, Redis unreachable or refusing writes (%s); retrying", self.name, exc)
             except Exception:  # the thread must outlive any surprise, or every job would be reaped
                 log.exception("worker %s: heartbeat failed", self.name)
             time.sleep(min(WATCHDOG_S, self.heartbeat_s))
@@ -310,15 +317,27 @@ class GradientWorker(SimpleWorker):
         try:
             super().check_for_suspension(burst)
         except REDIS_ERRORS as exc:
-            log.warning("worker %s: Redis unreachable (%s); waiting for it", self.name, exc)
+            log.warning("worker %s: Redis unreachable or refusing writes (%s); waiting for it", self.name, exc)
             self._wait_a_moment()
 
     def run_maintenance_tasks(self) -> None:
         try:
             super().run_maintenance_tasks()
         except REDIS_ERRORS as exc:
-            log.warning("worker %s: registry maintenance skipped, Redis unreachable (%s)", self.name, exc)
+            log.warning("worker %s: registry maintenance skipped, Redis unreachable or refusing writes (%s)", self.name, exc)
             self.last_cleaned_at = now()
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
+        """RQ's dequeue, waiting out Redis refusing writes as RQ waits out a lost connection: a failover's
+        demotion cuts the blocked BLPOP (UNBLOCKED) and a full Redis refuses the writes around it (OOM)."""
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except ResponseError as exc:
+                if refusal(exc) is None:
+                    raise
+                log.warning("worker %s: Redis refuses writes (%s); waiting for it", self.name, str(exc)[:200])
+                self._wait_a_moment()
 
     def _wait_a_moment(self) -> None:
         time.sleep(1.0)

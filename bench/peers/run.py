@@ -1,7 +1,7 @@
 """gradsvc against the stack a user would write instead: FastAPI + Celery + Redis with solo-pool torch
 workers (bench/peers/peer_app.py, peer_tasks.py), on the same workloads, in one run, ratios printed.
 
-  small job   seed 003 [A] (6-8-3 tanh float64, batch 4), JSON, one keep-alive client, requests one
+  small job   the 6-8-3 tanh net (float64, batch 4), JSON, one keep-alive client, requests one
               after another, one worker per side: e2e p50 and p99 (bench/small_job.py's workload).
   tiny load   the same job from 32 client threads, each POST /gradients?wait=30 one after another, two
               workers per side (GRADSVC_WORKERS=2; two solo-pool Celery workers on one torch thread

@@ -25,17 +25,21 @@ from gradsvc.wire import is_tensor as _is_tensor
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
 # BlobStore.check in one command: each piece's size (0: not kept), its TTL refreshed, and its place in the
-# owner's LRU index moved to now (ZADD XX: a piece the index lost is not added back). KEYS: the index, then the
-# pieces' keys; ARGV: the TTL, now, then the refs (the index's members), in KEYS' order. A frozen backbone's
+# owner's LRU index moved to now (ZADD XX: a piece the index lost is not added back); the index and the sizes
+# hash get the same TTL, so they live as long as the pieces they count (else the budget forgets pieces still
+# in use once the upload's TTL passes). KEYS: the index, the sizes hash, then the pieces' keys; ARGV: the TTL,
+# now, then the refs (the index's members), in KEYS' order. A frozen backbone's
 # 32 refs as a pipeline of 65 commands took 2.5-4.7 ms of the API's request path, most of it redis-py's
 # per-reply work; the ZADD goes in batches that stay under Lua's unpack limit.
 _CHECK = """
 local ttl, now = ARGV[1], ARGV[2]
 local sizes = {}
-for i = 2, #KEYS do
-  sizes[i - 1] = redis.call('STRLEN', KEYS[i])
+for i = 3, #KEYS do
+  sizes[i - 2] = redis.call('STRLEN', KEYS[i])
   redis.call('EXPIRE', KEYS[i], ttl)
 end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
 local args = {}
 for i = 3, #ARGV do
   args[#args + 1] = now
@@ -47,6 +51,12 @@ for i = 3, #ARGV do
 end
 return sizes
 """
+
+
+# GRADSVC_MAX_REFS's default: the refs one request may name. Checking them is one Redis script, which holds
+# Redis (every key's requests) for ~2 us a ref: 1.8 million took 3.9 s; 4,096 take ~10 ms, and a 200M-parameter
+# model goes up in a few hundred pieces.
+MAX_REFS = 4096
 
 
 def digest(data: bytes | memoryview) -> str:
@@ -113,8 +123,10 @@ def _expected_bytes(value: Any) -> int:
 class BlobStore:
     """The owners' pieces in Redis (put, missing, check, fetch), with a local LRU of what was fetched."""
 
-    def __init__(self, redis, prefix: str, ttl_s: int, budget_bytes: int, cache_bytes: int = 0) -> None:
+    def __init__(self, redis, prefix: str, ttl_s: int, budget_bytes: int, cache_bytes: int = 0,
+                 max_refs: int = MAX_REFS) -> None:
         self.redis, self.prefix, self.ttl_s, self.budget_bytes = redis, prefix, ttl_s, budget_bytes
+        self.max_refs = max_refs
         self.cache: LRU[bytes] = LRU(max_bytes=cache_bytes)
         self.evictions = 0
         self._check = redis.register_script(_CHECK)
@@ -122,6 +134,9 @@ class BlobStore:
     def put(self, owner: str, ref: str, data: bytes) -> int:
         """Stores one piece (its digest checked by the caller); returns how many of the owner's least
         recently used pieces the budget evicted to make room."""
+        if not len(data):
+            raise BlobError("bad_tensor", "an empty piece (0 bytes) names no bytes: a tensor with no elements needs no "
+                            "refs; send it inline ({\"dtype\", \"shape\", \"data\": []})", bytes=0)
         if len(data) > self.budget_bytes:
             raise BlobError("too_large", f"a piece of {len(data)} bytes is over GRADSVC_TENSOR_BUDGET_BYTES="
                             f"{self.budget_bytes}; upload it in smaller pieces", bytes=len(data),
@@ -169,6 +184,12 @@ class BlobStore:
         tensors = [(where, v, refs_of(v)) for where, v in request_tensors(req) if refs_of(v) is not None]
         if not tensors:
             return
+        count = sum(len(refs) if isinstance(refs, list) else 1 for _, _, refs in tensors)
+        if count > self.max_refs:
+            raise BlobError("too_many_refs", f"the request names {count} tensor pieces by reference, over the limit "
+                            f"of {self.max_refs} (GRADSVC_MAX_REFS); upload larger pieces (up to "
+                            "GRADSVC_MAX_BODY_BYTES each) so each tensor needs fewer refs", count=count,
+                            limit=self.max_refs)
         for where, value, refs in tensors:
             if _inline(value):
                 raise BlobError("bad_tensor", f"{where}: give the tensor's bytes either inline ('data' or 'b64') or "
@@ -179,7 +200,7 @@ class BlobStore:
                                 f"lowercase hex digits) as PUT /tensors/{{sha256}} took them, got "
                                 f"{str(bad)[:80]!r}", where=where)
         unique = list(dict.fromkeys(r for _, _, refs in tensors for r in refs))
-        answers = self._check(keys=[keys.blob_index_key(self.prefix, owner),
+        answers = self._check(keys=[keys.blob_index_key(self.prefix, owner), keys.blob_sizes_key(self.prefix, owner),
                                     *(keys.blob_key(self.prefix, owner, ref) for ref in unique)],
                               args=[self.ttl_s, repr(time.time()), *unique])
         sizes = dict(zip(unique, answers))
@@ -212,7 +233,12 @@ class BlobStore:
                 key = keys.blob_key(self.prefix, owner, ref)
                 pipe.get(key)
                 pipe.expire(key, self.ttl_s)
-            values = pipe.execute()[0::2]
+            # A use keeps the pieces' place in the LRU and the budget's index alive with them, as check does.
+            index = keys.blob_index_key(self.prefix, owner)
+            pipe.zadd(index, dict.fromkeys(wanted, time.time()), xx=True)
+            pipe.expire(index, self.ttl_s)
+            pipe.expire(keys.blob_sizes_key(self.prefix, owner), self.ttl_s)
+            values = pipe.execute()[:-3][0::2]
             lost = [r for r, v in zip(wanted, values) if v is None]
             if lost:
                 raise BlobError("tensor_not_found", f"{len(lost)} tensor piece(s) went away before the job ran "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -16,7 +17,7 @@ from redis import Redis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.connection import Encoder, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, ResponseError
+from redis.exceptions import DataError, MasterDownError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel
 from redis.utils import HIREDIS_AVAILABLE
@@ -25,6 +26,28 @@ from gradsvc.runtime.settings import Settings
 
 if HIREDIS_AVAILABLE:
     import hiredis
+
+
+# Redis answering but refusing writes: at maxmemory (OOM), a replica (READONLY: a failover demoted it), a
+# master that cannot snapshot (MISCONF) or lacks its min-replicas (NOREPLICAS), a replica cut from its master
+# (MASTERDOWN), a blocked read cut by a demotion (UNBLOCKED: the failover itself). redis-py raises its own class for some, a plain ResponseError for the rest; inside a pipeline
+# it rewrites the message ("Command # 1 (...) of pipeline caused error: ..."), so the class is read first.
+REFUSAL_ERRORS = (OutOfMemoryError, ReadOnlyError, MasterDownError)
+_REFUSAL_CODES = {OutOfMemoryError: "redis_oom", ReadOnlyError: "redis_readonly", MasterDownError: "redis_unavailable"}
+_REFUSAL_WORDS = re.compile(r"(?:^|caused error: )(OOM|READONLY|MISCONF|NOREPLICAS|MASTERDOWN|UNBLOCKED)\b")
+_WORD_CODES = {"OOM": "redis_oom", "READONLY": "redis_readonly"}
+
+
+def refusal(exc: BaseException) -> str | None:
+    """The error code of Redis refusing writes (redis_oom, redis_readonly, redis_unavailable), or None when
+    `exc` is something else."""
+    if not isinstance(exc, ResponseError):
+        return None
+    for cls, code in _REFUSAL_CODES.items():
+        if isinstance(exc, cls):
+            return code
+    found = _REFUSAL_WORDS.search(str(exc))
+    return _WORD_CODES.get(found.group(1), "redis_unavailable") if found else None
 
 
 def sync_redis(url: str, **kwargs: Any) -> Redis:

@@ -15,6 +15,8 @@ from rq.utils import now, utcformat
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.job import MsgpackSerializer
+from gradsvc.broker.record import JobMeta, error_meta, set_error
+from gradsvc.wire import ErrorInfo
 
 
 def shard_job_id(job_id: str, index: int) -> str:
@@ -29,16 +31,15 @@ _LOST = ("worker_lost", "the worker running it was lost (killed, crashed, or cut
 def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
     """RQ's on_failure callback of a shard job: the first shard to fail fails the job with its code and
     index; every other shard is canceled (queued ones at once, running ones at their next step)."""
-    info = job.meta.get("shard") or {}
-    parent, index, count = info.get("parent"), info.get("index"), info.get("count")
-    if parent is None:
+    meta = JobMeta.of(job.meta)
+    info, error = meta.shard, meta.error
+    if info is None:
         return
-    prefix = info.get("prefix", "gradsvc")
-    error = job.meta.get("error")
+    parent, index, count, prefix = info.parent, info.index, info.count, info.prefix
     if error is None:
         code, why = _LOST if exc_type is AbandonedJobError or exc_type is None else (
             "internal_error", f"it failed unexpectedly ({getattr(exc_type, '__name__', exc_type)})")
-        error = {"code": code, "message": why, "detail": {}}
+        error = ErrorInfo(code=code, message=why)
     # The flag stops the running siblings (they poll it) and any that starts later.
     connection.set(keys.cancel_key(prefix, parent), b"1", ex=max(int(job.timeout or 600), 60) + 60)
     siblings = [shard_job_id(parent, k) for k in range(count or 0) if k != index]
@@ -46,13 +47,13 @@ def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
     if siblings:  # results of siblings that finished first: no reduce job will read them
         connection.delete(*[key(prefix, sid) for sid in siblings for key in (keys.result_key, keys.reference_key)])
     discard_files([job.id, *siblings])  # and their handoff files (this shard's own reference too)
-    if error["code"] == "canceled":
+    if error.code == "canceled":
         return  # the job was canceled (DELETE), or a sibling failed first and already failed it
-    rows = info.get("rows")
-    message = f"shard {index} of {count} (rows {rows[0]}:{rows[1]}) failed: {error['message']}" if rows else \
-        f"shard {index} of {count} failed: {error['message']}"
-    detail = {**error.get("detail", {}), "shard": index, "shards": count, "shard_job_id": job.id}
-    fail_parent(connection, parent, {"code": error["code"], "message": message, "detail": detail})
+    rows = info.rows
+    message = f"shard {index} of {count} (rows {rows[0]}:{rows[1]}) failed: {error.message}" if rows else \
+        f"shard {index} of {count} failed: {error.message}"
+    detail = {**error.detail, "shard": index, "shards": count, "shard_job_id": job.id}
+    fail_parent(connection, parent, error_meta(error.code, message, detail))
 
 
 def settle(connection: Redis, shard_id: str) -> None:
@@ -82,7 +83,7 @@ def fail_parent(connection: Redis, parent_id: str, error: dict) -> bool:
                     pipe.reset()
                     return False  # already failed by a sibling, canceled, or (impossible) running
                 pipe.multi()
-                parent.meta["error"] = error
+                set_error(parent, error)
                 # Meta and end time in the same transaction as the status (Job.save_meta takes no pipeline).
                 pipe.hset(key, mapping={"meta": MsgpackSerializer.dumps(parent.meta), "ended_at": utcformat(now())})
                 record_job_failure(parent, f"{error['code']}: {error['message']}", pipe)
@@ -97,9 +98,9 @@ def fail_parent(connection: Redis, parent_id: str, error: dict) -> bool:
 def cancel_shards(connection: Redis, job: Job) -> None:
     """DELETE of a sharded job, after the job's own cancel: its queued shards are canceled at once (running
     ones stop on the job's cancel flag), and a POST waiting on it wakes (RQ's cancel writes no result)."""
-    cancel_queued(connection, job.meta["shards"])
+    cancel_queued(connection, JobMeta.of(job.meta).shards or [])
     if job.get_status(refresh=True) == JobStatus.CANCELED:
-        Result.create_failure(job, job.failure_ttl, "canceled by DELETE /jobs/{id}")
+        Result.create_failure(job, job.failure_ttl, "canceled by POST /jobs/{id}/cancel")
 
 
 def cancel_queued(connection: Redis, shard_ids: list[str]) -> None:

@@ -46,6 +46,7 @@ _TMP = ".tmp-"  # files being written: swept after TMP_MAX_AGE_S (their writer d
 _SPARE = ".spare-"  # pages kept for a process's next result or body (Spare): swept as temp files are
 TMP_MAX_AGE_S = 120.0
 DOMAIN_FILE = "domain"
+LAUNCHER_FILE = "launcher.pid"  # `gradsvc up` claims the dir it made with its PID (gradsvc/runtime/launcher.py)
 
 # What a result key holds when the result is in a file: 0xc1 is the one byte MessagePack never uses, so
 # no MessagePack value (a GradientResult is a map: 0x80-0x8f, 0xde, 0xdf) starts with it.
@@ -58,6 +59,22 @@ _writers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gradsvc-handoff
 
 class HandoffError(ValueError):
     """A ref this process must not open: malformed, a hostile name, or another domain's."""
+
+
+def _refuse_foreign(dir: Path) -> None:
+    """An existing dir is taken only when it is the service's own (its domain file, which only a Handoff
+    writes) or holds nothing the service did not make: the sweep deletes files by name and age, and must
+    never meet an operator's `notes.in` or `run-2024.out`."""
+    if (dir / DOMAIN_FILE).is_file():
+        return
+    with os.scandir(dir) as entries:
+        foreign = sorted(e.name for e in entries if e.name != LAUNCHER_FILE and not e.name.startswith((_TMP, _SPARE)))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise HandoffError(f"GRADSVC_HANDOFF_DIR={str(dir)!r} holds files gradsvc did not make ({shown}) and no "
+                           f"{DOMAIN_FILE!r} file saying it is gradsvc's own; the service deletes the files it finds "
+                           "there past their TTL, so it needs a directory of its own: point GRADSVC_HANDOFF_DIR at a "
+                           "new or empty directory (created 0700), or move those files out")
 
 
 def file_name(job_id: str, kind: str) -> str:
@@ -76,10 +93,11 @@ class Handoff:
         self.min_bytes = min_bytes
         try:
             self.dir.mkdir(mode=0o700, parents=True)
-            os.chmod(self.dir, 0o700)  # what mkdir's mode became under the umask, exactly
         except FileExistsError:
             if not self.dir.is_dir():
                 raise
+            _refuse_foreign(self.dir)
+        os.chmod(self.dir, 0o700)  # what mkdir's mode became under the umask, or an adopted empty dir's, exactly
         self.domain = self._domain()
         self._last_sweep = 0.0
 

@@ -64,7 +64,7 @@ def rq_results_stream(job_id: str) -> str:
 
 
 def cancel_key(prefix: str, job_id: str) -> str:
-    """Set by DELETE /jobs/{id} for a running job; the job checks it between steps and stops."""
+    """Set by POST /jobs/{id}/cancel for a running job; the job checks it between steps and stops."""
     return f"{prefix}:cancel:{job_id}"
 
 
@@ -115,7 +115,7 @@ def session_key(prefix: str, token: str) -> str:
 def epoch_key(prefix: str) -> str:
     """The current data epoch: "<8 hex> <unix time it began> <run_id of the Redis it began on>", created
     when missing. Redis restarted empty has none, so the next reader starts a new epoch: job ids carry the
-    epoch they were issued in (their first 8 hex digits), which tells a job Redis lost from one that never
+    epoch they were issued in (their last 8 hex digits), which tells a job Redis lost from one that never
     existed (service/epochs.py: also when another Redis process may have lost the last writes)."""
     return f"{prefix}:epoch"
 
@@ -129,3 +129,14 @@ def replication_mark_key(prefix: str) -> str:
 def past_epochs_key(prefix: str) -> str:
     """The epochs before the current one that an API process remembered when it started a new one."""
     return f"{prefix}:epochs"
+
+
+def write_probe_key(prefix: str) -> str:
+    """What /readyz and a starting worker write (a byte, for seconds) to learn whether Redis takes writes: at
+    maxmemory, read-only after a failover or failing its snapshots it answers reads and refuses writes."""
+    return f"{prefix}:write-probe"
+
+
+def login_failures_key(prefix: str, client: str, window: int) -> str:
+    """Failed /ui/login attempts from one client address in one minute (service/sessions.py throttles them)."""
+    return f"{prefix}:login-failures:{client}:{window}"

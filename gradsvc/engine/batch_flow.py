@@ -71,7 +71,9 @@ def batch_flow(model: GraphModel, input_shapes: list[list[int]], *, batched: lis
 
 def draws_masks(step: Step) -> bool:
     """A node that draws dropout masks: dropout with p > 0 and train not False, or a recurrent op of
-    several layers with dropout between them in training mode."""
+    several layers with dropout between them in training mode, or any other random op (randn_like, ...)."""
+    if step.op.random:
+        return True
     if step.op.recurrent:
         dropout, layers = _arg(step, "dropout"), _arg(step, "num_layers")
         return _arg(step, "train") is not False and dropout != 0 and layers != 1

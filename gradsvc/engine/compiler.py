@@ -25,7 +25,7 @@ from . import tensors
 from .errors import SpecError
 from .functions import MAX_FUNCTIONS, compile_function
 from .interpreter import GraphModel
-from .ops import ALLOWED_OPS_DOC, OPS, Op
+from .ops import ALLOWED_OPS_DOC, OPS, REFUSED_CORE, Op
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, Step, bad_graph, where_node
 from .spec import Limits
 
@@ -50,6 +50,7 @@ def _show(value: Any) -> str:
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
 _STAT_WRITES = MappingProxyType({"aten.batch_norm.default": ("running_mean", "running_var"),
                                  "aten.native_batch_norm.default": ("running_mean", "running_var"),
+                                 "aten._native_batch_norm_legit.default": ("running_mean", "running_var"),
                                  "aten.instance_norm.default": ("running_mean", "running_var")})
 
 
@@ -97,7 +98,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
                 raise bad_graph(f"{where}: constant {inp.target!r} is not in 'constants' (keys: "
                            f"{sorted(spec.constants)[:8]})", input=inp.name)
             constants[inp.target] = tensors.decode(spec.constants[inp.target], where=f"model.graph.constants"
-                                                   f"[{inp.target!r}]", max_elements=limits.max_elements)
+                                                   f"[{inp.target!r}]", max_elements=limits.max_elements,
+                                                   complex_ok=True)
         slot = len(kinds)
         slots[inp.name] = slot
         kinds.append("tensor")
@@ -116,8 +118,10 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
     for node in spec.nodes:
         op = OPS.get(node.op) or functions.get(node.op)
         if op is None:
-            raise SpecError("unsupported_op", f"model.graph: {where_node(node)}: op {node.op!r} is not allowed; the "
-                            f"allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
+            why = REFUSED_CORE.get(node.op.removeprefix("aten."))
+            why = f" ({why})" if why else ""
+            raise SpecError("unsupported_op", f"model.graph: {where_node(node)}: op {node.op!r} is not allowed{why}; "
+                            f"the allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
                             module=node.module)
         if len(node.module) > 1000 or len(node.module_type) > 200:
             raise bad_graph(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",
@@ -335,7 +339,7 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
             return float(inner)
         if key == "dtype" and kind == "dtype" and inner in DTYPES:
             d = DTYPES[inner]
-            return FloatDType(d) if d.is_floating_point else d
+            return FloatDType(d) if d.is_floating_point or d.is_complex else d
         if key == "device" and kind == "device" and isinstance(inner, str) and _DEVICE.match(inner):
             return DEVICE
         if key == "layout" and kind == "layout" and inner in _LAYOUTS:
@@ -346,6 +350,9 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
                                  "device": ' as {"device": "cpu"}', "layout": ' as {"layout": "strided"}',
                                  "memory_format": f" as {{\"memory_format\": one of {sorted(_MEMORY_FORMATS)}}}"
                                  }.get(kind, ""))
+    if kind == "generator":
+        raise bad("null: random ops draw from the job's seed (model.seed), not from a generator of the graph's; "
+                  "drop the generator argument")
     if kind == "list":
         if isinstance(v, int) and not isinstance(v, bool) and t[1][0] == "int":
             return v  # an int for int[N], as torch accepts

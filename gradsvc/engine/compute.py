@@ -16,7 +16,7 @@ import torch
 
 from gradsvc.wire import GradientRequest, GradientResult, Timings
 
-from . import tensors
+from . import diagnostics, tensors
 from .caches import EngineCaches
 from .check import computed_dtype, numerical_check
 from .diagnose import non_finite_error
@@ -110,6 +110,7 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
         runs = [Pass(loss=loss, losses=examples.losses, backward_s=examples.seconds)]
     final = runs[-1]
     _check_gradients(final)
+    computed = final.grads
     if opts.gradient_dtype is not None:  # what the caller gets, and what the returned-gradient check judges
         final.grads = {n: g.to(tensors.TORCH_DTYPES[opts.gradient_dtype]) for n, g in final.grads.items()}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -123,9 +124,10 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     if opts.checkpoint_segments:
         checkpoint = _checkpoint_tradeoff(prep, params, device, seed, final, memory)
 
-    if opts.per_sample != "off" and examples is None:
+    if (opts.per_sample != "off" or diagnostics.wants_examples(opts)) and examples is None:
         examples = per_sample_gradients(prep, params, seed, device, summed=opts.numcheck != "off")
-    per_sample = examples.per_sample if examples is not None else None
+    per_sample = examples.per_sample if examples is not None and opts.per_sample != "off" else None
+    diagnosed = diagnostics.run(prep, params, device, seed, computed, examples and examples.gradients)
     per_sample_sum = examples.summed if examples is not None else None
 
     if progress:
@@ -138,6 +140,7 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
                       job_s=final.forward_s + final.backward_s, final=final, hvp_vector=hvp_vector,
                       per_sample_sum=per_sample_sum)
     numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0
+    final.grads = diagnosed.returned(final.grads)
 
     timed = runs[1:] if len(runs) > 1 else runs
     timings = Timings(
@@ -148,8 +151,9 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
         memory_ms=1e3 * memory_s,
         total_ms=1e3 * (time.perf_counter() - started),
     )
-    return encode_result(request, prep, device, final, per_sample=per_sample, hvp=hvp_vector is not None, check=check,
-                         memory=memory, checkpoint=checkpoint, timings=timings)
+    return diagnosed.into(encode_result(request, prep, device, final, per_sample=per_sample,
+                                        hvp=hvp_vector is not None, check=check, memory=memory,
+                                        checkpoint=checkpoint, timings=timings))
 
 
 def _timed_passes(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device,

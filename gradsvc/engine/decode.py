@@ -8,7 +8,7 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import GradientRequest, LossSpec, Options, Tensor, is_tensor
+from gradsvc.wire import PER_EXAMPLE_DIAGNOSTICS, GradientRequest, LossSpec, Options, Tensor, is_tensor
 
 from . import tensors
 from .batch import Batch
@@ -96,8 +96,8 @@ def splits(opts: Options, rows: int) -> list[str]:
     out = []
     if opts.micro_batch is not None and opts.micro_batch < rows:
         out.append("options.micro_batch")
-    if opts.per_sample != "off":
-        out.append("options.per_sample")
+    if per_example_option(opts):
+        out.append(per_example_option(opts))
     if isinstance(opts.shards, int) and opts.shards > 1:  # "auto" is checked with its count (check_shardable)
         out.append("options.shards")
     return out
@@ -109,6 +109,18 @@ def refuse_own_loss_split(opts: Options, terms: list[LossTerm], rows: int) -> No
         raise SpecError("bad_option", f"{split[0]}: loss {OWN_LOSS!r} is one scalar the model computes over the "
                         "whole batch, which the service cannot split into parts of the batch; remove "
                         f"{split[0]}, or return per-example outputs and use a built-in loss", option=split[0])
+
+
+def per_example_option(opts: Options) -> str | None:
+    """The option of this request that needs each example's own gradient (None when none does)."""
+    if opts.per_sample != "off":
+        return "options.per_sample"
+    wanted = [d for d in opts.diagnostics if d in PER_EXAMPLE_DIAGNOSTICS]
+    if wanted:
+        return f"options.diagnostics {wanted[0]!r}"
+    if opts.clip is not None and opts.clip.per_sample:
+        return "options.clip.per_sample"
+    return None
 
 
 def rows_per_example(opts: Options, inputs: Batch, out: torch.Tensor,
@@ -225,6 +237,54 @@ def check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
                             f"{trainable[name]}", parameter=name)
 
 
+def check_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, frozen: set[str]) -> None:
+    """options.diagnostics, clip and curvature against the model and the losses, before the queue."""
+    def bad(msg: str, **detail) -> None:
+        raise SpecError("bad_option", msg, **detail)
+
+    asked = [name for name, on in (("diagnostics", opts.diagnostics), ("clip", opts.clip),
+                                   ("curvature", opts.curvature)) if on]
+    if not asked:
+        return
+    if not opts.batch_gradient:
+        bad(f"options.{asked[0]} is computed from the batch's gradient, which options.batch_gradient=false skips; "
+            "leave one of them out", option=asked[0])
+    if opts.shards != 1:
+        bad(f"options.{asked[0]} needs the whole batch's gradient in one job, and options.shards splits it across "
+            "jobs; set shards=1 (micro_batch bounds memory within one job)", option=asked[0])
+    size = sum(p.numel() for n, p in model.named_parameters() if n not in frozen)
+    if size == 0:
+        bad(f"options.{asked[0]}: the model has no trainable parameter, so there is no gradient to diagnose or "
+            "clip; unfreeze a parameter or leave it out", option=asked[0])
+    if per_example_option(opts) and len({t.reduction for t in terms}) > 1:
+        bad(f"{per_example_option(opts)}: the losses reduce differently, so an example's share of the gradient is "
+            "not defined; give every loss the same reduction", option=asked[0])
+    if opts.curvature is not None:
+        _check_curvature(opts, terms, size)
+
+
+def _check_curvature(opts: Options, terms: list[LossTerm], size: int) -> None:
+    c = opts.curvature
+    if c.top > size:
+        raise SpecError("bad_option", f"options.curvature.top={c.top} asks for more eigenvalues than the {size} "
+                        f"trainable parameters have; set top to at most {size}", option="curvature.top",
+                        value=c.top, max=size)
+    if not (c.top or c.trace or c.density):
+        raise SpecError("bad_option", "options.curvature asks for nothing: set top >= 1, trace=true or density=true",
+                        option="curvature")
+    if c.density and c.probes is None:
+        raise SpecError("bad_option", "options.curvature.density needs probes: the number of random starting "
+                        "vectors the spectrum is averaged over; set probes (10 is a common choice)",
+                        option="curvature.probes")
+    if c.eigenvectors and not c.top:
+        raise SpecError("bad_option", "options.curvature.eigenvectors returns the top eigenvalues' vectors; set "
+                        "top >= 1 or leave eigenvectors out", option="curvature.eigenvectors")
+    if c.matrix == "ggn" and any(t.type == OWN_LOSS for t in terms):
+        raise SpecError("bad_option", f"options.curvature.matrix='ggn' needs the loss as a function of the model's "
+                        f"output, and loss {OWN_LOSS!r} is computed inside the model; use matrix='hessian' or a "
+                        "built-in loss", option="curvature.matrix")
+
+
 def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtype: torch.dtype,
                     max_elements: int, owner: str) -> dict[str, torch.Tensor]:
     """The given weights as tensors, each checked against the state entry of its name: shape; parameters
@@ -233,7 +293,8 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
     small: list[tuple[str, torch.Tensor]] = []  # parameters checked together (the biases and norms of a model)
     for name, wire in given.items():
         t = tensors.decode(dense_only(wire, f"weights[{name!r}]"), where=f"weights[{name!r}]",
-                           max_elements=max_elements)
+                           max_elements=max_elements,
+                           complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
         want = list(state[name].shape)
         if list(t.shape) != want:
             _check_finite(small)  # an earlier weight's fault is named first, as it comes first

@@ -72,4 +72,22 @@ class _Apply(torch.autograd.Function):
     def backward(ctx, *gs: torch.Tensor):
         xs = ctx.saved_tensors
         grads = iter(_run(ctx.fn.backward, (*xs, *gs)))
-        return (None, *[next(grads) if keep else None for keep in ctx.fn.grads])
+        out = [next(grads) if keep else None for keep in ctx.fn.grads]
+        for i, (x, g) in enumerate(zip(xs, out)):
+            if g is not None and not _fits(x, g):
+                raise bad_graph(f"the custom Function {ctx.fn.name!r}: its backward returned a gradient of shape "
+                                f"{list(g.shape)} for its argument {i}, of shape {list(x.shape)}; backward must return "
+                                "each gradient in its argument's shape (or one that sums to it, as autograd allows)",
+                                code="shape_mismatch", function=ctx.fn.name, argument=i, expected=list(x.shape),
+                                got=list(g.shape))
+        return (None, *out)
+
+
+def _fits(x: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether autograd takes g as x's gradient: x's shape, or one x broadcasts to (autograd sums it down)."""
+    if g.shape == x.shape:
+        return True
+    try:
+        return torch.broadcast_shapes(x.shape, g.shape) == g.shape
+    except RuntimeError:
+        return False

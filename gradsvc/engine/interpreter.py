@@ -15,6 +15,7 @@ from torch import nn
 
 from . import tensors
 from .errors import SpecError
+from .ops import drawn_in
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
 
 
@@ -56,6 +57,8 @@ class GraphModel(nn.Module):
                 want = DTYPES[inp.dtype]
                 if want.is_floating_point and (dtype == torch.float64 or want == compiled.dtype):
                     want = dtype
+                elif want.is_complex and (dtype == torch.float64 or want.to_real() == compiled.dtype):
+                    want = _complex_of(dtype)
                 make = torch.empty if str(device) == "meta" else torch.zeros  # never uninitialised memory
                 t = make(inp.shape, dtype=want, device=device)
                 try:
@@ -99,13 +102,11 @@ class GraphModel(nn.Module):
         prog = self._programs.get(key)
         if prog is None:
             captured = self._graph.dtype
+            as_captured = dtype == captured and not self.upcast_all
 
             def fix(a: Any) -> Any:
                 if isinstance(a, FloatDType):
-                    d = a.dtype
-                    if dtype == captured and not self.upcast_all:
-                        return d  # the model as captured: its own casts (float32 RMSNorm, rotary) stay
-                    return torch.float64 if dtype == torch.float64 else (dtype if d == captured else d)
+                    return _run_dtype(a.dtype, dtype, captured, as_captured)
                 if a is DEVICE:
                     return device
                 if isinstance(a, list):
@@ -119,16 +120,34 @@ class GraphModel(nn.Module):
                 kwargs = {k: fix(v) for k, v in s.kwargs.items()}
                 refs = tuple(i for i, a in enumerate(args) if _has_ref(a))
                 krefs = tuple(k for k, v in kwargs.items() if _has_ref(v))
-                steps.append((s.slot, s.op.fn, args, kwargs, refs, krefs, s.writes_buffer, s.op.is_assert, frees[i]))
-            consts = []
-            for slot, target in self._consts:
-                c = self._graph.constants[target]
-                if c.is_floating_point() and (dtype == torch.float64 or c.dtype == captured):
-                    c = c.to(dtype)
-                consts.append((slot, c.to(device)))
+                fn = s.op.fn
+                if s.op.random and not as_captured:
+                    asked = s.kwargs.get("dtype")
+                    fn = drawn_in(s.op, asked.dtype if isinstance(asked, FloatDType) else captured)
+                steps.append((s.slot, fn, args, kwargs, refs, krefs, s.writes_buffer, s.op.is_assert, frees[i]))
+            consts = [(slot, _run_constant(self._graph.constants[target], dtype, captured).to(device))
+                      for slot, target in self._consts]
             prog = (steps, consts)
             self._programs[key] = prog
         return prog
+
+    def to(self, *args: Any, **kwargs: Any) -> GraphModel:
+        """nn.Module.to, except that a complex buffer (a rotary table) follows a floating dtype as its complex
+        twin (float64: complex128) where nn.Module.to would cast it to the real dtype, dropping its imaginary
+        part (the numerical check's float64 copy is made with .to(float64))."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None or not dtype.is_floating_point:
+            return super().to(*args, **kwargs)
+        held = [(owner, attr, owner._buffers[attr]) for _, kind, owner, attr in self._holders
+                if kind == "buffer" and owner._buffers[attr] is not None and owner._buffers[attr].is_complex()]
+        for owner, attr, _ in held:
+            owner._buffers[attr] = None  # nn.Module._apply leaves a None buffer alone
+        try:
+            super().to(*args, **kwargs)
+        finally:
+            for owner, attr, t in held:
+                owner._buffers[attr] = t.to(device=device or t.device, dtype=_complex_of(dtype))
+        return self
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.run(*inputs)[0]
@@ -144,7 +163,9 @@ class GraphModel(nn.Module):
         for slot, value in consts:
             env[slot] = value
         for slot, x in zip(self._users, inputs):
-            env[slot] = x
+            # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
+            # check's copy), so that view_as_real of them meets parameters of the same dtype.
+            env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
         track = self.track_modules
         node_modules = self.node_modules
         i = -1
@@ -188,6 +209,28 @@ class GraphModel(nn.Module):
                 with torch.no_grad():
                     buf.copy_(env[slot])
         return [_fill(o, env) for o in self._graph.outputs]
+
+
+def _run_dtype(d: torch.dtype, dtype: torch.dtype, captured: torch.dtype, as_captured: bool) -> torch.dtype:
+    """The dtype a graph's floating or complex dtype argument names in a run in `dtype`."""
+    if as_captured:
+        return d  # the model as captured: its own casts (float32 RMSNorm, rotary) stay
+    if d.is_complex:
+        return _complex_of(_run_dtype(d.to_real(), dtype, captured, as_captured))
+    return torch.float64 if dtype == torch.float64 else (dtype if d == captured else d)
+
+
+def _complex_of(dtype: torch.dtype) -> torch.dtype:
+    # complex32 (float16's twin) lacks most kernels: complex values stay complex64 below float64.
+    return torch.complex128 if dtype == torch.float64 else torch.complex64
+
+
+def _run_constant(c: torch.Tensor, dtype: torch.dtype, captured: torch.dtype) -> torch.Tensor:
+    if c.is_floating_point() and (dtype == torch.float64 or c.dtype == captured):
+        return c.to(dtype)
+    if c.is_complex() and (dtype == torch.float64 or c.dtype.to_real() == captured):
+        return c.to(_complex_of(dtype))
+    return c
 
 
 def _last_uses(graph: Compiled) -> list[tuple[int, ...]]:

@@ -1,7 +1,7 @@
 """Per-layer activation memory: bytes autograd saves for backward while each layer runs.
 
-Each storage counts once (the first layer to save it owns it) and parameters are excluded, as in
-seed 003's table [C]. A graph model (GraphModel) has one row per module path its nodes ran in: its
+Each storage counts once (the first layer to save it owns it) and parameters are excluded, as in the
+backprop memory measurement (2.0 MiB per 1024-wide layer at batch 512 in float32). A graph model (GraphModel) has one row per module path its nodes ran in: its
 submodules only hold tensors and are never called, so the running node's path says who saves. Storages are told apart by their StorageImpl (`_cdata`), not `data_ptr()`,
 which is 0 for every tensor on the meta device.
 """

@@ -3,9 +3,15 @@ are checked (its own torch schema) and what runs in its place (zero-filled `empt
 
 Every entry is a name as `torch.export` prints it ("aten.linear.default") or one of the few Python
 operators export emits on sizes ("operator.mul"). Nothing here touches the host: no op with a file
-name, a pointer or a storage, no printing, no random op but dropout, and no op returning uninitialised
-memory (the `empty*` family runs as its `zeros*` twin). In-place ops run on intermediates, or on
-buffers (running statistics) under no_grad; on a parameter or an input they are refused.
+name, a pointer or a storage, no printing, and no op returning uninitialised memory (the `empty*`
+family runs as its `zeros*` twin). In-place ops run on intermediates, or on buffers (running
+statistics) under no_grad; on a parameter or an input they are refused.
+
+A graph means what its program says on any device and kernel: `view`, `_unsafe_view` and `view_as` run as
+`reshape` (a view wherever the input's layout allows one), because the layout a kernel returned at
+capture (which made a `.contiguous()` a no-op there) is not the worker's. Random ops draw from the
+job's seed (devices.seeded), as dropout does. Every op of PyTorch's core ATen opset that has a
+derivative formula is allowed except REFUSED_CORE (docs/graph-ops.md says why for each).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Op:
     reshapes: bool = False  # reinterprets the row-major order (view/reshape/flatten)
     recurrent: bool = False  # runs each row of its batch dim on its own, combining time steps (gru, lstm, rnn)
     n_outputs: int | None = None  # a multi-output op's fixed count (None: a list of any length)
+    random: bool = False  # draws random numbers (besides dropout's masks): replayed from the job's seed
 
 
 _SPECIAL = re.compile(r"(ScalarType|Layout|MemoryFormat)\??(?:\[\])? (\w+)")
@@ -67,7 +74,7 @@ def _arg_type(t: Any, special: str | None) -> ArgType:
         return ({"ScalarType": "dtype", "Layout": "layout", "MemoryFormat": "memory_format"}[special],)
     simple = {"TensorType": "tensor", "IntType": "int", "SymIntType": "int", "FloatType": "float",
               "BoolType": "bool", "SymBoolType": "bool", "NumberType": "number", "StringType": "str",
-              "DeviceObjType": "device"}
+              "DeviceObjType": "device", "GeneratorType": "generator"}  # a generator: only None (the job's seed)
     if kind not in simple:
         raise TypeError(f"argument type {t} is not allowed in a graph")
     return (simple[kind],)
@@ -82,6 +89,11 @@ def _returns(schema: Any) -> str:
     return "tensor" if rets[0].type.kind() in ("TensorType", "OptionalType") else "scalar"
 
 
+# Arguments an op may write besides its first: batch norm's running statistics (the compiler checks that
+# they are buffers).
+_STAT_ARGS = frozenset({"running_mean", "running_var"})
+
+
 def _from_schema(name: str, overload: Any, fn: Callable | None = None, **flags: Any) -> Op:
     schema = overload._schema
     special = {arg: kind for kind, arg in _SPECIAL.findall(str(schema))}
@@ -90,7 +102,7 @@ def _from_schema(name: str, overload: Any, fn: Callable | None = None, **flags: 
                          a.default_value if a.has_default_value() else None) for a in schema.arguments)
     aliases = bool(schema.returns and schema.returns[0].alias_info is not None)
     inplace = bool(params and params[0].is_write)
-    if any(p.is_write for p in params[1:]):
+    if any(p.is_write and p.name not in _STAT_ARGS for p in params[1:]):
         raise TypeError(f"{name} writes an argument other than its first")
     n_outputs = len(schema.returns) if len(schema.returns) > 1 else None
     return Op(name, fn or overload, params, _returns(schema), aliases_input=aliases, inplace=inplace,
@@ -107,13 +119,13 @@ _CONV = """conv1d.default conv2d.default conv3d.default convolution.default conv
 conv_transpose2d.input conv_transpose3d.input conv1d.padding conv2d.padding conv3d.padding"""
 _NORM = """batch_norm.default layer_norm.default group_norm.default instance_norm.default rms_norm.default
 native_layer_norm.default native_group_norm.default native_batch_norm.default
-_native_batch_norm_legit_no_training.default"""
+_native_batch_norm_legit_no_training.default _native_batch_norm_legit.default _native_batch_norm_legit.no_stats"""
 _ATTENTION = "scaled_dot_product_attention.default embedding.default"
 _ACTIVATIONS = """relu.default relu_.default gelu.default gelu_.default silu.default silu_.default
 sigmoid.default sigmoid_.default tanh.default tanh_.default elu.default elu_.default leaky_relu.default
 leaky_relu_.default hardtanh.default hardtanh_.default hardswish.default hardswish_.default
 hardsigmoid.default mish.default softplus.default celu.default selu.default prelu.default glu.default
-log_sigmoid.default logit.default"""
+log_sigmoid.default logit.default acosh.default asinh.default atanh.default"""
 _ELEMENTWISE = """add.Tensor add.Scalar add_.Tensor add_.Scalar sub.Tensor sub.Scalar sub_.Tensor rsub.Scalar
 rsub.Tensor mul.Tensor mul.Scalar mul_.Tensor mul_.Scalar div.Tensor div.Scalar div.Tensor_mode div_.Tensor
 div_.Scalar neg.default abs.default exp.default exp2.default log.default log2.default log10.default
@@ -129,36 +141,54 @@ ge.Tensor ge.Scalar logical_not.default logical_and.default logical_or.default l
 __and__.Tensor __or__.Tensor __xor__.Tensor bitwise_not.default bitwise_and.Tensor bitwise_or.Tensor
 isnan.default isinf.default isfinite.default masked_fill.Scalar masked_fill.Tensor masked_fill_.Scalar
 masked_fill_.Tensor fill_.Scalar fill_.Tensor fill.Scalar zero_.default copy_.default logaddexp.default
-hypot.default bitwise_and.Scalar bitwise_or.Scalar"""
+hypot.default bitwise_and.Scalar bitwise_or.Scalar bitwise_xor.Tensor bitwise_xor.Scalar div.Scalar_mode
+copy.default masked_scatter.default cosine_similarity.default _cdist_forward.default _pdist_forward.default"""
 _REDUCTIONS = """sum.dim_IntList sum.default mean.dim mean.default amax.default amin.default max.dim min.dim
 max.default min.default argmax.default argmin.default var.correction var.dim var.default std.correction std.dim
 std.default var_mean.correction std_mean.correction var_mean.dim std_mean.dim var_mean.default std_mean.default
 prod.default prod.dim_int logsumexp.default norm.ScalarOpt_dim
 norm.Scalar linalg_vector_norm.default cumsum.default cumprod.default any.dim any.default all.dim
 all.default softmax.int log_softmax.int _softmax.default _log_softmax.default sort.default topk.default
-diff.default"""
+diff.default any.dims"""
 _INDEXING = """cat.default stack.default split.Tensor split_with_sizes.default chunk.default unbind.int
 slice.Tensor select.int index.Tensor index_select.default gather.default narrow.default
 take_along_dim.default scatter.src scatter.value scatter_add.default flip.default roll.default
 tril.default triu.default repeat.default repeat_interleave.self_int tile.default constant_pad_nd.default
 pad.default meshgrid.default meshgrid.indexing index_put.default index_put_.default slice_scatter.default
-select_scatter.default index_add.default unfold.default"""
+select_scatter.default index_add.default unfold.default scatter_reduce.two diag.default diag_embed.default
+_embedding_bag.default grid_sampler_2d.default col2im.default reflection_pad1d.default reflection_pad2d.default
+reflection_pad3d.default replication_pad1d.default replication_pad2d.default replication_pad3d.default"""
 _VIEWS = """view.default reshape.default _unsafe_view.default flatten.using_ints unflatten.int view_as.default
 reshape_as.default"""
 _LAYOUT = """permute.default transpose.int t.default numpy_T.default mT.default expand.default expand_as.default squeeze.dim squeeze.dims
 squeeze.default unsqueeze.default contiguous.default clone.default alias.default detach.default
 detach_.default lift_fresh_copy.default movedim.int movedim.intlist diagonal.default
 broadcast_tensors.default"""
+# Complex values (rotary embeddings, spectral layers): views between a real (..., 2) and a complex tensor.
+_COMPLEX = """view_as_complex.default view_as_real.default polar.default complex.default real.default imag.default
+angle.default conj.default conj_physical.default _conj.default _fft_r2c.default _fft_c2r.default
+_fft_c2c.default"""
 _POOLING = """max_pool1d.default max_pool2d.default max_pool3d.default max_pool1d_with_indices.default
 max_pool2d_with_indices.default max_pool3d_with_indices.default avg_pool1d.default avg_pool2d.default
 avg_pool3d.default adaptive_avg_pool1d.default
 adaptive_avg_pool2d.default adaptive_avg_pool3d.default adaptive_max_pool1d.default
 adaptive_max_pool2d.default upsample_nearest1d.vec upsample_nearest2d.vec upsample_nearest3d.vec
 upsample_linear1d.vec upsample_bilinear2d.vec upsample_bicubic2d.vec upsample_trilinear3d.vec
-pixel_shuffle.default pixel_unshuffle.default"""
+pixel_shuffle.default pixel_unshuffle.default _adaptive_avg_pool2d.default _adaptive_avg_pool3d.default"""
+# Backward kernels, which a forward may call (a custom backward written with them; double backward has formulas).
+_BACKWARDS = """_adaptive_avg_pool2d_backward.default avg_pool2d_backward.default convolution_backward.default
+embedding_dense_backward.default max_pool2d_with_indices_backward.default native_layer_norm_backward.default
+native_group_norm_backward.default"""
 # nn.GRU / nn.LSTM / nn.RNN inside a custom module: a list of weight tensors in, (output, h_n[, c_n]) out.
 _RECURRENT = "gru.input lstm.input rnn_tanh.input rnn_relu.input"
+# nn.LSTMCell / GRUCell / RNNCell: one time step, called in the user's own loop.
+_CELLS = "lstm_cell.default gru_cell.default rnn_tanh_cell.default rnn_relu_cell.default"
 _RANDOM = "dropout.default dropout_.default native_dropout.default feature_dropout.default"
+# Random numbers in forward (a VAE's noise, diffusion noise, stochastic depth): replayed from the job's seed.
+_DRAWS = """rand.default rand_like.default randn.default randn_like.default bernoulli.default bernoulli.p
+bernoulli.Tensor bernoulli_.float normal.Tensor_float normal.float_Tensor normal.Tensor_Tensor normal.float_float
+normal_.default uniform.default uniform_.default randint.default randint.low randint_like.default
+randint_like.low_dtype multinomial.default randperm.default"""
 _FACTORIES = """arange.default arange.start arange.start_step full.default full_like.default ones.default
 ones_like.default zeros.default zeros_like.default new_ones.default new_zeros.default new_full.default
 scalar_tensor.default"""
@@ -167,7 +197,7 @@ _SIZES = "sym_size.int sym_numel.default sym_stride.int"
 _ASSERTS = """_assert_tensor_metadata.default _assert_scalar.default sym_constrain_range_for_size.default
 _assert_async.msg sym_constrain_range.default"""
 _LOSSES = """cross_entropy_loss.default nll_loss.default nll_loss_nd.default mse_loss.default
-binary_cross_entropy_with_logits.default"""
+binary_cross_entropy_with_logits.default binary_cross_entropy.default"""
 
 # Combine values along `dim`/`dims` (the batch-mixing check looks at that argument).
 _ALONG_DIM = frozenset("""sum.dim_IntList mean.dim amax.default amin.default max.dim min.dim argmax.default
@@ -177,7 +207,17 @@ prod.dim_int logsumexp.default norm.ScalarOpt_dim linalg_vector_norm.default cum
 any.dim all.dim softmax.int log_softmax.int _softmax.default _log_softmax.default sort.default topk.default
 diff.default index_select.default gather.default take_along_dim.default scatter.src scatter.value
 scatter_add.default flip.default roll.default slice_scatter.default select_scatter.default index_add.default
+scatter_reduce.two any.dims cosine_similarity.default _fft_r2c.default _fft_c2r.default _fft_c2c.default
 """.split())
+
+# Core ATen ops with a derivative formula that a graph may not call, and why (docs/graph-ops.md says the same).
+REFUSED_CORE = MappingProxyType({
+    "as_strided.default": "reads the input's memory through the strides it had at capture, which another "
+                          "device's or kernel's layout does not reproduce; export emits it for no public module, "
+                          "and a program that calls x.as_strided is rewritten with view/reshape/unfold",
+    "nonzero.default": "its output's shape depends on the values, so the shape and memory checks before the "
+                       "queue cannot bound it (torch's meta kernel refuses it too); mask with where/masked_fill",
+})
 
 
 def _zeros_like_empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
@@ -205,6 +245,42 @@ _ZERO_FILLED = MappingProxyType({
     "empty_strided.default": _zeros_empty_strided,
     "new_empty_strided.default": lambda self, size, stride, **kw: _zeros_new_empty(self, size, **kw),
 })
+
+
+def _reshape(self: torch.Tensor, size: list) -> torch.Tensor:
+    return torch.reshape(self, size)  # a view wherever the input's layout allows one, a copy elsewhere
+
+
+def _reshape_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return torch.reshape(self, other.shape)
+
+
+# Layout facts that held at capture only: these run as what they mean on any device.
+_AS_RESHAPE = MappingProxyType({"view.default": _reshape, "_unsafe_view.default": _reshape,
+                                "view_as.default": _reshape_as})
+
+
+def drawn_in(op: Op, draw: torch.dtype) -> Callable:
+    """`op` drawing its floating random numbers in `draw` (the dtype the graph was captured in) and cast to the
+    dtype the run asks for. torch draws other numbers in float64 than in float32 from the same seed, so the
+    numerical check's float64 copy would otherwise see other noise than the run it checks."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        asked = kwargs.get("dtype")
+        if asked is not None:  # a factory (randn(size, dtype=...), randn_like(x, dtype=...))
+            if not asked.is_floating_point or asked == draw:
+                return op.fn(*args, **kwargs)
+            return op.fn(*args, **{**kwargs, "dtype": draw}).to(asked)
+        like = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        if like is None or like.dtype == draw:
+            return op.fn(*args, **kwargs)
+        cast = [a.to(draw) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        out = op.fn(*cast, **kwargs)
+        if op.inplace:  # bernoulli_, normal_, uniform_: the numbers land in the tensor the graph named
+            return args[0].copy_(out)
+        return out.to(like.dtype) if out.is_floating_point() else out
+
+    return run
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
@@ -255,10 +331,12 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
     table: dict[str, Op] = {"operator.getitem": GETITEM, **PYTHON_OPS}
     skipped = []
     groups = [_MATMUL, _CONV, _NORM, _ATTENTION, _ACTIVATIONS, _ELEMENTWISE, _REDUCTIONS, _INDEXING, _VIEWS,
-              _LAYOUT, _POOLING, _RECURRENT, _RANDOM, _FACTORIES, _CASTS, _SIZES, _ASSERTS, _LOSSES]
+              _LAYOUT, _COMPLEX, _POOLING, _BACKWARDS, _RECURRENT, _CELLS, _RANDOM, _DRAWS, _FACTORIES, _CASTS,
+              _SIZES, _ASSERTS, _LOSSES]
     reshapes = set(_VIEWS.split())
     asserts = set(_ASSERTS.split())
     recurrent = set(_RECURRENT.split())
+    draws = set(_DRAWS.split())
     for entry in [e for g in groups for e in g.split()] + list(_ZERO_FILLED):
         base, overload = entry.rsplit(".", 1)
         packet = getattr(aten, base, None)
@@ -267,9 +345,9 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
         try:
             if ovl is None:
                 raise TypeError("not in this torch")
-            table[name] = _from_schema(name, ovl, fn=_no_op if entry in asserts else _ZERO_FILLED.get(entry),
-                                       is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
-                                       reshapes=entry in reshapes, recurrent=entry in recurrent)
+            fn = _no_op if entry in asserts else _AS_RESHAPE.get(entry) or _ZERO_FILLED.get(entry)
+            table[name] = _from_schema(name, ovl, fn=fn, is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
+                                       reshapes=entry in reshapes, recurrent=entry in recurrent, random=entry in draws)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash
             skipped.append(f"{name}: {exc}")
     return MappingProxyType(table), tuple(skipped)
@@ -277,7 +355,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
 
 OPS, SKIPPED = _build_table()  # SKIPPED: none on torch 2.13
 
-ALLOWED_OPS_DOC = "README.md, section 'Graph format (exported models)' (the list: gradsvc/engine/ops.py)"
+ALLOWED_OPS_DOC = "docs/graph-ops.md (the list: gradsvc/engine/ops.py, and GET /schema)"
 
 
 def op_catalogue() -> list[str]:

@@ -222,7 +222,7 @@ def _gradients(prep: Prepared, chunk: Chunk, params: dict[str, torch.Tensor], lo
 
 
 def _graph(root) -> list[GraphNode]:
-    """The grad_fn chain from the loss: every node once, `next` as in next_functions (seed 004)."""
+    """The grad_fn chain from the loss: every node once, `next` as in next_functions (the training loop's NllLossBackward -> AddmmBackward -> ... chain)."""
     ids: dict[object, int] = {}
     nodes: list[GraphNode] = []
     order = [root]

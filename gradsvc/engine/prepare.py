@@ -17,8 +17,8 @@ from gradsvc.wire import GradientRequest
 from . import resident, tensors
 from .caches import EngineCaches
 from .config import EngineConfig
-from .decode import (check_hvp, check_options, check_reductions, decode_targets, loss_terms, refuse_own_loss_split,
-                     rows_per_example)
+from .decode import (check_diagnostics, check_hvp, check_options, check_reductions, decode_targets, loss_terms,
+                     refuse_own_loss_split, rows_per_example)
 from .errors import SpecError
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel, release_model
@@ -49,6 +49,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs))
     frozen = check_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
     check_hvp(opts, side.meta, frozen)
+    check_diagnostics(opts, terms, side.meta, frozen)
     side.check_batch_statistics(opts, inputs)
     model, reuse = side.model(device, shape_only)  # the weights decoded and checked (those not in place)
     if str(device) != "meta":

@@ -19,7 +19,7 @@ from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
 from .compiler import build_graph
 from .config import EngineConfig
-from .decode import as_tensor_value, decode_weights, input_values, loss_terms, splits
+from .decode import as_tensor_value, decode_weights, input_values, loss_terms, per_example_option, splits
 from .errors import SpecError
 from .interpreter import GraphModel
 from .losses import OWN_LOSS
@@ -112,10 +112,15 @@ def _graph_input(raw, where: str, spec, template: GraphTemplate, dtype: torch.dt
                             "(docs/api.md, Tensors)", where=where)
         x = sparse.decode(value, spec.layout, where, limits.max_elements)
         return x.to(dtype) if x.is_floating_point() else x
-    x = tensors.decode(value, where=where, max_elements=limits.max_elements, shape_only=shape_only)
+    x = tensors.decode(value, where=where, max_elements=limits.max_elements, shape_only=shape_only,
+                       complex_ok=bool(spec.dtype and spec.dtype.startswith("complex")))
     want = spec.dtype
     want_dtype = tensors.TORCH_DTYPES.get(want or "", torch.float32)
-    if not want_dtype.is_floating_point:
+    if want_dtype.is_complex:  # a spectrum, a complex signal: real values are complex ones without an imaginary part
+        x = x.to(want_dtype)
+        if not x.is_meta and not tensors.all_finite(x):
+            raise SpecError("bad_tensor", f"{where} holds NaN or infinite values", where=where)
+    elif not want_dtype.is_floating_point:
         if x.dtype.is_floating_point:
             raise SpecError("bad_tensor", f"{where}: the graph takes {want} values here (token ids, indices or a "
                             f"mask: input {spec.name!r}), got {str(x.dtype).removeprefix('torch.')}; send {want}",
@@ -306,8 +311,8 @@ class GraphSpecModel:
                             f"forward; {option} runs it in parts. Leave one of them out", option=option)
         if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
             check_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
-        if opts.per_sample != "off":
-            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.per_sample")
+        if per_example_option(opts):
+            check_graph_split(self.template, self.batch_flow(inputs)[0], per_example_option(opts))
         if "options.shards" in splits(opts, inputs.rows):  # what mixes is the clearer reason
             check_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
 
@@ -355,6 +360,13 @@ def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, acr
                         f"(batch statistics), so a part of the batch does not give its share of the batch's "
                         f"gradient; remove {option}, or put that module in eval mode before export",
                         node=node, op=op, module=module)
+    drawing = next((s for s in template.compiled.steps if s.op.random), None)
+    if drawing is not None:
+        where = f"module {drawing.module!r}" if drawing.module else "the root module"
+        raise SpecError("bad_option", f"{option}: node {drawing.name!r} ({drawing.op.name}) in {where} draws random "
+                        f"numbers, and a part of the batch draws other numbers than the whole batch does (the seed "
+                        f"replays one forward over the whole batch), so the parts' gradients would not add up to the "
+                        f"batch's; remove {option}", node=drawing.name, op=drawing.op.name, module=drawing.module)
     if across_jobs:
         random = next((s for s in template.compiled.steps if draws_masks(s)), None)
         if random is not None:

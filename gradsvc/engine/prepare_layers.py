@@ -18,7 +18,7 @@ from . import tensors
 from .batch import Batch
 from .caches import EngineCaches, state_bytes
 from .config import EngineConfig
-from .decode import as_tensor_value, decode_weights, input_values
+from .decode import as_tensor_value, decode_weights, input_values, per_example_option
 from .errors import SpecError
 from .prepared import Prepared
 from .spec import Limits, build, check_shapes, leaves, sequence_first
@@ -107,19 +107,20 @@ def _check_batch_statistics(opts: Options, model: nn.Module, batch: int,
     """micro_batch and per_sample split the batch. A layer that mixes the examples of a batch
     (BatchNorm in training mode: it normalises with the batch's mean and variance) makes either
     inexact, so both are refused here, before the queue, rather than answered with other gradients."""
-    splits = opts.per_sample != "off" or (opts.micro_batch is not None and opts.micro_batch < batch)
-    option = "options.per_sample" if opts.per_sample != "off" else "options.micro_batch"
+    example = per_example_option(opts)
+    splits = example or (opts.micro_batch is not None and opts.micro_batch < batch)
+    option = example or "options.micro_batch"
     hit = sequence_first(model) if splits else None
     if hit:
         raise SpecError("bad_option", f"{option}: layer {hit[0]} ({type(hit[1]).__name__}) takes (sequence, batch, "
                         "...) with batch_first=false, and the batch is split along dim 0; set batch_first=true "
                         f"(and send batch-first inputs) or leave {option} out", layer=hit[0])
-    if opts.per_sample != "off":
+    if example:
         for name, module in model.named_modules():
             if isinstance(module, nn.RNNBase) or (isinstance(module, nn.Embedding) and module.max_norm is not None):
-                raise SpecError("bad_option", f"options.per_sample: layer {name} ({type(module).__name__}) cannot "
+                raise SpecError("bad_option", f"{example}: layer {name} ({type(module).__name__}) cannot "
                                 "run under torch.func.vmap, which per-example gradients use (recurrent layers, "
-                                "Embedding with max_norm); set per_sample='off'", layer=name)
+                                f"Embedding with max_norm); {_without(example)}", layer=name)
     if mixing is None:
         mixing = _batch_stat_leaves(model)
     if not mixing:
@@ -130,10 +131,15 @@ def _check_batch_statistics(opts: Options, model: nn.Module, batch: int,
                         "the statistics of the whole batch in training mode, so gradients summed over micro-batches "
                         f"would differ from the batch's; remove options.micro_batch (or set it to at least the batch "
                         f"size, {batch}), or remove the layer", layer=name, option="micro_batch")
-    if opts.per_sample != "off":
-        raise SpecError("bad_option", f"options.per_sample: layer {name} ({kind}) mixes the samples of a batch in "
-                        "training mode, so per-example gradients are undefined; remove it or set per_sample='off'",
-                        layer=name, option="per_sample")
+    if example:
+        raise SpecError("bad_option", f"{example}: layer {name} ({kind}) mixes the samples of a batch in "
+                        f"training mode, so per-example gradients are undefined; remove it or {_without(example)}",
+                        layer=name, option=example.split(" ")[0].removeprefix("options."))
+
+
+def _without(option: str) -> str:
+    """How to drop the option that asked for per-example gradients."""
+    return "set per_sample='off'" if option == "options.per_sample" else f"leave {option} out"
 
 
 def _batch_stat_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -158,7 +164,7 @@ def _weights(request: GradientRequest, facts: "_Facts", dtype: torch.dtype, max_
 
 # A CPU worker keeps the models it built, per (spec, dtype, device), and reuses one for the next request of
 # the same spec: building a model (module construction, default init on meta, storage) is most of a small
-# job's worker time (seed [A]: ~0.6 of 1.1 ms, bench/summary.py). A model is checked out exclusively
+# job's worker time (the 6-8-3 tanh net: ~0.6 of 1.1 ms, bench/summary.py). A model is checked out exclusively
 # (prepare) and handed back after a successful compute (release_model), so two computes never share one.
 # What a request could leave in it is reset by prepare: every state_dict entry is loaded, requires_grad is
 # set per request (passes.trainable), the memory hooks are removed as they finish; a model with state
@@ -186,7 +192,7 @@ class Built:
     built: its state_dict's own tensors (`slots`) when every module loads as nn.Module does (no load hooks, no
     override of its own), so prepare copies each entry in place instead of walking the modules through
     load_state_dict on every request; and whether it may go back to the pool (`keep`), which release_model found by
-    walking it after every request (both walks: seed [A]'s compute in process 1.04 -> 0.89 ms)."""
+    walking it after every request (both walks: the 6-8-3 tanh net's compute in process 1.04 -> 0.89 ms)."""
 
     model: nn.Module
     slots: dict[str, torch.Tensor] | None

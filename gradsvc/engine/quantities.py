@@ -85,6 +85,7 @@ class Examples:
     summed: dict[str, torch.Tensor] | None
     losses: dict[str, float]
     seconds: float
+    gradients: dict[str, torch.Tensor] | None = None  # each example's own loss gradient, (batch, *shape)
 
 
 def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: int, device: torch.device,
@@ -134,7 +135,7 @@ def per_sample_gradients(prep: Prepared, params: dict[str, torch.Tensor], seed: 
               for j, t in enumerate(prep.terms)}
     return Examples(PerSample(norms=tensors.encode(norms),
                               gradients={n: tensors.encode(g) for n, g in grads.items()} if full else None),
-                    sums, losses, seconds)
+                    sums, losses, seconds, gradients=grads)
 
 
 # --- checked --------------------------------------------------------------------------------------

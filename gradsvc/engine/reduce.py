@@ -107,7 +107,7 @@ def plan_for(prep: Prepared, rows: list[int]) -> ShardPlan:
 
 def _raw(value: Tensor) -> torch.Tensor:
     """A shard's tensor as it came (a view of the stored bytes, no copy)."""
-    return tensors.decode(value, where="shard result", max_elements=_ANY)
+    return tensors.decode(value, where="shard result", max_elements=_ANY, complex_ok=True)
 
 
 def _t(value: Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ TORCH_DTYPES = MappingProxyType({
     "int64": torch.int64,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
 })
 DTYPE_NAMES = MappingProxyType({v: k for k, v in TORCH_DTYPES.items()})
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -53,14 +55,22 @@ def torch_dtype(name: str, *, where: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def decode(value: Tensor | list | float | int, *, where: str, max_elements: int, shape_only: bool = False) -> torch.Tensor:
+def decode(value: Tensor | list | float | int, *, where: str, max_elements: int, shape_only: bool = False,
+           complex_ok: bool = False) -> torch.Tensor:
     """A wire tensor (or bare nested list/scalar) as a torch tensor; never copies raw bytes twice.
 
-    With `shape_only` (POST /estimate), a tensor given as dtype and shape alone becomes a meta tensor.
+    With `shape_only` (POST /estimate), a tensor given as dtype and shape alone becomes a meta tensor. A complex
+    tensor only where `complex_ok` (a graph's inputs, buffers and constants): elsewhere a cast would drop its
+    imaginary part.
     """
     if not isinstance(value, Tensor):
         return _from_nested(value, None, where=where, max_elements=max_elements)
     dtype = torch_dtype(value.dtype, where=where)
+    if dtype.is_complex and not complex_ok:
+        raise SpecError("bad_tensor", f"{where}: dtype {value.dtype} is taken only by a graph model's inputs, buffers "
+                        "and constants (parameters, targets and layer models are real); send a real dtype, or the "
+                        "real and imaginary parts as a last dimension of size 2 (torch.view_as_real)",
+                        where=where, dtype=value.dtype)
     shape = value.shape
     if any((not isinstance(n, int)) or n < 0 for n in shape) or len(shape) > 8:
         raise SpecError(
@@ -120,6 +130,8 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             return torch.empty(shape, dtype=dtype, device="meta")
         raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
     tensor = _from_nested(value.data, dtype, where=where, max_elements=max_elements)
+    if dtype.is_complex:
+        tensor = _complex_from_pairs(tensor, where)
     if list(tensor.shape) != list(shape):
         raise SpecError(
             "bad_tensor",
@@ -146,6 +158,14 @@ def _frombuffer(raw, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.frombuffer(raw, dtype=dtype)
     _read_only_warned = True
     return flat
+
+
+def _complex_from_pairs(pairs: torch.Tensor, where: str) -> torch.Tensor:
+    """Nested [real, imaginary] pairs (read as complex numbers with a zero imaginary part) as complex values."""
+    if pairs.dim() == 0 or pairs.shape[-1] != 2:
+        raise SpecError("bad_tensor", f"{where}: complex data holds each element as a [real, imaginary] pair; the "
+                        f"innermost lists have {pairs.shape[-1] if pairs.dim() else 0} numbers", where=where)
+    return torch.view_as_complex(pairs.real.contiguous())
 
 
 def _from_nested(data, dtype: torch.dtype | None, *, where: str, max_elements: int) -> torch.Tensor:
@@ -197,15 +217,15 @@ _NATIVE = MappingProxyType({"float64": "d", "float32": "f", "int64": "q", "int32
 
 def to_listed(value: Tensor) -> Tensor:
     """Raw bytes -> nested lists, for JSON clients that asked for lists. A dtype Python reads itself is read
-    without torch (seed [A]'s four gradients in the API: 0.4 ms through torch, cold between requests)."""
+    without torch (the 6-8-3 tanh net's four gradients: 0.4 ms through torch, cold between requests)."""
     raw, code, shape = raw_data(value), _NATIVE.get(value.dtype), value.shape
     if raw is not None and code is not None and all(shape) and len(raw) == math.prod(shape) * ITEMSIZE[value.dtype]:
         flat = memoryview(raw).cast("B").cast(code).tolist()
         for d in reversed(shape[1:]):
             flat = [flat[i:i + d] for i in range(0, len(flat), d)]
         return Tensor(dtype=value.dtype, shape=shape, data=flat if shape else flat[0])
-    t = decode(value, where="result", max_elements=1 << 62)
-    return Tensor(dtype=value.dtype, shape=value.shape, data=t.tolist())
+    t = decode(value, where="result", max_elements=1 << 62, complex_ok=True)
+    return Tensor(dtype=value.dtype, shape=value.shape, data=(torch.view_as_real(t) if t.is_complex() else t).tolist())
 
 
 def to_b64(value: Tensor) -> Tensor:

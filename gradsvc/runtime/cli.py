@@ -2,7 +2,7 @@
 
 Every flag overrides the GRADSVC_* variable of the same name (GRADSVC_HOST, GRADSVC_PORT,
 GRADSVC_WORKERS, GRADSVC_WORKER_DEVICE, GRADSVC_REDIS_URL); the rest of the settings come from the
-environment only (README, Settings).
+environment only (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         import uvicorn
 
+        from service.http_server import protocol
+
         uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
                     log_level=settings.log_level.lower(), access_log=False,
-                    timeout_keep_alive=settings.keep_alive_s)
+                    timeout_keep_alive=settings.keep_alive_s, http=protocol(settings))
     elif args.command == "worker":
         from workers.main import run
 

@@ -104,7 +104,7 @@ def handoff_dir(port: int) -> Path:
     return base / f"gradsvc-{port}"
 
 
-OWNER_FILE = "launcher.pid"
+OWNER_FILE = "launcher.pid"  # gradsvc/broker/handoff.py's LAUNCHER_FILE: a name the handoff dir may hold
 
 
 def claim_handoff_dir(path: Path) -> bool:

@@ -62,6 +62,9 @@ class Settings:
     queue_prefix: str = "gradsvc"
     # One body: since weights go up by reference in pieces (PUT /tensors), it caps a piece, not a model.
     max_body_bytes: int = _positive(256 * 1024 * 1024)
+    # The bodies the API holds at once, by their sizes (a JSON body costs ~4x its size in memory while decoded):
+    # past it a body is refused 503 server_busy (one body alone is always taken).
+    max_bodies_bytes: int = _positive(1024 * 1024 * 1024)
     # The model a worker builds, weighs and differentiates: 200M admits the common first real models (GPT-2
     # small 124M, BERT-base 110M) with room, at 0.8 GB of float32 weights and as much again in gradients.
     max_parameters: int = _positive(200_000_000)
@@ -93,6 +96,8 @@ class Settings:
     tensor_ttl_s: int = _positive(3600)
     tensor_budget_bytes: int = _positive(4 << 30)
     tensor_cache_bytes: int = 2 << 30
+    # The refs (tensor pieces) one request may name: their check holds Redis ~2 us each (gradsvc/broker/blobs.py).
+    max_refs: int = _positive(4096)
     # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
     # a weight sent by the same reference as before is not copied again.
     resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")
@@ -110,15 +115,29 @@ class Settings:
     worker_heartbeat_s: int = _positive(2)
     idempotency_ttl_s: int = _positive(86400)
     rate_limit_per_minute: int = _at_least_zero(0, " (off)")
+    # Wrong keys one client address may try at /ui/login in a minute before it is refused 429 for the rest of it.
+    login_failures_per_minute: int = _at_least_zero(10, " (off)")
     min_shard_rows: int = _positive(256)
     redis_timeout_s: float = _positive(2.0)
     # How long the API keeps an idle keep-alive connection open. It must outlast the clients' own idle
     # expiry (httpx and the SDK: 5 s), or a client may send its next request on a connection the server
     # is closing at that moment and get a connection reset instead of an answer (uvicorn's default is 5 s).
     keep_alive_s: float = _positive(75.0)
+    # HTTP connections (service/http_server.py): a request's head in bytes and header lines (over either: 431,
+    # before any key is checked), and how long an answer's unsent bytes may sit without one being read before
+    # the connection is cut (a client that never reads a large result would hold it in memory for good).
+    max_header_bytes: int = _positive(64 << 10)
+    max_headers: int = _positive(100)
+    write_timeout_s: float = _positive(30.0)
     log_level: str = _rule("info", lambda v: v.lower() in LOG_LEVELS, f"use one of {', '.join(LOG_LEVELS)}")
     # The probes (/healthz, /readyz) never ask for a key; /metrics does only when this is set.
     metrics_require_key: bool = False
+    # The job page draws at most this many nodes of the grad_fn chain (the nearest the loss; the page says how
+    # many it left out): the drawing's cost grows with its nodes, and a long recurrent chain has tens of thousands.
+    page_graph_nodes: int = _positive(400)
+    # /schema and /docs describe the API, no caller's data: open by default, so a client generator can read the
+    # schema with keys on; set, they ask for a key (or the browser's session) like the other routes.
+    docs_require_key: bool = False
     # Large bodies and results handed over as files when the API and the workers share a host
     # (gradsvc/broker/handoff.py): "" is off (standalone serve/worker, compose); `gradsvc up` sets a per-stack
     # dir under /dev/shm. Smaller payloads go through Redis as before.

@@ -65,7 +65,8 @@ def test_every_code_in_an_error_body_raises_its_own_class(code, wire_format):
     assert (exc.code, exc.message, exc.detail) == (code, f"{code} happened", {"where": "here"})
     assert exc.status == STATUS[code] and exc.response.status_code == STATUS[code]
     # A job that ran and failed (worker_lost is a 503 too) is never sent again.
-    assert exc.is_retryable == (code in ("queue_unavailable", "not_ready"))
+    assert exc.is_retryable == (code in ("queue_unavailable", "not_ready", "redis_oom", "redis_readonly",
+                                         "redis_unavailable", "server_busy"))
 
 
 def test_one_class_per_code():

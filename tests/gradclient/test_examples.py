@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def test_federated_average_of_shard_gradients_is_the_full_batch_gradient(stack):
 
 @pytest.mark.parametrize("name", ["train_mlp", "federated"])
 def test_help_shows_the_whole_description_and_every_flag_explained(name):
-    """Issue 16 item 13: --help cut the description mid-sentence; flags had no help."""
+    """--help shows the whole first paragraph of the description, and every flag has its help."""
     out = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--help"], capture_output=True, text=True,
                          timeout=120, cwd=EXAMPLES.parent)
     assert out.returncode == 0, out.stderr
@@ -52,8 +53,26 @@ def test_help_shows_the_whole_description_and_every_flag_explained(name):
             assert len(line.split(None, 2)) == 3, f"flag without help: {line}"
 
 
-def test_the_readme_states_what_holds_for_training_with_several_workers():
-    """Issue 16 item 12: "the same weights" was not true with two workers (7.45e-9)."""
-    readme = " ".join((EXAMPLES.parent / "README.md").read_text().split())
-    assert "ending on the same weights as local training" not in readme
-    assert "float32 rounding" in readme and "1e-6" in readme
+def test_the_docs_state_what_holds_for_training_with_several_workers():
+    """"The same weights" does not hold with two workers (7.45e-9 apart): the SDK's page says float32 rounding."""
+    page = " ".join((EXAMPLES.parent / "docs" / "sdk.md").read_text().split())
+    assert "ending on the same weights as local training" not in page
+    assert "float32 rounding" in page and "1e-6" in page
+
+
+def test_the_summary_example_writes_its_chart_outside_the_repository(stack):
+    """Without --out the chart goes into a new temporary directory, never into the working tree."""
+    def pngs() -> set[Path]:
+        return {*EXAMPLES.parent.glob("*.png"), *EXAMPLES.glob("*.png")}
+
+    before = pngs()
+    env = {**os.environ, "GRADSVC_API_KEY": stack.api_key} if stack.api_key else dict(os.environ)
+    out = subprocess.run([sys.executable, str(EXAMPLES / "summary.py"), "--base-url", stack.base_url],
+                         capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = Path(re.search(r"^saved (.+)$", out.stdout, flags=re.M)[1])
+    assert saved.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert EXAMPLES.parent not in saved.resolve().parents
+    assert pngs() == before
+    saved.unlink()
+    saved.parent.rmdir()

@@ -1,4 +1,4 @@
-"""The SDK rides out an API restart of the length `gradsvc up` needs (~6 s; issue 24 item 5): a real API
+"""The SDK rides out an API restart of the length `gradsvc up` needs (~6 s): a real API
 process killed mid-call and started again; the call ends with its result, and the job ran once."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_a_gradients_call_outlives_an_api_restart_mid_wait_and_its_job_runs_once
     assert _jobs_in_redis(stack) == 1  # its retry found the job by its Idempotency-Key: nothing ran twice
 
 
-@pytest.mark.slow  # make test-all; see README, Tests
+@pytest.mark.slow  # make test-all; see docs/testing.md
 def test_a_submitted_job_is_waited_on_by_its_id_across_an_api_restart(stack):
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(_call, stack, wedging_body(30_000), True)

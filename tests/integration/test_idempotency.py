@@ -47,13 +47,13 @@ def test_a_repeated_idempotency_key_returns_the_same_job_and_runs_it_once(http, 
     assert jobs_run(stack) - before == 2  # the keyed request once, the other key once
 
 
-def test_a_key_reused_for_another_body_is_a_400_naming_the_header(http):
+def test_a_key_reused_for_another_body_is_a_422_naming_the_header(http):
     key = {"Idempotency-Key": str(uuid.uuid4())}
     assert http.post("/gradients?wait=30", json=small_body(), headers=key).status_code == 200
     r = http.post("/gradients?wait=30", json=small_body(memory=False), headers=key)
-    assert r.status_code == 400, r.text
+    assert r.status_code == 422, r.text
     error = r.json()["error"]
-    assert error["code"] == "bad_request" and error["detail"]["header"] == "Idempotency-Key"
+    assert error["code"] == "idempotency_key_reused" and error["detail"]["header"] == "Idempotency-Key"
     bad = http.post("/gradients", json=small_body(), headers={"Idempotency-Key": "x" * 300})
     assert bad.status_code == 400 and bad.json()["error"]["detail"] == {"header": "Idempotency-Key"}
 
@@ -75,7 +75,7 @@ def test_the_202_answer_gives_the_jobs_real_status_and_progress(http):
         progress = r.json()["progress"]  # what the job last wrote, as GET /jobs/{id} gives it
         assert progress["phase"] in ("forward", "backward", "numcheck") and progress["done"] <= progress["total"]
     finally:
-        http.delete(f"/jobs/{job_id}")
+        http.post(f"/jobs/{job_id}/cancel")
     assert wait_status(http, job_id, ("canceled", "failed", "finished"))["status"] == "canceled"
 
 

@@ -1,12 +1,12 @@
-"""One job's bounds through a live two-worker stack that serves other jobs throughout (issue 24).
+"""One job's bounds through a live two-worker stack that serves other jobs throughout.
 
 Memory (GRADSVC_MAX_JOB_BYTES): the meta-device check counts what node outputs do not show (a dense kernel's
 copy of an expanded operand) and a graph's intermediates against the setting (422 `too_large`, nothing
 queued); a request that passes it and allocates more at run time fails `out_of_memory` (507) at the worker's
 heap cap (RLIMIT_DATA), and the workers go on.
 
-Stop inside one op: SIGTERM and DELETE reach a job that one long C++ op holds: it is reported (`worker_lost`
-after SIGTERM, `canceled` after DELETE), never left `started`, and the worker holding it ends (its Python
+Stop inside one op: SIGTERM and a cancel reach a job that one long C++ op holds: it is reported (`worker_lost`
+after SIGTERM, `canceled` after a cancel), never left `started`, and the worker holding it ends (its Python
 signal handlers cannot run inside the op: the heartbeat thread sees the signal through the wakeup fd,
 workers/watchdog.py)."""
 
@@ -146,13 +146,13 @@ def test_sigterm_to_a_worker_inside_one_long_op_ends_it_and_reports_its_job_work
     _replace(bounded, proc)
 
 
-def test_delete_of_a_job_inside_one_long_op_ends_it_canceled_while_the_other_worker_serves(http, redis, bounded):
+def test_a_cancel_of_a_job_inside_one_long_op_ends_it_canceled_while_the_other_worker_serves(http, redis, bounded):
     job_id, proc = _wedge(http, redis, bounded)
     t0 = time.monotonic()
-    assert http.delete(f"/jobs/{job_id}").status_code == 200
+    assert http.post(f"/jobs/{job_id}/cancel").status_code == 200
     _serves_others(http)
     job = wait_status(http, job_id, TERMINAL, BOUND_S)
-    print(f"wedged job ended {job['status']} {time.monotonic() - t0:.1f} s after DELETE")
+    print(f"wedged job ended {job['status']} {time.monotonic() - t0:.1f} s after the cancel")
     assert job["status"] == "canceled" and job["error"]["code"] == "canceled", job
     proc.wait(timeout=BOUND_S)  # ended for its supervisor to restart (none here: the last test)
     _serves_others(http, 1)

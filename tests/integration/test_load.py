@@ -49,7 +49,7 @@ async def _run(base_url: str, headers: dict) -> tuple[list[float], dict[int, tup
     return latencies, answers
 
 
-@pytest.mark.slow  # make test-all; see README, Tests
+@pytest.mark.slow  # make test-all; see docs/testing.md
 def test_2000_submissions_at_concurrency_32_lose_no_job(stack):
     started = time.perf_counter()
     try:

@@ -69,7 +69,7 @@ def test_non_finite_job_fails_with_its_code_and_the_layer(http):
 
 @pytest.mark.parametrize("spelling", ["json", "msgpack"])
 def test_integer_fields_written_as_whole_floats_run_as_their_ints(http, spelling):
-    """Issue 26 item 1: `micro_batch: 1.0` (and timing_repeat 2.0, model.seed 1.0) was queued as sent, failed
+    """`micro_batch: 1.0` (and timing_repeat 2.0, model.seed 1.0) was queued as sent, failed
     by the worker's strict decode (400 invalid_body with a job_id and status "failed"); it runs as 1."""
     import msgspec
 

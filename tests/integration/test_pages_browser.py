@@ -149,11 +149,12 @@ def test_another_keys_job_page_is_refused(browser, page_stack, jobs):
 
 def test_the_docs_render_the_schema_and_its_example_runs_as_written(browser, page_stack, jobs, tmp_path):
     base = page_stack.base_url
-    _login(browser, base, "/docs", KEY_A)
+    browser.delete_all_cookies()
+    browser.get(base + "/docs")  # open without a key (GRADSVC_DOCS_REQUIRE_KEY unset); Authorize sends one
     wait = WebDriverWait(browser, 30)
-    post = wait.until(EC.presence_of_element_located((By.ID, "operations-default-postGradients")))
+    post = wait.until(EC.presence_of_element_located((By.ID, "operations-gradients-postGradients")))
     labels = {e.get_attribute("id") for e in browser.find_elements(By.CSS_SELECTOR, ".opblock[id^=operations-]")}
-    assert {"operations-default-getJob", "operations-default-postEstimate", "operations-default-getLayers"} <= labels
+    assert {"operations-jobs-getJob", "operations-gradients-postEstimate", "operations-service-getLayers"} <= labels
     browser.find_element(By.CSS_SELECTOR, "button.authorize").click()
     wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, ".auth-container input"))).send_keys(KEY_A)
     browser.find_element(By.CSS_SELECTOR, ".auth-btn-wrapper button.authorize").click()

@@ -1,5 +1,6 @@
-"""Every curl example and SDK snippet in the README runs as written against a live stack, and the figures
-the README prints (the `# ->` lines, the abridged JSON answer) are the ones that come back.
+"""Every curl example and SDK snippet in the README and in every docs/*.md page runs as written against a
+live stack, and the figures each page prints (the `# ->` lines, an abridged JSON answer) are the ones that
+come back.
 
 Tolerances, as the README states them: a number agrees to the precision it is printed with (half a unit
 in its last digit; integers exactly); the numerical check's errors (`max_abs_error`, `max_rel_error`)
@@ -24,26 +25,41 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 ANY = object()  # `...` in value position
 
 
-def fenced_blocks() -> list[tuple[str, str]]:
-    return re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.S)
+def fenced_blocks(path: Path = README) -> list[tuple[str, str]]:
+    return re.findall(r"```(\w*)\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def curl_examples() -> list[str]:
-    return [body for lang, body in fenced_blocks() if lang == "sh" and body.lstrip().startswith("curl ")]
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
-def abridged_answers() -> list[tuple[str, str]]:
+def curl_examples(path: Path = README) -> list[str]:
+    return [body for lang, body in fenced_blocks(path) if lang == "sh" and body.lstrip().startswith("curl ")]
+
+
+def abridged_answers(path: Path = README) -> list[tuple[str, str]]:
     """(curl block, json block) where a ```json block is the next fenced block after a curl example."""
-    blocks = fenced_blocks()
+    blocks = fenced_blocks(path)
     return [(blocks[i][1], blocks[i + 1][1]) for i in range(len(blocks) - 1)
             if blocks[i][0] == "sh" and blocks[i][1].lstrip().startswith("curl ") and blocks[i + 1][0] == "json"]
 
 
-def sdk_snippets() -> list[str]:
-    return [body for lang, body in fenced_blocks() if lang == "python" and "Client(" in body and "# ->" in body]
+def sdk_snippets(path: Path = README) -> list[str]:
+    return [body for lang, body in fenced_blocks(path) if lang == "python" and "Client(" in body and "# ->" in body]
+
+
+def every(find) -> list:
+    """pytest params of (page, item) for every page: README.md and docs/*.md."""
+    return [pytest.param(path, item, id=f"{_name(path)}:{_ident(item)}") for path in DOCS for item in find(path)]
+
+
+def _ident(item) -> str:
+    block = item[0] if isinstance(item, tuple) else item
+    return block.strip().split("\n")[0][:60]
 
 
 def expected_lines(block: str) -> str:
@@ -168,7 +184,7 @@ def agrees(expected: Any, actual: Any, path: str = "$") -> list[str]:
         open_ended = any(e is ANY for e in expected)
         shown = [e for e in expected if e is not ANY]
         if not open_ended and len(shown) != len(actual):
-            return [f"{path}: {len(actual)} elements, the README shows {len(shown)}"]
+            return [f"{path}: {len(actual)} elements, the page shows {len(shown)}"]
         problems = []
         for i, (e, a) in enumerate(zip(expected, actual)):
             problems += agrees(e, a, f"{path}[{i}]")
@@ -176,23 +192,23 @@ def agrees(expected: Any, actual: Any, path: str = "$") -> list[str]:
     if isinstance(expected, Decimal):
         if isinstance(actual, bool) or not isinstance(actual, (int, float)):
             return [f"{path}: expected a number, got {actual!r}"]
-        if key.endswith("_ms"):  # timings: the machine's; a phase the README shows as 0 did not run
+        if key.endswith("_ms"):  # timings: the machine's; a phase the page shows as 0 did not run
             if expected == 0:
-                return [] if actual == 0 else [f"{path}: {actual}, the README shows 0 (a phase that did not run)"]
+                return [] if actual == 0 else [f"{path}: {actual}, the page shows 0 (a phase that did not run)"]
             return [] if actual >= 0 else [f"{path}: negative time {actual}"]
         if key in ("max_abs_error", "max_rel_error"):
             e = float(expected)
             ok = (e == 0 and actual < 1e-12) or (e > 0 and actual > 0 and abs(math.log10(actual / e)) <= 1)
-            return [] if ok else [f"{path}: {actual:g} is not within a factor of 10 of the README's {expected}"]
+            return [] if ok else [f"{path}: {actual:g} is not within a factor of 10 of the page's {expected}"]
         if expected.as_tuple().exponent >= 0 and "." not in str(expected) and "e" not in str(expected).lower():
             return [] if actual == int(expected) and isinstance(actual, int) else \
-                [f"{path}: {actual!r}, the README shows the integer {expected}"]
+                [f"{path}: {actual!r}, the page shows the integer {expected}"]
         half_unit = 0.5 * 10.0 ** expected.as_tuple().exponent
         return [] if abs(actual - float(expected)) <= half_unit * 1.0001 else \
-            [f"{path}: {actual!r}, the README shows {expected} (to within {half_unit:g})"]
+            [f"{path}: {actual!r}, the page shows {expected} (to within {half_unit:g})"]
     if isinstance(expected, str) and expected.endswith("…"):
         return [] if isinstance(actual, str) and actual.startswith(expected[:-1]) else [f"{path}: {actual!r}"]
-    return [] if expected == actual else [f"{path}: {actual!r}, the README shows {expected!r}"]
+    return [] if expected == actual else [f"{path}: {actual!r}, the page shows {expected!r}"]
 
 
 def run_curl(example: str, stack) -> subprocess.CompletedProcess:
@@ -204,16 +220,17 @@ def run_curl(example: str, stack) -> subprocess.CompletedProcess:
 
 
 # --- the tests ----------------------------------------------------------------------------------------------
-def test_the_readme_has_a_curl_example_per_option():
-    text = "\n".join(curl_examples())
+def test_the_docs_have_a_curl_example_per_option():
+    text = "\n".join(example for path in DOCS for example in curl_examples(path))
     for option in ("losses", "input_grad", "hvp", "per_sample", "micro_batch", "freeze", "checkpoint_segments",
                    "graph", "directional", "timing_repeat", "/estimate", "wait=0", "exact", "shards"):
         assert option in text, option
 
 
-def test_every_curl_example_prints_figures_the_test_can_read():
-    answered = {example for example, _ in abridged_answers()}
-    for example in curl_examples():
+@pytest.mark.parametrize("path", DOCS, ids=_name)
+def test_every_curl_example_prints_figures_the_test_can_read(path):
+    answered = {example for example, _ in abridged_answers(path)}
+    for example in curl_examples(path):
         assert "# ->" in example or example in answered, example.splitlines()[0]
         if "# ->" in example:
             assert parse_abridged(expected_lines(example)), example.splitlines()[0]
@@ -227,8 +244,8 @@ def test_the_comparison_catches_a_wrong_figure():
     assert agrees(parse_abridged('{"data": [1.7147, 1.0633]}'), {"data": [1.7147]})
 
 
-@pytest.mark.parametrize("example", curl_examples(), ids=lambda b: b.split("\n")[0][:60])
-def test_readme_curl_example_answers_the_figures_it_shows(example, stack):
+@pytest.mark.parametrize("path, example", every(curl_examples))
+def test_curl_example_answers_the_figures_it_shows(path, example, stack):
     out = run_curl(example, stack)
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
@@ -239,18 +256,25 @@ def test_readme_curl_example_answers_the_figures_it_shows(example, stack):
         assert not problems, problems
 
 
-def test_the_first_requests_abridged_answer_is_what_comes_back(stack):
-    pairs = abridged_answers()
-    assert pairs, "the README's first request shows its answer as a ```json block"
-    for example, answer in pairs:
-        out = run_curl(example, stack)
-        body = json.loads(out.stdout)
-        problems = agrees(parse_abridged(answer), body)
-        assert not problems, problems
+def test_the_first_request_shows_its_answer():
+    assert abridged_answers(README), "the README's first request shows its answer as a ```json block"
 
 
-@pytest.mark.parametrize("snippet", sdk_snippets(), ids=lambda b: b.split("\n")[0][:60])
-def test_readme_sdk_snippet_prints_the_figures_it_shows(snippet, stack):
+@pytest.mark.parametrize("path, pair", every(abridged_answers))
+def test_an_abridged_answer_is_what_comes_back(path, pair, stack):
+    example, answer = pair
+    out = run_curl(example, stack)
+    body = json.loads(out.stdout)
+    problems = agrees(parse_abridged(answer), body)
+    assert not problems, problems
+
+
+def test_the_readme_has_an_sdk_snippet():
+    assert sdk_snippets(README)
+
+
+@pytest.mark.parametrize("path, snippet", every(sdk_snippets))
+def test_sdk_snippet_prints_the_figures_it_shows(path, snippet, stack):
     code = snippet.replace("http://127.0.0.1:8000", stack.base_url)
     env = {**os.environ, "GRADSVC_API_KEY": stack.api_key} if stack.api_key else dict(os.environ)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -269,11 +293,11 @@ def printed_lines_agree(shown: str, printed: str) -> list[str]:
     problems = []
     shown_lines, printed_lines = shown.strip().splitlines(), printed.strip().splitlines()
     if len(shown_lines) != len(printed_lines):
-        return [f"{len(printed_lines)} lines printed, the README shows {len(shown_lines)}"]
+        return [f"{len(printed_lines)} lines printed, the page shows {len(shown_lines)}"]
     for want, got in zip(shown_lines, printed_lines):
         w, g = _NUMBER.split(want), _NUMBER.split(got)
         if len(w) != len(g) or w[::2] != g[::2]:
-            problems.append(f"printed {got!r}, the README shows {want!r}")
+            problems.append(f"printed {got!r}, the page shows {want!r}")
             continue
         for a, b in zip(w[1::2], g[1::2]):
             if want.startswith("Timings"):
@@ -281,13 +305,14 @@ def printed_lines_agree(shown: str, printed: str) -> list[str]:
             if re.fullmatch(r"\d\.\d+e-\d+", a) and float(b) > 0 and abs(math.log10(float(b) / float(a))) <= 1:
                 continue
             if a != b:
-                problems.append(f"{b} printed where the README shows {a}, in {want!r}")
+                problems.append(f"{b} printed where the page shows {a}, in {want!r}")
     return problems
 
 
-def test_examples_summary_prints_the_table_the_readme_shows(stack):
-    """Issue 26 item 6: the README's copy had lost the returned-gradient part of the check's line."""
-    text = README.read_text()
+def test_examples_summary_prints_the_table_the_docs_show(stack):
+    """The copy in docs/sdk.md is what the example prints, the numerical check's line whole (its
+    returned-gradient part included)."""
+    text = (ROOT / "docs" / "sdk.md").read_text()
     shown = re.search(r"From\n`examples/summary.py`, a small CNN at batch 32:\n\n```\n(.*?)```", text, re.S)[1]
     env = {**os.environ, "GRADSVC_API_KEY": stack.api_key} if stack.api_key else dict(os.environ)
     out = subprocess.run([sys.executable, "examples/summary.py", "--base-url", stack.base_url, "--out", ""],
@@ -299,8 +324,9 @@ def test_examples_summary_prints_the_table_the_readme_shows(stack):
 
 
 def test_the_route_table_says_get_jobs_is_404_for_an_unknown_job(http):
-    """Issue 16 item 10: the table said GET /jobs/{id} is "always 200"."""
-    row = next(line for line in README.read_text().splitlines() if line.startswith("| `GET /jobs/{id}`"))
+    """The route table says GET /jobs/{id} is a 404 for an unknown job, not "always 200"."""
+    row = next(line for line in (ROOT / "docs" / "api.md").read_text().splitlines()
+               if line.startswith("| `GET /jobs/{id}`"))
     assert "always 200" not in row and "404" in row and "not_found" in row
     r = http.get("/jobs/no-such-job")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -1,4 +1,4 @@
-"""Redis restarted empty (issue 24 item 4): the running worker registers again within seconds, /readyz and
+"""Redis restarted empty: the running worker registers again within seconds, /readyz and
 device routing recover by themselves, jobs whose records vanished read as `job_lost` (not 404 as if they
 never existed), and a retry under an Idempotency-Key that vanished is refused rather than run twice."""
 

@@ -58,7 +58,7 @@ def lhttp(limits_stack: Stack):
         yield client
 
 
-@pytest.mark.slow  # make test-all; see README, Tests
+@pytest.mark.slow  # make test-all; see docs/testing.md
 def test_a_job_running_past_many_heartbeats_is_not_abandoned_and_ends_with_timeout(lhttp, limits_stack):
     job_id = submit(lhttp, long_body())
     seen, started = [], time.monotonic()
@@ -91,21 +91,21 @@ def test_cancel_stops_a_queued_job_at_once_and_a_running_one_at_its_next_step(lh
     queued = submit(lhttp, small_body())
     assert lhttp.get(f"/jobs/{queued}").json()["status"] == "queued"
 
-    r = lhttp.delete(f"/jobs/{queued}")
+    r = lhttp.post(f"/jobs/{queued}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "canceled"
     assert r.json()["error"]["code"] == "canceled"
 
     t0 = time.monotonic()
-    assert lhttp.delete(f"/jobs/{running}").status_code == 200
+    assert lhttp.post(f"/jobs/{running}/cancel").status_code == 200
     job = wait_status(lhttp, running, TERMINAL, 30)
-    print(f"running job stopped {time.monotonic() - t0:.2f} s after DELETE")
+    print(f"running job stopped {time.monotonic() - t0:.2f} s after the cancel")
     assert job["status"] == "canceled" and job["error"]["code"] == "canceled"
 
     after = submit(lhttp, small_body())
     assert wait_status(lhttp, after, TERMINAL)["status"] == "finished"
     job = lhttp.get(f"/jobs/{queued}").json()
     assert job["status"] == "canceled" and job["started_at"] is None  # the worker never ran it
-    assert lhttp.delete(f"/jobs/{queued}").json()["status"] == "canceled"  # a second DELETE is harmless
+    assert lhttp.post(f"/jobs/{queued}/cancel").json()["status"] == "canceled"  # a second cancel is harmless
 
 
 def test_a_result_is_gone_after_its_ttl(lhttp):
@@ -145,7 +145,7 @@ def fault_stack():
     s.stop()
 
 
-@pytest.mark.slow  # make test-all; see README, Tests
+@pytest.mark.slow  # make test-all; see docs/testing.md
 def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_resumes(fault_stack):
     s = fault_stack
     http = httpx.Client(base_url=s.base_url, timeout=30)
@@ -179,7 +179,7 @@ def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_res
     latencies = {}
     for name, call in [("POST /gradients", lambda: http.post("/gradients?wait=10", json=small_body())),
                        ("GET /jobs/{id}", lambda: http.get(f"/jobs/{jobs[-1]}")),
-                       ("DELETE /jobs/{id}", lambda: http.delete(f"/jobs/{jobs[-1]}")),
+                       ("POST /jobs/{id}/cancel", lambda: http.post(f"/jobs/{jobs[-1]}/cancel")),
                        ("GET /readyz", lambda: http.get("/readyz"))]:
         t = time.monotonic()
         r = call()
@@ -203,7 +203,7 @@ def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_res
     print(f"ready again {time.monotonic() - t0:.1f} s after Redis came back")
 
     # 3. Every job ever submitted ends; new work runs on the same (never restarted) API and worker.
-    http.delete(f"/jobs/{inflight}")  # the long job may have survived the outage: no need to run it out
+    http.post(f"/jobs/{inflight}/cancel")  # the long job may have survived the outage: no need to run it out
     ends = {job_id: wait_status(http, job_id, TERMINAL, 60) for job_id in jobs}
     print("final:", {k[:8]: (v["status"], v["error"] and v["error"]["code"]) for k, v in ends.items()})
     assert all(v["status"] in TERMINAL for v in ends.values()), ends
@@ -231,7 +231,7 @@ def test_killed_worker_and_restarted_redis_leave_every_job_terminal_and_work_res
     assert r_wait.status_code == 503 and r_wait.json()["error"]["code"] == "queue_unavailable"
     stuck = r_wait.json()["error"]["detail"]["job_id"]  # the client can still find its job
     assert waited_s < 3 + 5
-    http.delete(f"/jobs/{stuck}")
+    http.post(f"/jobs/{stuck}/cancel")
     assert wait_status(http, stuck, TERMINAL, 60)["status"] in TERMINAL
     assert http.post("/gradients?wait=30", json=small_body()).status_code == 200
 

@@ -30,7 +30,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_holds_the_four_packages_each_under_its_folders_name(wheel):
-    """The import path is the folder a reader opens (README, Decisions): gradsvc/ and gradclient/, and the
+    """The import path is the folder a reader opens (docs/architecture.md, Decisions): gradsvc/ and gradclient/, and the
     server's service/ and workers/; nothing else lands at the top of site-packages."""
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist() if not name.startswith("gradsvc-")}
     assert tops == {"gradsvc", "gradclient", "service", "workers"}

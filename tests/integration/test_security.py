@@ -32,13 +32,13 @@ def client(stack: Stack, key: str | None) -> httpx.Client:
     return httpx.Client(base_url=stack.base_url, timeout=60, headers=headers)
 
 
-ROUTES = [("POST", "/gradients"), ("POST", "/estimate"), ("GET", "/jobs/some-id"), ("DELETE", "/jobs/some-id"),
-          ("GET", "/layers"), ("GET", "/schema")]
+ROUTES = [("POST", "/gradients"), ("POST", "/estimate"), ("GET", "/jobs/some-id"), ("POST", "/jobs/some-id/cancel"),
+          ("GET", "/layers")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES)
 @pytest.mark.parametrize("auth", [None, "Bearer wrong-key", "Basic YWxwaGE6eA==", "Bearer", f"bearer{KEYS[0]}", KEYS[0]])
-def test_every_route_but_the_probes_and_metrics_needs_a_valid_bearer_key(secured, method, path, auth):
+def test_every_route_but_the_probes_metrics_and_docs_needs_a_valid_bearer_key(secured, method, path, auth):
     headers = {"Authorization": auth} if auth else {}
     r = httpx.request(method, secured.base_url + path, headers=headers, json=body(), timeout=30)
     assert r.status_code == 401, r.text
@@ -48,7 +48,7 @@ def test_every_route_but_the_probes_and_metrics_needs_a_valid_bearer_key(secured
 
 
 def test_probes_and_metrics_need_no_key_while_submitting_does(secured):
-    """Issue 13: a Kubernetes or compose probe carries no secret; Prometheus scrapes /metrics as is."""
+    """A Kubernetes or compose probe carries no secret; Prometheus scrapes /metrics as is."""
     assert httpx.get(secured.base_url + "/healthz").status_code == 200
     ready = httpx.get(secured.base_url + "/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
@@ -56,6 +56,12 @@ def test_probes_and_metrics_need_no_key_while_submitting_does(secured):
     assert metrics.status_code == 200 and "gradsvc_http_requests_total" in metrics.text
     assert KEYS[0] not in metrics.text
     assert httpx.post(secured.base_url + "/gradients", json=body()).status_code == 401
+
+
+def test_the_schema_and_the_docs_need_no_key(secured):
+    """A client generator reads /schema as it is (GRADSVC_DOCS_REQUIRE_KEY would close it: test_security_limits)."""
+    assert httpx.get(secured.base_url + "/schema").json()["security"] == [{"apiKey": []}]
+    assert httpx.get(secured.base_url + "/docs").status_code == 200
 
 
 def test_a_job_is_visible_only_to_the_key_that_submitted_it(secured):
@@ -66,7 +72,7 @@ def test_a_job_is_visible_only_to_the_key_that_submitted_it(secured):
     assert alice.get(f"/jobs/{job_id}").json()["status"] == "finished"
 
     unknown = bob.get("/jobs/no-such-job")
-    for r in (bob.get(f"/jobs/{job_id}"), bob.delete(f"/jobs/{job_id}")):
+    for r in (bob.get(f"/jobs/{job_id}"), bob.post(f"/jobs/{job_id}/cancel")):
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
         # Another key's job reads exactly as an unknown one: its existence is not disclosed.
         assert r.json()["error"]["message"].replace(job_id, "X") == \

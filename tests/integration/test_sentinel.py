@@ -21,7 +21,7 @@ from ..support.stack import RedisServer, start_stack
 from .load import account, run_load
 
 # A master, a replica, three sentinels and a two-worker stack: ~30 s here, over the suite's budget with the
-# rest; `make test-all` runs it (README, Tests).
+# rest; `make test-all` runs it (docs/testing.md).
 pytestmark = pytest.mark.slow
 
 MASTER = "gradsvc-test"

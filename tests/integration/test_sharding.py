@@ -229,7 +229,7 @@ def _assert_nothing_queued_or_running(redis: Redis, ids: list[str]) -> None:
         assert redis.hget(Job.key_for(sid), "status") in (b"finished", b"failed", b"canceled"), sid
 
 
-def test_delete_cancels_every_shard_and_progress_counts_them(http, redis, shard_stack):
+def test_a_cancel_stops_every_shard_and_progress_counts_them(http, redis, shard_stack):
     from concurrent.futures import ThreadPoolExecutor
 
     def waiting_post() -> httpx.Response:
@@ -245,16 +245,16 @@ def test_delete_cancels_every_shard_and_progress_counts_them(http, redis, shard_
         job = wait_status(http, job_id, ("started",))
         assert job.get("status") == "started" and job["progress"] == {"phase": "shards", "done": 0, "total": 3}
         t0 = time.monotonic()
-        assert http.delete(f"/jobs/{job_id}").json()["status"] == "canceled"
+        assert http.post(f"/jobs/{job_id}/cancel").json()["status"] == "canceled"
         answer = waiting.result(timeout=30)  # the waiting POST wakes at once, as for a running job
-        print(f"waiting POST answered {time.monotonic() - t0:.2f} s after DELETE")
+        print(f"waiting POST answered {time.monotonic() - t0:.2f} s after the cancel")
         assert answer.status_code == 409 and answer.json()["error"]["code"] == "canceled", answer.text
     ids = _shard_ids(job_id, 3)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(redis.hget(Job.key_for(s), "status") in (b"queued", b"started")
                                               for s in ids):
         time.sleep(0.2)
-    print(f"every shard stopped {time.monotonic() - t0:.2f} s after DELETE")
+    print(f"every shard stopped {time.monotonic() - t0:.2f} s after the cancel")
     _assert_nothing_queued_or_running(redis, ids)
     job = http.get(f"/jobs/{job_id}").json()
     assert job["status"] == "canceled" and job["error"]["code"] == "canceled"

@@ -1,4 +1,4 @@
-"""More than one host (issue 24), simulated on this one: a live stack (Redis, the API, a worker; the handoff on,
+"""More than one host, simulated on this one: a live stack (Redis, the API, a worker; the handoff on,
 GRADSVC_HANDOFF_DIR under the host's /dev/shm) plus a "second host": processes in their own mount namespace
 with a private tmpfs on /dev/shm (the same GRADSVC_HANDOFF_DIR path, another domain) and, for its worker, their
 own network namespace, reaching the API's Redis through a veth pair and a fault proxy this test controls.
@@ -39,7 +39,7 @@ from .test_hard_deadline import TERMINAL, wedging_body
 from .test_reliability import small_body
 
 # Namespaces, a fault proxy and two stacks' worth of processes: ~40 s here, over the suite's budget with the
-# rest; `make test-all` runs it (README, Tests).
+# rest; `make test-all` runs it (docs/testing.md).
 pytestmark = pytest.mark.slow
 
 # Mount a private tmpfs on /dev/shm, then run the command: the second host's view of the handoff dir.

@@ -1,4 +1,4 @@
-"""Issue 16's rule: every error the API answers names what is wrong, where (field path or parameter), the
+"""The rule: every error the API answers names what is wrong, where (field path or parameter), the
 limit or the valid values, and the fix; no Python reprs, no framework stock texts. Framework errors (size
 limit, query parameters, methods, media types, unknown routes) go through the same renderer.
 
@@ -152,7 +152,8 @@ def test_a_wrong_media_type_is_415_with_the_accepted_types(client):
 
 
 @pytest.mark.parametrize("method,path,allowed", [("PUT", "/gradients", "POST"), ("GET", "/gradients", "POST"),
-                                                 ("POST", "/layers", "GET"), ("PATCH", "/jobs/abc", "DELETE, GET")])
+                                                 ("POST", "/layers", "GET"), ("PATCH", "/jobs/abc", "GET"),
+                                                 ("DELETE", "/jobs/abc", "GET")])
 def test_a_wrong_method_is_405_with_allow_and_the_accepted_methods(client, method, path, allowed):
     r = client.request(method, path)
     err = error_of(r)
@@ -163,9 +164,15 @@ def test_a_wrong_method_is_405_with_allow_and_the_accepted_methods(client, metho
         assert m in err["message"]
 
 
-def test_options_lists_every_method_of_a_path_with_two_handlers(client):
+def test_options_lists_the_methods_of_a_job_and_of_its_cancel(client):
     r = client.options("/jobs/abc")
-    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"DELETE", "GET", "OPTIONS"}
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"GET", "OPTIONS"}
+    assert set(client.options("/jobs/abc/cancel").headers["allow"].split(", ")) == {"POST", "OPTIONS"}
+
+
+def test_a_delete_of_a_job_is_a_405_that_names_the_cancels_route(client):
+    err = error_of(client.delete("/jobs/abc"))
+    assert err["code"] == "method_not_allowed" and "POST /jobs/{id}/cancel" in err["message"]
 
 
 def test_an_unknown_route_lists_the_routes(client):
@@ -207,7 +214,7 @@ def test_integer_options_written_as_integral_floats_are_integers_as_json_schema_
 
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])
 def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_validated(fmt):
-    """Issue 26 item 1: the API took `micro_batch: 1.0` but queued the original bytes, which the worker's strict
+    """The API took `micro_batch: 1.0` but queued the original bytes, which the worker's strict
     decode refused (a traceback, then a failed job); the queued body now carries the ints."""
     import msgspec
 
@@ -228,7 +235,7 @@ def test_integral_floats_are_queued_as_ints_so_the_worker_decodes_what_the_api_v
 @pytest.mark.parametrize("options, option", [({"hvp": {"vector": "ones"}}, "hvp.vector"),
                                              ({"checkpoint_segments": 5}, "checkpoint_segments")])
 def test_a_bad_option_carries_a_detail_naming_the_option_and_value(client, options, option):
-    """Issue 26 item 8: these answered `"detail": {}`."""
+    """These carry their facts in `detail`, not `"detail": {}`."""
     r = post(client, body(options=options))
     err = error_of(r)
     assert r.status_code == 422 and err["code"] == "bad_option", r.text
@@ -240,7 +247,7 @@ def test_a_bad_option_carries_a_detail_naming_the_option_and_value(client, optio
     (body(targets=[0, 1, 2]), "targets for the loss (cross_entropy)"),
     (body(loss="nope"), "the loss: unknown type 'nope'")])
 def test_a_single_loss_is_called_the_loss_not_loss_loss(client, payload, needle):
-    """Issue 26 item 8: "targets for loss 'loss' ...", "loss 'loss' needs targets"."""
+    """Not "targets for loss 'loss' ...", "loss 'loss' needs targets"."""
     err = error_of(post(client, payload))
     assert needle in err["message"] and "'loss'" not in err["message"], err["message"]
 

@@ -1,5 +1,7 @@
-"""GET /schema says what the API accepts: `targets` by loss (issue 25's schemathesis fault), and the Bearer
-scheme only where keys are configured."""
+"""GET /schema says what the API accepts and answers, in a form client generators read: `targets` by loss,
+arrays with `items`, layers with their constructor arguments, request fields with defaults optional, response
+fields the answer always carries required, operations tagged and summarised with real answers as examples,
+the headers declared, and the Bearer scheme only where keys are configured."""
 
 from __future__ import annotations
 
@@ -51,3 +53,93 @@ def test_the_bearer_scheme_is_declared_only_with_keys_and_never_on_the_probes():
     assert doc["security"] == [{"apiKey": []}] and doc["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
     assert doc["paths"]["/healthz"]["get"]["security"] == [] and doc["paths"]["/metrics"]["get"]["security"] == []
     assert "security" not in openapi.build(300, keys_required=True, metrics_require_key=True)["paths"]["/metrics"]["get"]
+
+
+def _schema_validator(schema: dict, doc: dict | None = None) -> "jsonschema_rs.Draft202012Validator":
+    doc = doc or openapi.build(300)
+    return jsonschema_rs.Draft202012Validator({**schema, "components": doc["components"]})
+
+
+def test_every_array_in_the_document_has_items():
+    doc = openapi.build(300)
+    arrays = [s for s in openapi._each_schema(doc) if isinstance(s, dict) and s.get("type") == "array"]
+    assert arrays and all("items" in s for s in arrays)
+
+
+def test_a_layer_item_takes_its_constructor_arguments():
+    body = _body()
+    body["model"]["layers"][0]["bias"] = False
+    assert _validator().is_valid(body)
+    layers = openapi.build(300)["components"]["schemas"]["ModelSpec"]["properties"]["layers"]["anyOf"][0]
+    assert layers["items"]["additionalProperties"] is True
+
+
+def test_request_fields_with_a_default_are_optional_and_say_it_in_words_not_a_default_keyword():
+    schemas = openapi.build(300)["components"]["schemas"]
+    options = schemas["Options"]
+    assert not options.get("required")
+    assert all("default" not in prop for prop in options["properties"].values())
+    assert "Default: `1e-6`." in options["properties"]["numcheck_eps"]["description"]
+    assert schemas["GradientRequest"]["required"] == ["model", "inputs"]
+
+
+def test_response_fields_always_written_are_required_and_those_left_out_are_optional():
+    schemas = openapi.build(300)["components"]["schemas"]
+    assert set(schemas["GradientResult"]["required"]) == set(schemas["GradientResult"]["properties"])
+    assert set(schemas["JobInfo"]["required"]) == set(schemas["JobInfo"]["properties"])
+    assert schemas["Tensor"]["required"] == ["dtype", "shape"]
+    assert all("default" not in schemas["Tensor"]["properties"][f] for f in ("data", "b64", "refs"))
+    assert schemas["ErrorBody"]["required"] == ["error"]
+    assert not [name for name in schemas if name.endswith(("-Input", "-Output"))]  # no Struct differs today
+
+
+def test_every_operation_has_a_tag_a_summary_and_examples_that_fit_their_schemas():
+    doc = openapi.build(300)
+    tags = {t["name"] for t in doc["tags"]}
+    for path, methods in doc["paths"].items():
+        for method, op in methods.items():
+            assert op["summary"] and set(op["tags"]) <= tags, (method, path)
+            for status, response in op["responses"].items():
+                for media in response.get("content", {}).values():
+                    if "example" in media:
+                        assert _schema_validator(media["schema"], doc).is_valid(media["example"]), (path, status)
+    body = doc["paths"]["/gradients"]["post"]["requestBody"]["content"]["application/json"]
+    assert _validator().is_valid(body["example"])
+
+
+def test_the_example_result_is_the_first_requests_answer_as_torch_autograd_gives_it():
+    import torch
+    from torch import nn
+
+    from tests.support.models import local_gradients
+
+    torch.manual_seed(0)  # the service's weights for seed 0
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.tensor(openapi.EXAMPLE_REQUEST["inputs"], dtype=torch.float64)
+    expected = local_gradients(model, x, torch.tensor(openapi.EXAMPLE_REQUEST["targets"]), "cross_entropy")
+    result = openapi.EXAMPLES["result"]
+    for name, grad in expected.items():
+        got = torch.tensor(result["gradients"][name]["data"], dtype=torch.float64)
+        assert torch.allclose(got, grad, rtol=0, atol=1e-12 * grad.abs().max()), name
+    assert result["numcheck"]["passed"] and result["numcheck"]["mode"] == "exact"
+    assert openapi.EXAMPLES["job"]["result"]["gradients"] == result["gradients"]
+
+
+def test_the_post_headers_and_the_probes_bodies_are_declared():
+    doc = openapi.build(300)
+    post = doc["paths"]["/gradients"]["post"]
+    headers = {p["name"]: p for p in post["parameters"] if p["in"] == "header"}
+    assert set(headers) == {"Idempotency-Key", "Gradsvc-Release-Results"}
+    release = jsonschema_rs.Draft202012Validator(headers["Gradsvc-Release-Results"]["schema"])
+    ids = [openapi.EXAMPLES["job"]["job_id"], openapi.EXAMPLES["accepted"]["job_id"]]
+    assert release.is_valid(", ".join(ids)) and release.is_valid("")
+    assert not release.is_valid(",".join(ids * 9)) and not release.is_valid("not-a-job")
+    assert post["responses"]["202"]["headers"]["Location"] and post["responses"]["429"]["headers"]["Retry-After"]
+    for probe in ("/healthz", "/readyz"):
+        assert doc["paths"][probe]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+
+
+def test_the_cancel_is_a_post_on_its_own_route_and_no_delete_is_declared():
+    doc = openapi.build(300)
+    assert doc["paths"]["/jobs/{job_id}/cancel"]["post"]["operationId"] == "cancelJob"
+    assert not [p for p, methods in doc["paths"].items() if "delete" in methods]

@@ -54,6 +54,26 @@ def test_the_verdicts_say_why_and_the_bars_scale_to_the_largest_layer():
     assert "http-equiv=\"refresh\"" not in text
 
 
+def test_the_diagnostics_draw_module_norms_eigenvalues_and_the_density_escaped():
+    import msgspec
+
+    from gradsvc.wire import ClipResult, Curvature, Density, Diagnostics, Norms
+
+    result = msgspec.structs.replace(
+        _result(), diagnostics=Diagnostics(norms=Norms(global_=5.0, parameters={}, modules={EVIL: 4.0, "1": 3.0})),
+        clip=ClipResult(total_norm=5.0, scale=0.2),
+        curvature=Curvature(matrix="hessian", top_eigenvalues=[2.5, 1.25], residuals=[1e-7, 2e-6], products=40,
+                            density=Density(eigenvalues=[0.0, 1.0, 2.0], weights=[0.5, 0.25, 0.25])))
+    text = _page(JobInfo(job_id="j", status="finished", result=result))
+    assert "<script" not in text and "&lt;script&gt;" in text
+    norms = text[text.index('id="norms-table"'):text.index("</table>", text.index('id="norms-table"'))]
+    assert 'style="width: 100.0%"' in norms and 'style="width: 75.0%"' in norms
+    assert "2.5" in text and "1.25" in text and "scale 0.2" in text
+    density = text[text.index('id="density-table"'):text.index("</table>", text.index('id="density-table"'))]
+    assert density.count('class="bar density-bar"') == pages.DENSITY_BINS
+    assert density.count('style="width: 100.0%"') == 1 and density.count('style="width: 50.0%"') == 2
+
+
 @pytest.mark.parametrize("status", ["queued", "started"])
 def test_a_running_jobs_page_reloads_itself_and_shows_its_progress(status):
     text = _page(JobInfo(job_id="j", status=status, progress=Progress(phase="numcheck", done=3, total=8)))
@@ -68,6 +88,30 @@ def test_the_grad_fn_svg_draws_a_box_per_node_and_an_arrow_per_edge():
     assert svg.count('class="grad-fn"') == 4 and svg.count("<line") == 4
 
 
+def _recurrent_chain(steps: int) -> list[GraphNode]:
+    """The grad_fn chain of a one-unit RNN over `steps` steps: four nodes a step, each pointing at the next."""
+    n = 4 * steps + 12
+    return [GraphNode(id=i, name=f"AddmmBackward{i % 4}", next=[i + 1] if i + 1 < n else []) for i in range(n)]
+
+
+def test_a_24012_node_chain_is_drawn_in_milliseconds_and_summarised_past_the_node_limit():
+    import time
+
+    nodes = _recurrent_chain(6000)
+    started = time.perf_counter()
+    svg = render(nodes, 400)
+    took_s = time.perf_counter() - started
+    assert took_s < 1.0  # the quadratic layout took 38.8 s here, on the event loop
+    assert svg.count('class="grad-fn"') == 400 and svg.count("<line") == 399
+    assert "the 400 nodes nearest the loss of 24012; 23612 more" in svg
+    assert 'data-id="0"' in svg and 'data-id="399"' in svg and 'data-id="400"' not in svg
+
+
+def test_a_chain_within_the_node_limit_is_drawn_whole_with_no_summary():
+    svg = render(_recurrent_chain(10), 400)
+    assert svg.count('class="grad-fn"') == 52 and "grad-fn-summary" not in svg
+
+
 @pytest.fixture(scope="module")
 def keyed() -> TestClient:
     # A dead Redis: the login form's failure and the redirects need none.
@@ -76,7 +120,7 @@ def keyed() -> TestClient:
         yield client
 
 
-@pytest.mark.parametrize("path", ["/ui/jobs", "/ui/jobs/some-id", "/docs"])
+@pytest.mark.parametrize("path", ["/ui/jobs", "/ui/jobs/some-id"])
 def test_a_page_without_a_key_or_session_redirects_to_the_login_form(keyed, path):
     r = keyed.get(path, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"].startswith("/ui/login?next=")

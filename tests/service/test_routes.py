@@ -27,6 +27,9 @@ class _Reader:
     def ping(self) -> bool:
         return True
 
+    def probe_write(self) -> None:
+        pass
+
     def workers(self) -> list[object]:
         return [object()] * self.n
 

@@ -80,7 +80,7 @@ def test_rate_limit_allows_the_limit_then_429_with_retry_after_per_key():
     assert err.value.code == "rate_limited" and err.value.status == 429
     retry = int(err.value.headers["Retry-After"])
     assert 1 <= retry <= 60 and err.value.detail["retry_after_s"] == retry
-    # Issue 26 item 8: the message names the setting that sets the limit.
+    # The message names the setting that sets the limit.
     assert "GRADSVC_RATE_LIMIT_PER_MINUTE=3" in err.value.message
     assert err.value.detail["setting"] == "GRADSVC_RATE_LIMIT_PER_MINUTE" and err.value.detail["limit"] == 3
     auth.check_rate("bob")  # another key has its own window
@@ -182,7 +182,7 @@ def test_a_body_nested_past_the_decoder_is_422_not_500(limited):
 def test_with_redis_down_every_queue_route_answers_503_within_seconds():
     with TestClient(create_app(Settings(redis_url=dead_redis_url(), redis_timeout_s=1))) as client:
         for method, path, kwargs in [("POST", "/gradients", {"json": body()}), ("GET", "/jobs/abc", {}),
-                                     ("DELETE", "/jobs/abc", {}), ("GET", "/readyz", {})]:
+                                     ("POST", "/jobs/abc/cancel", {}), ("GET", "/readyz", {})]:
             t = time.monotonic()
             r = client.request(method, path, **kwargs)
             assert time.monotonic() - t < 3
@@ -205,6 +205,17 @@ def test_metrics_asks_for_a_key_only_when_the_setting_closes_it():
                 assert client.get("/metrics", headers={"Authorization": "Bearer k1"}).status_code in (200, 503)
 
 
+def test_the_schema_and_the_docs_ask_for_a_key_only_when_the_setting_closes_them():
+    for require in (False, True):
+        settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2, api_keys=("k1",), docs_require_key=require)
+        with TestClient(create_app(settings)) as client:
+            schema, docs = client.get("/schema"), client.get("/docs", follow_redirects=False)
+            assert (schema.status_code, docs.status_code) == ((401, 303) if require else (200, 200)), schema.text
+            keyed = client.get("/schema", headers={"Authorization": "Bearer k1"})
+            assert keyed.status_code == 200 and keyed.json()["security"] == [{"apiKey": []}]
+            assert client.get("/", follow_redirects=False).headers["location"] == "/docs"
+
+
 def test_readyz_needs_no_key_even_with_keys_set():
     settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=0.2, api_keys=("k1",))
     with TestClient(create_app(settings)) as client:
@@ -213,7 +224,7 @@ def test_readyz_needs_no_key_even_with_keys_set():
         assert client.get("/layers").status_code == 401
 
 
-# --- settings: a bad value stops the process naming the variable (issue 16 item 7) ----------------------
+# --- settings: a bad value stops the process naming the variable ----------------------------------------
 @pytest.mark.parametrize("var, value, says", [("GRADSVC_LOG_LEVEL", "loud", "debug, info, warning, error, critical"),
                                               ("GRADSVC_METRICS_REQUIRE_KEY", "maybe", "true"),
                                               ("GRADSVC_PORT", "eighty", "an integer")])

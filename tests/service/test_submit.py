@@ -44,7 +44,7 @@ def test_the_same_request_without_the_split_reaches_the_queue(api):
 
 @pytest.mark.parametrize("shards", [0, 300, -1])
 def test_shards_outside_1_to_256_is_a_400_invalid_body_as_the_schema_declares(api, shards):
-    """Issue 26 item 3: the range was the engine's (422 bad_option) and missing from GET /schema."""
+    """The range is the schema's (400 invalid_body, declared in GET /schema), not the engine's 422 bad_option."""
     linear = [{"type": "Linear", "in_features": 6, "out_features": 3}]
     r = api.post("/gradients", json=body(layers=linear, shards=shards))
     assert r.status_code == 400, r.text
@@ -53,3 +53,18 @@ def test_shards_outside_1_to_256_is_a_400_invalid_body_as_the_schema_declares(ap
     assert error["detail"]["path"] == "$.options.shards"
     declared = api.get("/schema").json()["components"]["schemas"]["Options"]["properties"]["shards"]["anyOf"]
     assert {"type": "integer", "minimum": 1, "maximum": 256} in declared and {"enum": ["auto"]} in declared
+
+
+@pytest.mark.parametrize("where, seed", [("model.seed", 1 << 64), ("model.seed", -(1 << 63) - 1),
+                                         ("options.hvp.seed", 1 << 64)])
+def test_a_seed_outside_64_bits_is_a_422_bad_option_before_the_queue(api, where, seed):
+    linear = [{"type": "Linear", "in_features": 6, "out_features": 3}]
+    sent = body(layers=linear)
+    if where == "model.seed":
+        sent["model"]["seed"] = seed
+    else:
+        sent["options"]["hvp"] = {"vector": "random", "seed": seed}
+    r = api.post("/gradients", json=sent)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "bad_option" and error["detail"]["option"] == where and where in error["message"]

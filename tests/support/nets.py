@@ -28,7 +28,7 @@ TWO_LOSSES = [{"name": "task", "type": "cross_entropy", "weight": 1.0, "target":
 
 
 def seed_a_body(options: dict | None = None) -> dict:
-    """Seed 003 [A]'s 6-8-3 tanh float64 net on seed_a_batch()'s 4 rows, as a JSON request body."""
+    """The 6-8-3 tanh float64 net on seed_a_batch()'s 4 rows, as a JSON request body."""
     x, y = seed_a_batch()
     return {"model": {"layers": SEED_A_LAYERS, "dtype": "float64", "seed": 0}, "inputs": x.tolist(),
             "targets": y.tolist(), "loss": "cross_entropy", "options": options or {}}

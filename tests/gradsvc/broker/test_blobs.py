@@ -4,6 +4,8 @@ holds, whatever the body gave (the engine's resident models know a weight by its
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import redis
@@ -74,3 +76,82 @@ def test_check_refreshes_each_pieces_ttl_and_lru_place_and_tells_what_is_lost(st
     assert not r.exists(keys.blob_index_key("test", "bob"))  # bob's look made him no index
     r.script_flush()  # a Redis that restarted (or a new primary) has no scripts: loaded again
     store.check("alice", request(two))
+
+
+def _held_bytes(r, owner: str) -> int:
+    from gradsvc.broker import keys
+
+    return sum(r.strlen(k) for k in r.scan_iter(match=keys.blob_key("test", owner, "*")))
+
+
+def _use(store: BlobStore, owner: str, pieces: list[bytes]) -> None:
+    """A request naming the pieces (the API's check), then a worker reading them (fetch)."""
+    refs = [digest(p) for p in pieces]
+    store.check(owner, request(Tensor(dtype="uint8", shape=[sum(len(p) for p in pieces)], refs=refs)))
+    store.cache.clear()
+    store.fetch(owner, refs)
+
+
+def test_the_budget_counts_pieces_still_in_use_long_after_their_upload(redis_server):
+    """Uploads, then uses for three TTLs, then more uploads: the budget still counts the pieces in use (the
+    size index lived as long as they did), so the owner never holds more than it."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushdb()
+    store = BlobStore(r, "test", ttl_s=1, budget_bytes=4096)
+    first = [bytes([i]) * 1024 for i in range(4)]
+    for piece in first:
+        store.put("alice", digest(piece), piece)
+    for _ in range(12):  # 3 s: three TTLs of uses
+        _use(store, "alice", first)
+        time.sleep(0.25)
+    assert _held_bytes(r, "alice") == 4096
+    for i in range(4, 12):
+        piece = bytes([i]) * 1024
+        store.put("alice", digest(piece), piece)
+        assert _held_bytes(r, "alice") <= 4096
+
+
+def test_the_budget_is_exact_under_interleaved_uploads_uses_and_expiries(redis_server):
+    """A seeded mix of uploads, uses and idle waits (pieces expiring) for four TTLs: after each step the owner
+    holds at most its budget, and every piece it holds is one its budget counts."""
+    import random
+
+    from gradsvc.broker import keys
+
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushdb()
+    store = BlobStore(r, "test", ttl_s=1, budget_bytes=5000)
+    rng = random.Random(7)
+    uploaded: list[bytes] = []
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline:
+        step = rng.random()
+        if step < 0.5 or not uploaded:
+            piece = rng.randbytes(rng.randint(1, 1500))
+            store.put("alice", digest(piece), piece)
+            uploaded.append(piece)
+        elif step < 0.85:
+            live = [p for p in uploaded[-6:] if r.exists(keys.blob_key("test", "alice", digest(p)))]
+            if live:
+                _use(store, "alice", live)
+        else:
+            time.sleep(rng.uniform(0.1, 0.6))
+        held = {k.decode().rsplit(":", 1)[1] for k in r.scan_iter(match=keys.blob_key("test", "alice", "*"))}
+        assert _held_bytes(r, "alice") <= 5000
+        counted = {k.decode() for k in r.hkeys(keys.blob_sizes_key("test", "alice"))}
+        assert held <= counted, held - counted
+
+
+def test_an_empty_piece_is_refused_at_upload(store):
+    with pytest.raises(BlobError) as empty:
+        store.put("alice", digest(b""), b"")
+    assert empty.value.code == "bad_tensor" and "0 bytes" in empty.value.message
+
+
+def test_a_request_naming_more_refs_than_the_limit_is_refused_before_redis_is_asked(redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    store = BlobStore(r, "test", ttl_s=60, budget_bytes=1 << 20, max_refs=8)
+    refs = [digest(bytes([i])) for i in range(9)]
+    with pytest.raises(BlobError) as many:
+        store.check("alice", request(Tensor(dtype="uint8", shape=[9], refs=refs)))
+    assert many.value.code == "too_many_refs" and many.value.detail == {"count": 9, "limit": 8}

@@ -208,3 +208,36 @@ def test_send_async_times_out_as_redis_py_does_and_drops_the_connection(redis_se
             await r.aclose()
 
     _run(go())
+
+
+def test_each_way_redis_refuses_writes_is_told_apart_and_other_errors_are_not_refusals(redis_server):
+    """On a real Redis: at maxmemory (in a pipeline too, where redis-py rewrites the message), with too few
+    replicas; and the plain replies a refusal is not."""
+    from redis.exceptions import ResponseError
+
+    from gradsvc.broker.connection import refusal
+
+    r = sync_redis(redis_server.url)
+    caught = {}
+    try:
+        r.config_set("maxmemory", 1)
+        for what, call in (("set", lambda: r.set("k", "v")), ("pipeline", lambda: r.pipeline().set("k", "v").execute())):
+            with pytest.raises(ResponseError) as exc:
+                call()
+            caught[what] = refusal(exc.value)
+        r.config_set("maxmemory", 0)
+        r.config_set("min-replicas-to-write", 1)
+        with pytest.raises(ResponseError) as exc:
+            r.set("k", "v")
+        caught["noreplicas"] = refusal(exc.value)
+    finally:
+        r.config_set("maxmemory", 0)
+        r.config_set("min-replicas-to-write", 0)
+    assert caught == {"set": "redis_oom", "pipeline": "redis_oom", "noreplicas": "redis_unavailable"}
+    with pytest.raises(ResponseError) as wrong_type:
+        r.set("s", "v")
+        r.lpush("s", "x")
+    assert refusal(wrong_type.value) is None
+    assert refusal(ResponseError("MISCONF Redis is configured to save RDB snapshots, but ...")) == "redis_unavailable"
+    assert refusal(ResponseError("UNBLOCKED force unblock from blocking operation")) == "redis_unavailable"
+    assert refusal(ConnectionError("down")) is None

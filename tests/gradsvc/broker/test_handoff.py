@@ -282,7 +282,7 @@ def test_up_makes_one_dir_per_port_and_claims_it(tmp_path):
 
 
 def test_the_launchers_pid_file_is_mode_0600_as_the_dirs_other_files(tmp_path):
-    """Issue 26 item 7: launcher.pid was written 0644 (the umask's) where the README says files are 0600."""
+    """launcher.pid is 0600 like every file of the dir (docs/large-models.md), not 0644 (the umask's)."""
     from gradsvc.runtime.launcher import OWNER_FILE, claim_handoff_dir
 
     old = os.umask(0o022)
@@ -367,3 +367,32 @@ def test_a_prepare_after_drop_keeps_nothing(tmp_path):
     spare.prepare(4096)
     assert spare.take() is None
     assert not [p for p in (tmp_path / "h").iterdir() if p.name.startswith((".tmp-", ".spare-"))]
+
+
+def test_a_dir_holding_an_operators_files_is_refused_and_none_of_them_is_touched(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    for name, age_s in (("run-2024.out", 3 * 3600), ("notes.in", 3 * 86400), ("plot.png", 60)):
+        (shared / name).write_bytes(b"mine")
+        os.utime(shared / name, (time.time() - age_s, time.time() - age_s))
+    with pytest.raises(HandoffError) as refused:
+        Handoff(shared)
+    message = str(refused.value)
+    assert "GRADSVC_HANDOFF_DIR" in message and "notes.in, plot.png, run-2024.out" in message
+    assert "new or empty directory" in message
+    assert sorted(os.listdir(shared)) == ["notes.in", "plot.png", "run-2024.out"]
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+
+
+def test_an_empty_dir_is_adopted_0700_and_the_services_own_dir_is_taken_again(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    os.chmod(empty, 0o755)
+    first = Handoff(empty)
+    assert stat.S_IMODE(empty.stat().st_mode) == 0o700
+    first.put("job-1", hf.RESULT, b"result")
+    os.chmod(empty, 0o755)
+    again = Handoff(empty)  # its domain file says it is the service's own: its files are the service's
+    assert again.domain == first.domain and again.get(first.ref("job-1", hf.RESULT)) == b"result"
+    assert stat.S_IMODE(empty.stat().st_mode) == 0o700

@@ -63,7 +63,7 @@ def test_auto_numcheck_switches_above_the_exact_limit():
 
 
 def test_wide_stack_saves_exactly_two_mib_per_layer():
-    # Seed 003 [C]: Linear(1024,1024)+ReLU at batch 512, float32: one layer output kept per layer.
+    # The backprop memory measurement: Linear(1024,1024)+ReLU at batch 512, float32: one layer output kept per layer.
     x = torch.randn(512, 1024)
     totals = {}
     for depth in (1, 2, 4):

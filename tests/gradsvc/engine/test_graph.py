@@ -46,7 +46,7 @@ def over_the_wire(eg, fmt: str) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]
     else:
         raw = msgspec.msgpack.encode(body)
         spec = msgspec.msgpack.decode(raw, type=wire.ModelSpec)
-    weights = {k: engine_tensors.decode(v, where=k, max_elements=1 << 30) for k, v in spec.weights.items()}
+    weights = {k: engine_tensors.decode(v, where=k, max_elements=1 << 30, complex_ok=True) for k, v in spec.weights.items()}
     return spec.graph, weights
 
 
@@ -238,13 +238,16 @@ def test_check_graph_shapes_gives_the_output_on_meta():
     assert out.device.type == "meta" and list(out.shape) == list(x.shape)  # (batch, 2, h, w)
 
 
-def test_the_allow_list_has_no_host_random_or_uninitialised_ops():
+def test_the_allow_list_has_no_host_unseeded_random_or_uninitialised_ops():
     assert "aten.linear.default" in OPS and "aten.scaled_dot_product_attention.default" in OPS
-    forbidden = ("from_file", "rand", "normal", "bernoulli", "uniform", "multinomial", "set_", "_local_scalar",
-                 "item", "print", "_print", "save", "load", "resize", "data_ptr")
+    forbidden = ("from_file", "set_", "_local_scalar", "item", "print", "_print", "save", "load", "resize",
+                 "data_ptr")
+    random = ("rand", "normal", "bernoulli", "uniform", "multinomial")
     for name, op in OPS.items():
         base = name.split(".")[1]
         assert not base.startswith(forbidden) and "storage" not in base and "file" not in base, name
+        if base.startswith(random):  # drawn from the job's seed: the runs fork and seed the RNG for it
+            assert op.random, name
         if "empty" in name:  # runs as its zero-filled twin, never as the ATen op
             assert not isinstance(op.fn, torch._ops.OpOverload), name
     assert {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
@@ -402,14 +405,14 @@ def test_unknown_op_is_unsupported_op_naming_op_node_module_and_where_the_list_i
     err = refused(spec([linear(), {"name": "z", "op": "aten.not_an_op.default", "args": [{"node": "y"}],
                                    "module": "block.3", "module_type": "Mystery"}]), "unsupported_op")
     assert "'aten.not_an_op.default'" in err.message and "'z'" in err.message and "'block.3'" in err.message
-    assert "README" in err.message
+    assert "docs/graph-ops.md" in err.message
     assert err.detail == {"op": "aten.not_an_op.default", "node": "z", "module": "block.3"}
 
 
 @pytest.mark.parametrize("op", ["aten.from_file.default", "aten._local_scalar_dense.default", "aten.set_.source_Storage",
-                                "aten.rand.default", "aten.normal.Tensor_float", "aten.bernoulli.default",
+                                "aten.as_strided.default", "aten.nonzero.default",
                                 "builtins.print", "torch.load", "aten.save.default", "aten.item.default"])
-def test_ops_touching_the_host_or_randomness_are_refused(op):
+def test_ops_touching_the_host_or_the_captured_layout_are_refused(op):
     refused(spec([{"name": "z", "op": op, "args": ["/etc/passwd", False, 10]}], outputs=[{"node": "x"}]),
             "unsupported_op")
 

@@ -33,7 +33,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=0, atol=TOL)
 
 
-# --- several losses over one graph (seed 000, remedy 1) -------------------------------------------
+# --- several losses over one graph ----------------------------------------------------------------
 TWO_HEAD = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
             {"type": "Linear", "in_features": 8, "out_features": 3}]
 
@@ -68,7 +68,7 @@ def test_opposed_losses_show_a_negative_cosine():
     assert r.gradient_cosine["up|down"] < 0
 
 
-# --- second order (seed 000, remedy 4) --------------------------------------------------------------
+# --- second order -----------------------------------------------------------------------------------
 def test_input_gradient_equals_local():
     x, y = seed_a_batch()
     r = run(SEED_A_LAYERS, x, y, options={"input_grad": True})
@@ -184,7 +184,7 @@ def test_a_micro_batch_as_large_as_the_batch_is_exact_with_batch_norm():
         assert torch.equal(T(whole.gradients[name]), T(one_chunk.gradients[name])), name
 
 
-# --- micro-batch accumulation (seed 000, remedy 6) ---------------------------------------------------
+# --- micro-batch accumulation ------------------------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("micro_batch", [1, 3, 4])
 def test_micro_batches_accumulate_to_the_full_batch_gradient(reduction, micro_batch):
@@ -206,7 +206,7 @@ def test_micro_batches_report_lower_activation_memory():
     assert micro.memory.saved_bytes_total * 4 == full.memory.saved_bytes_total
 
 
-# --- frozen parameters (seed 000, remedy 5) ----------------------------------------------------------
+# --- frozen parameters -------------------------------------------------------------------------------
 def test_frozen_parameters_get_no_gradient_and_autograd_skips_them():
     x, y = seed_a_batch()
     r = run(SEED_A_LAYERS, x, y, options={"freeze": ["0"], "numcheck": "exact"})
@@ -229,7 +229,7 @@ def test_freeze_prefix_that_matches_nothing_is_refused():
     assert info.value.code == "bad_option" and "'7'" in info.value.message
 
 
-# --- checkpointing (seed 003's memory-for-time trade) ------------------------------------------------
+# --- checkpointing: memory for time ------------------------------------------------------------------
 def test_checkpointed_depth_16_mlp_saves_at_least_half_the_memory_with_equal_gradients():
     x = torch.randn(64, 128, dtype=torch.float64)
     layers = wide_stack_layers(16, 128)
@@ -243,7 +243,7 @@ def test_checkpointed_depth_16_mlp_saves_at_least_half_the_memory_with_equal_gra
     assert ckpt.checkpoint["forward_backward_ms_with"] > 0
 
 
-# --- the grad_fn chain (seed 004) --------------------------------------------------------------------
+# --- the grad_fn chain -------------------------------------------------------------------------------
 def test_graph_walks_the_grad_fn_chain_of_seed_004s_mlp():
     layers = [{"type": "Linear", "in_features": 784, "out_features": 128}, {"type": "ReLU"},
               {"type": "Linear", "in_features": 128, "out_features": 10}]

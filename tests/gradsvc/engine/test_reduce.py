@@ -148,7 +148,7 @@ def test_memory_is_the_largest_shards_and_timings_give_the_critical_path():
 
 
 def test_timings_carry_every_phase_of_the_slowest_shard():
-    """Issue 26 item 4: prepare_ms was left out (0.0) though every shard prepared."""
+    """prepare_ms is the slowest shard's, not left out (0.0): every shard prepared."""
     from gradsvc.wire import Timings
 
     req = request("cross_entropy", memory=True, numcheck="exact")

@@ -1,4 +1,4 @@
-"""Issue 16, engine side: refusals happen before the queue, labels say they must be integers, and the
+"""Engine side: refusals happen before the queue, labels say they must be integers, and the
 result's figures are what their names say (integer byte counts, timings of phases that ran)."""
 
 from __future__ import annotations

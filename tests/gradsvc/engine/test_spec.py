@@ -81,7 +81,7 @@ def test_an_invalid_value_names_its_argument_in_the_detail():
     assert info.value.detail == {"path": "1.0", "argument": "beta"}
 
 
-# The constructor calls torch's module_db makes that the spec refused before (issue 14).
+# The constructor calls torch's module_db makes that a spec must accept.
 @pytest.mark.parametrize("spec, local", [
     ({"type": "BatchNorm1d", "num_features": 10, "eps": 0.001, "momentum": None}, nn.BatchNorm1d(10, 0.001, None)),
     ({"type": "BatchNorm2d", "num_features": 3, "eps": 0.001, "momentum": None}, nn.BatchNorm2d(3, 0.001, None)),

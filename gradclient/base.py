@@ -32,7 +32,7 @@ from .errors import (
 )
 from .refs import MIN_BYTES
 from .request import Prepared, RequestBuilder, call_seed
-from .result import GradientResult, build_result
+from .result import GradientResult, build_result, written_back
 from .tensors import decode_type
 from .transfer import AnswerBuffers, KeptBuffer, _Body, _Pieces
 from .waiting import Deadline, Poll, ProgressBar
@@ -136,11 +136,13 @@ class BaseClient:
     def _gradients(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
                    seed: int | None, wait_s: float, timeout: float | None, progress: bool,
                    options: dict[str, Any]) -> Flow[GradientResult]:
+        options = dict(options)
+        update_buffers = options.pop("update_buffers", True)  # an SDK argument, not a service option
         deadline = Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
         seed = call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
         args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        return (yield from self._resending(args, lambda prepared: self._posting(prepared, wait_s, deadline,
-                                                                                 progress)))
+        return (yield from self._resending(args, lambda prepared: self._posting(
+            _with(prepared, update_buffers), wait_s, deadline, progress)))
 
     def _posting(self, prepared: Prepared, wait_s: float, deadline: Deadline, progress: bool) -> Flow[GradientResult]:
         """POST /gradients, the server waiting up to `wait_s` on the job; then, unless that answered with the
@@ -170,6 +172,8 @@ class BaseClient:
     def _finished(self, prepared: Prepared, result: GradientResult) -> GradientResult:
         self._requests.remember(prepared, result.graph_ref)
         result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
+        if prepared.export is not None:
+            written_back(prepared, result)
         return result
 
     def _submitting(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
@@ -409,6 +413,12 @@ def _resumable(exc: GradientClientError) -> bool:
     """A POST /gradients that failed transiently (Redis away while it waited) after its job was created:
     the answer names the job, which the caller then waits on."""
     return exc.code in _TRANSIENT_CODES and exc.job_id is not None
+
+
+def _with(prepared: Prepared, update_buffers: bool) -> Prepared:
+    if not update_buffers:
+        prepared.module = None
+    return prepared
 
 
 def _new_key() -> str:

@@ -119,7 +119,9 @@ class Client(BaseClient):
         """The gradients of `loss(model(inputs), targets)` for every parameter, computed by the service.
 
         `model`: an nn.Module of allow-listed layers (its weights go with it) or a spec dict; `options`
-        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", ...). Waits for the job up
+        are those of docs/api.md (numcheck="off", memory=False, per_sample="norms", outputs=True, ...). A module
+        sent as a graph gets the buffers its forward wrote (batch norm's statistics) written back, as a local
+        step would leave them, unless `update_buffers=False` (docs/training-code.md). Waits for the job up
         to `timeout` seconds in all (None: as long as it takes), then raises WaitTimeoutError; `wait_s` is how
         long the POST itself waits on the server (its `?wait=`, cut to what `timeout` leaves) before polling
         GET /jobs/{id}.

@@ -2,20 +2,27 @@
 
 `torch.export.export` captures the module in its current train/eval mode, default export IR (not
 `run_decompositions`, which breaks GPT-2-style views), with a dynamic batch dimension (dim 0 of every
-input) so that one export serves every batch size. When the dynamic export fails (a model that
-specialises on its batch size), a static export is tried and `ExportedGraph.dynamic_batch` is False:
-that graph then takes only the example's batch size. A model returning several tensors (a tuple, a
-Hugging Face ModelOutput) lists them all in `outputs`; the loss applies to the first.
+input, dim 1 of an RNN's state) so that one export serves every batch size. When the dynamic export fails
+(a model that specialises on its batch size), a static export is tried and `ExportedGraph.dynamic_batch`
+is False: that graph then takes only the example's batch size; when that fails on a data-dependent branch,
+`torch.export.draft_export` captures what the call ran for this batch (`capture` "specialised"). Inputs may
+be nested tuples, lists and dicts of tensors (the graph takes their leaves in order). A model returning
+several tensors (a tuple, a Hugging Face ModelOutput) lists them all in `outputs`, their structure in
+`output_tree`; `loss="output"` finds the scalar among them (docs/training-code.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from gradsvc import wire
 
@@ -23,7 +30,7 @@ from .errors import BadTensorError, UnsupportedModuleError
 from .functions import Capture
 from .graph import convert_program, reason
 from .graph import state_dict_path as _state_dict_path  # noqa: F401  (tests/client/test_export.py reads it here)
-from .tensors import several_inputs
+from .tensors import is_tree, several_inputs
 
 
 @dataclass
@@ -32,28 +39,44 @@ class ExportedGraph:
     weights: dict[str, torch.Tensor]  # every parameter and buffer the graph reads, by state_dict name
     dynamic_batch: bool = True  # False: the static fallback, valid for the example's batch size only
     frozen: list[str] = field(default_factory=list)  # parameters with requires_grad=False (options.freeze)
+    capture: str = "dynamic"  # how it was captured: "dynamic", "static" or "specialised" (_captured)
+    out_spec: object = None  # forward's output structure (a torch pytree TreeSpec), to rebuild result.outputs
 
 
-def example_inputs(inputs) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-    """The SDK's `inputs` as export's (args, kwargs): one tensor, a tuple or list of tensors (positional
-    arguments) or a mapping of named tensors (keyword arguments, a Hugging Face batch)."""
+def example_inputs(inputs) -> tuple[tuple, dict]:
+    """The SDK's `inputs` as export's (args, kwargs): one tensor, a tuple or list of inputs (positional
+    arguments) or a mapping of named inputs (keyword arguments, a Hugging Face batch); each input a tensor or
+    a nested tuple, list or dict of tensors (an RNN's (h, c) state)."""
     if not several_inputs(inputs):
         return (_example(inputs, "inputs"),), {}
     if isinstance(inputs, Mapping):
-        kwargs = {k: _example(v, f"inputs[{k!r}]") for k, v in inputs.items()}
+        kwargs = {k: _example_tree(v, f"inputs[{k!r}]") for k, v in inputs.items()}
         if not kwargs:
             raise BadTensorError("inputs: an empty mapping; give the model's inputs by name")
         return (), kwargs
-    return tuple(_example(v, f"inputs[{i}]") for i, v in enumerate(inputs)), {}
+    return tuple(_example_tree(v, f"inputs[{i}]") for i, v in enumerate(inputs)), {}
+
+
+def _example_tree(v, where: str):
+    """One argument of forward: a tensor, or a tuple, list or dict of them (nested), the structure kept."""
+    if isinstance(v, Mapping):
+        return {k: _example_tree(x, f"{where}[{k!r}]") for k, x in v.items()}
+    if is_tree(v):
+        return type(v)(_example_tree(x, f"{where}[{i}]") for i, x in enumerate(v))
+    return _example(v, where)
 
 
 def _example(v, where: str) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
+        if v.layout not in (torch.strided, torch.sparse_coo, torch.sparse_csr):
+            raise BadTensorError(f"{where}: a {str(v.layout).removeprefix('torch.')} tensor cannot travel; send it "
+                                 "dense, sparse COO (.to_sparse()) or sparse CSR (.to_sparse_csr())")
         return v.detach()
-    if isinstance(v, (bool, str, bytes, type(None), dict)):
+    if isinstance(v, (bool, str, bytes, type(None))):
         raise BadTensorError(f"{where}: cannot send a {type(v).__name__} to an exported module; each input is a "
-                             "tensor (a torch tensor, a numpy array or a nested list of numbers). Fix non-tensor "
-                             "arguments in the module (a wrapper's forward) before sending it")
+                             "tensor (a torch tensor, a numpy array or a nested list of numbers), or a tuple, list or "
+                             "dict of tensors. Fix non-tensor arguments in the module (a wrapper's forward) before "
+                             "sending it")
     try:
         return torch.as_tensor(v)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -61,65 +84,147 @@ def _example(v, where: str) -> torch.Tensor:
                              "tensor, a numpy array or a nested list of numbers") from None
 
 
-def batched_inputs(xs: list[torch.Tensor]) -> list[bool]:
-    """Which inputs carry the batch along dim 0: those whose dim 0 is the first input's (the batch size).
-    The others (a graph's edge_index (2, edges), a mask shared by every example) go whole to every part
-    of a split batch."""
+def batch_dims(xs: list[torch.Tensor]) -> list[int | None]:
+    """Where each input carries the batch: dim 0 when its dim 0 is the first input's (the batch size), dim 1
+    when only its dim 1 is (an RNN's (layers, batch, hidden) state), else None (a graph's edge_index
+    (2, edges), a mask shared by every example: it goes whole to every part of a split batch)."""
     rows = next((x.shape[0] for x in xs if x.dim() >= 1), None)
-    return [x.dim() >= 1 and x.shape[0] == rows for x in xs]
+    return [None if x.layout != torch.strided else  # a sparse adjacency is the whole graph, shared by its nodes
+            0 if x.dim() >= 1 and x.shape[0] == rows else
+            1 if x.dim() >= 3 and x.shape[1] == rows else None for x in xs]
 
 
-def export_graph(module: nn.Module, example_args: tuple[torch.Tensor, ...] | torch.Tensor,
-                 example_kwargs: dict[str, torch.Tensor] | None = None) -> ExportedGraph:
+def batched_inputs(xs: list[torch.Tensor]) -> list[bool]:
+    """Which inputs the wire declares batched (batch_dim 0): those whose dim 0 is the batch (batch_dims)."""
+    return [d == 0 for d in batch_dims(xs)]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch's loggers held back while export tries: a failed attempt logs the whole graph (pages of stderr),
+    and draft_export a report; the SDK says what it did in its own words."""
+    # Every torch logger, the artifact loggers torch._logging configures one by one included.
+    loggers = [lg for name, lg in logging.root.manager.loggerDict.items()
+               if isinstance(lg, logging.Logger) and (name == "torch" or name.startswith("torch."))]
+    loggers.append(logging.getLogger("torch"))
+    was = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        # A failed trace also prints its partial graph on sys.stderr, past logging.
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            # nn.GRU/LSTM/RNN re-set their `_flat_weights` list in forward; export warns, yet lifts each weight
+            # as the parameter it is.
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
+            yield
+    finally:
+        for lg, disabled in zip(loggers, was):
+            lg.disabled = disabled
+
+
+def export_graph(module: nn.Module, example_args: tuple | torch.Tensor,
+                 example_kwargs: dict | None = None) -> ExportedGraph:
     """`module` captured by torch.export and converted to the wire format; UnsupportedModuleError (with
     torch's reason) when it cannot be. `example_args` are forward's positional inputs, `example_kwargs`
-    its keyword inputs (the request then names them)."""
+    its keyword inputs (the request then names them); each a tensor or a nested tuple, list or dict of them."""
     if not isinstance(module, nn.Module):
         raise UnsupportedModuleError(f"expected an nn.Module, got {type(module).__name__}")
     if isinstance(example_args, torch.Tensor):
         example_args = (example_args,)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
-    xs = [*args, *kwargs.values()]
+    xs, tree = pytree.tree_flatten((args, kwargs))
     if not xs or not all(isinstance(x, torch.Tensor) for x in xs) or xs[0].dim() < 1:
         raise UnsupportedModuleError("example inputs must be tensors, the first with a batch dimension (dim 0)")
-    batched = batched_inputs(xs)
-    dynamic = True
-    # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
-    # one is traced as two (the example repeated) and the graph still takes any batch size.
-    twice = xs[0].shape[0] == 1
-
-    def traced(x, b):
-        return torch.cat([x, x]) if b and twice else x
-
-    t_args = tuple(traced(x, b) for x, b in zip(args, batched))
-    t_kwargs = {k: traced(x, b) for (k, x), b in zip(kwargs.items(), batched[len(args):])}
-    batch = torch.export.Dim("batch", min=1)
-    dims = [{0: batch} if b else None for b in batched]
-    shapes = dict(zip(kwargs, dims[len(args):])) if kwargs else tuple(dims)
+    dims = batch_dims(xs)
+    batched = [d == 0 for d in dims]
     capture = Capture()
-    with warnings.catch_warnings():
-        # nn.GRU/LSTM/RNN re-set their `_flat_weights` list in forward; export warns, yet lifts each weight
-        # as the parameter it is.
-        warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
-        try:
-            with capture.active():
-                ep = torch.export.export(module, t_args, kwargs=t_kwargs or None, dynamic_shapes=shapes)
-        except UnsupportedModuleError:
-            raise
-        except Exception:
-            dynamic = False
-            try:
-                with capture.active():
-                    ep = torch.export.export(module, args, kwargs=kwargs or None)
-            except UnsupportedModuleError:
-                raise
-            except Exception as exc:
-                raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__}: "
-                                             f"{reason(exc)}") from None
+    with _quiet():
+        ep, how = _captured(module, args, kwargs, xs, tree, dims, capture)
     graph, weights = convert_program(ep, module, batched)
+    graph.output_tree = output_tree(ep.call_spec.out_spec, len(graph.outputs))
     if capture.calls:
         used = {n.op.removeprefix("function.") for n in graph.nodes if n.op.startswith("function.")}
         graph.functions = {k: f for k, f in capture.functions().items() if k in used}
     params = dict(module.named_parameters(remove_duplicate=False))
     frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
-    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=dynamic, frozen=frozen)
+    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=how == "dynamic", frozen=frozen, capture=how,
+                         out_spec=ep.call_spec.out_spec)
+
+
+def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims: list, capture: Capture):
+    """(the ExportedProgram, how): what torch offers, tried in turn. "dynamic": one graph for every batch size;
+    "static": for this batch size; "specialised": draft_export, which settles each data-dependent branch
+    (an `if` on a tensor's values, nn.TransformerEncoder's mask check) as this call's values took it."""
+    # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
+    # one is traced as two (the example repeated) and the graph still takes any batch size.
+    twice = xs[0].shape[0] == 1
+    traced = [torch.cat([x, x], dim=d) if d is not None and twice else x for x, d in zip(xs, dims)]
+    t_args, t_kwargs = pytree.tree_unflatten(traced, tree)
+    batch = torch.export.Dim("batch", min=1)
+    d_args, d_kwargs = pytree.tree_unflatten([{d: batch} if d is not None else None for d in dims], tree)
+    shapes = d_kwargs if kwargs else tuple(d_args)
+    attempts = [("dynamic", lambda: torch.export.export(module, t_args, kwargs=t_kwargs or None,
+                                                        dynamic_shapes=shapes)),
+                ("static", lambda: torch.export.export(module, args, kwargs=kwargs or None)),
+                ("specialised", lambda: _without_checks(torch.export.draft_export(module, args,
+                                                                                 kwargs=kwargs or None)))]
+    first = None
+    for how, attempt in attempts:
+        try:
+            with capture.active():
+                return attempt(), how
+        except UnsupportedModuleError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (torch raises many kinds; the first one's reason is kept)
+            first = first or exc
+    why = reason(first)
+    fix = ("A buffer written through `.data` (or a tensor attribute assigned in forward) cannot be captured: write "
+           "the buffer in place under `with torch.no_grad():` instead (`self.ema.mul_(d).add_(x)`)"
+           if "lifted_tensor" in why else "Move what export cannot trace out of forward (Python-side state, I/O, "
+           "non-tensor results), or send a module that wraps the traceable part")
+    raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__} (tried a dynamic batch, "
+                                 f"this batch size, and draft_export specialised to this call): {why}. {fix}") from None
+
+
+def _without_checks(ep: "torch.export.ExportedProgram") -> "torch.export.ExportedProgram":
+    """A draft export's graph without the runtime checks of the values its branches were settled on (and the
+    `item()` reads feeding them): the graph is this call's, sent with this call's inputs only."""
+    graph = ep.graph
+    for node in list(graph.nodes):
+        name = str(node.target)
+        if node.op == "call_function" and ("_assert" in name or "sym_constrain_range" in name):
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    ep.graph_module.recompile()
+    return ep
+
+
+def output_tree(spec, count: int):
+    """forward's output structure (`ep.call_spec.out_spec`) as the wire's output_tree: the i-th tensor as i,
+    tuples and lists as lists, dicts and ModelOutputs as objects by key; None when it does not map onto the
+    graph's `count` outputs."""
+    leaves = iter(range(count))
+
+    def walk(s):
+        if s.is_leaf():
+            return next(leaves, -1)
+        kids = [walk(c) for c in s.children()]
+        ctx = s.context
+        if s.type is type(None):
+            return None
+        if isinstance(ctx, (list, tuple)) and len(ctx) == len(kids) and all(isinstance(k, str) for k in ctx):
+            return dict(zip(ctx, kids))
+        return kids
+
+    tree = walk(spec)
+    return tree if next(leaves, None) is None and -1 not in _ints(tree) else None
+
+
+def _ints(tree) -> list[int]:
+    if isinstance(tree, int):
+        return [tree]
+    if isinstance(tree, list):
+        return [i for t in tree for i in _ints(t)]
+    if isinstance(tree, dict):
+        return [i for t in tree.values() for i in _ints(t)]
+    return []

@@ -79,6 +79,8 @@ def convert_program(ep: "torch.export.ExportedProgram", module: nn.Module,
             entry.target = None
             entry.dtype, entry.shape = _dtype(val), [int(n) if isinstance(n, int) else -1 for n in val.shape]
             entry.batch_dim = 0 if batched[sum(1 for i in inputs if i.kind == "input")] else None
+            if val.layout in (torch.sparse_coo, torch.sparse_csr):
+                entry.layout = str(val.layout).removeprefix("torch.")
         inputs.append(entry)
     names = {n: alias.get(n.name, n.name) for n in ep.graph.nodes}
     inliner = _Inliner(ep, names, {n for n in placeholders if kinds[specs[n.name].kind] in ("buffer", "constant")})

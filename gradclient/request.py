@@ -33,6 +33,8 @@ class Prepared(msgspec.Struct):
     refs: list = msgspec.field(default_factory=list)  # every piece the body names by reference
     sent_bytes: int = 0  # the uploaded pieces' bytes
     body_bytes: int = 0  # the body's, once encoded
+    module: Any = None  # the nn.Module sent as a graph: the buffers its forward writes come back into it
+    export: Any = None  # its _Export (how it was captured, its output structure)
 
     @property
     def content(self) -> bytes:
@@ -46,6 +48,8 @@ class _Export(msgspec.Struct):
     graph: wire.GraphSpec
     names: list[str]  # its parameters' and buffers' state_dict names, in the graph's order
     ref: str | None = None  # the service's graph_ref, once an answer gave it
+    capture: str = "dynamic"  # how torch.export captured it (export.py's _captured)
+    out_spec: Any = None  # forward's output structure (a torch pytree TreeSpec)
 
 
 class _Inline:
@@ -69,6 +73,7 @@ class RequestBuilder:
     def prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
                 seed: int, options: dict[str, Any]) -> Prepared:
         options = dict(options)
+        options.pop("update_buffers", None)  # the SDK's own argument (gradients() reads it)
         run = options.pop(RUN_OPTION, None)  # Run.gradients' step: the body's `run`, not an option
         prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
         if run is not None:
@@ -82,6 +87,7 @@ class RequestBuilder:
         uploads: list = []
         inline = _Inline()
         graph_key, by_ref = None, False
+        module = export = None
         if isinstance(model, wire.ModelSpec):
             model = msgspec.structs.asdict(model)
         if isinstance(model, dict):
@@ -94,13 +100,17 @@ class RequestBuilder:
 
             try:
                 # A layer spec takes one tensor: a module called with several inputs goes as a graph.
-                c = None if several_inputs(inputs) and is_module(model) else convert(model)
+                # So does one whose forward may write buffers (batch norm in training mode): only a graph's
+                # result carries them back.
+                c = None if (several_inputs(inputs) or _may_write_buffers(model)) and is_module(model) \
+                    else convert(model)
             except UnsupportedModuleError:
                 if not is_module(model):
                     raise
                 c = None
             if c is None:  # any other nn.Module goes as an exported graph with its weights
                 spec, graph_key, by_ref = self._graph_spec(model, inputs, uploads, inline)
+                module, export = model, self.exports[graph_key]
                 if "freeze" not in options:
                     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
                     if frozen:
@@ -127,7 +137,7 @@ class RequestBuilder:
             body["loss"] = loss
         refs = [r for w in spec.get("weights", {}).values() if isinstance(w, wire.Tensor) and w.refs for r in w.refs]
         return Prepared(body=body, encoder=self.encoder, local_names=local_names, graph_key=graph_key,
-                        by_ref=by_ref, uploads=uploads, refs=refs)
+                        by_ref=by_ref, uploads=uploads, refs=refs, module=module, export=export)
 
     def _weight(self, t: Any, uploads: list, inline: "_Inline") -> Any:
         """A weight as the request carries it: by reference when large (its new pieces into `uploads`), but
@@ -153,8 +163,10 @@ class RequestBuilder:
         service has answered for this structure, the graph's ref) and its current weights."""
         from .export import example_inputs, export_graph
 
+        from torch.utils import _pytree as pytree
+
         args, kwargs = example_inputs(inputs)
-        rows = next(x.shape[0] for x in (*args, *kwargs.values()))
+        rows = next(x.shape[0] for x in pytree.tree_leaves((args, kwargs)))
         key = _structure_key(model, args, kwargs)
         entry = self.exports.get(key)
         if entry is None:  # a model export could not make batch-dynamic is kept per batch size
@@ -162,8 +174,11 @@ class RequestBuilder:
             key = key if entry is None else (*key, rows)
         if entry is None:
             exported = export_graph(model, args, kwargs)  # UnsupportedModuleError with torch's reason
-            entry = _Export(graph=exported.graph, names=list(exported.weights))
+            entry = _Export(graph=exported.graph, names=list(exported.weights), capture=exported.capture,
+                            out_spec=exported.out_spec)
             key = key if exported.dynamic_batch else (*key, rows)
+            if exported.capture == "specialised":  # a graph of this call's branches: never reused for another
+                key = (*key, rows, id(entry))
             if len(self.exports) >= _EXPORTS_KEPT:
                 self.exports.pop(next(iter(self.exports)))
             self.exports[key] = entry
@@ -210,6 +225,10 @@ class RequestBuilder:
         return False
 
 
+def _may_write_buffers(model: Any) -> bool:
+    return bool(getattr(model, "training", False)) and any(True for _ in model.buffers())
+
+
 def _service_prefixes(prefixes: list[str], local_names: dict[str, str]) -> list[str]:
     """`freeze` prefixes given in the local model's names ("fc1") as the service's ("0")."""
     out = []
@@ -231,16 +250,18 @@ def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
     """What an export depends on: the module's class and configuration, its tensors' names, shapes and
     dtypes, train/eval mode, and each input's name, dtype and shape (past the batch dimension for the
     batched ones: export makes it dynamic). Not the weights' values: those go with every request."""
+    from torch.utils import _pytree as pytree
+
     from .export import batched_inputs
 
     tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
                     [*model.named_parameters(), *model.named_buffers()])
     modes = tuple(m.training for m in model.modules())
-    xs = [*args, *kwargs.values()]
+    xs, tree = pytree.tree_flatten((args, kwargs))
     attributes = tuple(_plain_attributes(m) for m in model.modules())
-    shapes = tuple((str(x.dtype), tuple(x.shape[1:]) if b else tuple(x.shape), b)
+    shapes = tuple((str(x.dtype), str(x.layout), tuple(x.shape[1:]) if b else tuple(x.shape), b)
                    for x, b in zip(xs, batched_inputs(xs)))
-    return (type(model), repr(model), tensors, modes, tuple(kwargs), shapes, attributes)
+    return (type(model), repr(model), tensors, modes, tuple(kwargs), str(tree), shapes, attributes)
 
 
 _PLAIN = (int, float, bool, str, type(None))

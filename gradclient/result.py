@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from gradsvc import wire
 from gradsvc.wire import ClipResult, Density, GraphNode, Memory, NoiseScale, Norms, Numcheck, ShardsInfo, Timings
 
 from .tensors import from_wire
@@ -74,6 +77,14 @@ class GradientResult:
     graph_ref: str | None = None  # graph models: the service's handle on the graph (the SDK resends it for you)
     seed: int = 0  # the seed the job ran with (dropout masks): pass seed= to repeat the call exactly
     upload_bytes: int = 0  # what this call sent: the body and the weight pieces the service did not hold yet
+    # Graph models: the new value of each buffer forward wrote (batch norm's running statistics), by state_dict
+    # name; gradients() has written them into the module already unless called with update_buffers=False.
+    buffers: dict[str, Any] | None = None
+    # options outputs=True: what forward returned (the same tuple, dict or ModelOutput), as tensors.
+    outputs: Any = None
+    # How the module was captured: "dynamic" (one graph for any batch size), "static" (this batch size), or
+    # "specialised" (each data-dependent branch as this call took it; captured again on every call).
+    capture: str | None = None
     diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
     clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
     curvature: Curvature | None = None  # curvature={"top": k, "trace": True, ...}
@@ -125,9 +136,57 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
+        buffers=tensors(raw.buffers), outputs=_tree(raw.outputs),
         diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
         curvature=_curvature(raw.curvature, tensors),
     )
+
+
+def _tree(value: Any) -> Any:
+    """result.outputs as decoded (tensors as maps inside an untyped field) with each tensor converted."""
+    if isinstance(value, wire.Tensor):
+        return from_wire(value)
+    if wire.is_tensor(value):
+        return from_wire(msgspec.convert(value, wire.Tensor))
+    if isinstance(value, list):
+        return [_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _tree(v) for k, v in value.items()}
+    return value
+
+
+def written_back(prepared: Any, result: GradientResult) -> None:
+    """After a graph model's call: how it was captured, its outputs in forward's own structure (tuples,
+    ModelOutput), and the buffers its forward wrote copied into the module (as a local step leaves them)."""
+    export = prepared.export
+    result.capture = export.capture
+    if result.outputs is not None and export.out_spec is not None and export.graph.output_tree is not None:
+        from torch.utils import _pytree as pytree
+
+        found: dict[int, Any] = {}
+        _pair(export.graph.output_tree, result.outputs, found)
+        if len(found) == export.out_spec.num_leaves:
+            result.outputs = pytree.tree_unflatten([found[i] for i in range(len(found))], export.out_spec)
+    if result.buffers and prepared.module is not None:
+        import torch
+
+        with torch.no_grad():
+            for name, value in result.buffers.items():
+                buf = prepared.module.get_buffer(name)
+                buf.copy_(torch.as_tensor(value).to(device=buf.device, dtype=buf.dtype))
+
+
+def _pair(tree: Any, value: Any, found: dict[int, Any]) -> None:
+    if isinstance(tree, bool) or tree is None:
+        return
+    if isinstance(tree, int):
+        found[tree] = value
+    elif isinstance(tree, list) and isinstance(value, list):
+        for t, v in zip(tree, value):
+            _pair(t, v, found)
+    elif isinstance(tree, dict) and isinstance(value, dict):
+        for k, t in tree.items():
+            _pair(t, value.get(k), found)
 
 
 def _diagnostics(raw: Any, names: dict[str, str], tensors) -> Diagnostics | None:

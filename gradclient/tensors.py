@@ -41,17 +41,46 @@ def is_tensor_like(x: Any) -> bool:
 
 
 def several_inputs(x: Any) -> bool:
-    """Several model inputs: a mapping of named tensors (a Hugging Face batch), or a list or tuple whose
-    items are all tensors or arrays (the positional arguments). A nested list of numbers is one tensor."""
+    """Several model inputs: a mapping of named inputs (a Hugging Face batch), or a list or tuple whose
+    items are all tensors or arrays, or nested tuples, lists or dicts of them (the positional arguments). A
+    nested list of numbers is one tensor."""
     if isinstance(x, wire.Tensor):
         return False
     if isinstance(x, typing.Mapping):
         return True
-    return isinstance(x, (list, tuple)) and bool(x) and all(is_tensor_like(v) or isinstance(v, wire.Tensor) for v in x)
+    return isinstance(x, (list, tuple)) and bool(x) and all(_tensor_or_tree(v) for v in x)
+
+
+def _tensor_or_tree(v: Any) -> bool:
+    return is_tensor_like(v) or isinstance(v, wire.Tensor) or is_tree(v) or isinstance(v, typing.Mapping)
+
+
+def is_tree(v: Any) -> bool:
+    """A tuple or list holding tensors (or more of them, nested): an argument such as an LSTM's (h, c)."""
+    return isinstance(v, (list, tuple)) and bool(v) and all(_tensor_or_tree(x) for x in v)
+
+
+def is_nested(x: Any) -> bool:
+    """Inputs of which some argument is itself a tuple, list or dict of tensors."""
+    values = x.values() if isinstance(x, typing.Mapping) else x if isinstance(x, (list, tuple)) else []
+    return any(is_tree(v) or isinstance(v, typing.Mapping) for v in values)
+
+
+def input_leaves(x: Any, where: str = "inputs") -> list[tuple[str, Any]]:
+    """(where, tensor) of every tensor in nested inputs, in the order torch.export flattens them (the graph's
+    inputs): tuples and lists in order, dicts by key in insertion order."""
+    if isinstance(x, typing.Mapping):
+        return [leaf for k, v in x.items() for leaf in input_leaves(v, f"{where}[{k!r}]")]
+    if isinstance(x, (list, tuple)) and (where == "inputs" or is_tree(x)):
+        return [leaf for i, v in enumerate(x) for leaf in input_leaves(v, f"{where}[{i}]")]
+    return [(where, x)]
 
 
 def inputs_to_wire(x: Any, fmt: str = "msgpack") -> Any:
-    """A request's `inputs`: one tensor, a list of tensors (positional) or an object of named tensors."""
+    """A request's `inputs`: one tensor, a list of tensors (positional) or an object of named tensors; nested
+    inputs as the list of their tensors in the graph's order."""
+    if several_inputs(x) and is_nested(x):
+        return [_one(v, where, fmt) for where, v in input_leaves(x)]
     if several_inputs(x):
         if isinstance(x, typing.Mapping):
             return {_name(k): _one(v, f"inputs[{k!r}]", fmt) for k, v in x.items()}
@@ -83,6 +112,8 @@ def to_wire(x: Any, fmt: str = "msgpack") -> Any:
     and nested lists pass through, as the API accepts them for inputs and targets."""
     if isinstance(x, wire.Tensor) or isinstance(x, (list, int, float)):
         return x
+    if torch is not None and isinstance(x, torch.Tensor) and x.layout != torch.strided:
+        return _sparse(x, fmt)
     if torch is not None and isinstance(x, torch.Tensor):
         name, shape, raw = _torch_bytes(x)
     elif np is not None and isinstance(x, np.ndarray):
@@ -92,6 +123,20 @@ def to_wire(x: Any, fmt: str = "msgpack") -> Any:
     if fmt == "json":
         return wire.Tensor(dtype=name, shape=shape, b64=base64.b64encode(raw).decode("ascii"))
     return wire.Tensor(dtype=name, shape=shape, data=raw)  # a memoryview: msgspec writes it as bin
+
+
+def _sparse(x: "torch.Tensor", fmt: str) -> wire.Tensor:
+    """A sparse COO tensor as (indices, values), a CSR one as (crow_indices, col_indices, values)."""
+    name = str(x.dtype).removeprefix("torch.")
+    if x.layout == torch.sparse_coo:
+        x = x.coalesce()
+        return wire.Tensor(dtype=name, shape=list(x.shape), layout="sparse_coo", indices=to_wire(x.indices(), fmt),
+                           values=to_wire(x.values(), fmt))
+    if x.layout == torch.sparse_csr:
+        return wire.Tensor(dtype=name, shape=list(x.shape), layout="sparse_csr",
+                           crow_indices=to_wire(x.crow_indices(), fmt), col_indices=to_wire(x.col_indices(), fmt),
+                           values=to_wire(x.values(), fmt))
+    raise BadTensorError(f"a tensor of layout {x.layout} cannot travel; send it dense, sparse COO or sparse CSR")
 
 
 def _torch_bytes(x: "torch.Tensor") -> tuple[str, list[int], memoryview]:
@@ -190,6 +235,9 @@ def _from_numpy_bytes(t: Any, raw: memoryview | bytes) -> "np.ndarray":
     return a.reshape(t.shape)
 
 
+_DERIVING: set = set()
+
+
 @functools.cache
 def decode_type(tp: Any) -> Any:
     """The wire type `tp` with every `bytes` field decoded as a memoryview into the message buffer (the
@@ -197,8 +245,14 @@ def decode_type(tp: Any) -> Any:
     if tp is bytes:
         return memoryview
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        fields = msgspec.structs.fields(tp)
-        new = [(f.name, decode_type(f.type)) for f in fields]
+        if tp in _DERIVING:  # a Struct inside itself (a sparse Tensor's parts): kept, it holds no bytes field
+            return tp
+        _DERIVING.add(tp)
+        try:
+            fields = msgspec.structs.fields(tp)
+            new = [(f.name, decode_type(f.type)) for f in fields]
+        finally:
+            _DERIVING.discard(tp)
         if all(n[1] == f.type for n, f in zip(new, fields)):
             return tp
         spec = []

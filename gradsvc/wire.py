@@ -45,6 +45,14 @@ class Tensor(Struct, omit_defaults=True):
     data: list | memoryview | None = None  # bytes too, as given to the constructor
     b64: str | None = None
     refs: list[str] | None = None
+    # A sparse tensor (a graph input only): `layout` "sparse_coo" with `indices` (int64, (len(shape), nnz)) and
+    # `values` ((nnz,), of `dtype`), or "sparse_csr" with `crow_indices` ((rows + 1,)), `col_indices` ((nnz,))
+    # and `values`; `shape` is the dense shape and the tensor itself carries no data.
+    layout: str | None = None
+    indices: Tensor | None = None
+    values: Tensor | None = None
+    crow_indices: Tensor | None = None
+    col_indices: Tensor | None = None
 
 
 def raw_data(t: Tensor) -> "bytes | bytearray | memoryview | None":
@@ -85,6 +93,8 @@ class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # A user input's batch dimension: 0, or null for an input without one (a graph's edge_index, a mask
     # shared by every example), which goes whole to every micro-batch, shard and per-example gradient.
     batch_dim: Literal[0] | None = 0
+    # A sparse user input: "sparse_coo" or "sparse_csr" (the request sends it in that layout); null: dense.
+    layout: Literal["sparse_coo", "sparse_csr"] | None = None
 
 
 class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -118,6 +128,10 @@ class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
     constants: dict[str, Tensor] = {}
     buffer_mutations: dict[str, str] = {}
     version: int = 1
+    # The structure forward returns, over `outputs`: an integer is outputs[i], a list a tuple or list, an
+    # object a dict or ModelOutput (by key), null a None. Absent: the outputs as a flat tuple. It names the
+    # outputs `loss: {"output": ...}` may pick and shapes `result.outputs`.
+    output_tree: Any = None
     # Custom autograd Functions the nodes call (op "function.<key>"), by key.
     functions: dict[str, FunctionSpec] = {}
 
@@ -149,11 +163,16 @@ class ModelSpec(Struct, forbid_unknown_fields=True):
 
 
 class LossSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    type: str
+    """A built-in loss (`type`), or the model's own loss: `{"type": "output"}`, or `{"output": k}` naming the
+    scalar among forward's outputs (k: a position in the tuple it returns, or a key of the dict or
+    ModelOutput it returns)."""
+
+    type: str | None = None
     reduction: str = "mean"
     name: str | None = None
     weight: float = 1.0
     target: str | None = None
+    output: int | str | None = None
 
 
 class HvpOptions(Struct, forbid_unknown_fields=True):
@@ -220,6 +239,8 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # false: the batch's gradient is neither computed nor returned (every gradient null), only what
     # per_sample asks for: a sweep of per-example norms over a dataset with fixed weights.
     batch_gradient: bool = True
+    # Graph models: return forward's outputs (result.outputs, the structure forward returns).
+    outputs: bool = False
     # Gradient diagnostics (DIAGNOSTICS), each an entry of result.diagnostics; clipping; curvature.
     diagnostics: list[Literal["norms", "variance", "second_moment", "noise_scale"]] = []
     clip: ClipOptions | None = None
@@ -466,6 +487,12 @@ class GradientResult(Struct, omit_defaults=False):
     # The seed this job ran with (model.seed): dropout masks and the random HVP vector; send it again to
     # repeat the call exactly.
     seed: int = 0
+    # Graph models: the new value of each buffer forward writes (batch norm's running statistics and
+    # counters), by state_dict name, as one forward over the whole batch leaves it; null when forward
+    # writes none, or when the batch ran in parts (micro_batch, shards).
+    buffers: dict[str, Tensor] | None = None
+    # options.outputs: forward's outputs, in the structure of the graph's output_tree (tensors as elsewhere).
+    outputs: Any = None
     # options.diagnostics, options.clip and options.curvature (null when not asked for).
     diagnostics: Diagnostics | None = None
     clip: ClipResult | None = None

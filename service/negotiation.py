@@ -10,7 +10,7 @@ import msgspec
 from litestar import Request, Response
 
 from gradsvc.engine import tensors
-from gradsvc.wire import GradientResult, PerSample, Tensor, raw_data
+from gradsvc.wire import GradientResult, PerSample, Tensor, is_tensor, raw_data
 
 from .exceptions import ServiceError
 
@@ -103,9 +103,24 @@ def _result_for_json(r: GradientResult, encoding: str) -> GradientResult:
         hvp=_tensors(r.hvp, encoding),
         per_sample=None if r.per_sample is None else PerSample(
             norms=_tensor(r.per_sample.norms, encoding), gradients=_tensors(r.per_sample.gradients, encoding)),
+        buffers=_tensors(r.buffers, encoding),
+        outputs=_tree(r.outputs, encoding),
         diagnostics=None if r.diagnostics is None else msgspec.structs.replace(
             r.diagnostics, variance=_tensors(r.diagnostics.variance, encoding),
             second_moment=_tensors(r.diagnostics.second_moment, encoding)),
         curvature=r.curvature if r.curvature is None or r.curvature.eigenvectors is None else msgspec.structs.replace(
             r.curvature, eigenvectors=[_tensors(v, encoding) for v in r.curvature.eigenvectors]),
     )
+
+
+def _tree(value: Any, encoding: str) -> Any:
+    """result.outputs (forward's structure of tensors) with each tensor rewritten as `encoding` asks."""
+    if isinstance(value, Tensor):
+        return _tensor(value, encoding)
+    if is_tensor(value):
+        return _tensor(msgspec.convert(value, Tensor), encoding)
+    if isinstance(value, list):
+        return [_tree(v, encoding) for v in value]
+    if isinstance(value, dict):
+        return {k: _tree(v, encoding) for k, v in value.items()}
+    return value

@@ -85,7 +85,8 @@ def _declare_base64(schemas: dict[str, Any]) -> None:
 
 
 _OWN_LOSS = {"anyOf": [{"const": "output"},
-                       {"type": "object", "required": ["type"], "properties": {"type": {"const": "output"}}}]}
+                       {"type": "object", "required": ["type"], "properties": {"type": {"const": "output"}}},
+                       {"type": "object", "required": ["output"], "properties": {"output": {"not": {"type": "null"}}}}]}
 
 
 def _declare_targets(request: dict[str, Any]) -> None:

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .sparse import on_meta
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -52,6 +54,8 @@ class Batch:
         return Batch(tuple(fn(x, b) for x, b in zip(self.tensors, self.batched)), self.batched, self.names)
 
     def to(self, device: str | torch.device) -> "Batch":
+        if str(device) == "meta":  # a sparse input's meta stand-in is dense: meta kernels take no sparse tensor
+            return self.map(lambda x, _: on_meta(x))
         return self.map(lambda x, _: x.to(device))
 
     def floating(self) -> list[int]:

@@ -156,6 +156,8 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
             kinds.append(op.returns)
             first = next((a for a in args if isinstance(a, Ref)), None)
             roots.append(roots[first.i] if op.aliases_input and first is not None else slot)
+            if writes_buffer:  # an in-place op returns the buffer itself: `ema.mul_(d).add_(x)` writes it twice
+                roots[slot], input_kind[slot] = slot, "buffer"
         steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
                           writes_buffer))
         step_of[slot] = steps[-1]

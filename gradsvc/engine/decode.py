@@ -28,10 +28,13 @@ def loss_terms(request: GradientRequest) -> list[LossTerm]:
             name = spec.name or f"loss{i}"
             if any(t.name == name for t in terms):
                 raise SpecError("bad_loss", f"two losses are named {name!r}; give each a distinct 'name'", loss=name)
+            if spec.output is not None:
+                raise SpecError("bad_loss", f"losses[{i}]: 'output' (the model's own loss) stands alone; give it as "
+                                "'loss', not in 'losses'", loss=name)
             terms.append(make_term(name, spec.type, spec.reduction, spec.weight, spec.target))
         return terms
     loss = request.loss if request.loss is not None else "cross_entropy"
-    if loss == OWN_LOSS or (isinstance(loss, LossSpec) and loss.type == OWN_LOSS):
+    if loss == OWN_LOSS or (isinstance(loss, LossSpec) and (loss.type == OWN_LOSS or loss.output is not None)):
         return [own_term(loss)]
     if isinstance(loss, str):
         return [make_term("loss", loss, "mean", 1.0, None)]
@@ -55,8 +58,17 @@ def _target_for(term: LossTerm, targets, *, max_elements: int, shape_only: bool)
     if raw is None:
         raise SpecError("bad_target", f"{term.label} ({term.type}) needs targets; add 'targets' to the request",
                         loss=term.name)
-    return tensors.decode(as_tensor_value(raw, where), where=where, max_elements=max_elements,
+    return tensors.decode(dense_only(as_tensor_value(raw, where), where), where=where, max_elements=max_elements,
                           shape_only=shape_only)
+
+
+def dense_only(value, where: str):
+    """`value` unless it is a sparse tensor object, which only a graph's sparse input takes."""
+    if isinstance(value, Tensor) and value.layout is not None:
+        raise SpecError("bad_tensor", f"{where}: a {value.layout!r} tensor; only a graph model's input declared "
+                        "sparse takes one, everything else is dense: send 'data' or 'b64' without 'layout'",
+                        where=where)
+    return value
 
 
 def decode_targets(request: GradientRequest, terms: list[LossTerm], out: torch.Tensor, dtype: torch.dtype,
@@ -280,7 +292,8 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
     out: dict[str, torch.Tensor] = {}
     small: list[tuple[str, torch.Tensor]] = []  # parameters checked together (the biases and norms of a model)
     for name, wire in given.items():
-        t = tensors.decode(wire, where=f"weights[{name!r}]", max_elements=max_elements,
+        t = tensors.decode(dense_only(wire, f"weights[{name!r}]"), where=f"weights[{name!r}]",
+                           max_elements=max_elements,
                            complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
         want = list(state[name].shape)
         if list(t.shape) != want:

@@ -7,7 +7,7 @@ import torch
 
 from gradsvc.wire import GradientRequest, GradientResult, Timings
 
-from . import tensors
+from . import outputs, tensors
 from .passes import Pass
 from .prepared import Prepared, batch_chunks
 
@@ -41,7 +41,16 @@ def encode_result(request: GradientRequest, prep: Prepared, device: torch.device
         timings=timings,
         graph_ref=prep.graph.ref if prep.graph is not None else None,
         seed=request.model.seed,
+        buffers={n: tensors.encode(b) for n, b in final.buffers.items()} if final.buffers else None,
+        outputs=_outputs(prep, final),
     )
+
+
+def _outputs(prep: Prepared, final: Pass):
+    """options.outputs: forward's outputs in the structure it returns them (graph models)."""
+    if final.outputs is None or prep.graph is None:
+        return None
+    return outputs.as_returned(outputs.tree_of(prep.graph.spec), final.outputs, prep.graph.first_output)
 
 
 def cosines(per_loss: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -41,6 +41,7 @@ class LossTerm:
     reduction: str
     weight: float
     target: str | None  # key in the targets object; None = the single targets tensor
+    output: int | str | None = None  # the model's own loss: the output a request named ({"output": k})
 
     @property
     def label(self) -> str:
@@ -57,11 +58,15 @@ def own_term(loss) -> LossTerm:
     """`loss: "output"` (or {"type": "output"}): the model's first output, as it computed it."""
     if isinstance(loss, str):
         return LossTerm("loss", OWN_LOSS, "mean", 1.0, None)
+    if loss.type not in (None, OWN_LOSS):
+        raise SpecError("bad_loss", f"loss: 'output' names one of the model's outputs as its own loss, which type "
+                        f"{loss.type!r} does not take; give {{'output': ...}} alone, or a built-in type alone",
+                        loss=loss.name or "loss", type=loss.type)
     if loss.reduction not in REDUCTIONS:
         raise SpecError("bad_loss", f"loss {OWN_LOSS!r}: reduction {loss.reduction!r} is not supported; the model's "
                         "own loss is used as it returns it, so leave 'reduction' out", loss=loss.name or "loss")
     term = make_term(loss.name or "loss", "mse", "mean", loss.weight, None)  # checks the weight
-    return LossTerm(term.name, OWN_LOSS, "mean", term.weight, None)
+    return LossTerm(term.name, OWN_LOSS, "mean", term.weight, None, loss.output)
 
 
 def make_term(name: str, type_: str, reduction: str, weight: float, target: str | None) -> LossTerm:
@@ -69,6 +74,9 @@ def make_term(name: str, type_: str, reduction: str, weight: float, target: str 
         raise SpecError("bad_loss", f"{loss_label(name)}: type {OWN_LOSS!r} (the model's own loss) takes the model's "
                         "whole first output, so it stands alone: give it as 'loss', not in 'losses'",
                         loss=name, type=type_)
+    if type_ is None:
+        raise SpecError("bad_loss", f"{loss_label(name)}: give its 'type' (one of {', '.join(LOSSES)}), or "
+                        "{'output': k} alone in 'loss' for the model's own loss", loss=name)
     if type_ not in LOSSES:
         raise SpecError("bad_loss", f"{loss_label(name)}: unknown type {type_!r}; use one of {', '.join(LOSSES)}, or "
                         f"{OWN_LOSS!r} for the model's own loss (its first output)", loss=name, type=type_)

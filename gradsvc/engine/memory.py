@@ -21,6 +21,10 @@ from .spec import leaves
 
 
 def _storage_key(t: torch.Tensor) -> int:
+    if t.layout == torch.sparse_coo:  # a sparse input saved for backward (torch.spmm): its values' storage
+        return t._values().untyped_storage()._cdata
+    if t.layout == torch.sparse_csr:
+        return t.values().untyped_storage()._cdata
     return t.untyped_storage()._cdata
 
 

@@ -21,6 +21,7 @@ from .batch import Batch
 from .devices import is_allocation_failure, is_random, seeded, sync
 from .diagnose import graph_failure, non_finite_error
 from .memory import ActivationMeter
+from .outputs import written_buffers
 from .prepared import Prepared, batch_chunks
 from .quantities import hessian_vector, twice_differentiable
 
@@ -39,6 +40,10 @@ class Pass:
     backward_s: float = 0.0
     meter: ActivationMeter | None = None
     graph: list[GraphNode] | None = None
+    # Graph models, the batch run as one forward: the buffers it wrote (state_dict name -> new value) and,
+    # with options.outputs, every output of the graph (its loss first).
+    buffers: dict[str, torch.Tensor] | None = None
+    outputs: list | None = None
 
     def add(self, chunk: "ChunkGrads", losses: dict[str, torch.Tensor], total: torch.Tensor) -> None:
         for name, g in chunk.params.items():
@@ -243,8 +248,16 @@ def _graph(root) -> list[GraphNode]:
 def run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, *, record_memory: bool,
              hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> Pass:
     """Forward and backward over the batch, chunk by chunk: the first chunk metered, each one timed,
-    the extra outputs taken from its graph, everything summed into one Pass."""
+    the extra outputs taken from its graph, everything summed into one Pass. Buffers the forward writes
+    start every pass from the request's values: each pass leaves them as one training step would."""
     result = Pass()
+    with _written_buffers(prep, result), _kept_outputs(prep, result):
+        _run_chunks(prep, params, device, record_memory, hvp_vector, seed, result)
+    return result
+
+
+def _run_chunks(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, record_memory: bool,
+                hvp_vector: dict[str, torch.Tensor] | None, seed: int, result: Pass) -> None:
     forward_clock, backward_clock = _Clock(device), _Clock(device)
     with seeded(seed, device, is_random(prep.model)):
         for k, chunk in enumerate(chunks(prep)):
@@ -264,7 +277,51 @@ def run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.devi
             result.add(grads, losses, total)
             del out, losses, total, grads
     result.forward_s, result.backward_s = forward_clock.s, backward_clock.s
-    return result
+
+
+def _one_forward(prep: Prepared) -> bool:
+    return prep.graph is not None and len(batch_chunks(prep.inputs.rows, prep.options.micro_batch)) == 1
+
+
+@contextlib.contextmanager
+def _written_buffers(prep: Prepared, result: Pass) -> Iterator[None]:
+    """result.buffers: what the forward wrote into the graph's buffers; their values before are put back."""
+    names = written_buffers(prep.graph.compiled) if prep.graph is not None else []
+    if not names:
+        yield
+        return
+    held = {n: prep.model.get_buffer(n) for n in names}
+    before = {n: b.detach().clone() for n, b in held.items()}
+    try:
+        yield
+        if _one_forward(prep):
+            result.buffers = {n: b.detach().clone() for n, b in held.items()}
+    finally:
+        with torch.no_grad():
+            for n, b in held.items():
+                b.copy_(before[n])
+
+
+@contextlib.contextmanager
+def _kept_outputs(prep: Prepared, result: Pass) -> Iterator[None]:
+    """result.outputs: every output of the graph's run (options.outputs), read where the run returns them, so
+    the metered forward (memory.py wraps the model's forward) keeps them too."""
+    if not (prep.options.outputs and _one_forward(prep)):
+        yield
+        return
+    model = prep.model
+    run = model.run
+
+    def keeping(*inputs, **kwargs):
+        values = run(*inputs, **kwargs)
+        result.outputs = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+        return values
+
+    model.run = keeping  # an instance attribute: forward's self.run and the meter's graph.run find it first
+    try:
+        yield
+    finally:
+        del model.run
 
 
 

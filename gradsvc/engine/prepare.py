@@ -36,6 +36,9 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     dtype = _model_dtype(request)
     side = LayerSpecModel(request, config, caches, dtype) if request.model.layers is not None else \
         GraphSpecModel(request, config, caches, dtype, graphs)
+    if opts.outputs and not isinstance(side, GraphSpecModel):
+        raise SpecError("bad_option", "options.outputs returns a graph model's outputs; a layer spec has one output, "
+                        "the one its loss reads: leave options.outputs out", option="outputs")
     inputs = side.inputs(shape_only)  # each decoded and checked; the batched ones agree on the batch size
     out = side.output(inputs)  # on meta: a layer or node that cannot take its input is named
     terms = loss_terms(request)

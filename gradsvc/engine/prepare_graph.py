@@ -13,15 +13,16 @@ from torch import nn
 from gradsvc import hashing, wire
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
-from . import resident, tensors
+from . import outputs, resident, sparse, tensors
 from .batch import Batch
 from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
 from .compiler import build_graph
 from .config import EngineConfig
-from .decode import as_tensor_value, decode_weights, input_values, per_example_option, splits
+from .decode import as_tensor_value, decode_weights, input_values, loss_terms, per_example_option, splits
 from .errors import SpecError
 from .interpreter import GraphModel
+from .losses import OWN_LOSS
 from .meta_check import check_graph_shapes
 from .prepared import GraphResolver, GraphTemplate
 
@@ -55,11 +56,13 @@ def _graph_spec(caches: EngineCaches, request: GradientRequest, dtype: torch.dty
 
 
 def _graph_template(caches: EngineCaches, ref: str, spec: GraphSpec, dtype: torch.dtype,
-                    config: EngineConfig) -> GraphTemplate:
-    key = (ref, dtype)
+                    config: EngineConfig, first_output: int = 0) -> GraphTemplate:
+    key = (ref, dtype) if first_output == 0 else (ref, dtype, first_output)
     hit = caches.graph_templates.get(key)
     if hit is not None:
         return hit
+    if first_output:
+        spec = outputs.loss_first(spec, first_output)
     model = build_graph(spec, limits=config.limits, device="meta", dtype=dtype)
     users = tuple(inp for inp in spec.inputs if inp.kind == "input")
     if not users:
@@ -67,7 +70,7 @@ def _graph_template(caches: EngineCaches, ref: str, spec: GraphSpec, dtype: torc
     state = dict(model.state_dict(keep_vars=True))
     template = GraphTemplate(ref=ref, spec=spec, model=model, compiled=model._graph, state=state,
                              parameters=frozenset(n for n, _ in model.named_parameters()), users=users,
-                             index_bounds=dict(getattr(model, "index_bounds", {})))
+                             index_bounds=dict(getattr(model, "index_bounds", {})), first_output=first_output)
     caches.graph_templates.put(key, template)
     return template
 
@@ -82,7 +85,7 @@ def _batch_flow(caches: EngineCaches, template: GraphTemplate, dtype: torch.dtyp
                 inputs: Batch) -> tuple[list, tuple[int, int] | None]:
     """((node, op, module path) of the nodes that combine the examples of a batch, where the batch sits in
     the first output): two meta runs of a private copy, once per input signature."""
-    key = (template.ref, dtype, inputs.signature)
+    key = (template.key, dtype, inputs.signature)
     hit = caches.batch_flows.get(key)
     if hit is None:
         hit = graph_batch_flow(template, dtype, inputs)
@@ -101,8 +104,16 @@ def _graph_input(raw, where: str, spec, template: GraphTemplate, dtype: torch.dt
                  shape_only: bool) -> torch.Tensor:
     """One user input: floating in the model's dtype; integer (token ids, edge indices) and bool (masks)
     kept as the graph captured them."""
-    x = tensors.decode(as_tensor_value(raw, where), where=where, max_elements=limits.max_elements,
-                       shape_only=shape_only, complex_ok=bool(spec.dtype and spec.dtype.startswith("complex")))
+    value = as_tensor_value(raw, where)
+    if sparse.is_sparse_value(value) or spec.layout is not None:
+        if not sparse.is_sparse_value(value):
+            raise SpecError("bad_tensor", f"{where}: the graph takes a {spec.layout} tensor here (input "
+                            f"{spec.name!r}); send {{dtype, shape, layout: {spec.layout!r}, ...}} with its parts "
+                            "(docs/api.md, Tensors)", where=where)
+        x = sparse.decode(value, spec.layout, where, limits.max_elements)
+        return x.to(dtype) if x.is_floating_point() else x
+    x = tensors.decode(value, where=where, max_elements=limits.max_elements, shape_only=shape_only,
+                       complex_ok=bool(spec.dtype and spec.dtype.startswith("complex")))
     want = spec.dtype
     want_dtype = tensors.TORCH_DTYPES.get(want or "", torch.float32)
     if want_dtype.is_complex:  # a spectrum, a complex signal: real values are complex ones without an imaginary part
@@ -156,16 +167,26 @@ def _graph_output(caches: EngineCaches, template: GraphTemplate, dtype: torch.dt
                   math_attention: bool = False) -> torch.Tensor:
     """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
     signature (on a private copy of the shared model: a run writes its program cache)."""
-    key = (template.ref, dtype, inputs.signature, math_attention)
+    key = (template.key, dtype, inputs.signature, math_attention)
     hit = caches.graph_shapes.get(key)
     if hit is None:
-        out = check_graph_shapes(_fresh(template, "meta", dtype), *[x.to("meta") for x in inputs.tensors],
+        out = check_graph_shapes(_fresh(template, "meta", dtype), *[sparse.on_meta(x) for x in inputs.tensors],
                                  limits=limits, math_attention=math_attention)
         hit = (out.shape, out.dtype, out.requires_grad)
         caches.graph_shapes.put(key, hit)
     shape, out_dtype, requires_grad = hit
     _check_differentiable(template, out_dtype, requires_grad)
     return torch.empty(shape, dtype=out_dtype, device="meta")
+
+
+def _output_shapes(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -> list | None:
+    """Every output's (shape, dtype), from a meta run of a private copy; None when the run fails."""
+    try:
+        with torch.no_grad():
+            values = _fresh(template, "meta", dtype).run(*[sparse.on_meta(x) for x in inputs.tensors])
+    except Exception:  # noqa: BLE001  (check_graph_shapes runs next and names the node that failed)
+        return None
+    return [(list(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ([1, 1], torch.int64) for v in values]
 
 
 def _check_differentiable(template: GraphTemplate, out_dtype: torch.dtype, requires_grad: bool) -> None:
@@ -238,8 +259,29 @@ class GraphSpecModel:
         return _graph_inputs(self.request, self.template, self.dtype, self.config.limits, shape_only)
 
     def output(self, inputs: Batch) -> torch.Tensor:
+        k = self._loss_output(inputs)
+        if k != self.template.first_output:
+            self.template = _graph_template(self.caches, self.template.ref, self.template.spec, self.dtype,
+                                            self.config, k)
+            self.meta = self.template.model
         return _graph_output(self.caches, self.template, self.dtype, inputs, self.config.limits,
                              math_attention=self.request.options.hvp is not None)
+
+    def _loss_output(self, inputs: Batch) -> int:
+        """The output `loss: "output"` (or {"output": k}) differentiates: 0 unless the graph returns several."""
+        own = next((t for t in loss_terms(self.request) if t.type == OWN_LOSS), None)
+        spec = self.template.spec
+        if own is None or (len(spec.outputs) < 2 and own.output is None):
+            return 0
+        key = ("loss output", self.template.ref, self.dtype, inputs.signature, own.output)
+        hit = self.caches.graph_shapes.get(key)
+        if hit is None:
+            shapes = _output_shapes(self.template, self.dtype, inputs)
+            if shapes is None:
+                return 0  # the graph cannot run on these inputs: the shape check names the node
+            hit = outputs.pick_loss(outputs.tree_of(spec), shapes, own.output)
+            self.caches.graph_shapes.put(key, hit)
+        return hit
 
     def batch_flow(self, inputs: Batch) -> tuple:
         if self.flow is None:
@@ -262,6 +304,11 @@ class GraphSpecModel:
                 raise SpecError("bad_option", f"options.input_grad: the model takes {len(floating)} floating inputs "
                                 f"({', '.join(inputs.names[i] for i in floating)}); input_grad returns the gradient "
                                 "of one input tensor. Leave it out, or export a model with one floating input")
+        split = splits(opts, inputs.rows)
+        if opts.outputs and (split or opts.shards == "auto"):
+            option = split[0] if split else "options.shards"
+            raise SpecError("bad_option", f"options.outputs returns forward's outputs for the batch run as one "
+                            f"forward; {option} runs it in parts. Leave one of them out", option=option)
         if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
             check_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
         if per_example_option(opts):
@@ -292,7 +339,7 @@ class GraphSpecModel:
             if not on_meta:
                 model.load_state_dict(weights)
             return model, None
-        key = (template.ref, dtype, str(device))
+        key = (template.key, dtype, str(device))
         held = self.caches.resident_models.pop(key) or \
             resident.Resident(_fresh(template, device, dtype), template.parameters)
         given = _checked_names(self.request, template)

@@ -60,6 +60,13 @@ class GraphTemplate:
     parameters: frozenset[str]
     users: tuple  # the graph's user inputs (wire.GraphInput), in forward's order
     index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table its ids index
+    # The output the model's own loss differentiates (outputs.py), moved to the front of `spec.outputs`.
+    first_output: int = 0
+
+    @property
+    def key(self) -> tuple:
+        """What the caches of this graph's runs (shapes, batch flow, resident models) are keyed by."""
+        return (self.ref, self.first_output)
 
 
 

@@ -52,12 +52,30 @@ class DataDependent(nn.Module):
         return -self.fc(x)
 
 
+def test_control_flow_on_values_is_captured_as_this_call_ran_it(capfd):
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(3, 4).abs()  # x.sum() > 0: the first branch
+    eg = export_graph(model, (x,))
+    assert eg.capture == "specialised" and not eg.dynamic_batch
+    assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
+    assert capfd.readouterr().err == ""  # neither torch's logs nor the failed traces' graphs
+
+
+class LeavesTorch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.from_numpy(x.detach().numpy() * 2))  # through numpy: no capture can follow it
+
+
 def test_unexportable_module_raises_unsupported_module_with_torchs_reason():
     with pytest.raises(UnsupportedModuleError) as info:
-        export_graph(DataDependent(), (torch.randn(3, 4),))
+        export_graph(LeavesTorch(), (torch.randn(3, 4),))
     message = str(info.value)
-    assert "torch.export cannot capture DataDependent" in message
-    assert "data-dependent" in message.lower() or "guard" in message.lower()
+    assert "torch.export cannot capture LeavesTorch" in message
+    assert "numpy" in message.lower()
 
 
 def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
@@ -185,3 +203,37 @@ def test_a_no_grad_block_is_inlined_with_its_inputs_detached():
     assert torch.allclose(run_graph(eg, x), want)
     with pytest.raises(UnsupportedModuleError, match="modifies its parameter 'p_fc_weight' in place"):
         export_graph(NoGradStatistics(write_weight=True), (x,))
+
+
+class WritesThroughData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("ema", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        self.ema.data = 0.9 * self.ema.data + 0.1 * out.detach().mean(0)
+        return out
+
+
+def test_a_buffer_written_through_data_is_refused_with_the_in_place_form_as_the_way_out():
+    with pytest.raises(UnsupportedModuleError, match=r"torch\.no_grad\(\)"):
+        export_graph(WritesThroughData(), (torch.randn(3, 4),))
+
+
+class NestedOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+        out = self.fc(x)
+        return {"logits": out, "state": (state[0] + 1, state[1] * 2), "loss": out.mean()}
+
+
+def test_nested_inputs_flatten_in_order_and_the_output_tree_keeps_forwards_structure():
+    x, state = torch.randn(3, 4), (torch.randn(3, 2), torch.randn(3, 5))
+    eg = export_graph(NestedOutputs(), (x, state))
+    assert [i.name for i in eg.graph.inputs if i.kind == "input"] == ["x", "state_0", "state_1"]
+    assert eg.graph.output_tree == {"logits": 0, "state": [1, 2], "loss": 3}

@@ -16,6 +16,7 @@ import pytest
 import redis
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gradclient.errors import BadTensorError, UnsupportedModuleError
 from gradclient.export import export_graph
@@ -81,11 +82,12 @@ def test_any_model_gradients_match_local_autograd(client, case, dtype):
     float64 = dtype == torch.float64
     # The float64 check perturbs 3 elements of every tensor: exact over ~1000 parameters would take a
     # minute per model on a loaded 2-core machine (tests/gradsvc/engine checks exact mode on graphs).
-    result = client.gradients(model, x, y, loss=loss, numcheck="sampled" if float64 else "off", numcheck_samples=3)
+    result = client.gradients(model, x, y, loss=loss, numcheck="sampled" if float64 else "off", numcheck_samples=3,
+                              update_buffers=False)
     assert_close(result.gradients, want, 1e-10 if float64 else 1e-4)
     assert result.dtype == str(dtype).removeprefix("torch.")
     assert result.graph_ref and len(result.graph_ref) == 64
-    for name, b in model.named_buffers():  # the caller's running statistics are not the service's to change
+    for name, b in model.named_buffers():  # update_buffers=False: the step's statistics stay in result.buffers
         assert torch.equal(b, before[name]), name
     rows = result.memory.layers
     assert rows and result.memory.saved_bytes_total > 0
@@ -261,19 +263,38 @@ def test_several_losses_on_a_graph(client):
 
 
 def test_an_unexportable_module_raises_with_torch_s_reason(client):
+    class LeavesTorch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(torch.from_numpy(x.detach().numpy()))  # through numpy: no capture can follow it
+
+    with pytest.raises(UnsupportedModuleError) as err:
+        client.gradients(LeavesTorch(), torch.randn(2, 4), torch.tensor([0, 1]))
+    assert "torch.export" in str(err.value)
+
+
+def test_control_flow_on_values_is_captured_as_this_call_ran_it(client):
     class DataDependent(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc = nn.Linear(4, 2)
 
         def forward(self, x):
-            if x.sum() > 0:  # control flow on values: torch.export cannot capture it
+            if x.sum() > 0:  # control flow on values: specialised to the branch this batch takes
                 return self.fc(x)
             return -self.fc(x)
 
-    with pytest.raises(UnsupportedModuleError) as err:
-        client.gradients(DataDependent(), torch.randn(2, 4), torch.tensor([0, 1]))
-    assert "torch.export" in str(err.value)
+    torch.manual_seed(0)
+    model, y = DataDependent(), torch.tensor([0, 1])
+    for x in (torch.randn(2, 4).abs(), -torch.randn(2, 4).abs()):  # one batch per branch
+        result = client.gradients(model, x, y, numcheck="off")
+        assert result.capture == "specialised"
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert torch.allclose(torch.as_tensor(result.gradients["fc.weight"]), model.fc.weight.grad, atol=1e-6)
 
 
 # --- hostile graphs over HTTP: a coded 4xx before the queue ---------------------------------------------

@@ -13,7 +13,7 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 
-from gradclient.errors import BadOptionError, BadTensorError, UnsupportedModuleError
+from gradclient.errors import BadLossError, BadOptionError, BadTensorError, UnsupportedModuleError
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
@@ -338,3 +338,275 @@ def test_named_inputs_and_every_position_targets_split_across_shards_and_per_sam
     total = {n: torch.as_tensor(g).mean(0) for n, g in per.per_sample.gradients.items()}
     for name, g in want.items():  # the per-example gradients average to the batch's (mean loss)
         assert float((total[name] - g).abs().max()) <= TOL * max(float(g.abs().max()), 1e-30), name
+
+
+# --- the loss where the model puts it, inputs as loops pass them, what a step changes --------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MiniGPT(nn.Module):
+    """forward(idx, targets) -> (logits, loss), as nanoGPT and minGPT write it."""
+
+    def __init__(self, vocab: int = 29, dim: int = 16, block: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block, dim)
+        self.ln = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, 2)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        x = x + self.attn(self.ln(x))
+        logits = self.head(x)  # (batch, seq, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def test_a_gpt_whose_forward_returns_logits_and_loss(client):
+    torch.manual_seed(0)
+    model = MiniGPT()
+    idx, targets = torch.randint(0, 29, (3, 8)), torch.randint(0, 29, (3, 8))
+    result = client.gradients(model, (idx, targets), loss="output", numcheck="off", outputs=True)
+    logits, loss = model(idx, targets)
+    assert result.loss == pytest.approx(float(loss), rel=1e-5)
+    assert_close(result, local(model, lambda: model(idx, targets)[1]))
+    got_logits, got_loss = result.outputs  # the tuple forward returns
+    assert torch.allclose(got_logits, logits.detach(), atol=1e-5) and float(got_loss) == pytest.approx(float(loss))
+    named = client.gradients(model, (idx, targets), loss={"output": 1}, numcheck="off")
+    assert named.loss == result.loss
+
+
+class TwoLosses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        logits = self.lin(x)
+        return logits, F.cross_entropy(logits, y), logits.pow(2).mean()
+
+
+def test_several_scalar_outputs_answer_bad_loss_listing_them(client):
+    torch.manual_seed(0)
+    model, x, y = TwoLosses(), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with pytest.raises(BadLossError, match=r"\[1\], \[2\]") as err:
+        client.gradients(model, (x, y), loss="output", numcheck="off")
+    assert err.value.detail["candidates"] == ["[1]", "[2]"]
+    result = client.gradients(model, (x, y), loss={"output": 2}, numcheck="off")
+    assert_close(result, local(model, lambda: model(x, y)[2]))
+
+
+class StatefulLM(nn.Module):
+    """An LSTM language model that takes and returns its (h, c) state (the official word-level LM's loop)."""
+
+    def __init__(self, vocab: int = 31) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.rnn = nn.LSTM(8, 12, batch_first=True)
+        self.head = nn.Linear(12, vocab)
+
+    def forward(self, ids: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor]):
+        out, hidden = self.rnn(self.embed(ids), hidden)
+        return self.head(out).flatten(0, 1), hidden  # (batch*seq, vocab), (h, c)
+
+
+def test_an_sgd_loop_carrying_an_lstm_state_ends_on_the_local_loops_state(client):
+    torch.manual_seed(0)
+    remote = StatefulLM()
+    here = copy.deepcopy(remote)
+    batches = [(torch.randint(0, 31, (4, 6)), torch.randint(0, 31, (24,))) for _ in range(3)]
+    zeros = (torch.zeros(1, 4, 12), torch.zeros(1, 4, 12))
+    opt_remote = torch.optim.SGD(remote.parameters(), lr=0.5)
+    opt_here = torch.optim.SGD(here.parameters(), lr=0.5)
+    state_remote = state_here = zeros
+    for ids, y in batches:
+        opt_here.zero_grad()
+        logits, state_here = here(ids, state_here)
+        want = {n: g.detach().clone() for n, g in zip(
+            [n for n, _ in here.named_parameters()],
+            torch.autograd.grad(F.cross_entropy(logits, y), list(here.parameters()), retain_graph=True))}
+        F.cross_entropy(logits, y).backward()
+        opt_here.step()
+        state_here = tuple(s.detach() for s in state_here)
+        result = client.gradients(remote, (ids, state_remote), y, numcheck="off", outputs=True)
+        assert_close(result, want)
+        opt_remote.zero_grad()
+        result.set_grads(remote)
+        opt_remote.step()
+        _, state_remote = result.outputs  # the next state, as forward returned it: no extra local forward
+        assert isinstance(state_remote, tuple) and torch.allclose(state_remote[0], state_here[0], atol=1e-5)
+    assert_state_dicts_close(remote.state_dict(), here.state_dict())
+
+
+def assert_state_dicts_close(got: dict, want: dict, tol: float = TOL) -> None:
+    assert list(got) == list(want)
+    for name, w in want.items():
+        g = got[name]
+        if not w.is_floating_point():
+            assert torch.equal(g, w), name
+            continue
+        scale = max(float(w.abs().max()), 1e-30)
+        assert float((g - w).abs().max()) <= tol * scale, name
+
+
+class CausalEncoder(nn.Module):
+    """nn.TransformerEncoder given a causal mask without is_causal: its mask check is data-dependent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
+        return self.head(self.encoder(x, mask=mask)).flatten(0, 1)  # (batch*seq, 5)
+
+
+def test_a_transformer_encoder_with_a_causal_mask_is_captured_for_this_call(client, capfd):
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    x, y = torch.randn(3, 7, 16), torch.randint(0, 5, (21,))
+    result = client.gradients(model, x, y, numcheck="off")
+    assert result.capture == "specialised"
+    assert_close(result, local(model, lambda: F.cross_entropy(model(x), y)))
+    assert len(capfd.readouterr().err.splitlines()) < 5  # torch's logs of the failed attempts stay quiet
+
+
+class GCN(nn.Module):
+    """Two graph convolutions over a normalised sparse adjacency, as the official GCN example writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gc1 = nn.Linear(5, 8)
+        self.gc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.spmm(adj, self.gc1(x)))  # (nodes, 8)
+        return F.log_softmax(torch.spmm(adj, self.gc2(h)), dim=1)  # (nodes, 3)
+
+
+def normalised_adjacency(nodes: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float() + torch.eye(nodes)
+    a = ((a + a.T) > 0).float()
+    return a / a.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_gcn_with_a_sparse_adjacency(client, layout):
+    torch.manual_seed(0)
+    model, x, y = GCN(), torch.randn(7, 5), torch.randint(0, 3, (7,))
+    dense = normalised_adjacency()
+    adj = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    result = client.gradients(model, (x, adj), y, loss="nll", numcheck="off")
+    assert_close(result, local(model, lambda: F.nll_loss(model(x, adj), y)))
+
+
+def test_a_tensor_layout_that_cannot_travel_is_a_typed_error_naming_the_argument(client):
+    blocked = torch.eye(6).to_sparse_bsr((2, 2))
+    with pytest.raises(BadTensorError, match=r"inputs\[1\].*sparse_bsr"):
+        client.gradients(GCN(), [torch.randn(6, 5), blocked], torch.randint(0, 3, (6,)), loss="nll")
+
+
+class Generator(nn.Module):
+    def __init__(self, nz: int = 8, ngf: int = 4) -> None:
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.ConvTranspose2d(nz, ngf * 2, 4, 1, 0, bias=False), nn.BatchNorm2d(ngf * 2), nn.ReLU(True),
+            nn.ConvTranspose2d(ngf * 2, 1, 4, 2, 1, bias=False), nn.Tanh())  # (batch, 1, 8, 8)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.main(z)
+
+
+class Discriminator(nn.Module):
+    def __init__(self, ndf: int = 4) -> None:
+        super().__init__()
+        self.main = nn.Sequential(
+            nn.Conv2d(1, ndf, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf, ndf * 2, 4, 2, 1, bias=False), nn.BatchNorm2d(ndf * 2), nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(ndf * 2, 1, 2, 1, 0, bias=False))  # (batch, 1, 1, 1) logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x).flatten()
+
+
+class DiscriminatorLoss(nn.Module):
+    """The DCGAN discriminator step's loss: real images as real, the generator's (no gradient) as fake."""
+
+    def __init__(self, g: Generator, d: Discriminator) -> None:
+        super().__init__()
+        self.g, self.d = g, d
+
+    def forward(self, real: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            fake = self.g(z)
+        real_logits, fake_logits = self.d(real), self.d(fake)
+        return (F.binary_cross_entropy_with_logits(real_logits, torch.ones_like(real_logits)) +
+                F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits)))
+
+
+class GeneratorLoss(nn.Module):
+    def __init__(self, g: Generator, d: Discriminator) -> None:
+        super().__init__()
+        self.g, self.d = g, d
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        logits = self.d(self.g(z))
+        return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+
+
+def dcgan(seed: int = 0):
+    torch.manual_seed(seed)
+    g, d = Generator(), Discriminator()
+    return g, d, torch.optim.Adam(g.parameters(), lr=2e-3, betas=(0.5, 0.999)), \
+        torch.optim.Adam(d.parameters(), lr=2e-3, betas=(0.5, 0.999))
+
+
+def test_a_dcgan_loop_with_adam_and_batch_norm_ends_on_the_local_loops_state_dict(client):
+    g_here, d_here, opt_g_here, opt_d_here = dcgan()
+    g, d, opt_g, opt_d = dcgan()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.rand(4, 1, 8, 8, generator=gen) * 2 - 1, torch.randn(4, 8, 1, 1, generator=gen))
+               for _ in range(3)]
+    for real, z in batches:
+        for make, opt, args in ((DiscriminatorLoss, opt_d_here, (real, z)), (GeneratorLoss, opt_g_here, (z,))):
+            opt.zero_grad()
+            make(g_here, d_here)(*args).backward()
+            opt.step()
+        for make, opt, args in ((DiscriminatorLoss, opt_d, (real, z)), (GeneratorLoss, opt_g, (z,))):
+            step = make(g, d)
+            result = client.gradients(step, args, loss="output", numcheck="off")
+            assert result.buffers  # forward's batch norm statistics came back and were written into g and d
+            opt.zero_grad()
+            result.set_grads(step)
+            opt.step()
+    assert_state_dicts_close(g.state_dict(), g_here.state_dict())
+    assert_state_dicts_close(d.state_dict(), d_here.state_dict())
+
+
+def test_update_buffers_false_leaves_the_modules_buffers_alone(client):
+    g, d, _, _ = dcgan()
+    before = {n: b.clone() for n, b in d.named_buffers()}
+    result = client.gradients(GeneratorLoss(g, d), torch.randn(4, 8, 1, 1), loss="output", numcheck="off",
+                              update_buffers=False)
+    assert "d.main.3.running_mean" in result.buffers
+    assert all(torch.equal(b, before[n]) for n, b in d.named_buffers())

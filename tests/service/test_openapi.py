@@ -37,7 +37,8 @@ def test_a_loss_that_needs_targets_without_them_is_schema_invalid(changes):
 
 
 @pytest.mark.parametrize("changes", [{}, {"loss": "output", "targets": ...}, {"loss": {"type": "output"}, "targets": None},
-                                     {"loss": ..., "losses": [{"type": "output"}], "targets": ...}])
+                                     {"loss": ..., "losses": [{"type": "output"}], "targets": ...},
+                                     {"loss": {"output": 1}, "targets": ...}, {"loss": {"output": "loss"}, "targets": ...}])
 def test_the_example_and_the_models_own_loss_without_targets_are_schema_valid(changes):
     assert _validator().is_valid(_body(**changes))
 

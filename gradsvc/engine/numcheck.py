@@ -65,10 +65,14 @@ NOMINAL_FLOP_S = 2e-10
 JOB_EVALUATIONS = 1.5
 
 
+def nominal_eval_s(work: Work) -> float:
+    """What one evaluation takes on the nominal machine."""
+    return work.ops * NOMINAL_OP_S + work.elements * NOMINAL_ELEMENT_S + work.flops * NOMINAL_FLOP_S
+
+
 def budget_evaluations(work: Work, budget: float, budget_min_s: float) -> int:
     """The evaluations `budget` x the job's forward+backward + `budget_min_s` buy on the nominal machine."""
-    eval_s = work.ops * NOMINAL_OP_S + work.elements * NOMINAL_ELEMENT_S + work.flops * NOMINAL_FLOP_S
-    return int(budget * JOB_EVALUATIONS + budget_min_s / max(eval_s, 1e-9))
+    return int(budget * JOB_EVALUATIONS + budget_min_s / max(nominal_eval_s(work), 1e-9))
 
 
 def plan_auto(sizes: list[int], fits: int, *, exact_max: int, samples: int, directions: int) -> Plan:

@@ -349,7 +349,7 @@ def directional(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
     """gradcheck's fast mode: `directions` random unit directions u over all parameters, (L(p + eps u) -
     L(p - eps u)) / 2 eps against grad . u, each direction judged into `tally`. Returns, per direction,
     (returned . u, grad . u, sum |grad * u|) for the returned-gradient check (empty without `returned`)."""
-    eps, tolerance = tally.eps, tally.tolerance
+    eps = tally.eps
     along: list[tuple[float, float, float]] = []
     total = 2 * directions
     count = sum(p.numel() for p in params.values())
@@ -383,33 +383,34 @@ def directional(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
             if losses is not None:
                 plus, minus = float(losses[j]), float(losses[len(chunk) + j])
             else:  # p + eps u, then p - eps u (the batched rows' values), then p exactly as it was
-                for name, p in params.items():
-                    p.add_(us[name], alpha=eps)
-                plus = tally.loss_at()
-                for name, p in params.items():
-                    p.copy_(saved[name]).add_(us[name], alpha=-eps)
-                minus = tally.loss_at()
-                for name, p in params.items():
-                    p.copy_(saved[name])
-            fd = (plus - minus) / (2 * eps)
+                plus, minus = _direction_losses(params, saved, us, eps, tally)
             ad = sum(float((grads[name] * us[name]).sum()) for name in params)
             if returned is not None:
                 along.append((sum(float(torch.dot(returned64[n], us[n].reshape(-1))) for n in params), ad, terms))
-            floor = tally.rounding(max(abs(plus), abs(minus)))
-            atol = max(floor, tolerance * terms)
-            verdict = _verdict(max(abs(fd), abs(ad)), abs(fd - ad), abs(fd - ad) / max(abs(fd), abs(ad), 1e-12),
-                               tolerance, atol, floor)
-            if verdict == "failed":  # settled along u as exact settles an element
-                outcome, fd = _settle(lambda step, u=us: _direction_losses(params, saved, u, step, tally), ad,
-                                      plus, minus, max(atol, tolerance * abs(ad)), tally)
-                if outcome == "kink":
-                    tally.kinks += 1
-                    continue
-                verdict = "ratio" if outcome == "resolved" else "failed"
-            abs_err = abs(fd - ad)
-            tally.judge(abs_err, abs_err / max(abs(fd), abs(ad), 1e-12), atol, verdict)
+            _judge_direction(lambda step, u=us: _direction_losses(params, saved, u, step, tally), ad, plus, minus,
+                             terms, tally)
             tally.report(2 * (k + 1), total)
     return along
+
+
+def _judge_direction(losses_at: Callable[[float], tuple[float, float]], ad: float, plus: float, minus: float,
+                     terms: float, tally: _Tally) -> None:
+    """One direction judged into `tally` (within the tolerance, or under atol: the rounding floor or the
+    tolerance x its terms), settled as exact settles an element where it would fail."""
+    tolerance = tally.tolerance
+    fd = (plus - minus) / (2 * tally.eps)
+    floor = tally.rounding(max(abs(plus), abs(minus)))
+    atol = max(floor, tolerance * terms)
+    verdict = _verdict(max(abs(fd), abs(ad)), abs(fd - ad), abs(fd - ad) / max(abs(fd), abs(ad), 1e-12),
+                       tolerance, atol, floor)
+    if verdict == "failed":
+        outcome, fd = _settle(losses_at, ad, plus, minus, max(atol, tolerance * abs(ad)), tally)
+        if outcome == "kink":
+            tally.kinks += 1
+            return
+        verdict = "ratio" if outcome == "resolved" else "failed"
+    abs_err = abs(fd - ad)
+    tally.judge(abs_err, abs_err / max(abs(fd), abs(ad), 1e-12), atol, verdict)
 
 
 def _direction_losses(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], u: dict[str, torch.Tensor],

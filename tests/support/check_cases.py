@@ -10,7 +10,7 @@ Each entry of VERDICT_CASES builds (model, inputs, targets, loss) like tests/sup
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -12,7 +12,6 @@ from torch import nn
 
 from gradsvc.engine import EngineConfig, compute, numcheck
 from gradsvc.wire import GradientRequest
-
 from tests.support.nets import tensor_json
 
 
@@ -74,7 +73,6 @@ def test_a_direction_across_a_kink_is_judged_kink():
 def _detached_body(**options) -> dict:
     from gradclient.export import export_graph
     from gradclient.tensors import to_wire
-
     from tests.support.check_cases import VERDICT_CASES
 
     model, inputs, _, loss = VERDICT_CASES["policy_gradient_baseline"]()
@@ -96,7 +94,6 @@ def test_holding_detached_values_keeps_a_wrong_op_inside_failing(monkeypatch):
     """The same loss with the policy's gradient scaled 1.5x inside (a custom Function on its logits)."""
     from gradclient.export import export_graph
     from gradclient.tensors import to_wire
-
     from tests.support.check_cases import planted
 
     (model, inputs, _, loss), name = planted("policy_gradient_baseline", "scaled")
@@ -146,7 +143,6 @@ def test_a_wrong_gradient_of_a_small_loss_fails_at_the_dtype_tolerance():
 def test_the_large_loss_with_a_wrong_gradient_still_fails(error):
     from gradclient.export import export_graph
     from gradclient.tensors import to_wire
-
     from tests.support.check_cases import planted
 
     (model, inputs, y, loss), name = planted("regression_loss_1e5", error)

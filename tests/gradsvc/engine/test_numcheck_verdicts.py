@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -18,8 +18,13 @@ import torch
 from gradsvc.engine import Engine, EngineConfig
 from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest, Numcheck
-
-from tests.support.check_cases import PLANTED, VERDICT_CASES, local_gradients, planted, wire_body
+from tests.support.check_cases import (
+    PLANTED,
+    VERDICT_CASES,
+    local_gradients,
+    planted,
+    wire_body,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 

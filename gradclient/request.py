@@ -248,8 +248,9 @@ def is_module(model: Any) -> bool:
 
 def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
     """What an export depends on: the module's class and configuration, its tensors' names, shapes and
-    dtypes, train/eval mode, and each input's name, dtype and shape (past the batch dimension for the
-    batched ones: export makes it dynamic). Not the weights' values: those go with every request."""
+    dtypes, train/eval mode, its modules' forward hooks (export traces them), and each input's name, dtype
+    and shape (past the batch dimension for the batched ones: export makes it dynamic). Not the weights'
+    values: those go with every request."""
     from torch.utils import _pytree as pytree
 
     from .export import batched_inputs
@@ -261,7 +262,8 @@ def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
     attributes = tuple(_plain_attributes(m) for m in model.modules())
     shapes = tuple((str(x.dtype), str(x.layout), tuple(x.shape[1:]) if b else tuple(x.shape), b)
                    for x, b in zip(xs, batched_inputs(xs)))
-    return (type(model), repr(model), tensors, modes, tuple(kwargs), str(tree), shapes, attributes)
+    hooks = tuple((*m._forward_pre_hooks.values(), *m._forward_hooks.values()) for m in model.modules())
+    return (type(model), repr(model), tensors, modes, tuple(kwargs), str(tree), shapes, attributes, hooks)
 
 
 _PLAIN = (int, float, bool, str, type(None))

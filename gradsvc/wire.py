@@ -291,9 +291,16 @@ class ParameterCheck(Struct):
     # How each check judged this tensor: "ratio" (its error relative to its own scale is within the
     # tolerance), "floor" (element by element within atol + tolerance x |gradient|: a tensor small beside
     # the model's gradient), "zero" (its gradient is zero to working precision: no ratio is meaningful,
-    # and the headline figures leave it out) or "failed". "" where that check did not look at it.
+    # and the headline figures leave it out), "kink" (every checked element straddles a point where the
+    # function is not differentiable) or "failed". "" where that check did not look at it.
     judged: str = ""
     returned_judged: str = ""
+    # Checked elements whose one-sided differences stay apart at every step tried (a ReLU, max-pool tie,
+    # abs or clamp at the point): left out of this tensor's figures, never a failure.
+    kinks: int = 0
+    # The returned check's relative tolerance for this tensor (the dtype's, widened by the loss's scale
+    # and the reductions' length: docs/numcheck.md); 0 where that check did not look at it.
+    returned_tolerance: float = 0.0
 
 
 class QuantityCheck(Struct):
@@ -329,6 +336,15 @@ class Numcheck(Struct):
     reason: str = ""
     # hvp, input_gradient, per_sample and per-loss gradients, each checked its own way; `passed` covers them.
     quantities: dict[str, QuantityCheck] = {}
+    # Elements (or directions) found straddling a kink, over all tensors: left out of the figures.
+    kinks: int = 0
+    # Values the finite differences held at their unperturbed point, as autograd does: each detach() of
+    # the forward (graph models), by node and module.
+    held: list[str] = []
+    # The evaluations the request's budget allows (a function of the model's size and batch, never of a
+    # measured time), and what it cut to fit them ("" when nothing was cut).
+    budget_evaluations: int = 0
+    cut: str = ""
 
 
 class LayerMemory(Struct):

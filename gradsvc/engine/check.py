@@ -4,11 +4,13 @@ finite differences and returned-gradient check, and each extra quantity checked 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-import time
+from typing import Iterator
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from gradsvc.wire import GradientRequest
 
@@ -16,10 +18,11 @@ from . import numcheck, numcheck_batched, quantities, tensors
 from .batch import Batch
 from .config import EngineConfig
 from .devices import is_random, seeded
+from .meta_check import attention_elements
 from .numcheck import ProgressCallback
 from .passes import Pass
 from .prepared import Prepared
-from .program import FloatDType
+from .program import FloatDType, where_step
 
 
 def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,
@@ -28,76 +31,186 @@ def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConf
                     hvp_vector: dict[str, torch.Tensor] | None = None,
                     per_sample_sum: dict[str, torch.Tensor] | None = None):
     """Finite differences against float64 autograd, and `returned` (the gradients as the caller gets
-    them) against that same float64 autograd: full batch, no checkpointing, same dropout masks."""
+    them) against that same float64 autograd: full batch, no checkpointing, same dropout masks. What is
+    checked (mode, elements, directions, step, tolerances) follows from the request alone; `job_s` is
+    not read (callers pass the measured forward+backward, which the plan must not follow)."""
     opts = prep.options
-    trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
-    mode = opts.numcheck
-    if mode == "off":
+    if opts.numcheck == "off":
         return numcheck.unchecked(prep.dtype)
-    started = time.perf_counter()
-    model64 = copy.deepcopy(prep.model).to(torch.float64)
-    if prep.graph is not None:
-        model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
-    x64 = prep.inputs.map(lambda x, _: x.to(torch.float64) if x.is_floating_point() else x)
-    t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
-    params = {n: p for n, p in model64.named_parameters() if n in trainable}
-    for n, p in model64.named_parameters():
-        p.requires_grad_(n in params)
-    seed = request.model.seed
-
-    random = is_random(model64)
-    batchable = numcheck_batched.batchable(model64, device, graph=prep.graph is not None, random=random)
-
-    def loss_fn() -> torch.Tensor:
-        with seeded(seed, device, random):
-            out = model64(*x64.tensors)
-            return sum(t.weight * t(out, t64.get(t.name)) for t in prep.terms)
-
-    with numcheck_batched.output_elements(model64, on=batchable and prep.graph is None) as activations:
-        loss = loss_fn()
-    eval_s = math.inf
-    if mode == "auto":  # the cost of one float64 evaluation, as the check runs them (no grad), after a warm-up
-        with torch.no_grad():
-            for _ in range(2):
-                t0 = time.perf_counter()
-                loss_fn()
-                eval_s = min(eval_s, time.perf_counter() - t0)
-    grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()), materialize_grads=True)))
+    ref = _Reference(prep, request, device)
     if reference is not None:
-        reference.update({n: g.detach().to("cpu") for n, g in grads.items()})
-    samples = opts.numcheck_samples or config.numcheck_samples
-    directions = config.numcheck_directions
-    batched = None
-    if batchable:
-        rows = numcheck_batched.graph_output_elements(model64, x64.tensors) if prep.graph is not None else activations[0]
-        batched = numcheck_batched.batched(model64, x64.tensors, t64, prep.terms, rows)
-    if mode == "auto":
-        if batched is not None:  # evaluations many to a call cost less each: measure one call
-            eval_s = min(eval_s, numcheck_batched.batched_eval_s(batched, params))
-        budget_s = config.numcheck_budget * job_s + config.numcheck_budget_min_s
-        # What is left of the budget after the float64 copy and reference, at a margin over the measured cost
-        # of an evaluation: the loop's own work (perturbing, the batched calls' copies) and a loaded machine.
-        left_s = budget_s - (time.perf_counter() - started)
-        plan = numcheck.plan_auto([p.numel() for p in params.values()], EVAL_MARGIN * eval_s, left_s,
-                                  exact_max=config.numcheck_exact_max,
-                                  samples=samples, directions=directions)
-        mode, samples, directions, reason = plan
-        reason = f"auto chose {reason}: within {config.numcheck_budget:g} x the job's forward+backward " \
-                 f"({job_s * 1e3:.3g} ms) + {config.numcheck_budget_min_s:g} s"
-    else:
-        reason = f"{mode}: asked for by options.numcheck"
-    check = numcheck.run(mode, params, loss_fn, grads, eps=opts.numcheck_eps, tolerance=opts.numcheck_tolerance,
-                         samples=samples, directions=directions, seed=seed, progress=progress,
-                         returned=returned, returned_dtype=computed_dtype(prep), batched=batched)
-    check.reason = f"{reason}; {check.reason}" if check.reason else reason
-    if final is not None:
-        check.quantities = _quantity_checks(prep, final, params, loss_fn, model64, x64, t64, hvp_vector,
-                                            per_sample_sum, seed, device)
-        check.passed = check.passed and all(q.passed for q in check.quantities.values())
+        reference.update({n: g.detach().to("cpu") for n, g in ref.grads.items()})
+    plan = _plan(prep, config, ref)
+    with _one_thread_if_small(ref.work, device):
+        check = numcheck.run(plan.mode, ref.params, ref.loss_fn, ref.grads, eps=opts.numcheck_eps,
+                             tolerance=opts.numcheck_tolerance, samples=plan.samples, directions=plan.directions,
+                             seed=ref.seed, progress=progress, returned=returned, returned_dtype=computed_dtype(prep),
+                             batched=ref.batched(prep), returned_tolerances=ref.returned_tolerances(computed_dtype(prep)))
+        if final is not None:
+            check.quantities = _quantity_checks(prep, final, ref.params, ref.loss_fn, ref.model64, ref.x64, ref.t64,
+                                                hvp_vector, per_sample_sum, ref.seed, device)
+            check.passed = check.passed and all(q.passed for q in check.quantities.values())
+    check.reason = f"{plan.reason}; {check.reason}" if check.reason else plan.reason
+    check.budget_evaluations, check.cut, check.held = plan.budget, plan.cut, ref.held()
     return check
 
 
-EVAL_MARGIN = 1.5
+# An evaluation this small (on the nominal machine) runs on one thread: with the cores busy, an intra-op
+# team's wake-ups cost more than its ops (a ResNet block's float64 forward on a loaded 2-core machine: 0.2 ms
+# on one thread, 2-40 ms on two), and the check is hundreds of such evaluations. The kernels are the same.
+SMALL_EVAL_S = 5e-3
+
+
+@contextlib.contextmanager
+def _one_thread_if_small(work: numcheck.Work, device: torch.device) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or numcheck.nominal_eval_s(work) > SMALL_EVAL_S:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plan(prep: Prepared, config: EngineConfig, ref: "_Reference") -> numcheck.Plan:
+    """The request's plan: the mode it names, or auto's choice within the budget's evaluations."""
+    opts = prep.options
+    samples = opts.numcheck_samples or config.numcheck_samples
+    fits = numcheck.budget_evaluations(ref.work, config.numcheck_budget, config.numcheck_budget_min_s)
+    if opts.numcheck != "auto":
+        return numcheck.Plan(opts.numcheck, samples, config.numcheck_directions,
+                             f"{opts.numcheck}: asked for by options.numcheck")
+    plan = numcheck.plan_auto([p.numel() for p in ref.params.values()], fits, exact_max=config.numcheck_exact_max,
+                              samples=samples, directions=config.numcheck_directions)
+    why = (f"auto chose {plan.reason}, {config.numcheck_budget:g} x the job's forward+backward + "
+           f"{config.numcheck_budget_min_s:g} s on a nominal machine (an evaluation: {ref.work.ops} ops, "
+           f"{ref.work.elements} output elements, {ref.work.flops} flops)")
+    return plan._replace(reason=why)
+
+
+class _Reference:
+    """The float64 side of the check: a float64 copy of the model on the request's batch, its loss as a
+    function of the trainable parameters (dropout masks replayed from the seed, detached values held),
+    autograd's gradients of it, and what one evaluation does (`work`), counted on the way."""
+
+    def __init__(self, prep: Prepared, request: GradientRequest, device: torch.device) -> None:
+        trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
+        self.prep, self.device, self.seed = prep, device, request.model.seed
+        self.model64 = model64 = copy.deepcopy(prep.model).to(torch.float64)
+        if prep.graph is not None:
+            model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
+            model64.held = {}  # the first forward records each detach's value; every later one replays it
+        self.x64 = prep.inputs.map(lambda x, _: x.to(torch.float64) if x.is_floating_point() else x)
+        self.t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
+        self.params = {n: p for n, p in model64.named_parameters() if n in trainable}
+        for n, p in model64.named_parameters():
+            p.requires_grad_(n in self.params)
+        self.random = is_random(model64)
+        with _counting(model64, graph=prep.graph is not None) as counts, FlopCounterMode(display=False) as flops:
+            loss = self.loss_fn()
+        self.loss = float(loss.detach())
+        self.work = numcheck.Work(*counts, flops=flops.get_total_flops())
+        grads = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True)
+        self.grads = dict(zip(self.params, grads))
+
+    def loss_fn(self) -> torch.Tensor:
+        with seeded(self.seed, self.device, self.random):
+            out = self.model64(*self.x64.tensors)
+            return sum(t.weight * t(out, self.t64.get(t.name)) for t in self.prep.terms)
+
+    def batched(self, prep: Prepared):
+        """Many perturbed losses a call (numcheck_batched.py) where the model allows it, else None."""
+        graph = prep.graph is not None
+        if not numcheck_batched.batchable(self.model64, self.device, graph=graph, random=self.random):
+            return None
+        return numcheck_batched.batched(self.model64, self.x64.tensors, self.t64, prep.terms, self.work.elements)
+
+    def held(self) -> list[str]:
+        """Each value the differences held at its unperturbed point, by node (graph models)."""
+        held = getattr(self.model64, "held", None) or {}
+        steps = self.model64._graph.steps if held else []
+        return [where_step(steps[i]) for i in sorted(held)]
+
+    def returned_tolerances(self, dtype: torch.dtype) -> dict[str, float]:
+        """Each tensor's returned-gradient tolerance at `dtype`: the dtype's own, widened to what rounding
+        every value of the forward at `dtype` moves the float64 gradient (numcheck.arithmetic_tolerances)."""
+        base = numcheck.returned_tolerance(dtype)
+        if dtype == torch.float64:
+            return dict.fromkeys(self.grads, base)
+        gen = torch.Generator().manual_seed(self.seed)
+        with _rounding(self.model64, torch.finfo(dtype).eps, gen, graph=self.prep.graph is not None):
+            loss = self.loss_fn()
+        rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
+        return numcheck.arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)))
+
+
+def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
+    """`value` (a tensor, or a tuple or list of them) with each floating element moved by a rounding of
+    relative size up to unit x sqrt(n), n the op's reduction length (its tensor inputs' elements per output
+    element, 1 for an elementwise op); drawn from `gen`."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rounded(v, args, unit, gen) for v in value)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.numel():
+        return value
+    read = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+    reduction = max(1.0, read / value.numel())
+    noise = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
+    return value * (1 + unit * math.sqrt(reduction) * noise.to(value.dtype))
+
+
+@contextlib.contextmanager
+def _rounding(model: torch.nn.Module, unit: float, gen: torch.Generator, *, graph: bool) -> Iterator[None]:
+    """While the block runs the model, every op's output is rounded as `_rounded` does (graph nodes, or
+    a layer spec's leaf modules)."""
+    if graph:
+        model.visit = lambda _i, out, args, kwargs: _rounded(out, (*args, *kwargs.values()), unit, gen)
+        try:
+            yield
+        finally:
+            model.visit = None
+        return
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_hook(lambda _m, args, out: _rounded(out, args, unit, gen)) for m in leaves]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _counting(model: torch.nn.Module, *, graph: bool) -> Iterator[list[int]]:
+    """Counts, while the block runs the model, [ops, output elements]: modules' outputs (hooks) for a layer
+    spec, nodes' outputs for a graph (its modules only hold parameters)."""
+    counts = [0, 0]
+
+    def count(outs) -> None:
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        counts[0] += 1
+        counts[1] += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+
+    if graph:
+        steps = model._graph.steps
+
+        def visit(i, out, args, kwargs) -> None:
+            count(out)
+            # batched calls run attention on its math kernel, which builds the attention matrix too
+            counts[1] += attention_elements(steps[i], args, kwargs)
+
+        model.visit = visit
+        try:
+            yield counts
+        finally:
+            model.visit = None
+        return
+    handles = [m.register_forward_hook(lambda _m, _a, out: count(out)) for m in model.modules()]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _quantity_checks(prep: Prepared, final: Pass, params: dict[str, torch.Tensor], loss_fn, model64, x64: Batch,

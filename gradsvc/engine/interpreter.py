@@ -19,6 +19,10 @@ from .ops import drawn_in
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
 
 
+# Stop-gradients: autograd's derivative holds their values fixed, so the numerical check does too.
+HELD_OPS = frozenset({"aten.detach.default"})
+
+
 class GraphModel(nn.Module):
     """An exported graph as a module: parameters and buffers under their state_dict names, forward
     interprets the nodes in order and returns the first user output (`run` returns them all)."""
@@ -45,6 +49,11 @@ class GraphModel(nn.Module):
         self._consts: list[tuple[int, str]] = []
         self._probe: tuple[nn.Module, str] | None = None
         holder: dict[str, tuple[nn.Module, str]] = {}
+        # The numerical check's held values (None: every node runs): each detach node whose index is in the
+        # dict returns the value there instead of its own, and one that is not records its value.
+        self.held: dict[int, torch.Tensor] | None = None
+        self.hold_steps = frozenset(i for i, s in enumerate(compiled.steps) if s.op.name in HELD_OPS)
+        self.visit: Callable | None = None  # run's `visit` for every forward (the numerical check counts its work)
         self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
         self.failed_args: list = []
         for slot, inp in compiled.inputs:
@@ -150,10 +159,11 @@ class GraphModel(nn.Module):
         return self
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.run(*inputs)[0]
+        return self.run(*inputs, visit=self.visit)[0]
 
     def run(self, *inputs: torch.Tensor, visit: Callable | None = None) -> list:
-        """Every user output; `visit(step_index, value, args)` is called after each node (meta checks)."""
+        """Every user output; `visit(step_index, value, args, kwargs)` is called after each node (meta checks);
+        a value it returns replaces the node's (the numerical check's simulated rounding)."""
         if len(inputs) != len(self._users):
             raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
         steps, consts = self._program(self.run_dtype, inputs[0].device)
@@ -168,6 +178,7 @@ class GraphModel(nn.Module):
             env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
         track = self.track_modules
         node_modules = self.node_modules
+        held, hold_steps = self.held, self.hold_steps
         i = -1
         args: Any = ()
         kwargs: Any = {}
@@ -191,9 +202,12 @@ class GraphModel(nn.Module):
                         out = fn(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
-                env[slot] = out
+                if held is not None and i in hold_steps:
+                    out = held.setdefault(i, out)
                 if visit is not None:
-                    visit(i, out, args, kwargs)
+                    seen = visit(i, out, args, kwargs)
+                    out = out if seen is None else seen
+                env[slot] = out
                 for j in free:  # as eager Python drops a value after its last use (peak memory)
                     env[j] = None
         except Exception:

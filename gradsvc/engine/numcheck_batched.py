@@ -5,15 +5,11 @@ stays the reference."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from .losses import LOSSES, OWN_LOSS, LossTerm
-from .meta_check import attention_elements
 
 # One batched call holds at most this many float64 elements, its perturbed copies and its activations
 # together (32 MiB).
@@ -64,62 +60,6 @@ def batchable(model: torch.nn.Module, device: torch.device, *, graph: bool, rand
     return (next(model.buffers(), None) is None
             and not any(isinstance(m, torch.nn.RNNBase) or (isinstance(m, torch.nn.Embedding) and m.max_norm is not None)
                         for m in model.modules()))
-
-
-def graph_output_elements(model: torch.nn.Module, inputs: tuple) -> int:
-    """What one evaluation of a graph holds: every node's output elements (its modules are holders of
-    parameters, never called, so module hooks would see the root's output alone)."""
-    count = 0
-    steps = model._graph.steps
-
-    def visit(i, out, args, kwargs) -> None:
-        nonlocal count
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        # batched calls run attention on its math kernel, which builds the attention matrix too
-        count += sum(t.numel() for t in outs if isinstance(t, torch.Tensor)) + attention_elements(steps[i], args, kwargs)
-
-    with torch.no_grad():
-        model.run(*inputs, visit=visit)
-    return count
-
-
-def batched_eval_s(batched: Batched, params: dict[str, torch.Tensor]) -> float:
-    """The cost of one evaluation inside a batched call: the largest tensor's, as many rows as a call
-    takes (up to 64), timed once (inf where it cannot be batched or the call fails)."""
-    name, p = max(params.items(), key=lambda kv: kv[1].numel())
-    rows = min(64, batched.rows(p.numel()))
-    if rows < 2:
-        return math.inf
-    stacked = {name: p.detach().expand(rows, *p.shape).clone()}
-    started = time.perf_counter()
-    try:
-        with torch.no_grad():
-            batched.losses(stacked)
-    except BATCH_FAILURES:
-        return math.inf
-    return (time.perf_counter() - started) / rows
-
-
-
-@contextlib.contextmanager
-def output_elements(model: torch.nn.Module, on: bool = True) -> Iterator[list[int]]:
-    """Counts the elements every module of `model` outputs during the block (into the list it yields): an
-    upper bound on one evaluation's activations, to size the batched calls."""
-    count = [0]
-    if not on:
-        yield count
-        return
-
-    def hook(_module, _args, out) -> None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        count[0] += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
-
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
-    try:
-        yield count
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def batched(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], targets: dict[str, torch.Tensor], terms: list[LossTerm],

@@ -176,7 +176,9 @@ def check_combined(result: GradientResult, references: list[dict[str, Tensor] | 
     returned = {n: _raw(result.gradients[n]) for n in reference if result.gradients.get(n) is not None}
     if set(returned) != set(reference):
         return
-    r = numcheck.returned_check(returned, reference, tensors.TORCH_DTYPES[result.dtype])
+    # each shard's tolerance came from its own arithmetic (numcheck.arithmetic_tolerances): the widest holds
+    r = numcheck.returned_check(returned, reference, tensors.TORCH_DTYPES[result.dtype],
+                                tolerance=check.returned_tolerance or None)
     for name, rel in r.per_parameter.items():
         entry = check.per_parameter.get(name)
         if entry is not None:

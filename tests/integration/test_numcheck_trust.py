@@ -117,3 +117,31 @@ def test_every_returned_quantity_is_checked_through_the_service(client):
     q = result.numcheck.quantities
     assert set(q) == {"hvp", "input_gradient", "per_sample"}, q
     assert all(c.passed for c in q.values()) and result.numcheck.passed, q
+
+
+def _one_verdict(check) -> tuple:
+    return (check.mode, check.evaluations, check.cut, tuple(check.held), check.passed,
+            tuple((n, p.checked, p.judged, p.kinks) for n, p in sorted(check.per_parameter.items())))
+
+
+@pytest.mark.parametrize("name", ["mnist_cnn", "policy_gradient_baseline"])
+def test_one_request_gets_one_verdict_and_a_planted_error_is_named_through_the_service(client, name):
+    from tests.support.check_cases import VERDICT_CASES, local_gradients, planted
+
+    def send(case):
+        model, inputs, targets, loss = case
+        return client.gradients(model, inputs[0] if len(inputs) == 1 else inputs, targets, loss=loss).numcheck
+
+    checks = [send(VERDICT_CASES[name]()) for _ in range(2)]  # numcheck "auto"
+    assert checks[0].passed, (checks[0].reason, {n: (p.judged, p.max_rel_error) for n, p in checks[0].per_parameter.items()})
+    assert _one_verdict(checks[0]) == _one_verdict(checks[1])
+    assert checks[0].budget_evaluations > 0 and "auto chose" in checks[0].reason
+    if name == "policy_gradient_baseline":  # the advantage is detached on purpose: held, not failed
+        assert checks[0].held == ["node 'detach' (aten.detach.default)"]
+    case, weight = planted(name, "scaled")
+    check = send(case)
+    failed = {n for n, p in check.per_parameter.items() if p.judged == "failed"}
+    clean, wrong = local_gradients(VERDICT_CASES[name]()), local_gradients(case)
+    assert not check.passed and failed, check.reason
+    assert all(not torch.allclose(wrong[n], clean[n]) for n in failed), failed  # it names wrong tensors only
+    assert check.mode != "exact" or weight in failed

@@ -1,0 +1,153 @@
+"""What the check does where a finite difference cannot be trusted as it stands: a kink (the one-sided
+differences disagree), a value the loss detaches on purpose (held at its unperturbed point), a float32
+loss large beside its gradient (the returned tolerance follows the arithmetic); and that a planted error
+at any of them still fails, naming the tensor."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from torch import nn
+
+from gradsvc.engine import EngineConfig, compute, numcheck
+from gradsvc.wire import GradientRequest
+from tests.support.nets import tensor_json
+
+
+def _relu_at_its_kink():
+    """loss = sum(relu(W x + b)) with W x + b exactly 0 for unit 0 of every row: each element of W[0] and b[0]
+    sits on ReLU's kink; unit 1 is smooth (positive)."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU()).double()
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[0.5, -0.25], [0.75, 0.5]]))
+        net[0].bias.copy_(torch.tensor([0.0, 0.25]))
+    x = torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)  # 0.5 x - 0.25 y = 0 on both rows
+    params = dict(net.named_parameters())
+
+    def loss_fn():
+        return net(x).sum()
+
+    grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
+    return params, loss_fn, grads
+
+
+def test_an_element_on_a_kink_is_judged_kink_and_left_out_not_failed():
+    params, loss_fn, grads = _relu_at_its_kink()
+    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    assert check.passed, check.per_parameter
+    weight, bias = check.per_parameter["0.weight"], check.per_parameter["0.bias"]
+    assert weight.kinks == 2 and bias.kinks == 1 and check.kinks == 3  # row 0 of W, b[0]
+    assert weight.judged == "ratio" and bias.judged == "ratio"  # row 1 and b[1] are smooth and right
+    assert check.max_rel_error < 1e-8  # the kinks' 0.5 is left out of the headline
+
+
+def test_a_wrong_gradient_on_a_kink_still_fails():
+    params, loss_fn, grads = _relu_at_its_kink()
+    grads["0.bias"] = grads["0.bias"].clone()
+    grads["0.bias"][0] = -1.0  # ReLU's one-sided derivatives at 0 are 0 and 1: -1 is neither
+    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    assert not check.passed and check.per_parameter["0.bias"].judged == "failed"
+
+
+def test_a_straddled_kink_is_re_differenced_at_a_smaller_step():
+    """relu(w - 3e-7): the kink is 3e-7 from w, inside eps=1e-6 but outside eps/10: resolved, no kink."""
+    w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    params = {"w": w}
+
+    def loss_fn():
+        return torch.relu(w - 3e-7).sum() + 2 * w.sum()
+
+    grads = {"w": torch.autograd.grad(loss_fn(), [w])[0]}
+    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    assert check.passed and check.kinks == 0 and check.max_rel_error < 1e-8, check.per_parameter
+
+
+def test_a_direction_across_a_kink_is_judged_kink():
+    params, loss_fn, grads = _relu_at_its_kink()
+    check = numcheck.run("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
+                         directions=8, seed=0)
+    assert check.passed and check.kinks > 0  # every direction moves row 0's pre-activation off 0
+
+
+def _detached_body(**options) -> dict:
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+    from tests.support.check_cases import VERDICT_CASES
+
+    model, inputs, _, loss = VERDICT_CASES["policy_gradient_baseline"]()
+    eg = export_graph(model.double(), tuple(a.double() if a.is_floating_point() else a for a in inputs))
+    return {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": [to_wire(a.double() if a.is_floating_point() else a) for a in inputs], "loss": loss,
+            "options": {"numcheck": "exact", **options}}
+
+
+def test_a_deliberately_detached_value_is_held_and_the_right_gradient_passes():
+    body = _detached_body()
+    check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
+    assert check.passed, {n: (p.judged, p.max_rel_error) for n, p in check.per_parameter.items()}
+    assert check.held == ["node 'detach' (aten.detach.default)"]
+    assert check.max_rel_error < 1e-6
+
+
+def test_holding_detached_values_keeps_a_wrong_op_inside_failing(monkeypatch):
+    """The same loss with the policy's gradient scaled 1.5x inside (a custom Function on its logits)."""
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+    from tests.support.check_cases import planted
+
+    (model, inputs, _, loss), name = planted("policy_gradient_baseline", "scaled")
+    inputs = tuple(a.double() if a.is_floating_point() else a for a in inputs)
+    eg = export_graph(model.double(), inputs)
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": [to_wire(a) for a in inputs], "loss": loss, "options": {"numcheck": "exact"}}
+    check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
+    assert not check.passed and check.per_parameter[name].judged == "failed" and check.held
+
+
+def _regression(weights_scale: float = 1.0, **options):
+    from tests.support.check_cases import regression_near_its_fit
+
+    model, (x,), y, loss = regression_near_its_fit()
+    weights = {n: tensor_json(p.detach() * weights_scale) for n, p in model.named_parameters()}
+    weights = {"0." + n: w for n, w in weights.items()}
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 8, "out_features": 1}], "dtype": "float32",
+                      "weights": weights}, "inputs": tensor_json(x), "targets": tensor_json(y), "loss": loss,
+            "options": {"numcheck": "exact", **options}}
+    return compute(msgspec.convert(body, GradientRequest), EngineConfig())
+
+
+def test_a_float32_loss_near_1e5_passes_on_right_gradients_by_its_arithmetic():
+    result = _regression()
+    check = result.numcheck
+    assert 9e4 < result.loss < 2e5
+    assert check.passed, {n: (p.returned_judged, p.returned_max_rel_error, p.returned_tolerance)
+                          for n, p in check.per_parameter.items()}
+    # float32 lost more than its fixed 1e-4 here, and the tolerance says how much it could
+    assert check.returned_max_rel_error > numcheck.returned_tolerance(torch.float32)
+    assert check.returned_max_rel_error < check.returned_tolerance <= numcheck.ARITHMETIC_MAX
+
+
+def test_a_wrong_gradient_of_a_small_loss_fails_at_the_dtype_tolerance():
+    ref = {"w": torch.tensor([0.3, -1.2, 2.5], dtype=torch.float64)}
+    params = {"w": torch.tensor([1.0, 0.5, -0.5], dtype=torch.float64)}
+    rounded = {"w": ref["w"] * (1 + 1e-7)}  # a small loss: rounding moves the gradient by float32's own
+    tolerances = numcheck.arithmetic_tolerances(torch.float32, ref, rounded)
+    assert tolerances == {"w": numcheck.returned_tolerance(torch.float32)}
+    wrong = numcheck.returned_check({"w": (ref["w"] * 1.001).float()}, ref, torch.float32, tolerances=tolerances)
+    assert not wrong.passed and wrong.judged["w"] == "failed"
+    assert params  # the parameters do not enter the rule: only what rounding does to the gradient
+
+
+@pytest.mark.parametrize("error", ["scaled", "sign_flipped"])
+def test_the_large_loss_with_a_wrong_gradient_still_fails(error):
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+    from tests.support.check_cases import planted
+
+    (model, inputs, y, loss), name = planted("regression_loss_1e5", error)
+    eg = export_graph(model, inputs)
+    body = {"model": {"graph": eg.graph, "dtype": "float32", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(inputs[0]), "targets": to_wire(y), "loss": loss}
+    check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
+    assert not check.passed and check.per_parameter[name].judged == "failed"

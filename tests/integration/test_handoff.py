@@ -176,7 +176,7 @@ def test_an_idempotency_key_over_a_large_body_names_one_job_and_leaves_no_body_f
         again = http.post("/gradients", params={"wait": wait}, content=content, headers=key)
         assert again.status_code == 200 and msgspec.msgpack.decode(again.content)["job_id"] == job_id
     other = http.post("/gradients", params={"wait": 60}, content=big(2.0), headers=key)
-    assert other.status_code == 400 and msgspec.msgpack.decode(other.content)["error"]["code"] == "bad_request"
+    assert other.status_code == 422 and msgspec.msgpack.decode(other.content)["error"]["code"] == "idempotency_key_reused"
     assert [n for n in os.listdir(handoff_dir) if n.endswith(".in")] == []
     assert files_of(handoff_dir, [job_id]) == [f"{job_id}.out"]
 

@@ -71,8 +71,8 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressC
 
 # A job this small (parameters x input elements <= ATen's grain size of 32768, which bounds each op's output
 # for Linear- and Conv-like layers) runs each kernel inline on one thread anyway, yet with more intra-op
-# threads every op still pays the OpenMP team's wake-ups, which on a loaded machine cost milliseconds (seed
-# [A]'s job in process: 1.2 ms on one thread, 9.7 ms on two with the other core busy). So tiny CPU jobs run
+# threads every op still pays the OpenMP team's wake-ups, which on a loaded machine cost milliseconds (the
+# 6-8-3 tanh net's job in process: 1.2 ms on one thread, 9.7 ms on two with the other core busy). So tiny CPU jobs run
 # on one thread, the process's count restored after; the kernels, hence the answer, are the same.
 TINY_JOB_WORK = 1 << 15
 

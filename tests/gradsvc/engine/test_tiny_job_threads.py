@@ -1,5 +1,6 @@
 """A tiny CPU job runs on one intra-op thread (gradsvc.engine.compute._one_thread_if_tiny): same answer,
-the process's thread count restored afterwards, larger jobs left on every thread."""
+the process's thread count restored afterwards, larger jobs left on every thread (but for the numerical
+check's small evaluations, which gradsvc.engine.check runs on one thread by a rule of its own)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gradsvc.wire import GradientRequest
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
 compute_module = importlib.import_module("gradsvc.engine.compute")  # the module (the package re-exports a function of that name)
+check_module = importlib.import_module("gradsvc.engine.check")
 
 
 def request(layers, x, y, **kw) -> GradientRequest:
@@ -44,6 +46,7 @@ def test_a_tiny_job_runs_on_one_thread_with_the_same_answer(two_threads, monkeyp
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == 2
     monkeypatch.setattr(compute_module, "TINY_JOB_WORK", 0)
+    monkeypatch.setattr(check_module, "SMALL_EVAL_S", 0)  # the check's own one-thread rule, off as well
     slow, seen = threads_seen(req)
     assert seen and set(seen) == {2}
     assert {k: g.data for k, g in fast.gradients.items()} == {k: g.data for k, g in slow.gradients.items()}

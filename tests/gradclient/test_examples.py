@@ -70,6 +70,7 @@ def test_the_summary_example_writes_its_chart_outside_the_repository(stack):
     out = subprocess.run([sys.executable, str(EXAMPLES / "summary.py"), "--base-url", stack.base_url],
                          capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Layer (type)" in out.stdout and "Conv2d" in out.stdout  # the summary table
     saved = Path(re.search(r"^saved (.+)$", out.stdout, flags=re.M)[1])
     assert saved.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert EXAMPLES.parent not in saved.resolve().parents

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from tests.support.nets import SEED_A_LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +28,7 @@ def test_print_shows_each_layer_with_shape_parameters_saved_bytes_and_share_then
     assert "Timings (ms): queue" in text
 
 
+@pytest.mark.slow  # tests/gradclient/test_examples.py runs the same example as a script (table and chart)
 def test_the_example_prints_the_table_and_saves_a_png(stack, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("summary_example", ROOT / "examples" / "summary.py")
     module = importlib.util.module_from_spec(spec)

@@ -217,7 +217,8 @@ def test_evaluations_too_large_to_pay_are_left_to_the_loop(monkeypatch):
     assert all(name != "0.weight" for call in plan for name, _, _ in call)
 
 
-@pytest.mark.parametrize("limit", [2_000, 600, 60])
+# 2,000 takes the longest; 600 and 60 chunk the same loop (make test-all runs all three).
+@pytest.mark.parametrize("limit", [pytest.param(2_000, marks=pytest.mark.slow), 600, 60])
 def test_chunked_batches_give_the_same_figures_and_counts(limit, monkeypatch):
     params, loss_fn, batched = _pieces("mlp_relu")
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))

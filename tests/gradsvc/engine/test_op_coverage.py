@@ -4,6 +4,7 @@ the allow-list, or refused with its reason written in gradsvc/engine/ops.py and 
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 
@@ -23,6 +24,7 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser: 0.1 s w
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "graph-ops.md"
 
 
+@functools.cache
 def core_ops() -> list[str]:
     out = []
     for name in dir(torch.ops.aten):
@@ -32,13 +34,14 @@ def core_ops() -> list[str]:
     return sorted(out)
 
 
-def with_derivative_formula() -> set[str]:
+@functools.cache
+def with_derivative_formula() -> frozenset[str]:
     path = pathlib.Path(torchgen.__file__).parent / "packaged" / "autograd" / "derivatives.yaml"
     names = set()
     for entry in yaml.load(path.read_text(), Loader=_LOADER):
         base, _, overload = entry["name"].split("(", 1)[0].partition(".")
         names.add(f"{base}.{overload or 'default'}")
-    return names
+    return frozenset(names)
 
 
 def test_every_core_aten_op_with_a_derivative_formula_is_allowed_or_refused_with_a_reason():

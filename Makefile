@@ -35,7 +35,7 @@ run: install-server
 	$(VENV)/bin/gradsvc up
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=25
 
 test-all: install
 	GRADSVC_TEST_ALL=1 $(PY) -m pytest -q -p no:cacheprovider

@@ -10,7 +10,7 @@ models, measured in the same run.
   variance         diagnostics ["variance", "second_moment"]: the worker's total_ms for the job against
                    BackPACK's forward + backward with Variance() and SumGradSquared() locally.
 A private stack (tests/support/stack.py), one worker; numcheck and memory off in every request. Each row is
-the median of ROUNDS; the goal column is the issue's (at most 0.5, 1.5 and 2.0).
+the median of ROUNDS; the goals: at most 0.5, 1.5 and 2.0.
 
 Run: .venv/bin/python bench/diagnostics.py
 """

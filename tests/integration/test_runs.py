@@ -292,6 +292,6 @@ def test_a_step_records_the_noise_scale_and_clip_its_call_returned(alice):
     assert step.noise_scale is not None and step.noise_scale == result.diagnostics.noise_scale.b_simple
     assert step.clip == msgspec.to_builtins(result.clip) and step.clip["scale"] < 1
     unclipped = {n: torch.as_tensor(g) / step.clip["scale"] for n, g in result.gradients.items()}
-    grad_norm, module_norms = norms(unclipped)  # the norms before the clip, as the issue asks
+    grad_norm, module_norms = norms(unclipped)  # the norms before the clip, as a run records them
     assert step.grad_norm == pytest.approx(grad_norm, rel=1e-5) == pytest.approx(result.clip.total_norm, rel=1e-5)
     assert step.module_grad_norms == pytest.approx(module_norms, rel=1e-5)

@@ -17,7 +17,7 @@ from gradsvc.wire import GradientRequest
 from . import numcheck, numcheck_batched, quantities, tensors
 from .batch import Batch
 from .config import EngineConfig
-from .devices import is_random, seeded
+from .devices import is_random, one_cpu_thread, seeded
 from .meta_check import attention_elements
 from .numcheck import ProgressCallback
 from .passes import Pass
@@ -41,7 +41,7 @@ def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConf
     if reference is not None:
         reference.update({n: g.detach().to("cpu") for n, g in ref.grads.items()})
     plan = _plan(prep, config, ref)
-    with _one_thread_if_small(ref.work, device):
+    with one_cpu_thread(device, numcheck.nominal_eval_s(ref.work) <= SMALL_EVAL_S):
         check = numcheck.run(plan.mode, ref.params, ref.loss_fn, ref.grads, eps=opts.numcheck_eps,
                              tolerance=opts.numcheck_tolerance, samples=plan.samples, directions=plan.directions,
                              seed=ref.seed, progress=progress, returned=returned, returned_dtype=computed_dtype(prep),
@@ -59,19 +59,6 @@ def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConf
 # team's wake-ups cost more than its ops (a ResNet block's float64 forward on a loaded 2-core machine: 0.2 ms
 # on one thread, 2-40 ms on two), and the check is hundreds of such evaluations. The kernels are the same.
 SMALL_EVAL_S = 5e-3
-
-
-@contextlib.contextmanager
-def _one_thread_if_small(work: numcheck.Work, device: torch.device) -> Iterator[None]:
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or numcheck.nominal_eval_s(work) > SMALL_EVAL_S:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _plan(prep: Prepared, config: EngineConfig, ref: "_Reference") -> numcheck.Plan:

@@ -4,12 +4,10 @@ Pure PyTorch: no Redis, no HTTP, no environment."""
 
 from __future__ import annotations
 
-import contextlib
-import math
 import dataclasses
+import math
 import statistics
 import time
-from typing import Iterator
 
 import msgspec
 import torch
@@ -21,7 +19,7 @@ from .caches import EngineCaches
 from .check import computed_dtype, numerical_check
 from .diagnose import non_finite_error
 from .config import EngineConfig
-from .devices import is_allocation_failure, out_of_memory, resolve_device, sync
+from .devices import is_allocation_failure, one_cpu_thread, out_of_memory, resolve_device, sync
 from .encode import encode_result
 from .errors import ComputeError
 from .numcheck import ProgressCallback
@@ -55,7 +53,6 @@ def compute(request: GradientRequest, config: EngineConfig | None = None, *, pro
             torch.cuda.empty_cache()
 
 
-
 def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
              device: torch.device, graphs: GraphResolver | None = None,
              reference: dict[str, torch.Tensor] | None = None, caches: EngineCaches | None = None) -> GradientResult:
@@ -63,7 +60,7 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressC
     prep = prepare(request, config, device, graphs=graphs, caches=caches)
     sync(device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     prepare_s = time.perf_counter() - started
-    with _one_thread_if_tiny(prep, device):
+    with one_cpu_thread(device, prep.parameter_count * prep.inputs.numel() <= TINY_JOB_WORK):
         result = _compute_prepared(request, config, progress, device, reference, prep, started, prepare_s)
     release(prep, caches)  # after a success only: a failed compute's model is dropped
     return result
@@ -75,19 +72,6 @@ def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressC
 # 6-8-3 tanh net's job in process: 1.2 ms on one thread, 9.7 ms on two with the other core busy). So tiny CPU jobs run
 # on one thread, the process's count restored after; the kernels, hence the answer, are the same.
 TINY_JOB_WORK = 1 << 15
-
-
-@contextlib.contextmanager
-def _one_thread_if_tiny(prep: Prepared, device: torch.device) -> Iterator[None]:
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or prep.parameter_count * prep.inputs.numel() > TINY_JOB_WORK:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
@@ -177,7 +161,6 @@ def _check_gradients(final: Pass) -> None:
         if not tensors.all_finite(g):
             raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
                                f"is {final.loss}; lower the inputs' scale or check the weights", parameter=name)
-
 
 
 def _checkpoint_tradeoff(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int,

@@ -45,6 +45,21 @@ def seeded(seed: int, device: torch.device, random: bool):
         yield
 
 
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device, small: bool):
+    """Runs the block on one intra-op thread when the work is `small` and on a CPU, the process's thread count
+    restored after: the kernels, hence the answer, are the same (the callers say why it is quicker)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or not small:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def is_allocation_failure(exc: BaseException) -> bool:
     message = str(exc).lower()
     return "out of memory" in message or "can't allocate memory" in message  # CUDA/cuBLAS, CPU allocator

@@ -1,4 +1,4 @@
-"""A tiny CPU job runs on one intra-op thread (gradsvc.engine.compute._one_thread_if_tiny): same answer,
+"""A tiny CPU job runs on one intra-op thread (gradsvc.engine.compute, TINY_JOB_WORK): same answer,
 the process's thread count restored afterwards, larger jobs left on every thread (but for the numerical
 check's small evaluations, which gradsvc.engine.check runs on one thread by a rule of its own)."""
 

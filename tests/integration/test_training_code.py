@@ -15,6 +15,8 @@ from torch.nn import functional as F
 
 from gradclient.errors import BadLossError, BadOptionError, BadTensorError, UnsupportedModuleError
 
+from tests.support.public_models import GCN, normalised_adjacency
+
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
 
@@ -490,24 +492,6 @@ def test_a_transformer_encoder_with_a_causal_mask_is_captured_for_this_call(clie
     assert len(capfd.readouterr().err.splitlines()) < 5  # torch's logs of the failed attempts stay quiet
 
 
-class GCN(nn.Module):
-    """Two graph convolutions over a normalised sparse adjacency, as the official GCN example writes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gc1 = nn.Linear(5, 8)
-        self.gc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(torch.spmm(adj, self.gc1(x)))  # (nodes, 8)
-        return F.log_softmax(torch.spmm(adj, self.gc2(h)), dim=1)  # (nodes, 3)
-
-
-def normalised_adjacency(nodes: int = 7) -> torch.Tensor:
-    g = torch.Generator().manual_seed(2)
-    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float() + torch.eye(nodes)
-    a = ((a + a.T) > 0).float()
-    return a / a.sum(1, keepdim=True)
 
 
 @pytest.mark.parametrize("layout", ["coo", "csr"])

@@ -167,3 +167,24 @@ class SpectralMix(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.head(torch.view_as_real(z * self.phase).flatten(1))  # (batch, 3)
+
+
+class GCN(nn.Module):
+    """Two graph convolutions over a normalised (sparse) adjacency, as the official GCN example writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gc1 = nn.Linear(5, 8)
+        self.gc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.spmm(adj, self.gc1(x)))  # (nodes, 8)
+        return F.log_softmax(torch.spmm(adj, self.gc2(h)), dim=1)  # (nodes, 3)
+
+
+def normalised_adjacency(nodes: int = 7) -> torch.Tensor:
+    """A random graph's adjacency with self-loops, symmetric, row-normalised (dense: callers pick the layout)."""
+    g = torch.Generator().manual_seed(2)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float() + torch.eye(nodes)
+    a = ((a + a.T) > 0).float()
+    return a / a.sum(1, keepdim=True)

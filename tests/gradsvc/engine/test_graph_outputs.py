@@ -17,6 +17,8 @@ from gradclient.tensors import from_wire, inputs_to_wire, to_wire
 from gradsvc.engine import EngineConfig, SpecError, compute
 from gradsvc.wire import GradientRequest
 
+from tests.support.public_models import GCN, normalised_adjacency
+
 CONFIG = EngineConfig()
 
 
@@ -210,39 +212,21 @@ def test_splitting_the_batch_is_refused_for_a_state_batched_along_dim_1():
     assert err.value.code == "bad_option"
 
 
-class GCN(nn.Module):
-    """Two graph convolutions over a normalised adjacency, as the official GCN example writes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gc1 = nn.Linear(5, 8)
-        self.gc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(torch.spmm(adj, self.gc1(x)))  # (nodes, 8)
-        return F.log_softmax(torch.spmm(adj, self.gc2(h)), dim=1)  # (nodes, 3)
-
-
-def adjacency(nodes: int = 7) -> torch.Tensor:
-    g = torch.Generator().manual_seed(2)
-    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float() + torch.eye(nodes)
-    a = ((a + a.T) > 0).float()
-    return a / a.sum(1, keepdim=True)  # row-normalised, self-loops included
 
 
 @pytest.mark.parametrize("layout", ["coo", "csr"])
 def test_a_gcn_takes_its_sparse_adjacency_as_written(layout):
     torch.manual_seed(0)
     model, x, y = GCN(), torch.randn(7, 5), torch.randint(0, 3, (7,))
-    adj = adjacency().to_sparse() if layout == "coo" else adjacency().to_sparse_csr()
+    adj = normalised_adjacency().to_sparse() if layout == "coo" else normalised_adjacency().to_sparse_csr()
     result = compute(request(model, (x, adj), loss="nll", targets=y), CONFIG)
     assert_close(result, local(model, lambda: F.nll_loss(model(x, adj), y)))
-    assert_close(result, local(model, lambda: F.nll_loss(model(x, adjacency().to_dense()), y)))
+    assert_close(result, local(model, lambda: F.nll_loss(model(x, normalised_adjacency().to_dense()), y)))
 
 
 def test_a_sparse_input_whose_indices_leave_its_shape_is_a_bad_tensor():
     model, x = GCN(), torch.randn(7, 5)
-    req = request(model, (x, adjacency().to_sparse()), loss="nll", targets=torch.randint(0, 3, (7,)))
+    req = request(model, (x, normalised_adjacency().to_sparse()), loss="nll", targets=torch.randint(0, 3, (7,)))
     nnz = req.inputs[1]["values"]["shape"][0]
     req.inputs[1]["indices"]["data"] = torch.full((2, nnz), 9).numpy().tobytes()  # row and column 9 of 7
     with pytest.raises(SpecError, match=r"inputs\[1\]: not a valid sparse_coo tensor") as err:

@@ -42,6 +42,12 @@ def login_redirect(request: Request) -> Redirect:
     return Redirect(f"/ui/login?next={quote(request.url.path)}", status_code=303)
 
 
+def _location(path: str) -> str:
+    """A page's path (decoded: a run's name may hold < " % # ? or a space) as a Location header's value, so the
+    browser asks for that very page."""
+    return quote(path, safe="/")
+
+
 def _next_path(given: str | None) -> str:
     """Where a login sends the browser: one of this service's pages, never another host."""
     if given and given.startswith(_PAGE_PATHS) and "//" not in given and "\\" not in given:
@@ -54,7 +60,7 @@ async def login_form(request: Request, state: ApiState) -> Response:
     sessions = state.sessions
     nxt = _next_path(request.query_params.get("next"))
     if not sessions.auth.enabled:
-        return Redirect(nxt, status_code=303)
+        return Redirect(_location(nxt), status_code=303)
     return html.page("login.html", next=nxt, failed=False, ttl_h=SESSION_TTL_S // 3600, logged_in=False)
 
 
@@ -72,7 +78,7 @@ async def login(request: Request, state: ApiState) -> Response:
     if token is None:
         return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=SESSION_TTL_S // 3600,
                          logged_in=False)
-    return Redirect(nxt, status_code=303, cookies=[Sessions.cookie(request, token)])
+    return Redirect(_location(nxt), status_code=303, cookies=[Sessions.cookie(request, token)])
 
 
 @post("/ui/logout", include_in_schema=False, status_code=303)

@@ -5,6 +5,10 @@ test_pages_browser.py) look at the same pages in Chromium."""
 
 from __future__ import annotations
 
+import re
+from html import unescape
+from urllib.parse import quote, unquote, urlsplit
+
 import pytest
 from litestar.testing import TestClient
 from markupsafe import escape
@@ -134,6 +138,22 @@ def test_a_wrong_key_at_the_login_form_is_a_401_page_and_sets_no_cookie(keyed):
 @pytest.mark.parametrize("given", ["//evil.example/ui/", "https://evil.example/", "/ui/../x\\y", None])
 def test_the_login_redirects_only_to_this_services_pages(given):
     assert pages._next_path(given) == "/ui/jobs"
+
+
+@pytest.mark.parametrize("name", ['a<b"c', "50% done?", "x#1 y", "é"])
+def test_the_login_sends_back_to_a_run_page_whatever_its_name(keyed, name):
+    page = f"/ui/runs/{name}"
+    r = keyed.get(quote(page), follow_redirects=False)
+    assert r.status_code == 303
+    form = keyed.get(r.headers["location"])  # the login form carries the page to come back to
+    carried = unescape(re.search(r'name="next" value="([^"]*)"', form.text).group(1))
+    assert carried == page
+    # Once logged in (or with no keys at all), the redirect asks for that very page.
+    settings = Settings(redis_url=dead_redis_url(), redis_timeout_s=1)
+    with TestClient(create_app(settings)) as open_client:
+        back = open_client.get("/ui/login", params={"next": carried}, follow_redirects=False)
+    location = back.headers["location"]
+    assert back.status_code == 303 and urlsplit(location).path == location and unquote(location) == page
 
 
 def test_the_pages_and_docs_allow_nothing_from_another_origin(keyed):

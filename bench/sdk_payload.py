@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gradclient import Client  # noqa: E402
+from gradclient.request import Call  # noqa: E402
 from gradclient.result import build_result  # noqa: E402
 from gradsvc import wire  # noqa: E402
 
@@ -45,12 +46,12 @@ def measure(base_url: str, fmt: str, model: nn.Module, x: torch.Tensor, y: torch
             computes.append(result.timings.total_ms / 1e3)
         # The SDK's share: encode the request, then decode a captured answer into torch tensors.
         t0 = time.perf_counter()
-        prepared = client._prepare(model, x, y, "cross_entropy", None, None, 0, dict(OPTIONS))
+        prepared = client._prepare(Call(model, x, y, seed=0, options=dict(OPTIONS)))
         encode_s = time.perf_counter() - t0
         response, buf = client._send("POST", "/gradients", content=prepared.content, params={"wait": 120},
                                      extra_s=120)
         t0 = time.perf_counter()
-        build_result(client._decode(wire.GradientResult, response, buf), prepared.local_names)
+        build_result(client._reader.decode(wire.GradientResult, response, buf), prepared.local_names)
         decode_s = time.perf_counter() - t0
     wall = statistics.median(walls)
     return {"format": fmt, "wall_s": wall, "compute_s": statistics.median(computes), "raw_mb": raw_mb,

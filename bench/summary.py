@@ -34,6 +34,7 @@ from torch import nn
 
 from common import Stack, concurrent_posts, footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradclient import Client
+from gradclient.request import Call
 from gradsvc.engine import Engine, EngineConfig
 from gradsvc.wire import GradientRequest
 
@@ -89,7 +90,7 @@ def medium(stack: Stack) -> dict[str, float]:
     with Client(stack.base_url, api_key=api_key, timeout=300) as c, \
             Client(stack.base_url, api_key=api_key, timeout=300, wire_format="json") as cj, \
             httpx.Client(base_url=stack.base_url, timeout=300, headers=stack.auth_headers()) as h:
-        json_body = cj._prepare(model, x, y, "mse", None, None, 0, dict(MEDIUM_OPTIONS)).content
+        json_body = cj._prepare(Call(model, x, y, "mse", seed=0, options=dict(MEDIUM_OPTIONS))).content
         headers = {"Content-Type": "application/json", "Accept": "application/msgpack"}
         for i in range(MEDIUM_N + 1):
             t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """What Client and AsyncClient (and their Jobs) share, written once: the settings, the request building,
-the retry policy with its Idempotency-Key, the resend on graph_not_found / tensor_not_found, waiting on a
-job with its progress, and reading answers and errors.
+the retry policy with its Idempotency-Key (retry.py), the resend on graph_not_found / tensor_not_found,
+waiting on a job with its progress, and reading answers and errors (transfer.py's AnswerReader).
 
 Each call is a flow: a generator that yields an httpx.Request to send (answered with the response and its
 body read whole, or with the httpx.TransportError the try ended in) or a pause in seconds (answered with
@@ -11,11 +11,10 @@ for AsyncClient, as httpx's Client and AsyncClient drive one generator auth flow
 from __future__ import annotations
 
 import os
-import random
-import threading
-import time
-import uuid
-from typing import Any, Callable, Generator, TypeVar
+from collections.abc import Callable, Generator
+from dataclasses import replace
+from functools import partial
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -24,17 +23,16 @@ from gradsvc import wire
 
 from .errors import (
     CanceledError,
-    ConnectionFailedError,
     GradientClientError,
     GraphNotFoundError,
     TensorNotFoundError,
     error_for,
 )
 from .refs import MIN_BYTES
-from .request import Prepared, RequestBuilder, call_seed
-from .result import GradientResult, build_result, written_back
-from .tensors import decode_type
-from .transfer import AnswerBuffers, KeptBuffer, _Body, _Pieces
+from .request import Call, Outgoing, RequestBuilder
+from .result import GradientResult, HeldResults, build_result, written_back
+from .retry import RetryPolicy, Tries, new_key, replayable, resumable
+from .transfer import MSGPACK, AnswerBuffers, AnswerReader, KeptBuffer, Send, _Pieces
 from .waiting import Deadline, Poll, ProgressBar
 
 T = TypeVar("T")
@@ -42,18 +40,7 @@ Step = httpx.Request | float  # what a flow asks its driver for: send this reque
 Flow = Generator[Step, Any, T]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-MSGPACK = "application/msgpack"
 JSON = "application/json"
-# Errors before the request reached the server: safe to send again whatever the method.
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
-# Errors after it may have: retried for GET and a job's cancel, which create nothing, and for a POST /gradients
-# only under its Idempotency-Key, which makes the service answer with the job the first attempt created.
-_IDEMPOTENT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
-# 503 codes that mean "nothing ran, ask again"; worker_lost is a job that failed (perhaps by killing its
-# worker): it reaches the caller as WorkerLostError and is never sent again.
-_TRANSIENT_CODES = frozenset({"queue_unavailable", "not_ready"})
-# The longest pause between two tries: an API back after a restart (`gradsvc up`: ~6 s) is found within it.
-_MAX_DELAY_S = 2.0
 
 
 class Driven:
@@ -75,13 +62,6 @@ class Driven:
 
     def close(self) -> None:
         self.flow.close()  # a driver stopped early (KeyboardInterrupt, a cancelled task): the flow's finally runs
-
-
-# A result this large (its answer's bytes) that gradients() returned is released with the client's next
-# POST /gradients (wire.RELEASE_HEADER): the service drops it then rather than keep it GRADSVC_RESULT_TTL_S
-# (a training loop's results would fill its memory). Smaller ones cost little to keep.
-# Client(release_results=False) keeps all.
-RELEASE_MIN_BYTES = 1 << 20
 
 
 class BaseClient:
@@ -110,13 +90,11 @@ class BaseClient:
         self._encoder = msgspec.msgpack.Encoder() if wire_format == "msgpack" else msgspec.json.Encoder()
         self._kept = KeptBuffer(self._encoder)
         self._answers = AnswerBuffers()  # large answers' buffers, reused once free
-        self._decoders: dict[tuple[Any, bool], Any] = {}
+        self._reader = AnswerReader()
         self._requests = RequestBuilder(wire_format, self._encoder, ref_min_bytes)
         self._http = self._http_type(base_url=self.base_url, headers=self.headers, transport=transport)
-        # Large results gradients() has returned, released with the next POST /gradients (wire.RELEASE_HEADER).
         self.release_results = release_results
-        self._held: list[str] = []
-        self._held_lock = threading.Lock()
+        self._held = HeldResults()  # large results gradients() returned, released with the next POST /gradients
 
     @property
     def _exports(self) -> dict:
@@ -128,232 +106,132 @@ class BaseClient:
         """The weight pieces this client hashed and sent (refs.TensorRefs), or None."""
         return self._requests.refs
 
-    def _prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
-                 seed: int, options: dict[str, Any]) -> Prepared:
-        return self._requests.prepare(model, inputs, targets, loss, losses, dtype, seed, options)
+    def _prepare(self, call: Call) -> Outgoing:
+        return self._requests.prepare(call)
 
     # --- the calls ---------------------------------------------------------------------------------
-    def _gradients(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
-                   seed: int | None, wait_s: float, timeout: float | None, progress: bool,
-                   options: dict[str, Any]) -> Flow[GradientResult]:
-        options = dict(options)
-        update_buffers = options.pop("update_buffers", True)  # an SDK argument, not a service option
-        deadline = Deadline(timeout)  # the whole call's: the export, the server-side wait and the polling
-        seed = call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
-        args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        return (yield from self._resending(args, lambda prepared: self._posting(
-            _with(prepared, update_buffers), wait_s, deadline, progress)))
+    def _gradients(self, call: Call) -> Flow[GradientResult]:
+        deadline = Deadline(call.timeout)  # the whole call's: the export, the server-side wait and the polling
+        call = call.seeded()  # drawn once: a resend repeats it
+        return (yield from self._resending(call, lambda out: self._posting(out, call, deadline)))
 
-    def _posting(self, prepared: Prepared, wait_s: float, deadline: Deadline, progress: bool) -> Flow[GradientResult]:
+    def _posting(self, out: Outgoing, call: Call, deadline: Deadline) -> Flow[GradientResult]:
         """POST /gradients, the server waiting up to `wait_s` on the job; then, unless that answered with the
         result, GET /jobs/{id} until the job ends (a POST that failed after creating its job names it)."""
-        wait = deadline.wait(wait_s)
-        with self._held_lock:
-            held, self._held = self._held, []
+        if not call.update_buffers:
+            out.module = None
+        wait = deadline.wait(call.wait_s)
         try:
-            response, buf = yield from self._sending("POST", "/gradients", content=prepared, params={"wait": wait},
-                                                     extra_s=wait, idempotency_key=_new_key(), release=held)
+            response, buf = yield from self._sending("POST", "/gradients", content=out, params={"wait": wait},
+                                                     extra_s=wait, idempotency_key=new_key(),
+                                                     release=self._held.take())
         except GradientClientError as exc:
-            if not _resumable(exc):
+            if not resumable(exc):
                 raise
             job_id = exc.job_id
         else:
             if response.status_code == 200:
-                result = self._finished(prepared, build_result(self._decode(wire.GradientResult, response, buf),
-                                                               prepared.local_names))
-                if self.release_results and len(buf) >= RELEASE_MIN_BYTES and result.job_id:
-                    with self._held_lock:
-                        self._held = [*self._held, result.job_id][-wire.MAX_RELEASED:]
+                result = self._finished(out, build_result(self._reader.decode(wire.GradientResult, response, buf),
+                                                          out.local_names))
+                if self.release_results:
+                    self._held.add(result.job_id, len(buf))
                 return result
-            job_id = self._decode(wire.JobAccepted, response, buf).job_id
-        job = self._job_type(self, job_id, prepared.local_names)
-        return self._finished(prepared, (yield from job._waiting(deadline.left(), progress)))
+            job_id = self._reader.decode(wire.JobAccepted, response, buf).job_id
+        job = self._job_type(self, job_id, out.local_names)
+        return self._finished(out, (yield from job._waiting(deadline.left(), call.progress)))
 
-    def _finished(self, prepared: Prepared, result: GradientResult) -> GradientResult:
-        self._requests.remember(prepared, result.graph_ref)
-        result.upload_bytes = prepared.body_bytes + prepared.sent_bytes
-        if prepared.export is not None:
-            written_back(prepared, result)
+    def _finished(self, out: Outgoing, result: GradientResult) -> GradientResult:
+        self._requests.remember(out, result.graph_ref)
+        result.upload_bytes = out.body_bytes + out.sent_bytes
+        if out.export is not None:
+            written_back(out, result)
         return result
 
-    def _submitting(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
-                    seed: int | None, options: dict[str, Any]) -> Flow[Any]:
-        seed = call_seed(model) if seed is None else seed  # drawn once: a resend repeats it
-        args = (model, inputs, targets, loss, losses, dtype, seed, options)
+    def _submitting(self, call: Call) -> Flow[Any]:
+        call = call.seeded()  # drawn once: a resend repeats it
 
-        def post(p: Prepared) -> Flow[tuple]:  # one POST per body, each under its own key: a refused one made no job
-            return p, (yield from self._sending("POST", "/gradients", content=p, params={"wait": 0},
-                                                idempotency_key=_new_key()))
+        def post(out: Outgoing) -> Flow[tuple]:  # one POST per body, each under its own key: a refused one made no job
+            return out, (yield from self._sending("POST", "/gradients", content=out, params={"wait": 0},
+                                                  idempotency_key=new_key()))
 
-        prepared, (response, buf) = yield from self._resending(args, post)
+        out, (response, buf) = yield from self._resending(call, post)
         if response.status_code == 200:  # a server that answered anyway: keep the result in the handle
-            raw = self._decode(wire.GradientResult, response, buf)
-            self._requests.remember(prepared, raw.graph_ref)
-            return self._job_type(self, raw.job_id, prepared.local_names, done=build_result(raw, prepared.local_names))
-        return self._job_type(self, self._decode(wire.JobAccepted, response, buf).job_id, prepared.local_names,
-                              prepared=prepared)
+            raw = self._reader.decode(wire.GradientResult, response, buf)
+            self._requests.remember(out, raw.graph_ref)
+            return self._job_type(self, raw.job_id, out.local_names, done=build_result(raw, out.local_names))
+        return self._job_type(self, self._reader.decode(wire.JobAccepted, response, buf).job_id, out.local_names,
+                              outgoing=out)
 
-    def _estimating(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
-                    seed: int, options: dict[str, Any]) -> Flow[wire.Estimate]:
-        args = (model, inputs, targets, loss, losses, dtype, seed, options)
-        response, buf = yield from self._resending(args, lambda p: self._sending("POST", "/estimate", content=p))
-        return self._decode(wire.Estimate, response, buf)
+    def _estimating(self, call: Call) -> Flow[wire.Estimate]:
+        response, buf = yield from self._resending(call, lambda out: self._sending("POST", "/estimate", content=out))
+        return self._reader.decode(wire.Estimate, response, buf)
 
     def _getting(self, path: str, tp: Any) -> Flow[Any]:
         response, buf = yield from self._sending("GET", path)
-        return self._decode(tp, response, buf)
+        return self._reader.decode(tp, response, buf)
 
-    def _resending(self, args: tuple, call: Callable[[Prepared], Flow[T]]) -> Flow[T]:
-        """call(the request prepared, its new pieces uploaded); once more, prepared anew, when the service
+    def _resending(self, call: Call, send: Callable[[Outgoing], Flow[T]]) -> Flow[T]:
+        """send(the request prepared, its new pieces uploaded); once more, prepared anew, when the service
         answers that it lost the graph or a piece the request names (RequestBuilder.lost)."""
-        prepared = self._prepare(*args)
-        yield from self._uploading(prepared)
+        out = self._prepare(call)
+        yield from self._uploading(out)
         try:
-            return (yield from call(prepared))
+            return (yield from send(out))
         except (GraphNotFoundError, TensorNotFoundError) as exc:
-            if not self._requests.lost(prepared, exc):
+            if not self._requests.lost(out, exc):
                 raise
-        prepared = self._prepare(*args)
-        yield from self._uploading(prepared)
-        return (yield from call(prepared))
+        out = self._prepare(call)
+        yield from self._uploading(out)
+        return (yield from send(out))
 
-    def _uploading(self, prepared: Prepared) -> Flow[None]:
-        for ref, data in prepared.uploads:
+    def _uploading(self, out: Outgoing) -> Flow[None]:
+        for ref, data in out.uploads:
             if ref not in self._refs.uploaded:
                 yield from self._sending("PUT", f"/tensors/{ref}", content=self._pieces(data))
                 self._refs.uploaded.add(ref)
-                prepared.sent_bytes += len(data)
+                out.sent_bytes += len(data)
 
     # --- one request, tried again ------------------------------------------------------------------
     def _sending(self, method: str, path: str, **kw: Any) -> Flow[tuple[httpx.Response, bytearray | memoryview]]:
-        """The request sent (a Prepared `content` encoded, into the kept buffer when free) and tried again
-        as the retry policy allows; its answer (response, body), or the error the API answered with."""
-        prepared = kw.get("content")
-        if not isinstance(prepared, Prepared):
-            return (yield from self._trying(method, path, kw))
-        with self._kept.encoded(prepared.body, self._pieces) as (content, size):
-            prepared.body_bytes = size
-            return (yield from self._trying(method, path, {**kw, "content": content}))
+        """The request (transfer.Send's fields; an Outgoing `content` encoded, into the kept buffer when
+        free) sent and tried again as the retry policy allows; its answer (response, body), or the error
+        the API answered with."""
+        send = Send(method, path, **kw)
+        if not isinstance(send.content, Outgoing):
+            return (yield from self._trying(send))
+        out = send.content
+        with self._kept.encoded(out.body, self._pieces) as (content, size):
+            out.body_bytes = size
+            return (yield from self._trying(replace(send, content=content)))
 
-    def _trying(self, method: str, path: str, kw: dict[str, Any]) -> Flow[tuple[httpx.Response, bytearray | memoryview]]:
-        attempt, started = 0, time.monotonic()
-        replayable = _replayable(method, path, kw)
+    def _trying(self, send: Send) -> Flow[tuple[httpx.Response, bytearray | memoryview]]:
+        policy = RetryPolicy(self.retries, self.retry_for_s, self.backoff_s)
+        tries = Tries(policy, f"{send.method} {self.base_url}{send.path}",
+                      replayable(send.method, send.path, send.idempotency_key))
         while True:
-            age = {"key_age_s": time.monotonic() - started} if attempt else {}
-            outcome = yield self._request(method, path, **kw, **age)
+            outcome = yield send.request(self._http, self.timeout, tries.key_age_s())
             if isinstance(outcome, httpx.TransportError):
-                delay = self._delay(attempt)
-                if not self._may_retry(outcome, attempt, replayable, started, delay):
-                    raise self._connection_failed(method, path, outcome, attempt + 1, started) from outcome
+                delay = tries.after_failure(outcome)  # ConnectionFailedError when no try is left
             else:
-                response, body = outcome
-                delay = self._delay(attempt, response) if response.status_code == 503 else 0.0
-                if not self._may_retry_503(response, body, attempt, replayable, started, delay):
+                response, buf = outcome[0], outcome[1].done()
+                delay = tries.after_answer(response, partial(self._reader.error_body, response, buf))
+                if delay is None:
                     if response.status_code >= 400:
-                        raise self._error(response, body.done())
-                    return response, body.done()
+                        raise self._reader.error(response, buf)
+                    return response, buf
             yield delay
-            attempt += 1
-
-    def _request(self, method: str, path: str, *, content: bytes | _Pieces | None = None,
-                 params: dict | None = None, extra_s: float = 0.0, idempotency_key: str | None = None,
-                 key_age_s: float | None = None, release: list[str] | None = None) -> httpx.Request:
-        timeout = httpx.Timeout(self.timeout + extra_s, connect=min(self.timeout, 10.0))
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        if release:
-            headers[wire.RELEASE_HEADER] = ", ".join(release)
-        if idempotency_key and key_age_s is not None:
-            # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
-            # job may have run, rather than run it a second time under a key it no longer knows.
-            headers["Idempotency-Key-Age"] = f"{key_age_s:.3f}"
-        if isinstance(content, _Pieces):  # a stream of known length: Content-Length, not chunked
-            headers["Content-Length"] = str(len(content))
-        return self._http.build_request(method, path, content=content, params=params, timeout=timeout,
-                                        headers=headers or None)
-
-    def _delay(self, attempt: int, response: httpx.Response | None = None) -> float:
-        delay = min(self.backoff_s * 2**attempt, _MAX_DELAY_S) * random.uniform(0.8, 1.2)
-        retry_after = response.headers.get("retry-after") if response is not None else None
-        if retry_after:
-            try:
-                delay = max(delay, float(retry_after))
-            except ValueError:
-                pass
-        return delay
-
-    def _budget_left(self, attempt: int, started: float, delay: float) -> bool:
-        """Whether another try fits: within `retries` (when set) and, its pause included, within
-        `retry_for_s` of the first try."""
-        if self.retries is not None and attempt >= self.retries:
-            return False
-        return time.monotonic() - started + delay <= self.retry_for_s
-
-    def _may_retry(self, exc: Exception, attempt: int, replayable: bool, started: float, delay: float) -> bool:
-        if not self._budget_left(attempt, started, delay):
-            return False
-        return isinstance(exc, _CONNECT_ERRORS) or (replayable and isinstance(exc, _IDEMPOTENT_ERRORS))
-
-    def _may_retry_503(self, response: httpx.Response, body: _Body, attempt: int, replayable: bool,
-                       started: float, delay: float) -> bool:
-        if response.status_code != 503 or not replayable or not self._budget_left(attempt, started, delay):
-            return False
-        try:
-            error = self._decode(wire.ErrorBody, response, body.done())
-        except GradientClientError:
-            return True  # not the API's answer (a proxy's): nothing ran behind it
-        if error.job_id or error.error.detail.get("job_id"):
-            # A job exists (Redis went away while the request waited on it): the caller waits on that job
-            # (GET /jobs/{id}) rather than sending the POST again, which, were the Idempotency-Key's record
-            # lost with Redis's data, would run the request a second time.
-            return False
-        return error.error.code in _TRANSIENT_CODES
-
-    def _connection_failed(self, method: str, path: str, exc: Exception, attempts: int,
-                           started: float) -> ConnectionFailedError:
-        return ConnectionFailedError(f"{method} {self.base_url}{path} failed after {attempts} tries over "
-                                     f"{time.monotonic() - started:.1f} s (retry_for_s={self.retry_for_s}): "
-                                     f"{type(exc).__name__}: {exc}", detail={"attempts": attempts})
-
-    # --- answers -----------------------------------------------------------------------------------
-    def _decode(self, tp: Any, response: httpx.Response, buf: bytearray | memoryview) -> Any:
-        is_msgpack = response.headers.get("content-type", "").startswith(MSGPACK)
-        decoder = self._decoders.get((tp, is_msgpack))
-        if decoder is None:
-            kind = msgspec.msgpack if is_msgpack else msgspec.json
-            decoder = self._decoders[(tp, is_msgpack)] = kind.Decoder(decode_type(tp))
-        try:
-            return decoder.decode(buf)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise GradientClientError(f"could not read the answer to {response.request.method} "
-                                      f"{response.request.url.path}: {exc}", code="bad_response",
-                                      response=response) from None
-
-    def _error(self, response: httpx.Response, buf: bytearray | memoryview) -> GradientClientError:
-        # Streamed responses keep no body; the exception's response carries it for the caller.
-        response = httpx.Response(response.status_code, headers=response.headers, content=bytes(buf),
-                                  request=response.request)
-        try:
-            body = self._decode(wire.ErrorBody, response, bytearray(buf))
-        except GradientClientError:
-            return GradientClientError(f"HTTP {response.status_code} from {response.request.url}: "
-                                       f"{response.text[:300]}", code=f"http_{response.status_code}",
-                                       response=response)
-        detail = dict(body.error.detail)
-        if body.job_id:
-            detail.setdefault("job_id", body.job_id)
-        return error_for(body.error.code, body.error.message, detail, response)
 
 
 class BaseJob:
     """A submitted request (`job_id`; `id` is its alias); its flows, which Job and AsyncJob drive."""
 
     def __init__(self, client: BaseClient, job_id: str, local_names: dict[str, str] | None = None, *,
-                 done: GradientResult | None = None, prepared: Prepared | None = None) -> None:
+                 done: GradientResult | None = None, outgoing: Outgoing | None = None) -> None:
         self.client = client
         self.job_id = job_id
         self.local_names = local_names or {}
         self._done = done
-        self._prepared = prepared  # a graph model's request: its answer's graph_ref goes to the export cache
+        self._outgoing = outgoing  # a graph model's request: its answer's graph_ref goes to the export cache
 
     @property
     def id(self) -> str:
@@ -368,7 +246,7 @@ class BaseJob:
 
     def _cancel(self) -> Flow[str]:
         response, buf = yield from self.client._sending("POST", f"/jobs/{self.job_id}/cancel")
-        return self.client._decode(wire.JobInfo, response, buf).status
+        return self.client._reader.decode(wire.JobInfo, response, buf).status
 
     def _waiting(self, timeout: float | None, progress: bool) -> Flow[GradientResult]:
         """GET /jobs/{id} until the job ends: its result, or its error raised as its exception class
@@ -387,8 +265,8 @@ class BaseJob:
         finally:
             bar.close()
         self._done = result
-        if self._prepared is not None:
-            self.client._requests.remember(self._prepared, result.graph_ref)
+        if self._outgoing is not None:
+            self.client._requests.remember(self._outgoing, result.graph_ref)
         return result
 
 
@@ -401,26 +279,3 @@ def _outcome(info: wire.JobInfo, local_names: dict[str, str]) -> GradientResult 
     if info.error is None:
         raise CanceledError(f"job {info.job_id} was canceled", detail={"job_id": info.job_id})
     raise error_for(info.error.code, info.error.message, {**info.error.detail, "job_id": info.job_id})
-
-
-def _replayable(method: str, path: str, kw: dict[str, Any]) -> bool:
-    """Whether sending the request again cannot create a second job. POST /estimate and a cancel create nothing."""
-    return (method != "POST" or path == "/estimate" or path.endswith("/cancel")
-            or kw.get("idempotency_key") is not None)
-
-
-def _resumable(exc: GradientClientError) -> bool:
-    """A POST /gradients that failed transiently (Redis away while it waited) after its job was created:
-    the answer names the job, which the caller then waits on."""
-    return exc.code in _TRANSIENT_CODES and exc.job_id is not None
-
-
-def _with(prepared: Prepared, update_buffers: bool) -> Prepared:
-    if not update_buffers:
-        prepared.module = None
-    return prepared
-
-
-def _new_key() -> str:
-    """One Idempotency-Key per gradients()/submit() call, kept across that call's retries."""
-    return str(uuid.uuid4())

@@ -17,6 +17,7 @@ import httpx
 from gradsvc import wire
 
 from .base import BaseClient, BaseJob, Driven, Flow, T
+from .request import Call
 from .result import GradientResult
 from .runs import AsyncRun, Run
 from .transfer import _KEPT_BUFFER_MIN, _LARGE_ANSWER, _AsyncPieces, _Body, _Pieces  # noqa: F401  (tests read the sizes here)
@@ -126,13 +127,14 @@ class Client(BaseClient):
         long the POST itself waits on the server (its `?wait=`, cut to what `timeout` leaves) before polling
         GET /jobs/{id}.
         """
-        return self._drive(self._gradients(model, inputs, targets, loss, losses, dtype, seed, wait_s, timeout,
-                                           progress, options))
+        return self._drive(self._gradients(Call(model, inputs, targets, loss, losses=losses, dtype=dtype, seed=seed,
+                                                options=options, wait_s=wait_s, timeout=timeout, progress=progress)))
 
     def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                losses: list | None = None, dtype: str | None = None, seed: int | None = None, **options: Any) -> Job:
         """Queues the request and returns at once with its Job."""
-        return self._drive(self._submitting(model, inputs, targets, loss, losses, dtype, seed, options))
+        return self._drive(self._submitting(Call(model, inputs, targets, loss, losses=losses, dtype=dtype, seed=seed,
+                                                 options=options)))
 
     def job(self, job_id: str) -> Job:
         """A handle on a job submitted earlier (tensor names as the service gives them)."""
@@ -142,7 +144,8 @@ class Client(BaseClient):
                  losses: list | None = None, dtype: str | None = None, seed: int = 0,
                  **options: Any) -> wire.Estimate:
         """Parameter count and per-layer activation memory, predicted on the meta device; nothing is queued."""
-        return self._drive(self._estimating(model, inputs, targets, loss, losses, dtype, seed, options))
+        return self._drive(self._estimating(Call(model, inputs, targets, loss, losses=losses, dtype=dtype, seed=seed,
+                                                 options=options)))
 
     def run(self, name: str, start: int = 0) -> Run:
         """A training run: `run.gradients(...)` takes gradients()'s arguments and records each call as the
@@ -208,14 +211,16 @@ class AsyncClient(BaseClient):
                         wait_s: float = 30.0, timeout: float | None = None, progress: bool = False,
                         **options: Any) -> GradientResult:
         """Client.gradients, awaited."""
-        return await self._drive(self._gradients(model, inputs, targets, loss, losses, dtype, seed, wait_s, timeout,
-                                                 progress, options))
+        return await self._drive(self._gradients(Call(model, inputs, targets, loss, losses=losses, dtype=dtype,
+                                                      seed=seed, options=options, wait_s=wait_s, timeout=timeout,
+                                                      progress=progress)))
 
     async def submit(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                      losses: list | None = None, dtype: str | None = None, seed: int | None = None,
                      **options: Any) -> AsyncJob:
         """Client.submit, awaited."""
-        return await self._drive(self._submitting(model, inputs, targets, loss, losses, dtype, seed, options))
+        return await self._drive(self._submitting(Call(model, inputs, targets, loss, losses=losses, dtype=dtype,
+                                                       seed=seed, options=options)))
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)
@@ -223,7 +228,8 @@ class AsyncClient(BaseClient):
     async def estimate(self, model: Any, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
                        losses: list | None = None, dtype: str | None = None, seed: int = 0,
                        **options: Any) -> wire.Estimate:
-        return await self._drive(self._estimating(model, inputs, targets, loss, losses, dtype, seed, options))
+        return await self._drive(self._estimating(Call(model, inputs, targets, loss, losses=losses, dtype=dtype,
+                                                       seed=seed, options=options)))
 
     def run(self, name: str, start: int = 0) -> AsyncRun:
         """Client.run, with coroutine methods."""

@@ -28,71 +28,122 @@ def reason(exc: Exception) -> str:
 
 
 def convert_program(ep: "torch.export.ExportedProgram", module: nn.Module,
-             batched: list[bool]) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]]:
-    from torch.export.graph_signature import InputKind, OutputKind
-
-    sig = ep.graph_signature
-    tensors = {**dict(module.named_parameters(remove_duplicate=False)),
-               **dict(module.named_buffers(remove_duplicate=False))}
-    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant",
-             InputKind.USER_INPUT: "input"}
-    specs = {s.arg.name: s for s in sig.input_specs}
-    inputs, weights, constants = [], {}, {}
-    param_dtypes = set()
-    # Tied weights (GPT-2's lm_head.weight is transformer.wte.weight) are one placeholder per name in the
-    # exported graph; here they become one input, as one parameter, so its gradient sums both uses.
-    first_by_tensor: dict[int, str] = {}
-    alias: dict[str, str] = {}
+                    batched: list[bool]) -> tuple[wire.GraphSpec, dict[str, torch.Tensor]]:
+    """The exported program as the wire's graph (its inputs, calls and outputs, in the parameters' dtype)
+    and the weights it names, by state_dict name."""
+    specs, kinds = _input_specs(ep)
+    found = _Inputs(ep, module, batched)
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     for node in placeholders:
+        found.add(node, specs[node.name], kinds[node.name])
+    names = {n: found.alias.get(n.name, n.name) for n in ep.graph.nodes}
+    gradless = {n for n in placeholders if kinds[n.name] in ("buffer", "constant")}
+    nodes = _nodes(ep, names, gradless, kinds)
+    outputs, mutations = _outputs(ep, names)
+    graph = wire.GraphSpec(inputs=found.inputs, nodes=nodes, outputs=outputs, dtype=_graph_dtype(found.param_dtypes),
+                           constants=found.constants, buffer_mutations=mutations)
+    return graph, found.weights
+
+
+def _input_specs(ep: "torch.export.ExportedProgram") -> tuple[dict, dict[str, str]]:
+    """Each placeholder's input spec and its kind on the wire ("parameter", "buffer", "constant", "input");
+    a placeholder of another kind is refused."""
+    from torch.export.graph_signature import InputKind
+
+    wire_kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+                  InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    kinds = {}
+    for node in ep.graph.nodes:
+        if node.op != "placeholder":
+            continue
         s = specs[node.name]
-        if s.kind not in kinds:
+        if s.kind not in wire_kinds:
             raise UnsupportedModuleError(f"the exported graph has an input of kind {s.kind.name} ({node.name}); the "
                                          "service takes parameters, buffers, tensor constants and tensor inputs")
-        kind = kinds[s.kind]
+        kinds[node.name] = wire_kinds[s.kind]
+    return specs, kinds
+
+
+class _Inputs:
+    """The exported graph's placeholders as the wire's inputs, with the weights and constants they name.
+    Tied weights (GPT-2's lm_head.weight is transformer.wte.weight) are one placeholder per name in the
+    exported graph; here they become one input, as one parameter, so its gradient sums both uses."""
+
+    def __init__(self, ep: "torch.export.ExportedProgram", module: nn.Module, batched: list[bool]) -> None:
+        self.ep, self.batched = ep, batched
+        self.tensors = {**dict(module.named_parameters(remove_duplicate=False)),
+                        **dict(module.named_buffers(remove_duplicate=False))}
+        self.inputs: list[wire.GraphInput] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.constants: dict[str, wire.Tensor] = {}
+        self.param_dtypes: set = set()
+        self.alias: dict[str, str] = {}  # a tied weight's later placeholder -> the first one's name
+        self.first_by_tensor: dict[int, str] = {}
+
+    def add(self, node: "torch.fx.Node", spec, kind: str) -> None:
         val = node.meta.get("val")
         if kind == "input" and not isinstance(val, torch.Tensor):
             raise UnsupportedModuleError(f"input {node.name!r} is not a tensor; only tensor inputs are supported")
-        entry = wire.GraphInput(name=node.name, kind=kind, target=s.target)
+        entry = wire.GraphInput(name=node.name, kind=kind, target=spec.target)
         if kind in ("parameter", "buffer"):
-            t = tensors.get(s.target)
-            if t is None:
-                t = ep.constants.get(s.target)  # non-persistent buffers live among the constants
-            if t is None:
-                raise UnsupportedModuleError(f"{kind} {s.target!r} of the exported graph is not in the module")
-            if id(t) in first_by_tensor:
-                alias[node.name] = first_by_tensor[id(t)]
-                continue
-            first_by_tensor[id(t)] = node.name
-            weights[s.target] = t.detach()
-            entry.dtype, entry.shape = _dtype(t), list(t.shape)
-            if kind == "parameter":
-                param_dtypes.add(t.dtype)
+            if not self._weight(node, spec, entry):
+                return
         elif kind == "constant":
-            c = ep.constants[s.target]
-            if not isinstance(c, torch.Tensor):
-                raise UnsupportedModuleError(f"constant {s.target!r} is a {type(c).__name__}, not a tensor")
-            const = to_wire(c.detach().cpu().contiguous())
-            constants[s.target] = wire.Tensor(dtype=const.dtype, shape=const.shape, data=bytes(const.data))
-            entry.dtype, entry.shape = _dtype(c), list(c.shape)
+            self._constant(spec, entry)
         else:
             entry.target = None
             entry.dtype, entry.shape = _dtype(val), [int(n) if isinstance(n, int) else -1 for n in val.shape]
-            entry.batch_dim = 0 if batched[sum(1 for i in inputs if i.kind == "input")] else None
+            entry.batch_dim = 0 if self.batched[sum(1 for i in self.inputs if i.kind == "input")] else None
             if val.layout in (torch.sparse_coo, torch.sparse_csr):
                 entry.layout = str(val.layout).removeprefix("torch.")
-        inputs.append(entry)
-    names = {n: alias.get(n.name, n.name) for n in ep.graph.nodes}
-    inliner = _Inliner(ep, names, {n for n in placeholders if kinds[specs[n.name].kind] in ("buffer", "constant")})
+        self.inputs.append(entry)
+
+    def _weight(self, node: "torch.fx.Node", spec, entry: wire.GraphInput) -> bool:
+        """A parameter's or buffer's input; False for a tied weight's second name (an alias of the first)."""
+        t = self.tensors.get(spec.target)
+        if t is None:
+            t = self.ep.constants.get(spec.target)  # non-persistent buffers live among the constants
+        if t is None:
+            raise UnsupportedModuleError(f"{entry.kind} {spec.target!r} of the exported graph is not in the module")
+        if id(t) in self.first_by_tensor:
+            self.alias[node.name] = self.first_by_tensor[id(t)]
+            return False
+        self.first_by_tensor[id(t)] = node.name
+        self.weights[spec.target] = t.detach()
+        entry.dtype, entry.shape = _dtype(t), list(t.shape)
+        if entry.kind == "parameter":
+            self.param_dtypes.add(t.dtype)
+        return True
+
+    def _constant(self, spec, entry: wire.GraphInput) -> None:
+        c = self.ep.constants[spec.target]
+        if not isinstance(c, torch.Tensor):
+            raise UnsupportedModuleError(f"constant {spec.target!r} is a {type(c).__name__}, not a tensor")
+        const = to_wire(c.detach().cpu().contiguous())
+        self.constants[spec.target] = wire.Tensor(dtype=const.dtype, shape=const.shape, data=bytes(const.data))
+        entry.dtype, entry.shape = _dtype(c), list(c.shape)
+
+
+def _nodes(ep: "torch.export.ExportedProgram", names: dict, gradless: set, kinds: dict[str, str]) -> list[wire.OpNode]:
+    """The graph's calls as wire nodes, grad-mode regions inlined (_Inliner), each named by its module."""
+    inliner = _Inliner(ep, names, gradless)
     nodes = []
     for call in inliner.calls():
-        _refuse_input_writes(call, specs, kinds, inliner.origin)
+        _refuse_input_writes(call, kinds, inliner.origin)
         nodes.append(wire.OpNode(name=call.name, op=_op_name(call), args=[_arg(a, call, names) for a in call.args],
                                  kwargs={k: _arg(v, call, names) for k, v in call.kwargs.items()},
                                  **_module_of(call)))
+    return nodes
+
+
+def _outputs(ep: "torch.export.ExportedProgram", names: dict) -> tuple[list[dict], dict[str, str]]:
+    """The model's outputs (tensors only) and the buffers its forward writes, each by its node's name."""
+    from torch.export.graph_signature import OutputKind
+
     outputs, mutations = [], {}
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
-    for spec, value in zip(sig.output_specs, out_node.args[0]):
+    for spec, value in zip(ep.graph_signature.output_specs, out_node.args[0]):
         if spec.kind == OutputKind.USER_OUTPUT:
             if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
                 outputs.append({"node": names[value]})
@@ -106,16 +157,18 @@ def convert_program(ep: "torch.export.ExportedProgram", module: nn.Module,
                                          "not modify its inputs)")
     if not outputs:
         raise UnsupportedModuleError("the model returns no tensor; return the output the loss applies to")
+    return outputs, mutations
+
+
+def _graph_dtype(param_dtypes: set) -> str:
+    """The parameters' one floating dtype (torch's default for a model without floating parameters)."""
     floats = sorted({str(d).removeprefix("torch.") for d in param_dtypes if d.is_floating_point})
     if len(floats) > 1:
         raise UnsupportedModuleError(f"the model mixes parameter dtypes {floats}; convert it to one dtype first")
-    dtype = floats[0] if floats else str(torch.get_default_dtype()).removeprefix("torch.")
-    graph = wire.GraphSpec(inputs=inputs, nodes=nodes, outputs=outputs, dtype=dtype, constants=constants,
-                           buffer_mutations=mutations)
-    return graph, weights
+    return floats[0] if floats else str(torch.get_default_dtype()).removeprefix("torch.")
 
 
-def _refuse_input_writes(node: "_Call", specs: dict, kinds: dict, origin: dict) -> None:
+def _refuse_input_writes(node: "_Call", kinds: dict[str, str], origin: dict) -> None:
     """A forward that writes its input or a parameter in place cannot be replayed as a pure function of
     the weights and the batch (the service refuses it too); say so before anything is sent."""
     target = node.target
@@ -126,8 +179,8 @@ def _refuse_input_writes(node: "_Call", specs: dict, kinds: dict, origin: dict) 
             continue
         value = origin.get(value, value)  # inside an inlined region: the value that entered it
         written = arg.alias_info is not None and arg.alias_info.is_write
-        if written and value.op == "placeholder" and value.name in specs:
-            kind = kinds.get(specs[value.name].kind)
+        if written and value.op == "placeholder":
+            kind = kinds.get(value.name)  # the exported graph's own placeholders' kinds (_input_specs)
             if kind in ("input", "parameter", "constant"):
                 raise UnsupportedModuleError(f"the model modifies its {kind} {value.name!r} in place ({target}); a "
                                              "forward must not modify its inputs or parameters: work on a copy")

@@ -4,13 +4,20 @@ reference (refs.py), the inputs, targets and options; and what to forget when th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 
 from gradsvc import wire
 
-from .errors import BadOptionError, GradientClientError, GraphNotFoundError, UnsupportedModuleError
+from .errors import (
+    BadOptionError,
+    GradientClientError,
+    GraphNotFoundError,
+    UnsupportedModuleError,
+)
 from .refs import INLINE_BYTES, TensorRefs
 from .tensors import inputs_to_wire, several_inputs, to_wire
 
@@ -21,7 +28,43 @@ RUN_OPTION = "_run"
 _EXPORTS_KEPT = 32
 
 
-class Prepared(msgspec.Struct):
+@dataclass(frozen=True)
+class Call:
+    """One gradients/submit/estimate call's arguments, built once by the public method (which takes them as
+    keywords, as docs/sdk.md lists them) and read by the flows (base.py) and RequestBuilder.prepare."""
+
+    model: Any
+    inputs: Any
+    targets: Any = None
+    loss: Any = "cross_entropy"
+    losses: list | None = None
+    dtype: str | None = None
+    seed: int | None = None  # None: drawn once per call (call_seed), so that a resend repeats it
+    options: Mapping[str, Any] = field(default_factory=dict)  # the service's options, and the SDK's own keys
+    wait_s: float = 30.0  # gradients(): the POST's server-side wait
+    timeout: float | None = None  # gradients(): the whole call's deadline
+    progress: bool = False  # gradients(): show the job's phase while polling
+
+    @property
+    def update_buffers(self) -> bool:
+        """gradients(update_buffers=False): an SDK argument among the options, not a service option."""
+        return bool(self.options.get("update_buffers", True))
+
+    @property
+    def run(self) -> Any:
+        """Run.gradients' step (RUN_OPTION): the body's `run`, not an option."""
+        return self.options.get(RUN_OPTION)
+
+    def service_options(self) -> dict[str, Any]:
+        """The options the body carries: a fresh dict, without the SDK's own keys."""
+        return {k: v for k, v in self.options.items() if k not in ("update_buffers", RUN_OPTION)}
+
+    def seeded(self) -> "Call":
+        """The call with its seed drawn (call_seed) when the caller gave none."""
+        return self if self.seed is not None else replace(self, seed=call_seed(self.model))
+
+
+class Outgoing(msgspec.Struct):
     """One request body, ready to send (and to send again)."""
 
     body: dict[str, Any]  # encoded when sent (KeptBuffer.encoded), tensors as views of the caller's memory
@@ -70,74 +113,60 @@ class RequestBuilder:
         # A module's weights of at least ref_min_bytes go up once, by reference (refs.py); None: in every body.
         self.refs = TensorRefs(ref_min_bytes) if ref_min_bytes is not None else None
 
-    def prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
-                seed: int, options: dict[str, Any]) -> Prepared:
-        options = dict(options)
-        options.pop("update_buffers", None)  # the SDK's own argument (gradients() reads it)
-        run = options.pop(RUN_OPTION, None)  # Run.gradients' step: the body's `run`, not an option
-        prepared = self._prepare(model, inputs, targets, loss, losses, dtype, seed, options)
-        if run is not None:
-            prepared.body["run"] = run
-        return prepared
-
-    def _prepare(self, model: Any, inputs: Any, targets: Any, loss: Any, losses: list | None, dtype: str | None,
-                 seed: int, options: dict[str, Any]) -> Prepared:
+    def prepare(self, call: Call) -> Outgoing:
+        """The call's request body: the model's spec (its new weight pieces in `uploads`), inputs, targets,
+        loss and options, and Run.gradients' step as the body's `run`."""
         fmt = self.wire_format
-        local_names: dict[str, str] = {}
-        uploads: list = []
-        inline = _Inline()
-        graph_key, by_ref = None, False
-        module = export = None
+        out = Outgoing(body={}, encoder=self.encoder, local_names={})
+        options = call.service_options()
+        spec = self._model_spec(call.model, call.inputs, options, out)
+        if call.dtype is not None:
+            spec["dtype"] = call.dtype
+        spec.setdefault("seed", call.seed)
+        out.body.update(model=spec, inputs=inputs_to_wire(call.inputs, fmt), options=self._options(options))
+        if call.targets is not None:
+            out.body["targets"] = ({k: to_wire(v, fmt) for k, v in call.targets.items()}
+                                   if isinstance(call.targets, dict) else to_wire(call.targets, fmt))
+        if call.losses is not None:
+            out.body["losses"] = call.losses
+        else:
+            out.body["loss"] = call.loss
+        if call.run is not None:
+            out.body["run"] = call.run
+        out.refs = [r for w in spec.get("weights", {}).values() if isinstance(w, wire.Tensor) and w.refs
+                    for r in w.refs]
+        return out
+
+    def _model_spec(self, model: Any, inputs: Any, options: dict[str, Any], out: Outgoing) -> dict[str, Any]:
+        """The body's `model`: a spec dict as given (its weights on the wire), a module the layer spec
+        expresses as layers, any other module as its exported graph; `freeze` in the service's names."""
         if isinstance(model, wire.ModelSpec):
             model = msgspec.structs.asdict(model)
         if isinstance(model, dict):
             spec = dict(model)
             weights = spec.pop("weights", None)
             if weights:
-                spec["weights"] = {k: to_wire(v, fmt) for k, v in weights.items()}
-        else:
-            from .convert import convert  # needs torch; spec dicts do not
-
-            try:
-                # A layer spec takes one tensor: a module called with several inputs goes as a graph.
-                # So does one whose forward may write buffers (batch norm in training mode): only a graph's
-                # result carries them back.
-                c = None if (several_inputs(inputs) or _may_write_buffers(model)) and is_module(model) \
-                    else convert(model)
-            except UnsupportedModuleError:
-                if not is_module(model):
-                    raise
-                c = None
-            if c is None:  # any other nn.Module goes as an exported graph with its weights
-                spec, graph_key, by_ref = self._graph_spec(model, inputs, uploads, inline)
-                module, export = model, self.exports[graph_key]
-                if "freeze" not in options:
-                    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-                    if frozen:
-                        options["freeze"] = frozen
-            else:
-                spec = {"layers": c.layers, "dtype": c.dtype}
-                if c.weights:
-                    spec["weights"] = {k: self._weight(v, uploads, inline) for k, v in c.weights.items()}
-                local_names = c.local_names
-                if "freeze" in options:
-                    options["freeze"] = _service_prefixes(options["freeze"], local_names)
-                elif c.frozen:
-                    options["freeze"] = c.frozen
-        if dtype is not None:
-            spec["dtype"] = dtype
-        spec.setdefault("seed", seed)
-        body: dict[str, Any] = {"model": spec, "inputs": inputs_to_wire(inputs, fmt), "options": self._options(options)}
-        if targets is not None:
-            body["targets"] = ({k: to_wire(v, fmt) for k, v in targets.items()} if isinstance(targets, dict)
-                               else to_wire(targets, fmt))
-        if losses is not None:
-            body["losses"] = losses
-        else:
-            body["loss"] = loss
-        refs = [r for w in spec.get("weights", {}).values() if isinstance(w, wire.Tensor) and w.refs for r in w.refs]
-        return Prepared(body=body, encoder=self.encoder, local_names=local_names, graph_key=graph_key,
-                        by_ref=by_ref, uploads=uploads, refs=refs, module=module, export=export)
+                spec["weights"] = {k: to_wire(v, self.wire_format) for k, v in weights.items()}
+            return spec
+        c = _as_layers(model, inputs)
+        if c is None:  # any other nn.Module goes as an exported graph with its weights
+            spec = self._graph_spec(model, inputs, out, _Inline())
+            out.module, out.export = model, self.exports[out.graph_key]
+            if "freeze" not in options:
+                frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+                if frozen:
+                    options["freeze"] = frozen
+            return spec
+        spec = {"layers": c.layers, "dtype": c.dtype}
+        if c.weights:
+            inline = _Inline()
+            spec["weights"] = {k: self._weight(v, out.uploads, inline) for k, v in c.weights.items()}
+        out.local_names = c.local_names
+        if "freeze" in options:
+            options["freeze"] = _service_prefixes(options["freeze"], c.local_names)
+        elif c.frozen:
+            options["freeze"] = c.frozen
+        return spec
 
     def _weight(self, t: Any, uploads: list, inline: "_Inline") -> Any:
         """A weight as the request carries it: by reference when large (its new pieces into `uploads`), but
@@ -157,13 +186,28 @@ class RequestBuilder:
                 return value
         return to_wire(t.detach(), self.wire_format)
 
-    def _graph_spec(self, model: Any, inputs: Any, uploads: list, inline: "_Inline") -> tuple[dict[str, Any], Any,
-                                                                                           bool]:
+    def _graph_spec(self, model: Any, inputs: Any, out: Outgoing, inline: "_Inline") -> dict[str, Any]:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
-        service has answered for this structure, the graph's ref) and its current weights."""
-        from .export import example_inputs, export_graph
+        service has answered for this structure, the graph's ref) and its current weights; the export
+        cache's key and whether the graph went by ref into `out`."""
+        key, entry = self._export(model, inputs)
+        state = {**dict(model.named_parameters(remove_duplicate=False)),
+                 **dict(model.named_buffers(remove_duplicate=False))}
+        weights = {n: self._weight(state[n], out.uploads, inline) for n in entry.names}
+        spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
+        if entry.ref is not None:
+            spec["graph_ref"] = entry.ref
+        else:
+            spec["graph"] = entry.graph
+        out.graph_key, out.by_ref = key, entry.ref is not None
+        return spec
 
+    def _export(self, model: Any, inputs: Any) -> tuple[Any, "_Export"]:
+        """The module's exported graph for these inputs and its key in the cache: found there, else
+        exported now (~1 s of torch.export) and kept."""
         from torch.utils import _pytree as pytree
+
+        from .export import example_inputs, export_graph
 
         args, kwargs = example_inputs(inputs)
         rows = next(x.shape[0] for x in pytree.tree_leaves((args, kwargs)))
@@ -182,15 +226,7 @@ class RequestBuilder:
             if len(self.exports) >= _EXPORTS_KEPT:
                 self.exports.pop(next(iter(self.exports)))
             self.exports[key] = entry
-        state = {**dict(model.named_parameters(remove_duplicate=False)),
-                 **dict(model.named_buffers(remove_duplicate=False))}
-        weights = {n: self._weight(state[n], uploads, inline) for n in entry.names}
-        spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
-        if entry.ref is not None:
-            spec["graph_ref"] = entry.ref
-        else:
-            spec["graph"] = entry.graph
-        return spec, key, entry.ref is not None
+        return key, entry
 
     def _options(self, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - _OPTION_NAMES)
@@ -204,25 +240,41 @@ class RequestBuilder:
             options.setdefault("encoding", "b64")  # never nested lists: b64 decodes straight to bytes
         return options
 
-    def remember(self, prepared: Prepared, graph_ref: str | None) -> None:
+    def remember(self, out: Outgoing, graph_ref: str | None) -> None:
         """After an answer: the next request for this structure sends graph_ref, not the graph."""
-        entry = self.exports.get(prepared.graph_key) if prepared.graph_key is not None else None
+        entry = self.exports.get(out.graph_key) if out.graph_key is not None else None
         if entry is not None and graph_ref:
             entry.ref = graph_ref
 
-    def lost(self, prepared: Prepared, exc: GradientClientError) -> bool:
+    def lost(self, out: Outgoing, exc: GradientClientError) -> bool:
         """Whether the request is worth sending again after `exc` (graph_not_found, tensor_not_found): a
         graph sent by ref (the graph goes whole next), or pieces the service lost (they go up again next)."""
         if isinstance(exc, GraphNotFoundError):
-            entry = self.exports.get(prepared.graph_key) if prepared.graph_key is not None else None
-            if entry is None or not prepared.by_ref:
+            entry = self.exports.get(out.graph_key) if out.graph_key is not None else None
+            if entry is None or not out.by_ref:
                 return False
             entry.ref = None
             return True
-        if prepared.refs and self.refs is not None:
-            self.refs.forget(prepared.refs)
+        if out.refs and self.refs is not None:
+            self.refs.forget(out.refs)
             return True
         return False
+
+
+def _as_layers(model: Any, inputs: Any) -> Any:
+    """The module as the layer spec (convert.convert's Converted), or None for a module that goes as a graph:
+    one called with several inputs (a layer spec takes one tensor), one whose forward may write buffers
+    (batch norm in training mode: only a graph's result carries them back), or one of layers the spec lacks."""
+    from .convert import convert  # needs torch; spec dicts do not
+
+    if (several_inputs(inputs) or _may_write_buffers(model)) and is_module(model):
+        return None
+    try:
+        return convert(model)
+    except UnsupportedModuleError:
+        if not is_module(model):
+            raise
+        return None
 
 
 def _may_write_buffers(model: Any) -> bool:
@@ -298,4 +350,4 @@ def call_seed(model: Any) -> int:
     return int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
 
 
-__all__ = ["Prepared", "RequestBuilder", "call_seed", "is_module"]
+__all__ = ["Call", "Outgoing", "RequestBuilder", "call_seed", "is_module"]

@@ -7,13 +7,24 @@ wire form and the decoded form. Inside gradclient the wire classes are only ever
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from gradsvc import wire
-from gradsvc.wire import ClipResult, Density, GraphNode, Memory, NoiseScale, Norms, Numcheck, ShardsInfo, Timings
+from gradsvc.wire import (
+    ClipResult,
+    Density,
+    GraphNode,
+    Memory,
+    NoiseScale,
+    Norms,
+    Numcheck,
+    ShardsInfo,
+    Timings,
+)
 
 from .tensors import from_wire
 
@@ -155,10 +166,10 @@ def _tree(value: Any) -> Any:
     return value
 
 
-def written_back(prepared: Any, result: GradientResult) -> None:
+def written_back(out: Any, result: GradientResult) -> None:
     """After a graph model's call: how it was captured, its outputs in forward's own structure (tuples,
     ModelOutput), and the buffers its forward wrote copied into the module (as a local step leaves them)."""
-    export = prepared.export
+    export = out.export
     result.capture = export.capture
     if result.outputs is not None and export.out_spec is not None and export.graph.output_tree is not None:
         from torch.utils import _pytree as pytree
@@ -167,12 +178,12 @@ def written_back(prepared: Any, result: GradientResult) -> None:
         _pair(export.graph.output_tree, result.outputs, found)
         if len(found) == export.out_spec.num_leaves:
             result.outputs = pytree.tree_unflatten([found[i] for i in range(len(found))], export.out_spec)
-    if result.buffers and prepared.module is not None:
+    if result.buffers and out.module is not None:
         import torch
 
         with torch.no_grad():
             for name, value in result.buffers.items():
-                buf = prepared.module.get_buffer(name)
+                buf = out.module.get_buffer(name)
                 buf.copy_(torch.as_tensor(value).to(device=buf.device, dtype=buf.dtype))
 
 
@@ -206,3 +217,29 @@ def _curvature(raw: Any, tensors) -> Curvature | None:
     return Curvature(matrix=raw.matrix, top_eigenvalues=raw.top_eigenvalues, residuals=raw.residuals,
                      trace=raw.trace, trace_stderr=raw.trace_stderr, density=raw.density, products=raw.products,
                      eigenvectors=None if raw.eigenvectors is None else [tensors(v) for v in raw.eigenvectors])
+
+
+# A result this large (its answer's bytes) that gradients() returned is released with the client's next
+# POST /gradients (wire.RELEASE_HEADER): the service drops it then rather than keep it GRADSVC_RESULT_TTL_S
+# (a training loop's results would fill its memory). Smaller ones cost little to keep.
+# Client(release_results=False) keeps all.
+RELEASE_MIN_BYTES = 1 << 20
+
+
+class HeldResults:
+    """The large results a client's gradients() returned, which its next POST /gradients releases."""
+
+    def __init__(self) -> None:
+        self.job_ids: list[str] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> list[str]:
+        """The job ids to release with this request; none is released twice."""
+        with self.lock:
+            held, self.job_ids = self.job_ids, []
+        return held
+
+    def add(self, job_id: str | None, answer_bytes: int) -> None:
+        if answer_bytes >= RELEASE_MIN_BYTES and job_id:
+            with self.lock:
+                self.job_ids = [*self.job_ids, job_id][-wire.MAX_RELEASED:]

@@ -1,5 +1,6 @@
-"""The bytes of a request and of its answer: the body encoded into a buffer the client keeps, sent in pieces;
-the answer read into one buffer sized from its Content-Length, which the decoded tensors are views into."""
+"""The bytes of a request and of its answer: the request built (Send), its body encoded into a buffer the
+client keeps and sent in pieces; the answer read into one buffer sized from its Content-Length, and decoded
+(AnswerReader) into the wire's types, whose tensors are views into that buffer, or into the API's error."""
 
 from __future__ import annotations
 
@@ -7,10 +8,19 @@ import contextlib
 import socket
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import httpx
+import msgspec
 import numpy as np
+
+from gradsvc import wire
+
+from .errors import GradientClientError, error_for
+from .tensors import decode_type
+
+MSGPACK = "application/msgpack"
 
 # An answer at least this large is read into uninitialised memory from numpy, which asks Linux for huge
 # pages: a 33.6 MB answer then takes ~530 page faults instead of ~8,200 and is not zeroed first (filling
@@ -220,4 +230,75 @@ class KeptBuffer:
             self.lock.release()
 
 
-__all__ = ["KeptBuffer"]
+@dataclass(frozen=True)
+class Send:
+    """One HTTP request of a flow, as it is sent on each try (base.py's _sending)."""
+
+    method: str
+    path: str
+    content: Any = None  # bytes or _Pieces (an Outgoing body once encoded)
+    params: dict | None = None
+    extra_s: float = 0.0  # the server-side wait (`?wait=`) the read timeout must cover
+    idempotency_key: str | None = None
+    release: list[str] | None = None  # results the service may drop (wire.RELEASE_HEADER)
+
+    def request(self, http: Any, timeout: float, key_age_s: float | None) -> httpx.Request:
+        """The try's httpx.Request; `key_age_s` (a try again) goes with its Idempotency-Key."""
+        limits = httpx.Timeout(timeout + self.extra_s, connect=min(timeout, 10.0))
+        headers = {"Idempotency-Key": self.idempotency_key} if self.idempotency_key else {}
+        if self.release:
+            headers[wire.RELEASE_HEADER] = ", ".join(self.release)
+        if self.idempotency_key and key_age_s is not None:
+            # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
+            # job may have run, rather than run it a second time under a key it no longer knows.
+            headers["Idempotency-Key-Age"] = f"{key_age_s:.3f}"
+        if isinstance(self.content, _Pieces):  # a stream of known length: Content-Length, not chunked
+            headers["Content-Length"] = str(len(self.content))
+        return http.build_request(self.method, self.path, content=self.content, params=self.params,
+                                  timeout=limits, headers=headers or None)
+
+
+class AnswerReader:
+    """An answer's body decoded, msgpack or JSON as its Content-Type says, with one msgspec decoder per type
+    kept; an error answer as the exception class of its code (errors.py)."""
+
+    def __init__(self) -> None:
+        self.decoders: dict[tuple[Any, bool], Any] = {}
+
+    def decode(self, tp: Any, response: httpx.Response, buf: bytearray | memoryview) -> Any:
+        is_msgpack = response.headers.get("content-type", "").startswith(MSGPACK)
+        decoder = self.decoders.get((tp, is_msgpack))
+        if decoder is None:
+            kind = msgspec.msgpack if is_msgpack else msgspec.json
+            decoder = self.decoders[(tp, is_msgpack)] = kind.Decoder(decode_type(tp))
+        try:
+            return decoder.decode(buf)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise GradientClientError(f"could not read the answer to {response.request.method} "
+                                      f"{response.request.url.path}: {exc}", code="bad_response",
+                                      response=response) from None
+
+    def error_body(self, response: httpx.Response, buf: bytearray | memoryview) -> wire.ErrorBody | None:
+        """The API's error body, or None for an answer that is not one (a proxy's)."""
+        try:
+            return self.decode(wire.ErrorBody, response, buf)
+        except GradientClientError:
+            return None
+
+    def error(self, response: httpx.Response, buf: bytearray | memoryview) -> GradientClientError:
+        """The exception an error answer raises, carrying the response (with its body: streamed responses
+        keep none)."""
+        response = httpx.Response(response.status_code, headers=response.headers, content=bytes(buf),
+                                  request=response.request)
+        body = self.error_body(response, bytearray(buf))
+        if body is None:
+            return GradientClientError(f"HTTP {response.status_code} from {response.request.url}: "
+                                       f"{response.text[:300]}", code=f"http_{response.status_code}",
+                                       response=response)
+        detail = dict(body.error.detail)
+        if body.job_id:
+            detail.setdefault("job_id", body.job_id)
+        return error_for(body.error.code, body.error.message, detail, response)
+
+
+__all__ = ["AnswerReader", "KeptBuffer", "Send"]

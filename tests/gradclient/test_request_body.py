@@ -16,6 +16,7 @@ import torch
 
 from gradclient import AsyncClient, Client
 from gradclient.client import _KEPT_BUFFER_MIN
+from gradclient.request import Call
 
 SPEC = {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}], "dtype": "float32"}
 ACCEPTED = msgspec.json.encode({"job_id": "job-1", "status": "queued"})
@@ -80,7 +81,7 @@ def batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expected(client: Client | AsyncClient, x: torch.Tensor, y: torch.Tensor) -> bytes:
-    return client._prepare(SPEC, x, y, "cross_entropy", None, None, 0, {}).content
+    return client._prepare(Call(SPEC, x, y, seed=0)).content
 
 
 @pytest.mark.parametrize("wire_format", ["msgpack", "json"])
@@ -189,7 +190,7 @@ def test_changing_weights_go_in_the_body_and_unchanged_ones_by_reference():
     ids, y = torch.randint(0, 512, (4, 3)), torch.randint(0, 512, (4,))
 
     def sent() -> dict[str, str]:
-        prep = builder.prepare(model, ids, y, "cross_entropy", None, None, 0, {"numcheck": "off"})
+        prep = builder.prepare(Call(model, ids, y, seed=0, options={"numcheck": "off"}))
         builder.refs.uploaded.update(d for d, _ in prep.uploads)  # as if the PUTs went through
         return {n: "ref" if isinstance(w, wire.Tensor) and w.refs else "body"
                 for n, w in prep.body["model"]["weights"].items()}

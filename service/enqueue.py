@@ -39,7 +39,7 @@ class Early:
     digest: "Future[str] | None" = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class JobRequest:
     """What a job to enqueue is: its body as sent (`fmt`: "json" or "msgpack") for `owner`, and what its
     enqueue decides by. `key`, `key_age_s`: its Idempotency-Key and a retry's Idempotency-Key-Age, the

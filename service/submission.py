@@ -36,7 +36,7 @@ def small_layer_spec(req: GradientRequest, body: bytes) -> bool:
     return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None and not tensor_refs.has_refs(req)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # slots, not frozen: made per request, in a third of the time
 class Submission:
     """A POST /gradients as its route read it, before its body: who sent it and what its query and headers ask."""
 
@@ -47,7 +47,7 @@ class Submission:
     key_age_s: float | None = None  # Idempotency-Key-Age, read only with a key
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Outcome:
     """What a POST /gradients came to: its job, whether it was enqueued now, and what to answer. `stored`: the
     finished job's result as stored (MessagePack). Else `info`, the job as GET /jobs/{id} reads it now:

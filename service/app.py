@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from .auth import Auth
 from .enqueue import Enqueuer
 from .error_responses import handle_exception
 from .http_server import BodyBudget
-from .idempotency import IdempotencyClaims
+from .idempotency import DIGEST_THREADS, IdempotencyClaims
 from .job_reader import JobReader
 from .queues import JobRecord, Queues
 from .sessions import Sessions
@@ -55,17 +56,21 @@ class JobParts:
     reader: JobReader
 
 
-def job_parts(settings: Settings) -> JobParts:
+def job_parts(settings: Settings, digests: Executor | None = None) -> JobParts:
+    """`digests`: the threads a large body's Idempotency-Key digest runs on (None: on the enqueue's own)."""
     queues = Queues(settings)
     claims = IdempotencyClaims(queues.redis, queues.epochs, settings.queue_prefix, settings.idempotency_ttl_s)
-    return JobParts(queues, Enqueuer(queues, claims, JobRecord.from_settings(settings), settings.min_shard_rows),
+    enqueuer = Enqueuer(queues, claims, JobRecord.from_settings(settings), settings.min_shard_rows, digests=digests)
+    return JobParts(queues, enqueuer,
                     JobReader(queues, heartbeat_s=settings.worker_heartbeat_s,
                               redis_timeout_s=settings.redis_timeout_s, job_timeout_s=settings.job_timeout_s))
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings.from_env()
-    jobs = job_parts(settings)
+    # The app's own threads for Idempotency-Key digests of large bodies, shut down with the app.
+    digests = ThreadPoolExecutor(max_workers=DIGEST_THREADS, thread_name_prefix="gradsvc-digest")
+    jobs = job_parts(settings, digests)
     queues, enqueuer, reader = jobs.queues, jobs.enqueuer, jobs.reader
     auth = Auth(settings, queues.redis)
     graphs = GraphStore(queues.redis, settings.queue_prefix, settings.graph_ttl_s)
@@ -83,7 +88,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
     parts = {"settings": settings, "engine": engine, "auth": auth, "graphs": graphs, "blobs": blobs,
-             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer), "reader": reader, "metrics": metrics,
+             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics), "reader": reader,
+             "metrics": metrics,
              "sessions": sessions, "schema_doc": schema_doc, "runs": runs,
              "layers": [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]}
 
@@ -108,6 +114,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         state=ApiState(parts),
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
+        on_shutdown=[lambda: digests.shutdown(cancel_futures=True)],
         middleware=[metrics.middleware, BodyBudget(settings.max_bodies_bytes).middleware],
         openapi_config=None,
         request_max_body_size=settings.max_body_bytes,

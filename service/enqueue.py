@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -39,12 +39,34 @@ class Early:
     digest: "Future[str] | None" = None
 
 
+@dataclass(eq=False, slots=True)
+class JobRequest:
+    """What a job to enqueue is: its body as sent (`fmt`: "json" or "msgpack") for `owner`, and what its
+    enqueue decides by. `key`, `key_age_s`: its Idempotency-Key and a retry's Idempotency-Key-Age, the
+    seconds since the SDK first sent the key (IdempotencyClaims.claim). `sharded`: (request, prepared on
+    meta) when options.shards may split the batch (service/fan_out.py). `result_bytes`: what its gradients
+    alone will take (a large result is handed back as a file when the job goes through the handoff domain's
+    queue, whatever its body's size). `early`: what Enqueuer.start began for this body (its handoff file is
+    committed by the enqueue if the job takes it)."""
+
+    body: bytes
+    fmt: str
+    owner: str
+    device: str = "auto"
+    key: str | None = None
+    key_age_s: float | None = None
+    sharded: tuple[GradientRequest, Prepared] | None = None
+    result_bytes: int = 0
+    early: Early | None = None
+
+
 @dataclass(eq=False)
 class Enqueuer:
     queues: Queues
     claims: IdempotencyClaims
     record: JobRecord
     min_shard_rows: int
+    digests: Executor | None = None  # the threads a large body's digest runs on (create_app's); None: inline
     _warned_at: float = float("-inf")  # when _replica_acked last logged (time.monotonic())
 
     def start(self, body: bytes, options: Options, idempotency_key: str | None, recycled: bool = False) -> Early | None:
@@ -56,87 +78,113 @@ class Enqueuer:
         queues = self.queues
         if queues.handoff is None or not queues.handoff.wanted(len(body)):
             return None
-        digest = body_digest(body) if idempotency_key is not None else None
+        digest = body_digest(body, self.digests) if idempotency_key is not None else None
         handed = options.shards == 1 and queues.handoff_ok(options.device)
         staged = queues.handoff.stage(body, queues.spare, refill=not recycled) if handed else None
         return Early(staged=staged, digest=digest)
 
     def enqueue(self, body: bytes, fmt: str, device: str, owner: str, idempotency_key: str | None = None,
-                sharded: tuple[GradientRequest, Prepared] | None = None, result_bytes: int = 0,
-                key_age_s: float | None = None, early: Early | None = None) -> tuple[str, bool]:
+                sharded: tuple[GradientRequest, Prepared] | None = None) -> tuple[str, bool]:
+        """enqueue_job() of a JobRequest made of these (a bench or a test enqueues without HTTP)."""
+        return self.enqueue_job(JobRequest(body, fmt, owner, device, key=idempotency_key, sharded=sharded))
+
+    def enqueue_job(self, job: JobRequest) -> tuple[str, bool]:
         """(job id, whether it was enqueued now). A key this owner used within GRADSVC_IDEMPOTENCY_TTL_S
-        names the job it enqueued then, which is returned instead of enqueueing the same body again.
-        `sharded`: (request, prepared on meta) when options.shards may split the batch (service/fan_out.py).
-        `result_bytes`: what its gradients alone will take (a large result is handed back as a file when
-        the job goes through the handoff domain's queue, whatever its body's size). `key_age_s`: a retry's
-        Idempotency-Key-Age, the seconds since the SDK first sent this key (IdempotencyClaims.claim). `early`:
-        what start() began for this body (its handoff file is committed here if the job takes it)."""
-        queues = self.queues
-        if device != "auto" and not Worker.all(queue=queues.shared[device]):
+        names the job it enqueued then, which is returned instead of enqueueing the same body again."""
+        self._check_device(job.device)
+        job_id = self.queues.epochs.new_job_id()
+        claim = self.claims.key(job.owner, job.key) if job.key is not None else None
+        digest = None
+        if claim is not None:
+            early = job.early.digest if job.early is not None else None
+            digest = early if early is not None else body_digest(job.body, self.digests)
+        if job.sharded is not None:
+            count = self._shard_count(job)
+            if count > 1:
+                return self._enqueue_sharded(job, job_id, count, claim, digest)
+        return self._enqueue_one(job, job_id, claim, digest)
+
+    def _check_device(self, device: str) -> None:
+        if device == "auto":
+            return
+        queue = self.queues.shared[device]
+        if not Worker.all(queue=queue):
             # A job for a device no worker serves would stay queued forever.
             raise ServiceError("device_unavailable", f"no live worker serves device {device!r} (queue "
-                               f"{queues.shared[device].name!r}); use options.device='auto' or start a {device} "
+                               f"{queue.name!r}); use options.device='auto' or start a {device} "
                                "worker", device=device)
-        job_id = queues.epochs.new_job_id()
-        claim = self.claims.key(owner, idempotency_key) if idempotency_key is not None else None
-        if claim is None:
-            digest = None
-        else:
-            digest = early.digest if early is not None and early.digest is not None else body_digest(body)
-        staged = early.staged if early is not None else None
-        ref = None
-        claimed = False
+
+    def _shard_count(self, job: JobRequest) -> int:
+        req, prep = job.sharded
+        shared = self.queues.shared[job.device]
+        return fan_out.shard_count(req.options.shards, prep.inputs.rows, lambda: len(Worker.all(queue=shared)),
+                                   self.min_shard_rows)
+
+    def _enqueue_sharded(self, job: JobRequest, job_id: str, count: int, claim: str | None,
+                         digest: "Future[str] | None") -> tuple[str, bool]:
+        """The shard jobs and their reduce job (service/fan_out.py). A key's claim is made as enqueued at
+        once (the shards go in several transactions), and released if nothing was enqueued, so that a retry
+        under the same key enqueues it."""
+        if claim is not None:
+            earlier = self.claims.claim(claim, job_id, digest.result(), job.key_age_s, pending=False)
+            if earlier is not None:
+                return earlier, False
         try:
-            if sharded is not None:
-                req, prep = sharded
-                count = fan_out.shard_count(req.options.shards, prep.inputs.rows,
-                                            lambda: len(Worker.all(queue=queues.shared[device])), self.min_shard_rows)
-                if count > 1:
-                    if claim is not None:  # claimed as enqueued: the shards go in several transactions
-                        earlier = self.claims.claim(claim, job_id, digest.result(), key_age_s, pending=False)
-                        if earlier is not None:
-                            return earlier, False
-                        claimed = True
-                    self._enqueue_sharded(req, prep, count, device, owner, job_id)
-                    return job_id, True
-            queue, arg = queues.shared[device], body
-            if queues.handoff_wanted(device, len(body), result_bytes):
-                # The job goes to the domain's queue (its result comes back as a file), its body, when
-                # large, as a file too: the job carries the file's ref.
-                queue = queues.domain[device]
-                if queues.handoff.wanted(len(body)):
-                    try:
-                        ref = (staged.commit(job_id, handoff_files.INPUT) if staged is not None
-                               else queues.handoff.put(job_id, handoff_files.INPUT, body))
-                    except OSError as exc:  # the tmpfs is full: Redis still takes it
-                        log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
-                    else:
-                        arg = ref
+            self._fan_out(job, job_id, count)
+        except BaseException:
+            if claim is not None:
+                self.claims.release(claim)
+            raise
+        return job_id, True
+
+    def _enqueue_one(self, job: JobRequest, job_id: str, claim: str | None,
+                     digest: "Future[str] | None") -> tuple[str, bool]:
+        """One job: to the queue _placed() chose, under the key's claim when there is one, then, with
+        Sentinel, acknowledged by a replica."""
+        queue, ref = self._placed(job, job_id)
+        arg = job.body if ref is None else ref
+        try:
             if claim is not None:  # the body's file is written: the digest was computed meanwhile
-                earlier = self.claims.claim(claim, job_id, digest.result(), key_age_s)
+                earlier = self.claims.claim(claim, job_id, digest.result(), job.key_age_s)
                 if earlier is None:
-                    earlier = self._enqueue_claimed(claim, claim_value(job_id, digest.result()), queue, arg, fmt,
-                                                    owner, job_id)
+                    earlier = self._enqueue_claimed(claim, claim_value(job_id, digest.result()), queue, arg, job,
+                                                    job_id)
                 if earlier is not None:
                     if ref is not None:
-                        queues.handoff.delete(ref)
+                        self.queues.handoff.delete(ref)
                     return earlier, False
             else:
-                with queues.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (registry, then the job)
-                    self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
+                with self.queues.redis.pipeline() as pipe:  # one round trip: RQ alone makes two (registry, then the job)
+                    self._enqueue_plain(pipe, queue, arg, job, job_id)
                     pipe.execute()
         except BaseException:
             if ref is not None:
-                queues.handoff.delete(ref)
-            if claimed:  # a sharded job's claim, nothing enqueued: a retry under the same key must enqueue it
-                self.claims.release(claim)
+                self.queues.handoff.delete(ref)
             raise
-        if queues.replicated:  # after the claim is kept: a failed WAIT must not free the key
-            with queues.redis.pipeline(transaction=False) as pipe:
+        if self.queues.replicated:  # after the claim is kept: a failed WAIT must not free the key
+            with self.queues.redis.pipeline(transaction=False) as pipe:
                 self._replica_acked(self._wait_for_replica(pipe).execute())
         return job_id, True
 
-    def _enqueue_claimed(self, claim: str, value: str, queue: Queue, arg: bytes | str, fmt: str, owner: str,
+    def _placed(self, job: JobRequest, job_id: str) -> tuple[Queue, str | None]:
+        """The job's queue, and its body's handoff file's ref when the job carries that rather than the body.
+        The job goes to the domain's queue when its body or result is large (its result comes back as a
+        file), its body, when large, as a file too."""
+        queues, device, body = self.queues, job.device, job.body
+        if not queues.handoff_wanted(device, len(body), job.result_bytes):
+            return queues.shared[device], None
+        if not queues.handoff.wanted(len(body)):
+            return queues.domain[device], None
+        staged = job.early.staged if job.early is not None else None
+        try:
+            ref = (staged.commit(job_id, handoff_files.INPUT) if staged is not None
+                   else queues.handoff.put(job_id, handoff_files.INPUT, body))
+        except OSError as exc:  # the tmpfs is full: Redis still takes it
+            log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
+            ref = None
+        return queues.domain[device], ref
+
+    def _enqueue_claimed(self, claim: str, value: str, queue: Queue, arg: bytes | str, job: JobRequest,
                          job_id: str) -> str | None:
         """Enqueues the job and marks its key's claim enqueued in one transaction, unless the claim changed
         since (a retry took it over, its first attempt having seemed dead): None, or the job the key names now."""
@@ -144,7 +192,7 @@ class Enqueuer:
             pipe.watch(claim)  # WATCH, GET, then MULTI/EXEC: one round trip more for a keyed request
             if still_pending(pipe.get(claim), value):
                 pipe.multi()
-                self._enqueue_plain(pipe, queue, arg, fmt, owner, job_id)
+                self._enqueue_plain(pipe, queue, arg, job, job_id)
                 pipe.set(claim, value, ex=self.claims.ttl_s)
                 try:
                     pipe.execute()
@@ -170,17 +218,16 @@ class Enqueuer:
             log.warning("no Redis replica acknowledged a job within %.1f s: a failover now could lose the jobs "
                         "of the last moments (they would read as job_lost)", REPLICA_WAIT_S)
 
-    def _enqueue_sharded(self, req: GradientRequest, prep: Prepared, count: int, device: str, owner: str,
-                         job_id: str) -> None:
+    def _fan_out(self, job: JobRequest, job_id: str, count: int) -> None:
+        req, prep = job.sharded
         cut = fan_out.split(req, prep, count)
         # Each shard returns gradients of the whole model (its result), however few its rows.
-        via_handoff = self.queues.handoff_wanted(device, max(len(b) for b in cut.bodies), prep.gradient_bytes)
-        queue = (self.queues.domain if via_handoff else self.queues.shared)[device]
-        fan_out.enqueue(self.queues.redis, queue, self.queues.handoff if via_handoff else None, cut, self.record,
-                        owner, job_id)
+        via_handoff = self.queues.handoff_wanted(job.device, max(len(b) for b in cut.bodies), prep.gradient_bytes)
+        queue = (self.queues.domain if via_handoff else self.queues.shared)[job.device]
+        fan_out.enqueue(queue, self.queues.handoff if via_handoff else None, cut, self.record, job.owner, job_id)
 
-    async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
-        """enqueue() of a plain job to the shared queue, over the async connection: RQ writes the job into a
+    async def enqueue_async(self, job: JobRequest) -> str:
+        """enqueue_job() of a plain job to the shared queue, over the async connection: RQ writes the job into a
         pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop
         (`send_async`: their replies are not needed, only their errors)."""
         queues = self.queues
@@ -188,24 +235,24 @@ class Enqueuer:
         if not job_id:
             job_id = await anyio.to_thread.run_sync(queues.epochs.new_job_id)
         recorder = queues.redis.pipeline()
-        self._enqueue_plain(recorder, queues.shared["auto"], body, fmt, owner, job_id)
+        self._enqueue_plain(recorder, queues.shared["auto"], job.body, job, job_id)
         commands, recorder.command_stack = recorder.command_stack, []
         await send_async(queues.aredis, [args for args, _ in commands], transaction=True)
         if queues.replicated:
             self._replica_acked(await self._wait_for_replica(queues.aredis.pipeline(transaction=False)).execute())
         return job_id
 
-    def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, fmt: str, owner: str, job_id: str) -> None:
+    def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, job: JobRequest, job_id: str) -> None:
         """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""
         record = self.record
         queue.enqueue(
-            GRADIENT_JOB, arg, fmt,
+            GRADIENT_JOB, arg, job.fmt,
             job_id=job_id,
             job_timeout=record.timeout_s,
             result_ttl=record.result_ttl_s,
             failure_ttl=record.failure_ttl_s,
-            meta=JobMeta(owner=owner).as_meta(),
+            meta=JobMeta(owner=job.owner).as_meta(),
             description="gradients",
             pipeline=pipe,
         )
-        recent.record(pipe, record.prefix, owner, job_id, record.index_ttl_s)
+        recent.record(pipe, record.prefix, job.owner, job_id, record.index_ttl_s)

@@ -16,7 +16,6 @@ import math
 from typing import Any, Callable
 
 import msgspec
-from redis import Redis
 from rq import Queue
 from rq.callbacks import Callback
 from rq.group import Group
@@ -124,8 +123,19 @@ def split(req: GradientRequest, prep: Prepared, count: int) -> Split:
     return Split(plan, bounds, [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)])
 
 
-def enqueue(redis: Redis, queue: Queue, handoff: Handoff | None, cut: Split, record: JobRecord, owner: str,
-            job_id: str) -> None:
+@dataclasses.dataclass
+class Fan:
+    """A sharded job on its way to the queue: its id (the reduce job's), its owner, its cut, and each shard's
+    job id and argument (its body, or its body's handoff ref)."""
+
+    job_id: str
+    owner: str
+    cut: Split
+    shard_ids: list[str]
+    args: list[bytes | str]
+
+
+def enqueue(queue: Queue, handoff: Handoff | None, cut: Split, record: JobRecord, owner: str, job_id: str) -> None:
     """Queues the shard jobs and their reduce job (id `job_id`) in one Redis transaction. `handoff`: the
     job goes through the domain's queue (the shards' results and references come back as files, which the
     reduce job reads), each large shard body as a file; None when it goes through Redis."""
@@ -139,7 +149,7 @@ def enqueue(redis: Redis, queue: Queue, handoff: Handoff | None, cut: Split, rec
             for sid in shard_ids:
                 handoff.discard(sid)
     try:
-        _enqueue(redis, queue, cut, record, owner, job_id, shard_ids, args)
+        _enqueue(queue, Fan(job_id, owner, cut, shard_ids, args), record)
     except BaseException:
         if handoff is not None:
             for sid in shard_ids:
@@ -147,26 +157,35 @@ def enqueue(redis: Redis, queue: Queue, handoff: Handoff | None, cut: Split, rec
         raise
 
 
-def _enqueue(redis: Redis, queue: Queue, cut: Split, record: JobRecord, owner: str, job_id: str,
-             shard_ids: list[str], args: list) -> None:
-    count = len(shard_ids)
-    ttls = {"timeout": record.timeout_s, "result_ttl": record.result_ttl_s, "failure_ttl": record.failure_ttl_s}
-    shard_jobs = [
-        Queue.prepare_data(SHARD_JOB, (body,), job_id=sid, on_failure=Callback(shard_failed),
+def _shard_jobs(fan: Fan, record: JobRecord) -> list:
+    """Each shard's job, as RQ's Group enqueues them: its rows' request, its place in the fan-in."""
+    count = len(fan.shard_ids)
+    return [
+        Queue.prepare_data(SHARD_JOB, (arg,), job_id=sid, on_failure=Callback(shard_failed),
                            description=f"gradients shard {k} of {count} (rows {a}:{b})",
-                           meta=JobMeta(shard=ShardPlace(parent=job_id, index=k, count=count, rows=[a, b],
-                                                         prefix=record.prefix, owner=owner)).as_meta(), **ttls)
-        for k, (sid, body, (a, b)) in enumerate(zip(shard_ids, args, cut.bounds))]
-    reduce = queue.create_job(REDUCE_JOB, args=(dataclasses.asdict(cut.plan), shard_ids), job_id=job_id,
+                           meta=JobMeta(shard=ShardPlace(parent=fan.job_id, index=k, count=count, rows=[a, b],
+                                                         prefix=record.prefix, owner=fan.owner)).as_meta(),
+                           **_ttls(record))
+        for k, (sid, arg, (a, b)) in enumerate(zip(fan.shard_ids, fan.args, fan.cut.bounds))]
+
+
+def _ttls(record: JobRecord) -> dict[str, int]:
+    return {"timeout": record.timeout_s, "result_ttl": record.result_ttl_s, "failure_ttl": record.failure_ttl_s}
+
+
+def _enqueue(queue: Queue, fan: Fan, record: JobRecord) -> None:
+    shard_jobs = _shard_jobs(fan, record)
+    job_id, owner, shard_ids = fan.job_id, fan.owner, fan.shard_ids
+    reduce = queue.create_job(REDUCE_JOB, args=(dataclasses.asdict(fan.cut.plan), shard_ids), job_id=job_id,
                               depends_on=Dependency(jobs=shard_ids), status=JobStatus.DEFERRED,
-                              description=f"gradients, {count} shards", meta=JobMeta(owner=owner, shards=shard_ids).as_meta(),
-                              **ttls)
+                              description=f"gradients, {len(shard_ids)} shards",
+                              meta=JobMeta(owner=owner, shards=shard_ids).as_meta(), **_ttls(record))
     reduce.origin = queue.name
     reduce.enqueued_at = now()
     # One MULTI/EXEC: no worker can take a shard before its reduce job is registered as its dependent (a
     # shard that failed first would have no job to fail). Group.enqueue_many executes the pipeline.
-    with redis.pipeline() as pipe:
+    with queue.connection.pipeline() as pipe:
         reduce.save(pipeline=pipe)
         reduce.register_dependency(pipeline=pipe)
         recent.record(pipe, record.prefix, owner, job_id, record.index_ttl_s)
-        Group(redis, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)
+        Group(queue.connection, name=job_id).enqueue_many(queue, shard_jobs, pipeline=pipe)

@@ -4,7 +4,7 @@ then, for the same body (by digest); a claim binds a new key to a new job, and i
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import xxhash
@@ -21,9 +21,9 @@ from .exceptions import ServiceError
 # key: a 128-bit XXH3, 12.8 MB in 1.4 ms here against BLAKE3's 5.3 and SHA-256's 9.0. It need not be cryptographic:
 # a key is its owner's alone (the claim is per owner), so only the owner could make two bodies collide, and all
 # a collision gets them is their own earlier job's answer. Computed in a thread of its own for a large body,
-# beside the write of the body's handoff file (it releases the GIL).
+# beside the write of the body's handoff file (it releases the GIL): the API's digest pool, made by create_app.
 _DIGEST_INLINE_BYTES = 1 << 20
-_digests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradsvc-digest")
+DIGEST_THREADS = 2
 # A claim until its job is enqueued reads "<job id> <body digest> pending"; then "<job id> <digest>".
 _PENDING = "pending"
 _TAKE_OVER = """
@@ -56,12 +56,13 @@ PENDING_TAKEOVER_S = 5.0
 PENDING_POLL_S = 0.02
 
 
-def body_digest(body: bytes) -> "Future[str]":
-    if len(body) < _DIGEST_INLINE_BYTES:
+def body_digest(body: bytes, pool: Executor | None) -> "Future[str]":
+    """The body's digest, on `pool` for a large body (None: here, as for a small one)."""
+    if pool is None or len(body) < _DIGEST_INLINE_BYTES:
         done: Future[str] = Future()
         done.set_result(xxhash.xxh3_128_hexdigest(body))
         return done
-    return _digests.submit(xxhash.xxh3_128_hexdigest, body)
+    return pool.submit(xxhash.xxh3_128_hexdigest, body)
 
 
 @dataclass(eq=False)

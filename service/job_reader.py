@@ -7,6 +7,7 @@ import base64
 import logging
 import zlib
 from datetime import datetime, timezone
+from typing import NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -45,6 +46,20 @@ _WORKER_LOST = {"code": "worker_lost", "message": "the worker running this job w
 _MARKER_PEEK = 512
 # An open wait looks for a lapsed lease this often (one HMGET), between blocking reads.
 LEASE_CHECK_S = 1.0
+
+
+class _Record(NamedTuple):
+    """What JobReader.info reads of a job in one round trip: its hash's _FIELDS, then its result's length and head."""
+
+    status: bytes | None
+    meta: bytes | None
+    enqueued: bytes | None
+    started: bytes | None
+    ended: bytes | None
+    origin: bytes | None
+    beat: bytes | None
+    result_len: int
+    result_head: bytes
 
 
 def _iso(raw: bytes | None) -> str | None:
@@ -133,70 +148,79 @@ class JobReader:
                                headers={"Retry-After": "2"}, job_id=job_id) from None
 
     async def info(self, job_id: str, owner: str, *, with_result: bool = True, _reaped: bool = False) -> JobInfo:
-        pipe = self.aredis.pipeline(transaction=False)
-        pipe.hmget(Job.key_for(job_id), _FIELDS)
-        pipe.strlen(keys.result_key(self.prefix, job_id))
-        pipe.getrange(keys.result_key(self.prefix, job_id), 0, RESULT_IN_ONE - 1)
-        (status, meta_raw, enqueued, started, ended, origin, beat), result_len, result_raw = await pipe.execute()
-        if status == b"started" and origin and not _reaped and self._lease_lapsed(beat):
+        rec = await self._read(job_id)
+        if rec.status == b"started" and rec.origin and not _reaped and self._lease_lapsed(rec.beat):
             # No worker renewed this job's lease: fail it now (AbandonedJobError -> worker_lost) rather than
             # wait for a worker's reaper, so a job outlives no worker at all as "started".
-            await anyio.to_thread.run_sync(self.reap_abandoned, origin.decode())
+            await anyio.to_thread.run_sync(self.reap_abandoned, rec.origin.decode())
             return await self.info(job_id, owner, with_result=with_result, _reaped=True)
-        meta = JobMeta.of(MsgpackSerializer.loads(meta_raw) if meta_raw else None)
-        shard_progress = None
+        meta = JobMeta.of(MsgpackSerializer.loads(rec.meta) if rec.meta else None)
+        status, shard_progress = rec.status, None
         if meta.shards and status in (b"deferred", b"queued", b"started"):
-            done, running, leases, failed = await _shard_progress(self.aredis, meta.shards)
-            lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
-            if (lapsed or (failed and status == b"deferred")) and not _reaped:
-                # As above, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
-                # job still waits had its fan-in cut short: run it again.
-                for queue_name in lapsed:
-                    await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
-                for shard_id in failed:
-                    await anyio.to_thread.run_sync(settle, self.redis, shard_id)
+            shards = await self._shards(meta.shards, status, _reaped)
+            if shards is None:
                 return await self.info(job_id, owner, with_result=with_result, _reaped=True)
-            total = len(meta.shards)
-            shard_progress = (Progress(phase="shards", done=done, total=total) if done < total else
-                              Progress(phase="reduce", done=total, total=total))
-            if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
-                status = b"started"
-        if (meta_raw is None or status is None) and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
+            status, shard_progress = shards
+        if (rec.meta is None or status is None) and await anyio.to_thread.run_sync(self.epochs.is_lost, job_id):
             # No record, or only what a worker wrote after Redis lost it (a heartbeat, its progress, an end),
             # for an id an API issued before Redis restarted empty: lost. Its owner went with the record, or
             # came back only in the meta of a job whose worker then dropped its outcome (workers/worker.py
             # _reaped): without a status, that job never ends.
             return JobInfo(job_id=job_id, status="failed", error=ErrorInfo(**_JOB_LOST), progress=None, result=None,
-                           enqueued_at=None, started_at=None, ended_at=_iso(ended))
+                           enqueued_at=None, started_at=None, ended_at=_iso(rec.ended))
         if status is None or meta.owner != owner:
             # Another key's job reads as unknown: its existence is not disclosed.
             raise ServiceError("not_found", f"no job {job_id!r}; it never existed, belongs to another API key, or "
                                "expired (results are kept GRADSVC_RESULT_TTL_S seconds)", job_id=job_id)
-        state = _STATUS.get(status.decode(), "queued")
+        state = "canceled" if meta.is_canceled else _STATUS.get(status.decode(), "queued")
         error = meta.error
-        if meta.is_canceled:
-            state = "canceled"
         if state == "failed" and not error:
             error = ErrorInfo(**await self._failure_from_rq(job_id))
-        result = None
-        if state == "finished" and with_result:
-            if result_len > RESULT_IN_ONE:
-                result_raw = await self._large_result(job_id, result_len)
-            result_raw = await self.load_result(result_raw or None, job_id)
-            if result_raw is None:
-                raise ServiceError("not_found", f"the result of job {job_id!r} has expired, or its owner released it "
-                                   "(Gradsvc-Release-Results)", job_id=job_id)
-            result = _result_decoder.decode(result_raw)
-        return JobInfo(
-            job_id=job_id,
-            status=state,
-            progress=shard_progress or meta.progress,
-            error=error,
-            result=result,
-            enqueued_at=_iso(enqueued),
-            started_at=_iso(started),
-            ended_at=_iso(ended),
-        )
+        result = await self._result(job_id, rec) if state == "finished" and with_result else None
+        return JobInfo(job_id=job_id, status=state, progress=shard_progress or meta.progress, error=error,
+                       result=result, enqueued_at=_iso(rec.enqueued), started_at=_iso(rec.started),
+                       ended_at=_iso(rec.ended))
+
+    async def _read(self, job_id: str) -> _Record:
+        """The job's hash fields and its result's first RESULT_IN_ONE bytes, in one round trip."""
+        pipe = self.aredis.pipeline(transaction=False)
+        pipe.hmget(Job.key_for(job_id), _FIELDS)
+        pipe.strlen(keys.result_key(self.prefix, job_id))
+        pipe.getrange(keys.result_key(self.prefix, job_id), 0, RESULT_IN_ONE - 1)
+        fields, result_len, result_head = await pipe.execute()
+        return _Record(*fields, result_len, result_head)
+
+    async def _shards(self, shard_ids: list[str], status: bytes,
+                      reaped: bool) -> tuple[bytes, Progress] | None:
+        """A sharded job still waiting or running: (its status, read from its shards as well, its progress);
+        None when a shard was reaped or settled here, so the job is to be read again."""
+        done, running, leases, failed = await _shard_progress(self.aredis, shard_ids)
+        lapsed = {origin for origin, shard_beat in leases if self._lease_lapsed(shard_beat)}
+        if (lapsed or (failed and status == b"deferred")) and not reaped:
+            # As for a job, for a shard: reaped, it fails the job (workers/shards.py); a failed shard whose
+            # job still waits had its fan-in cut short: run it again.
+            for queue_name in lapsed:
+                await anyio.to_thread.run_sync(self.reap_abandoned, queue_name)
+            for shard_id in failed:
+                await anyio.to_thread.run_sync(settle, self.redis, shard_id)
+            return None
+        total = len(shard_ids)
+        progress = (Progress(phase="shards", done=done, total=total) if done < total else
+                    Progress(phase="reduce", done=total, total=total))
+        if running and status in (b"deferred", b"queued"):  # shards running, or all done and reducing next
+            status = b"started"
+        return status, progress
+
+    async def _result(self, job_id: str, rec: _Record) -> GradientResult:
+        """A finished job's result: read whole by _read, or in a second read when larger, or from its file."""
+        raw = rec.result_head
+        if rec.result_len > RESULT_IN_ONE:
+            raw = await self._large_result(job_id, rec.result_len)
+        raw = await self.load_result(raw or None, job_id)
+        if raw is None:
+            raise ServiceError("not_found", f"the result of job {job_id!r} has expired, or its owner released it "
+                               "(Gradsvc-Release-Results)", job_id=job_id)
+        return _result_decoder.decode(raw)
 
     def _lease_lapsed(self, beat: bytes | None) -> bool:
         if not beat:

@@ -1,21 +1,29 @@
-"""A decoded POST /gradients on its way to a job id: the checks that read Redis (tensor and graph refs, the
-rate limit), validation on the meta device (an invalid spec never reaches the queue), the graph kept for the
-next request, the enqueue; and which requests take that way on the event loop, without a thread hop."""
+"""A POST /gradients from what its route read to its outcome: the results its client holds released, the
+checks that read Redis (tensor and graph refs, the rate limit), validation on the meta device (an invalid spec
+never reaches the queue), the graph kept for the next request, the enqueue and the wait for the job's end; which
+requests take that way on the event loop, without a thread hop; and POST /estimate's check."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+from collections.abc import Awaitable
 from dataclasses import dataclass
+
+import anyio.to_thread
 
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.engine import Engine
 from gradsvc.engine.prepare import Prepared
-from gradsvc.wire import GradientRequest
+from gradsvc.wire import Estimate, GradientRequest, JobInfo
 
+from .api_metrics import ApiMetrics
 from .auth import Auth
-from .enqueue import Enqueuer
+from .enqueue import Enqueuer, JobRequest
 from .exceptions import ServiceError
+from .job_reader import JobReader
 
 # A body this small with a layer spec is validated on the event loop (a spec seen before: ~0.1 ms; a new
 # one: a few ms, once), sparing the thread hop (bench/summary.py's small job).
@@ -28,6 +36,32 @@ def small_layer_spec(req: GradientRequest, body: bytes) -> bool:
     return len(body) <= _EVENT_LOOP_BODY_BYTES and req.model.layers is not None and not tensor_refs.has_refs(req)
 
 
+@dataclass(slots=True)  # slots, not frozen: made per request, in a third of the time
+class Submission:
+    """A POST /gradients as its route read it, before its body: who sent it and what its query and headers ask."""
+
+    owner: str
+    wait_s: float  # `wait`, clamped to GRADSVC_MAX_WAIT_S
+    released: list[str]  # Gradsvc-Release-Results: job ids whose results the client holds
+    key: str | None = None  # Idempotency-Key
+    key_age_s: float | None = None  # Idempotency-Key-Age, read only with a key
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a POST /gradients came to: its job, whether it was enqueued now, and what to answer. `stored`: the
+    finished job's result as stored (MessagePack). Else `info`, the job as GET /jobs/{id} reads it now:
+    finished with its result, failed with its error, or still running; `accepted`: 202 with info's status,
+    whatever it is (wait=0 on a new job: info is read without its result)."""
+
+    job_id: str
+    created: bool
+    encoding: str  # options.encoding: how a JSON answer writes the result's tensors
+    stored: bytes | None = None
+    info: JobInfo | None = None
+    accepted: bool = False
+
+
 @dataclass(eq=False)
 class Submitter:
     engine: Engine
@@ -35,6 +69,43 @@ class Submitter:
     blobs: BlobStore
     auth: Auth
     enqueuer: Enqueuer
+    reader: JobReader
+    metrics: ApiMetrics
+
+    async def submit(self, asked: Submission, received: Awaitable[tuple[bytes, str, GradientRequest]]) -> Outcome:
+        """`received`: the body as it comes in (parsing.read_request: the bytes to queue, their format, the
+        request), read while the results the client holds are dropped (in a thread: Redis, then their files)."""
+        reader, owner = self.reader, asked.owner
+        releasing = (asyncio.ensure_future(anyio.to_thread.run_sync(reader.release, asked.released, owner))
+                     if asked.released else None)
+        try:
+            body, fmt, req = await received
+        finally:
+            recycled = False
+            if releasing is not None:
+                count, recycled = await releasing
+                self.metrics.results_released.inc(count)
+        job = JobRequest(body, fmt, owner, req.options.device, key=asked.key, key_age_s=asked.key_age_s)
+        job_id, created = await self._enqueue(req, job, recycled)
+        encoding = req.options.encoding
+        if created:
+            self.metrics.jobs_submitted.inc()
+            if asked.wait_s == 0:  # plain async: the job as it is now, even one a worker has finished already
+                return Outcome(job_id, created, encoding, info=await reader.info(job_id, owner, with_result=False),
+                               accepted=True)
+        ended, raw = await reader.wait(job_id, asked.wait_s)
+        if ended and raw is not None:
+            return Outcome(job_id, created, encoding, stored=raw)
+        # Failed, or still running: the answer is what GET /jobs/{id} says now (it may have ended meanwhile).
+        return Outcome(job_id, created, encoding, info=await reader.info(job_id, owner))
+
+    async def _enqueue(self, req: GradientRequest, job: JobRequest, recycled: bool) -> tuple[str, bool]:
+        prep = self.prepare_inline(req, job.body, job.key)
+        if self.on_event_loop(prep):
+            # A small layer-spec request that needs nothing else of Redis: checked on the event loop (a
+            # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop.
+            return await self.enqueuer.enqueue_async(job), True
+        return await anyio.to_thread.run_sync(self.enqueue, req, job, prep, recycled)
 
     def prepare_inline(self, req: GradientRequest, body: bytes, key: str | None) -> Prepared | None:
         """The request validated on the event loop, when it can be checked and enqueued without a thread: a
@@ -55,17 +126,14 @@ class Submitter:
         needs no look at the workers), so it is enqueued over the async connection, with no thread hop."""
         return prep is not None and not self.enqueuer.queues.large_result(prep.gradient_bytes)
 
-    async def enqueue_async(self, body: bytes, fmt: str, owner: str) -> str:
-        return await self.enqueuer.enqueue_async(body, fmt, owner)
-
-    def enqueue(self, req: GradientRequest, body: bytes, fmt: str, owner: str, key: str | None,
-                prep: Prepared | None = None, key_age_s: float | None = None,
+    def enqueue(self, req: GradientRequest, job: JobRequest, prep: Prepared | None = None,
                 recycled: bool = False) -> tuple[str, bool]:
         """Validation and enqueue in one thread hop: (job id, whether it was enqueued now). A graph_ref is
         looked up among this owner's graphs (and its TTL refreshed) here; a graph sent whole is kept under
         its ref, for this owner, for the next request. `prep`: the request already validated on the event
         loop. `recycled`: the request released a result whose file's pages its body's file takes (Enqueuer.start)."""
-        early = self.enqueuer.start(body, req.options, key, recycled) if prep is None else None
+        owner = job.owner
+        early = self.enqueuer.start(job.body, req.options, job.key, recycled) if prep is None else None
         try:
             if prep is None:
                 self.blobs.check(owner, req)
@@ -74,8 +142,18 @@ class Submitter:
             if prep.graph_data is not None:
                 self.graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
             sharded = (req, prep) if req.options.shards != 1 else None
-            return self.enqueuer.enqueue(body, fmt, req.options.device, owner, key, sharded=sharded,
-                                         result_bytes=prep.gradient_bytes, key_age_s=key_age_s, early=early)
+            return self.enqueuer.enqueue_job(dataclasses.replace(job, sharded=sharded, early=early,
+                                                                 result_bytes=prep.gradient_bytes))
         finally:
             if early is not None and early.staged is not None:
                 early.staged.discard()  # a no-op once the enqueue committed it
+
+    async def estimate(self, req: GradientRequest, body: bytes, owner: str) -> Estimate:
+        """POST /estimate: the request's predicted memory, checked as POST /gradients checks it."""
+        if small_layer_spec(req, body):
+            return self.engine.estimate(req)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
+        return await anyio.to_thread.run_sync(self._checked_estimate, req, owner)
+
+    def _checked_estimate(self, req: GradientRequest, owner: str) -> Estimate:
+        self.blobs.check(owner, req)
+        return self.engine.estimate(req, graphs=self.graphs.resolver(owner))

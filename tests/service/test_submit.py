@@ -68,3 +68,22 @@ def test_a_seed_outside_64_bits_is_a_422_bad_option_before_the_queue(api, where,
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "bad_option" and error["detail"]["option"] == where and where in error["message"]
+
+
+def test_a_malformed_idempotency_key_is_a_400_naming_the_header_before_the_body_is_read(api):
+    """The headers are checked before the body, so a bad key is named even when the body is not valid JSON."""
+    r = api.post("/gradients", content=b"{not json", headers={"Content-Type": "application/json",
+                                                               "Idempotency-Key": "k" * 256})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "bad_request" and error["detail"] == {"header": "Idempotency-Key"}
+
+
+def test_the_idempotency_digest_threads_are_made_by_the_app_and_shut_down_with_it():
+    app = create_app(Settings(redis_url=dead_redis_url(), redis_timeout_s=1))
+    digests = app.state.submitter.enqueuer.digests
+    with TestClient(app):
+        assert digests.submit(len, b"body").result() == 4
+    with pytest.raises(RuntimeError, match="shutdown"):
+        digests.submit(len, b"body")
+    assert create_app(Settings(redis_url=dead_redis_url())).state.submitter.enqueuer.digests is not digests

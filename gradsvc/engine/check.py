@@ -88,13 +88,16 @@ class _Reference:
         self.model64 = model64 = copy.deepcopy(prep.model).to(torch.float64)
         if prep.graph is not None:
             model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
-            model64.held = {}  # the first forward records each detach's value; every later one replays it
+            model64.hold()  # the first forward records the held values; every later one replays them
         self.x64 = prep.inputs.map(lambda x, _: x.to(torch.float64) if x.is_floating_point() else x)
         self.t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
         self.params = {n: p for n, p in model64.named_parameters() if n in trainable}
         for n, p in model64.named_parameters():
             p.requires_grad_(n in self.params)
         self.random = is_random(model64)
+        # The buffers a forward writes (running statistics, an EMA teacher's weights), as they were: each
+        # evaluation starts from them, so that every one is the same function of the parameters.
+        self.buffers = [(b, b.detach().clone()) for b in _written_buffers(model64, graph=prep.graph is not None)]
         with _counting(model64, graph=prep.graph is not None) as counts, FlopCounterMode(display=False) as flops:
             loss = self.loss_fn()
         self.loss = float(loss.detach())
@@ -103,9 +106,15 @@ class _Reference:
         self.grads = dict(zip(self.params, grads))
 
     def loss_fn(self) -> torch.Tensor:
+        self.restore_buffers()
         with seeded(self.seed, self.device, self.random):
             out = self.model64(*self.x64.tensors)
             return sum(t.weight * t(out, self.t64.get(t.name)) for t in self.prep.terms)
+
+    def restore_buffers(self) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
 
     def batched(self, prep: Prepared):
         """Many perturbed losses a call (numcheck_batched.py) where the model allows it, else None."""
@@ -131,6 +140,13 @@ class _Reference:
             loss = self.loss_fn()
         rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
         return numcheck.arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)))
+
+
+def _written_buffers(model: torch.nn.Module, *, graph: bool) -> list[torch.Tensor]:
+    """The buffers a forward of `model` may write: a graph's buffer mutations, a layer spec's every buffer."""
+    if graph:
+        return [getattr(owner, attr) for owner, attr, _ in model._mutations]
+    return list(model.buffers())
 
 
 def _rounded(value, args: tuple, unit: float, gen: torch.Generator):

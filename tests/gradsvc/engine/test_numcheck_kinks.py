@@ -1,5 +1,6 @@
 """What the check does where a finite difference cannot be trusted as it stands: a kink (the one-sided
-differences disagree), a value the loss detaches on purpose (held at its unperturbed point), a float32
+differences disagree), a value the loss detaches on purpose or computes under torch.no_grad() (held at its
+unperturbed point), a float32
 loss large beside its gradient (the returned tolerance follows the arithmetic); and that a planted error
 at any of them still fails, naming the tensor."""
 
@@ -103,6 +104,53 @@ def test_holding_detached_values_keeps_a_wrong_op_inside_failing(monkeypatch):
             "inputs": [to_wire(a) for a in inputs], "loss": loss, "options": {"numcheck": "exact"}}
     check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
     assert not check.passed and check.per_parameter[name].judged == "failed" and check.held
+
+
+def _no_grad_check(name: str, planted_error: str | None = None):
+    """VERDICT_CASES[name] (a loss computing part of itself under torch.no_grad()) checked in float64, exact;
+    with `planted_error`, that error planted (check_cases.planted). (check, the planted tensor's name)."""
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+    from tests.support.check_cases import VERDICT_CASES, planted
+
+    (model, inputs, _, loss), weight = planted(name, planted_error) if planted_error else (VERDICT_CASES[name](), "")
+    model = model.double()
+    inputs = tuple(a.double() if a.is_floating_point() else a for a in inputs)
+    eg = export_graph(model, inputs)
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": [to_wire(a) for a in inputs], "loss": loss, "options": {"numcheck": "exact"}}
+    return compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck, weight
+
+
+def test_values_computed_under_no_grad_are_held_and_the_right_gradient_passes():
+    check, _ = _no_grad_check("dqn_target_network")
+    assert check.passed, {n: (p.judged, p.max_rel_error) for n, p in check.per_parameter.items()}
+    # The target network's nodes are held (not only the detaches of the values entering the region)...
+    assert {h for h in check.held if "in module 'target." in h} == {
+        "node 'linear_2' (aten.linear.default) in module 'target.0' (Linear)",
+        "node 'tanh_1' (aten.tanh.default) in module 'target.1' (Tanh)",
+        "node 'linear_3' (aten.linear.default) in module 'target.2' (Linear)"}, check.held
+    # ... and the online network's are not: it is checked element by element, the target network's gradient is 0.
+    assert not any("in module 'q." in h for h in check.held), check.held
+    assert all(check.per_parameter[n].judged == "ratio" for n in check.per_parameter if n.startswith("q."))
+    assert all(check.per_parameter[n].judged == "zero" for n in check.per_parameter if n.startswith("target."))
+
+
+def test_an_ema_teacher_updated_under_no_grad_is_checked_element_by_element():
+    """The teacher's buffers move towards the student at every forward: were the check's evaluations to move
+    them again, each finite difference would measure the drift (every element read as a kink before)."""
+    check, _ = _no_grad_check("ema_teacher")
+    assert check.passed and check.kinks == 0, {n: (p.judged, p.kinks) for n, p in check.per_parameter.items()}
+    assert {p.judged for p in check.per_parameter.values()} == {"ratio"}
+    assert check.max_rel_error < 1e-6
+
+
+@pytest.mark.parametrize("name", ["dqn_target_network", "ema_teacher"])
+def test_holding_no_grad_values_keeps_a_wrong_op_failing(name):
+    check, weight = _no_grad_check(name, "scaled")
+    failed = {n for n, p in check.per_parameter.items() if p.judged == "failed"}
+    assert not check.passed and weight in failed, (weight, failed)
+    assert not any(n.startswith("target.") for n in failed), failed  # the held target network is not blamed
 
 
 def _regression(weights_scale: float = 1.0, **options):

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradsvc.engine import EngineConfig, compute, numcheck
+from gradsvc.engine import EngineConfig, compute
+from gradsvc.engine.numcheck import tolerances
+from gradsvc.engine.numcheck.run import CheckRun, run
 from gradsvc.wire import GradientRequest
 from tests.support.nets import tensor_json
 
@@ -35,7 +37,7 @@ def _relu_at_its_kink():
 
 def test_an_element_on_a_kink_is_judged_kink_and_left_out_not_failed():
     params, loss_fn, grads = _relu_at_its_kink()
-    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
     assert check.passed, check.per_parameter
     weight, bias = check.per_parameter["0.weight"], check.per_parameter["0.bias"]
     assert weight.kinks == 2 and bias.kinks == 1 and check.kinks == 3  # row 0 of W, b[0]
@@ -47,7 +49,7 @@ def test_a_wrong_gradient_on_a_kink_still_fails():
     params, loss_fn, grads = _relu_at_its_kink()
     grads["0.bias"] = grads["0.bias"].clone()
     grads["0.bias"][0] = -1.0  # ReLU's one-sided derivatives at 0 are 0 and 1: -1 is neither
-    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
     assert not check.passed and check.per_parameter["0.bias"].judged == "failed"
 
 
@@ -60,14 +62,14 @@ def test_a_straddled_kink_is_re_differenced_at_a_smaller_step():
         return torch.relu(w - 3e-7).sum() + 2 * w.sum()
 
     grads = {"w": torch.autograd.grad(loss_fn(), [w])[0]}
-    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
     assert check.passed and check.kinks == 0 and check.max_rel_error < 1e-8, check.per_parameter
 
 
 def test_a_direction_across_a_kink_is_judged_kink():
     params, loss_fn, grads = _relu_at_its_kink()
-    check = numcheck.run("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
-                         directions=8, seed=0)
+    check = run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
+                         directions=8, seed=0))
     assert check.passed and check.kinks > 0  # every direction moves row 0's pre-activation off 0
 
 
@@ -172,17 +174,17 @@ def test_a_float32_loss_near_1e5_passes_on_right_gradients_by_its_arithmetic():
     assert check.passed, {n: (p.returned_judged, p.returned_max_rel_error, p.returned_tolerance)
                           for n, p in check.per_parameter.items()}
     # float32 lost more than its fixed 1e-4 here, and the tolerance says how much it could
-    assert check.returned_max_rel_error > numcheck.returned_tolerance(torch.float32)
-    assert check.returned_max_rel_error < check.returned_tolerance <= numcheck.ARITHMETIC_MAX
+    assert check.returned_max_rel_error > tolerances.returned_tolerance(torch.float32)
+    assert check.returned_max_rel_error < check.returned_tolerance <= tolerances.ARITHMETIC_MAX
 
 
 def test_a_wrong_gradient_of_a_small_loss_fails_at_the_dtype_tolerance():
     ref = {"w": torch.tensor([0.3, -1.2, 2.5], dtype=torch.float64)}
     params = {"w": torch.tensor([1.0, 0.5, -0.5], dtype=torch.float64)}
     rounded = {"w": ref["w"] * (1 + 1e-7)}  # a small loss: rounding moves the gradient by float32's own
-    tolerances = numcheck.arithmetic_tolerances(torch.float32, ref, rounded)
-    assert tolerances == {"w": numcheck.returned_tolerance(torch.float32)}
-    wrong = numcheck.returned_check({"w": (ref["w"] * 1.001).float()}, ref, torch.float32, tolerances=tolerances)
+    own = tolerances.arithmetic_tolerances(torch.float32, ref, rounded)
+    assert own == {"w": tolerances.returned_tolerance(torch.float32)}
+    wrong = tolerances.returned_check({"w": (ref["w"] * 1.001).float()}, ref, torch.float32, tolerances=own)
     assert not wrong.passed and wrong.judged["w"] == "failed"
     assert params  # the parameters do not enter the rule: only what rounding does to the gradient
 

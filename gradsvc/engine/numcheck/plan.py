@@ -21,6 +21,7 @@ class Plan(NamedTuple):
     reason: str
     budget: int = 0
     cut: str = ""
+    evaluations: int = 0  # what auto planned (a kink's settling adds to what the check counts)
 
 
 class Work(NamedTuple):
@@ -33,13 +34,16 @@ class Work(NamedTuple):
     flops: int = 0
 
 
-# A nominal machine's cost of an evaluation, to turn the budget's seconds into evaluations: per op (Python and
-# dispatch) and per output element (float64 arithmetic). Fixed numbers, so that the plan is the same on any
-# machine under any load; a slower machine takes longer for the same check, it never checks less.
-NOMINAL_OP_S = 20e-6
-NOMINAL_ELEMENT_S = 4e-9
-NOMINAL_FLOP_S = 2e-10
-
+# A nominal machine's cost of an evaluation, to turn the budget's seconds into evaluations: per evaluation (the
+# loss's call, its dropout masks, restoring written buffers), per op (Python and dispatch), per output element
+# and per flop (float64 arithmetic). Fixed numbers, so that the plan is the same on any machine under any load;
+# a slower machine takes longer for the same check, it never checks less. Calibrated in CPU time on one thread
+# (bench/numcheck_calibrate.py, docs/performance.md): a relative least-squares fit over the zoo, scaled by 2.25
+# so that no model's evaluation took more CPU time than its nominal one.
+NOMINAL_EVAL_S = 70e-6
+NOMINAL_OP_S = 11e-6
+NOMINAL_ELEMENT_S = 15e-9
+NOMINAL_FLOP_S = 32e-12
 
 # The job's forward+backward, in float64 evaluations: a backward costs about two forwards, and the job runs
 # in the request's dtype (float32 about twice float64's speed on a CPU).
@@ -48,7 +52,8 @@ JOB_EVALUATIONS = 1.5
 
 def nominal_eval_s(work: Work) -> float:
     """What one evaluation takes on the nominal machine."""
-    return work.ops * NOMINAL_OP_S + work.elements * NOMINAL_ELEMENT_S + work.flops * NOMINAL_FLOP_S
+    return (NOMINAL_EVAL_S + work.ops * NOMINAL_OP_S + work.elements * NOMINAL_ELEMENT_S
+            + work.flops * NOMINAL_FLOP_S)
 
 
 def budget_evaluations(work: Work, budget: float, budget_min_s: float) -> int:
@@ -68,7 +73,8 @@ def plan_auto(sizes: list[int], fits: int, *, exact_max: int, samples: int, dire
         return 2 * sum(min(n, k) for n in sizes)
 
     if count <= exact_max and 2 * count <= fits:
-        return Plan("exact", samples, directions, f"exact: {2 * count} evaluations within {budget}", fits)
+        return Plan("exact", samples, directions, f"exact: {2 * count} evaluations within {budget}", fits,
+                    evaluations=2 * count)
     k = samples
     while k > 2 and sampled_cost(k) > fits:
         k -= 1
@@ -76,18 +82,20 @@ def plan_auto(sizes: list[int], fits: int, *, exact_max: int, samples: int, dire
         cut = "" if k == samples else (f"samples per tensor cut from {samples} to {k}: {sampled_cost(samples)} "
                                        f"evaluations would exceed {budget}")
         return Plan("sampled", k, directions, f"sampled: up to {k} elements of each of {tensors} tensors, "
-                    f"{sampled_cost(k)} evaluations within {budget} (exact would take {2 * count})", fits, cut)
+                    f"{sampled_cost(k)} evaluations within {budget} (exact would take {2 * count})", fits, cut,
+                    sampled_cost(k))
     d = min(directions, max(2, fits // 2))
     cut = "" if d == directions else (f"directions cut from {directions} to {d}: {2 * directions} evaluations "
                                       f"would exceed {budget}")
     return Plan("directional", samples, d, f"directional: {d} directions, {2 * d} evaluations within {budget} "
-                f"(sampled would take {sampled_cost(2)}, exact {2 * count})", fits, cut)
+                f"(sampled would take {sampled_cost(2)}, exact {2 * count})", fits, cut, 2 * d)
 
 
 # An evaluation this small (on the nominal machine) runs on one thread: with the cores busy, an intra-op
-# team's wake-ups cost more than its ops (a ResNet block's float64 forward on a loaded 2-core machine: 0.2 ms
-# on one thread, 2-40 ms on two), and the check is hundreds of such evaluations. The kernels are the same.
-SMALL_EVAL_S = 5e-3
+# team's wake-ups cost more than its ops, and the check is tens to hundreds of such evaluations. The MNIST
+# example's CNN (6.1 ms nominal): 2.4 ms of CPU on one thread, 150 ms of wall time on two with the load
+# average at 10 on 2 cores (a ResNet block: 0.2 ms on one, 2-40 ms on two). The kernels are the same.
+SMALL_EVAL_S = 10e-3
 
 
 def plan_for(options: Options, config: EngineConfig, work: Work, sizes: list[int]) -> Plan:

@@ -154,6 +154,8 @@ def _counting(model: torch.nn.Module, *, graph: bool) -> Iterator[list[int]]:
             count(out)
             # batched calls run attention on its math kernel, which builds the attention matrix too
             counts[1] += attention_elements(steps[i], args, kwargs)
+            if steps[i].op.name.startswith(RECURRENT_OPS) and len(args) >= 9 and isinstance(args[0], torch.Tensor):
+                counts[0] += _recurrent_ops(args[0], num_layers=args[4], bidirectional=args[7], batch_first=args[8])
 
         model.visit = visit
         try:
@@ -161,12 +163,30 @@ def _counting(model: torch.nn.Module, *, graph: bool) -> Iterator[list[int]]:
         finally:
             model.visit = None
         return
-    handles = [m.register_forward_hook(lambda _m, _a, out: count(out)) for m in model.modules()]
+    def hook(m: torch.nn.Module, args, out) -> None:
+        count(out)
+        if isinstance(m, torch.nn.RNNBase) and args and isinstance(args[0], torch.Tensor):
+            counts[0] += _recurrent_ops(args[0], num_layers=m.num_layers, bidirectional=m.bidirectional,
+                                        batch_first=m.batch_first)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
     try:
         yield counts
     finally:
         for h in handles:
             h.remove()
+
+
+# A recurrent layer is one op (one node or module) that loops over its sequence: each time step of each layer
+# and direction counts this many ops (a cell's matmuls and gates).
+RECURRENT_OPS = ("aten.gru.", "aten.lstm.", "aten.rnn_tanh.", "aten.rnn_relu.")
+RECURRENT_STEP_OPS = 4
+
+
+def _recurrent_ops(x: torch.Tensor, *, num_layers: int, bidirectional: bool, batch_first: bool) -> int:
+    """The ops a recurrent layer's loop over `x` (its input: (L, N, H), (N, L, H) batch first, or (L, H)) adds."""
+    length = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
+    return RECURRENT_STEP_OPS * length * int(num_layers) * (2 if bidirectional else 1)
 
 
 def computed_dtype(prep: Prepared) -> torch.dtype:

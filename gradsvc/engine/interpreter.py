@@ -167,8 +167,9 @@ class GraphModel(nn.Module):
         """The next forward records the values the numerical check holds (`held`); later ones replay them."""
         self.held, self._recording, self._held_ids = {}, True, set()
 
-    def _record(self, i: int, out: Any, args: Any, kwargs: Any) -> None:
-        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value."""
+    def _record(self, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
+        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy
+        where the node writes a buffer in place (its value is the buffer, which later forwards rewrite)."""
         outs = _tensors(out)
         if not outs:
             return
@@ -177,7 +178,7 @@ class GraphModel(nn.Module):
                 return
             if not any(id(t) in self._held_ids for t in _tensors([args, list(kwargs.values())])):
                 return
-        self.held[i] = out
+        self.held[i] = _cloned(out) if writes_buffer else out
         self._held_ids.update(id(t) for t in outs)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -219,7 +220,7 @@ class GraphModel(nn.Module):
                 else:
                     out = fn(*args, **kwargs)
                 if self._recording:
-                    self._record(i, out, args, kwargs)
+                    self._record(i, out, args, kwargs, writes_buffer)
                 if visit is not None:
                     seen = visit(i, out, args, kwargs)
                     out = out if seen is None else seen
@@ -305,6 +306,15 @@ def _refs(values: list) -> list[Ref]:
 
 def _has_ref(a: Any) -> bool:
     return isinstance(a, Ref) or (isinstance(a, list) and any(_has_ref(x) for x in a))
+
+
+def _cloned(value: Any) -> Any:
+    """`value` with each tensor in it (a list or tuple of them, nested) copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -147,6 +147,35 @@ def test_an_ema_teacher_updated_under_no_grad_is_checked_element_by_element():
     assert check.max_rel_error < 1e-6
 
 
+class _EMAPull(nn.Module):
+    """A student pulled towards an EMA of its own weight: the EMA buffer is updated in place under no_grad, then
+    read by a term that has a gradient (the held update's value is the buffer itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Linear(6, 4)
+        self.register_buffer("ema", torch.randn(4, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(self.student.weight, alpha=0.1)
+        return self.student(x).pow(2).mean() + ((self.student.weight - self.ema) ** 2).sum()
+
+
+def test_a_buffer_updated_under_no_grad_and_read_with_a_gradient_keeps_its_updated_value():
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+
+    torch.manual_seed(0)
+    model, x = _EMAPull().double(), torch.randn(8, 6, dtype=torch.float64)
+    eg = export_graph(model, (x,))
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "loss": "output", "options": {"numcheck": "exact"}}
+    check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
+    assert check.passed and check.kinks == 0, {n: (p.judged, p.max_rel_error) for n, p in check.per_parameter.items()}
+    assert any("aten.add_.Tensor" in h for h in check.held), check.held
+
+
 @pytest.mark.parametrize("name", ["dqn_target_network", "ema_teacher"])
 def test_holding_no_grad_values_keeps_a_wrong_op_failing(name):
     check, weight = _no_grad_check(name, "scaled")

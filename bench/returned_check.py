@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from common import footer, header, median, table, timed
-from gradsvc.engine import numcheck
+from gradsvc.engine.numcheck.run import CheckRun, run
 
 HIDDEN = [24, 2400, 24000]  # P = 43H + 10: 1042, 103210, 1032010
 
@@ -38,10 +38,10 @@ def main() -> list[list]:
         ref = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
         returned = {n: g.float() for n, g in ref.items()}
         kw = dict(eps=1e-6, tolerance=1e-6, samples=8, directions=16, seed=0)
-        without = 1e3 * median(timed(lambda: numcheck.run("directional", params, loss_fn, ref, **kw), 5))
-        with_ = 1e3 * median(timed(lambda: numcheck.run("directional", params, loss_fn, ref, returned=returned,
-                                                        returned_dtype=torch.float32, **kw), 5))
-        check = numcheck.run("directional", params, loss_fn, ref, returned=returned, returned_dtype=torch.float32, **kw)
+        without = 1e3 * median(timed(lambda: run(CheckRun("directional", params, loss_fn, ref, **kw)), 5))
+        with_ = 1e3 * median(timed(lambda: run(CheckRun("directional", params, loss_fn, ref, returned=returned,
+                                                        returned_dtype=torch.float32, **kw)), 5))
+        check = run(CheckRun("directional", params, loss_fn, ref, returned=returned, returned_dtype=torch.float32, **kw))
         assert check.passed and check.returned_max_rel_error < 1e-4
         rows.append([43 * h + 10, without, with_, with_ / without, check.returned_max_rel_error])
     table(["P", "directional ms", "+ returned check ms", "ratio", "returned_max_rel_error"], rows)

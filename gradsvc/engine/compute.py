@@ -16,7 +16,7 @@ from gradsvc.wire import GradientRequest, GradientResult, Timings
 
 from . import diagnostics, tensors
 from .caches import EngineCaches
-from .check import computed_dtype, numerical_check
+from .numcheck import CheckInputs, computed_dtype, numerical_check
 from .diagnose import non_finite_error
 from .config import EngineConfig
 from .devices import is_allocation_failure, one_cpu_thread, out_of_memory, resolve_device, sync
@@ -120,9 +120,8 @@ def _compute_prepared(request: GradientRequest, config: EngineConfig, progress: 
     # without the batch's gradient the check judges what was computed: the examples' gradients summed
     returned = final.grads if opts.batch_gradient else {
         n: g.to(computed_dtype(prep)) for n, g in (per_sample_sum or {}).items()}
-    check = numerical_check(prep, request, config, device, progress, returned, reference,
-                      job_s=final.forward_s + final.backward_s, final=final, hvp_vector=hvp_vector,
-                      per_sample_sum=per_sample_sum)
+    check = numerical_check(CheckInputs(prep, request, config, device, returned, progress, reference, final=final,
+                                        hvp_vector=hvp_vector, per_sample_sum=per_sample_sum))
     numcheck_s = time.perf_counter() - numcheck_started if check is not None and check.mode != "off" else 0.0
     final.grads = diagnosed.returned(final.grads)
 

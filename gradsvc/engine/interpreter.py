@@ -19,7 +19,8 @@ from .ops import drawn_in
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
 
 
-# Stop-gradients: autograd's derivative holds their values fixed, so the numerical check does too.
+# Stop-gradients: autograd's derivative holds their values fixed, so the numerical check does too (and every
+# value computed from held values alone without a gradient: a no_grad region's, see GraphModel.held).
 HELD_OPS = frozenset({"aten.detach.default"})
 
 
@@ -49,9 +50,13 @@ class GraphModel(nn.Module):
         self._consts: list[tuple[int, str]] = []
         self._probe: tuple[nn.Module, str] | None = None
         holder: dict[str, tuple[nn.Module, str]] = {}
-        # The numerical check's held values (None: every node runs): each detach node whose index is in the
-        # dict returns the value there instead of its own, and one that is not records its value.
-        self.held: dict[int, torch.Tensor] | None = None
+        # The numerical check's held values (None: every node runs). The first forward after `hold()` records
+        # them: each detach node's value, and each value computed without a gradient from held values (the
+        # body of a `torch.no_grad()` region, which the SDK inlines with a detach of each value entering it:
+        # a target network, an EMA teacher); every later forward returns the recorded value, the node unrun.
+        self.held: dict[int, Any] | None = None
+        self._recording = False
+        self._held_ids: set[int] = set()  # the recording forward's held tensors, by id
         self.hold_steps = frozenset(i for i, s in enumerate(compiled.steps) if s.op.name in HELD_OPS)
         self.visit: Callable | None = None  # run's `visit` for every forward (the numerical check counts its work)
         self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
@@ -158,6 +163,24 @@ class GraphModel(nn.Module):
                 owner._buffers[attr] = t.to(device=device or t.device, dtype=_complex_of(dtype))
         return self
 
+    def hold(self) -> None:
+        """The next forward records the values the numerical check holds (`held`); later ones replay them."""
+        self.held, self._recording, self._held_ids = {}, True, set()
+
+    def _record(self, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
+        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy
+        where the node writes a buffer in place (its value is the buffer, which later forwards rewrite)."""
+        outs = _tensors(out)
+        if not outs:
+            return
+        if i not in self.hold_steps:
+            if any(t.requires_grad for t in outs):
+                return
+            if not any(id(t) in self._held_ids for t in _tensors([args, list(kwargs.values())])):
+                return
+        self.held[i] = _cloned(out) if writes_buffer else out
+        self._held_ids.update(id(t) for t in outs)
+
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.run(*inputs, visit=self.visit)[0]
 
@@ -167,18 +190,10 @@ class GraphModel(nn.Module):
         if len(inputs) != len(self._users):
             raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
         steps, consts = self._program(self.run_dtype, inputs[0].device)
-        env: list[Any] = [None] * self._graph.n_slots
-        for slot, _, owner, attr in self._holders:
-            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
-        for slot, value in consts:
-            env[slot] = value
-        for slot, x in zip(self._users, inputs):
-            # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
-            # check's copy), so that view_as_real of them meets parameters of the same dtype.
-            env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
+        env = self._env(inputs, consts)
         track = self.track_modules
         node_modules = self.node_modules
-        held, hold_steps = self.held, self.hold_steps
+        held = self.held
         i = -1
         args: Any = ()
         kwargs: Any = {}
@@ -197,13 +212,15 @@ class GraphModel(nn.Module):
                         kwargs[k] = _fill(kwargs[k], env)
                 if track:
                     _, self.current_module, self.current_module_type = node_modules[i]
-                if writes_buffer:
+                if held is not None and i in held and not self._recording:
+                    out = held[i]
+                elif writes_buffer:
                     with torch.no_grad():
                         out = fn(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
-                if held is not None and i in hold_steps:
-                    out = held.setdefault(i, out)
+                if self._recording:
+                    self._record(i, out, args, kwargs, writes_buffer)
                 if visit is not None:
                     seen = visit(i, out, args, kwargs)
                     out = out if seen is None else seen
@@ -215,6 +232,7 @@ class GraphModel(nn.Module):
             self.failed_args = [*args, *kwargs.values()] if i >= 0 else []
             raise
         finally:
+            self._recording = False
             if track:
                 self.current_module = self.current_module_type = ""
         for owner, attr, slot in self._mutations:
@@ -223,6 +241,19 @@ class GraphModel(nn.Module):
                 with torch.no_grad():
                     buf.copy_(env[slot])
         return [_fill(o, env) for o in self._graph.outputs]
+
+    def _env(self, inputs: tuple[torch.Tensor, ...], consts: list) -> list[Any]:
+        """A run's slots with its parameters, buffers, constants and inputs filled in."""
+        env: list[Any] = [None] * self._graph.n_slots
+        for slot, _, owner, attr in self._holders:
+            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
+        for slot, value in consts:
+            env[slot] = value
+        for slot, x in zip(self._users, inputs):
+            # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
+            # check's copy), so that view_as_real of them meets parameters of the same dtype.
+            env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
+        return env
 
 
 def _run_dtype(d: torch.dtype, dtype: torch.dtype, captured: torch.dtype, as_captured: bool) -> torch.dtype:
@@ -275,6 +306,24 @@ def _refs(values: list) -> list[Ref]:
 
 def _has_ref(a: Any) -> bool:
     return isinstance(a, Ref) or (isinstance(a, list) and any(_has_ref(x) for x in a))
+
+
+def _cloned(value: Any) -> Any:
+    """`value` with each tensor in it (a list or tuple of them, nested) copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value, a list or a tuple of them (nested)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _fill(a: Any, env: list) -> Any:

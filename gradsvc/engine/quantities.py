@@ -29,7 +29,7 @@ from . import tensors
 from .config import EngineConfig
 from .devices import is_allocation_failure, is_random, seeded, sync
 from .errors import SpecError
-from .numcheck import F64_EPS, FLOOR_ROUNDINGS, _verdict, returned_check
+from .numcheck.tolerances import F64_EPS, FLOOR_ROUNDINGS, returned_check, verdict
 from .prepared import Prepared
 
 
@@ -196,8 +196,8 @@ def input_gradient(loss_at: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
     abs_err = abs(fd - ad)
     rel = abs_err / max(abs(fd), abs(ad), 1e-12)
     atol = max(FLOOR_ROUNDINGS * F64_EPS * max(abs(plus), abs(minus), 1e-300) / eps, tolerance * float((g * u).abs().sum()))
-    verdict = _verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol,
-                       FLOOR_ROUNDINGS * F64_EPS * max(abs(plus), abs(minus), 1e-300) / eps)
+    judged = verdict(max(abs(fd), abs(ad)), abs_err, rel, tolerance, atol,
+                     FLOOR_ROUNDINGS * F64_EPS * max(abs(plus), abs(minus), 1e-300) / eps)
     return QuantityCheck(how="central differences of the float64 loss along a random direction of the input, "
-                             "against input_gradient . direction", max_rel_error=0.0 if verdict == "zero" else rel,
-                         tolerance=tolerance, passed=verdict != "failed")
+                             "against input_gradient . direction", max_rel_error=0.0 if judged == "zero" else rel,
+                         tolerance=tolerance, passed=judged != "failed")

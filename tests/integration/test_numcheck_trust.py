@@ -124,7 +124,7 @@ def _one_verdict(check) -> tuple:
             tuple((n, p.checked, p.judged, p.kinks) for n, p in sorted(check.per_parameter.items())))
 
 
-@pytest.mark.parametrize("name", ["mnist_cnn", "policy_gradient_baseline"])
+@pytest.mark.parametrize("name", ["mnist_cnn", "policy_gradient_baseline", "dqn_target_network"])
 def test_one_request_gets_one_verdict_and_a_planted_error_is_named_through_the_service(client, name):
     from tests.support.check_cases import VERDICT_CASES, local_gradients, planted
 
@@ -138,6 +138,8 @@ def test_one_request_gets_one_verdict_and_a_planted_error_is_named_through_the_s
     assert checks[0].budget_evaluations > 0 and "auto chose" in checks[0].reason
     if name == "policy_gradient_baseline":  # the advantage is detached on purpose: held, not failed
         assert checks[0].held == ["node 'detach' (aten.detach.default)"]
+    if name == "dqn_target_network":  # the target network runs under no_grad on purpose: held, not failed
+        assert any("in module 'target.2'" in h for h in checks[0].held), checks[0].held
     case, weight = planted(name, "scaled")
     check = send(case)
     failed = {n for n, p in check.per_parameter.items() if p.judged == "failed"}

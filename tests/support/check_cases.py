@@ -1,7 +1,8 @@
 """Models the numerical check must judge right with its default options, as their authors write them: the
 MNIST example's CNN (ReLU, max-pool, dropout in eval), a BatchNorm ResNet block and a squeeze-excite block in
 training mode, a float32 regression near its least-squares fit (loss near 1e5, gradient small beside it),
-losses that detach part of themselves on purpose (a policy gradient's baseline, a VQ-VAE's commitment), and
+losses that detach part of themselves on purpose (a policy gradient's baseline, a VQ-VAE's commitment) or
+compute part of themselves under torch.no_grad() (a DQN's target network, an EMA teacher), and
 the zoo's transformers; and the same models with a planted error (a custom Function whose backward is
 wrong on one module's output), which the check must fail, naming that module's parameters.
 
@@ -82,6 +83,45 @@ class VectorQuantizer(nn.Module):
         return F.mse_loss(self.decoder(q), x) + vq
 
 
+class DQNTarget(nn.Module):
+    """A DQN's temporal-difference loss: the online network's Q of the action taken against a target computed
+    under torch.no_grad() by a target network (the max over its next-state Q), which the loss does not train.
+    Returns the loss."""
+
+    def __init__(self, obs: int = 6, actions: int = 4, gamma: float = 0.9) -> None:
+        super().__init__()
+        self.q = nn.Sequential(nn.Linear(obs, 16), nn.Tanh(), nn.Linear(16, actions))
+        self.target = nn.Sequential(nn.Linear(obs, 16), nn.Tanh(), nn.Linear(16, actions))
+        self.gamma = gamma
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor,
+                next_obs: torch.Tensor) -> torch.Tensor:
+        q = self.q(obs).gather(1, actions[:, None]).squeeze(1)  # (batch,)
+        with torch.no_grad():
+            target = rewards + self.gamma * self.target(next_obs).max(1).values  # (batch,)
+        return F.mse_loss(q, target)
+
+
+class EMATeacher(nn.Module):
+    """A mean teacher (BYOL-style): the teacher's weights are buffers, an exponential moving average of the
+    student's, updated in place under torch.no_grad() before the teacher labels a second view; the student
+    learns the teacher's soft labels. Returns the loss."""
+
+    def __init__(self, features: int = 6, classes: int = 4, decay: float = 0.9) -> None:
+        super().__init__()
+        self.student = nn.Linear(features, classes)
+        self.register_buffer("teacher_weight", torch.randn(classes, features))
+        self.register_buffer("teacher_bias", torch.zeros(classes))
+        self.decay = decay
+
+    def forward(self, x: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.teacher_weight.mul_(self.decay).add_(self.student.weight, alpha=1 - self.decay)
+            self.teacher_bias.mul_(self.decay).add_(self.student.bias, alpha=1 - self.decay)
+            soft = F.softmax(F.linear(view, self.teacher_weight, self.teacher_bias), -1)  # (batch, classes)
+        return -(soft * F.log_softmax(self.student(x), -1)).sum(-1).mean()
+
+
 def regression_near_its_fit() -> tuple[nn.Module, tuple, torch.Tensor, dict]:
     """A float32 linear regression of prices near 300 with its least-squares weights (fitted in float64)
     nudged: a summed squared error near 1e5 whose gradient, a sum of 256 residuals x inputs that nearly
@@ -126,6 +166,20 @@ def _vq() -> Case:
     return VectorQuantizer(), (torch.randn(8, 6, generator=torch.Generator().manual_seed(1)),), None, "output"
 
 
+def _dqn() -> Case:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g), torch.randn(8, generator=g),
+              torch.randn(8, 6, generator=g))
+    return DQNTarget(), inputs, None, "output"
+
+
+def _ema() -> Case:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return EMATeacher(), (torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)), None, "output"
+
+
 VERDICT_CASES: dict[str, Callable[[], Case]] = {
     "mnist_cnn": _mnist,
     "resnet_block_batchnorm": _zoo("resnet_block"),
@@ -133,6 +187,8 @@ VERDICT_CASES: dict[str, Callable[[], Case]] = {
     "regression_loss_1e5": regression_near_its_fit,
     "policy_gradient_baseline": _policy,
     "vq_vae_commitment": _vq,
+    "dqn_target_network": _dqn,
+    "ema_teacher": _ema,
     **{name: _zoo(name) for name in ("prenorm_block", "transformer_encoder", "hf_llama", "hf_bert",
                                       "hf_gpt2_every_position", "hf_vit")},
 }
@@ -140,7 +196,8 @@ VERDICT_CASES: dict[str, Callable[[], Case]] = {
 # The module whose output a planted error wraps, per case: its parameters get the wrong gradient.
 PLANT_AT = {
     "mnist_cnn": "fc2", "resnet_block_batchnorm": "head", "squeeze_excite": "head", "regression_loss_1e5": "",
-    "policy_gradient_baseline": "policy", "vq_vae_commitment": "decoder", "prenorm_block": "head",
+    "policy_gradient_baseline": "policy", "vq_vae_commitment": "decoder", "dqn_target_network": "q.2",
+    "ema_teacher": "student", "prenorm_block": "head",
     "transformer_encoder": "head", "hf_llama": "lm.lm_head", "hf_bert": "bert.classifier",
     "hf_gpt2_every_position": "lm.lm_head", "hf_vit": "vit.classifier",
 }
@@ -227,4 +284,5 @@ def local_gradients(case: Case) -> dict[str, torch.Tensor]:
     else:
         value = {"nll": F.nll_loss, "cross_entropy": F.cross_entropy, "mse": F.mse_loss}[loss](out, targets)
     params = dict(model.named_parameters())
-    return dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+    # materialize_grads: a parameter the loss does not train (a target network) has a zero gradient
+    return dict(zip(params, torch.autograd.grad(value, list(params.values()), materialize_grads=True)))

@@ -6,7 +6,9 @@ import msgspec
 import pytest
 import torch
 
-from gradsvc.engine import Engine, EngineConfig, compute, numcheck
+from gradsvc.engine import Engine, EngineConfig, compute
+from gradsvc.engine.numcheck import tolerances
+from gradsvc.engine.numcheck.run import CheckRun, run
 from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
 
@@ -29,10 +31,10 @@ def _setup():
 def test_right_gradients_pass_and_a_wrong_one_fails(mode):
     params, loss_fn, grads = _setup()
     kw = dict(eps=1e-6, tolerance=1e-6, samples=4, directions=8, seed=0)
-    good = numcheck.run(mode, params, loss_fn, grads, **kw)
+    good = run(CheckRun(mode, params, loss_fn, grads, **kw))
     assert good.passed and good.max_rel_error < 1e-7
     wrong = {n: g * (1.01 if n == "2.weight" else 1.0) for n, g in grads.items()}
-    bad = numcheck.run(mode, params, loss_fn, wrong, **kw)
+    bad = run(CheckRun(mode, params, loss_fn, wrong, **kw))
     assert not bad.passed and bad.max_rel_error > 1e-3
     assert bad.rounding_floor > 0
 
@@ -40,8 +42,8 @@ def test_right_gradients_pass_and_a_wrong_one_fails(mode):
 def test_parameters_are_restored_after_the_check():
     params, loss_fn, grads = _setup()
     before = {n: p.detach().clone() for n, p in params.items()}
-    numcheck.run("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=4, directions=4, seed=0)
-    numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=4, directions=4, seed=0)
+    run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=4, directions=4, seed=0))
+    run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=4, directions=4, seed=0))
     for n, p in params.items():
         assert torch.allclose(p, before[n], rtol=0, atol=1e-15)
 
@@ -94,7 +96,7 @@ def test_float64_returned_gradients_equal_the_reference_to_1e_10_however_they_we
 def test_half_precision_tolerance_is_at_least_16_epsilons_and_reported_per_tensor(dtype, tolerance):
     check = _compute(SMALL_MLP, dtype, micro_batch=4, numcheck="exact").numcheck
     own = [p.returned_tolerance for p in check.per_parameter.values()]
-    assert min(own) >= tolerance and check.returned_tolerance == max(own) <= numcheck.ARITHMETIC_MAX
+    assert min(own) >= tolerance and check.returned_tolerance == max(own) <= tolerances.ARITHMETIC_MAX
     assert 0 < check.returned_max_rel_error < check.returned_tolerance and check.passed
 
 
@@ -102,10 +104,10 @@ def test_a_wrong_returned_gradient_fails_the_check_in_every_mode():
     params, loss_fn, grads = _setup()
     kw = dict(eps=1e-6, tolerance=1e-6, samples=4, directions=8, seed=0, returned_dtype=torch.float32)
     for mode in ("exact", "sampled", "directional"):
-        good = numcheck.run(mode, params, loss_fn, grads, returned={n: g.float() for n, g in grads.items()}, **kw)
+        good = run(CheckRun(mode, params, loss_fn, grads, returned={n: g.float() for n, g in grads.items()}, **kw))
         assert good.passed and good.returned_max_rel_error < 1e-6, mode
         off = {n: (g * 1.001 if n == "2.weight" else g).float() for n, g in grads.items()}
-        bad = numcheck.run(mode, params, loss_fn, grads, returned=off, **kw)
+        bad = run(CheckRun(mode, params, loss_fn, grads, returned=off, **kw))
         assert not bad.passed and bad.max_rel_error < 1e-6, mode  # finite differences alone would pass
         assert bad.per_parameter["2.weight"].returned_max_rel_error > 9e-4, mode
         assert bad.per_parameter["0.weight"].returned_max_rel_error < 1e-6, mode
@@ -117,8 +119,8 @@ def test_directional_mode_judges_the_returned_gradient_along_its_directions():
     ref = {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}
     # Element-wise within 1e-4 of its scale, yet along (1, 1)/sqrt(2) the two cancel: 2e-5 of ~0.
     along = [(2e-5, 0.0, 2 ** 0.5)]
-    assert numcheck.returned_check(ref, ref, torch.float32, along).passed  # under tolerance x the terms
-    bad = numcheck.returned_check(ref, ref, torch.float32, [(0.5, 0.3, 0.5)])
+    assert tolerances.returned_check(ref, ref, torch.float32, along).passed  # under tolerance x the terms
+    bad = tolerances.returned_check(ref, ref, torch.float32, [(0.5, 0.3, 0.5)])
     assert not bad.passed and bad.max_rel_error == pytest.approx(0.4)
 
 

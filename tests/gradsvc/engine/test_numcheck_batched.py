@@ -1,4 +1,4 @@
-"""The numerical check's batched evaluations (numcheck_batched.batched: torch.func.vmap over functional_call) give
+"""The numerical check's batched evaluations (batched_losses.batched: torch.func.vmap over functional_call) give
 the sequential loop's figures: the same perturbed values, the same evaluation counts, losses within a few
 float64 roundings (vmap's batched kernels round differently), hence finite differences within a fraction
 of the check's own rounding floor. And every case it cannot take falls back to the loop."""
@@ -11,7 +11,10 @@ import msgspec
 import pytest
 import torch
 
-from gradsvc.engine import EngineConfig, compute, numcheck, numcheck_batched
+from gradsvc.engine import EngineConfig, compute
+from gradsvc.engine.numcheck import batched as batched_losses
+from gradsvc.engine.numcheck import tolerances
+from gradsvc.engine.numcheck.run import CheckRun, run
 from gradsvc.engine.prepare import prepare
 from gradsvc.wire import GradientRequest
 
@@ -79,9 +82,9 @@ def _request(net: str, **options) -> GradientRequest:
 
 @pytest.fixture
 def batched_calls(monkeypatch):
-    """Counts the batched calls compute() makes (numcheck_batched.batched wrapped)."""
+    """Counts the batched calls compute() makes (batched_losses.batched wrapped)."""
     calls = []
-    real = numcheck_batched.batched
+    real = batched_losses.batched
 
     def spy(*args, **kwargs):
         b = real(*args, **kwargs)
@@ -89,15 +92,15 @@ def batched_calls(monkeypatch):
         def losses(perturbed):
             calls.append(next(iter(perturbed.values())).shape[0])
             return b.losses(perturbed)
-        return numcheck_batched.Batched(losses, b.row_elements)
+        return batched_losses.Batched(losses, b.row_elements)
 
-    monkeypatch.setattr(numcheck_batched, "batched", spy)
+    monkeypatch.setattr(batched_losses, "batched", spy)
     return calls
 
 
 def _sequential(req: GradientRequest, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(numcheck_batched, "batchable", lambda *a, **k: False)
+        m.setattr(batched_losses, "batchable", lambda *a, **k: False)
         return compute(req, EngineConfig()).numcheck
 
 
@@ -144,7 +147,7 @@ def _pieces(net: str):
     def loss_fn():
         out = model(prep.inputs.first)
         return sum(t.weight * t(out, targets[t.name]) for t in terms)
-    return params, loss_fn, numcheck_batched.batched(model, prep.inputs.tensors, targets, terms)
+    return params, loss_fn, batched_losses.batched(model, prep.inputs.tensors, targets, terms)
 
 
 @pytest.mark.parametrize("net", sorted(NETS))
@@ -154,8 +157,8 @@ def test_batched_losses_and_differences_match_the_loop_element_by_element(net):
     worst_ulps = worst_fd = 0.0
     with torch.no_grad():
         scale = abs(float(loss_fn()))
-        for call in numcheck_batched._plan(params, picks, batched):
-            losses = batched.losses(numcheck_batched._perturbed(params, picks, call, EPS)).tolist()
+        for call in batched_losses._plan(params, picks, batched):
+            losses = batched.losses(batched_losses._perturbed(params, picks, call, EPS)).tolist()
             half, row = len(losses) // 2, 0
             for name, start, stop in call:
                 flat = params[name].view(-1)
@@ -167,14 +170,14 @@ def test_batched_losses_and_differences_match_the_loop_element_by_element(net):
                     minus = float(loss_fn())
                     flat[i] = orig
                     bp, bm = losses[row + j], losses[half + row + j]
-                    worst_ulps = max(worst_ulps, abs(bp - plus) / (numcheck.F64_EPS * scale),
-                                     abs(bm - minus) / (numcheck.F64_EPS * scale))
+                    worst_ulps = max(worst_ulps, abs(bp - plus) / (tolerances.F64_EPS * scale),
+                                     abs(bm - minus) / (tolerances.F64_EPS * scale))
                     worst_fd = max(worst_fd, abs((bp - bm) - (plus - minus)) / (2 * EPS))
                 row += stop - start
     # A few float64 roundings of the loss (measured: up to 2-4), so each difference moves by at most
     # about ulps / eps: a fraction of the rounding floor, 8 roundings / eps.
     assert worst_ulps <= 8
-    assert worst_fd <= 4 * numcheck.F64_EPS * scale / EPS
+    assert worst_fd <= 4 * tolerances.F64_EPS * scale / EPS
 
 
 def test_batched_run_leaves_the_parameters_untouched():
@@ -182,20 +185,20 @@ def test_batched_run_leaves_the_parameters_untouched():
     before = {n: p.detach().clone() for n, p in params.items()}
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
     for mode in ("exact", "sampled", "directional"):
-        numcheck.run(mode, params, loss_fn, grads, eps=EPS, tolerance=1e-6, samples=4, directions=8, seed=0,
-                     batched=batched)
+        run(CheckRun(mode, params, loss_fn, grads, eps=EPS, tolerance=1e-6, samples=4, directions=8, seed=0,
+                     batched=batched))
         assert all(torch.equal(p, before[n]) for n, p in params.items()), mode
 
 
 # --- chunking --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("limit, row_elements", [(1 << 22, 0), (2_000, 0), (600, 40), (120, 0), (60, 0)])
 def test_plan_covers_every_pick_once_within_the_bound(limit, row_elements, monkeypatch):
-    monkeypatch.setattr(numcheck_batched, "BATCH_ELEMENTS", limit)
+    monkeypatch.setattr(batched_losses, "BATCH_ELEMENTS", limit)
     params = dict(seed_a_module().named_parameters())
-    batched = numcheck_batched.Batched(lambda p: None, row_elements)
+    batched = batched_losses.Batched(lambda p: None, row_elements)
     picks = {n: torch.arange(p.numel()) for n, p in params.items()}
     seen = {n: [] for n in params}
-    for call in numcheck_batched._plan(params, picks, batched):
+    for call in batched_losses._plan(params, picks, batched):
         names = [name for name, _, _ in call]
         assert len(names) == len(set(names))
         rows = 2 * sum(stop - start for _, start, stop in call)
@@ -208,10 +211,10 @@ def test_plan_covers_every_pick_once_within_the_bound(limit, row_elements, monke
 
 
 def test_evaluations_too_large_to_pay_are_left_to_the_loop(monkeypatch):
-    monkeypatch.setattr(numcheck_batched, "ROW_ELEMENTS_MAX", 40)
+    monkeypatch.setattr(batched_losses, "ROW_ELEMENTS_MAX", 40)
     params = dict(seed_a_module().named_parameters())  # 48, 8, 24, 3 elements
     picks = {n: torch.arange(p.numel()) for n, p in params.items()}
-    plan = numcheck_batched._plan(params, picks, numcheck_batched.Batched(lambda p: None, 10))
+    plan = batched_losses._plan(params, picks, batched_losses.Batched(lambda p: None, 10))
     # 0.weight alone would hold 58 elements a row; 0.bias with 2.weight 42, so 2.weight opens a call of its own
     assert plan == [[("0.bias", 0, 8)], [("2.weight", 0, 24), ("2.bias", 0, 3)]]
     assert all(name != "0.weight" for call in plan for name, _, _ in call)
@@ -224,12 +227,12 @@ def test_chunked_batches_give_the_same_figures_and_counts(limit, monkeypatch):
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
     kw = dict(eps=EPS, tolerance=1e-6, samples=5, directions=8, seed=3)
     for mode in ("exact", "sampled", "directional"):
-        ref = numcheck.run(mode, params, loss_fn, grads, **kw)
-        monkeypatch.setattr(numcheck_batched, "BATCH_ELEMENTS", limit)
+        ref = run(CheckRun(mode, params, loss_fn, grads, **kw))
+        monkeypatch.setattr(batched_losses, "BATCH_ELEMENTS", limit)
         calls = []
-        counting = numcheck_batched.Batched(lambda p: calls.append(1) or batched.losses(p), batched.row_elements)
-        got = numcheck.run(mode, params, loss_fn, grads, batched=counting, **kw)
-        monkeypatch.setattr(numcheck_batched, "BATCH_ELEMENTS", 1 << 22)
+        counting = batched_losses.Batched(lambda p: calls.append(1) or batched.losses(p), batched.row_elements)
+        got = run(CheckRun(mode, params, loss_fn, grads, batched=counting, **kw))
+        monkeypatch.setattr(batched_losses, "BATCH_ELEMENTS", 1 << 22)
         assert got.evaluations == ref.evaluations and got.passed == ref.passed, mode
         assert abs(got.max_abs_error - ref.max_abs_error) <= ref.rounding_floor / 4, mode
         count = sum(p.numel() for p in params.values())  # 435: a direction's two rows need 870 elements
@@ -240,7 +243,7 @@ def test_chunked_batches_give_the_same_figures_and_counts(limit, monkeypatch):
 @pytest.mark.parametrize("fail_at", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["exact", "directional"])
 def test_a_failing_batched_call_falls_back_to_the_loop(fail_at, mode, monkeypatch):
-    monkeypatch.setattr(numcheck_batched, "BATCH_ELEMENTS", 400)  # several calls (two directions of 83 parameters each)
+    monkeypatch.setattr(batched_losses, "BATCH_ELEMENTS", 400)  # several calls (two directions of 83 parameters each)
     params, loss_fn, batched = _pieces("seed_a")
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
     calls = []
@@ -253,9 +256,9 @@ def test_a_failing_batched_call_falls_back_to_the_loop(fail_at, mode, monkeypatc
 
     kw = dict(eps=EPS, tolerance=1e-6, samples=4, directions=8, seed=0)
     seen = []
-    got = numcheck.run(mode, params, loss_fn, grads, batched=numcheck_batched.Batched(flaky, batched.row_elements),
-                       progress=lambda *a: seen.append(a), **kw)
-    ref = numcheck.run(mode, params, loss_fn, grads, **kw)
+    got = run(CheckRun(mode, params, loss_fn, grads, batched=batched_losses.Batched(flaky, batched.row_elements),
+                       progress=lambda *a: seen.append(a), **kw))
+    ref = run(CheckRun(mode, params, loss_fn, grads, **kw))
     assert len(calls) == fail_at + 1  # no batched call after a failure
     assert got.evaluations == ref.evaluations and got.passed and ref.passed
     assert abs(got.max_abs_error - ref.max_abs_error) <= ref.rounding_floor / 4
@@ -274,8 +277,8 @@ def test_a_job_timeout_inside_a_batched_call_is_not_swallowed():
         raise JobTimeoutException("past the job's timeout")
 
     with pytest.raises(JobTimeoutException):
-        numcheck.run("exact", params, loss_fn, grads, eps=EPS, tolerance=1e-6, samples=4, directions=8, seed=0,
-                     batched=numcheck_batched.Batched(timed_out))
+        run(CheckRun("exact", params, loss_fn, grads, eps=EPS, tolerance=1e-6, samples=4, directions=8, seed=0,
+                     batched=batched_losses.Batched(timed_out)))
 
 
 @pytest.mark.parametrize("layers, why", [
@@ -306,11 +309,11 @@ def test_random_models_graphs_that_write_buffers_and_other_devices_are_not_batch
 
     model = seed_a_module()
     cpu = torch.device("cpu")
-    assert numcheck_batched.batchable(model, cpu, graph=False, random=False)
-    assert not numcheck_batched.batchable(model, cpu, graph=False, random=True)
-    assert not numcheck_batched.batchable(model, torch.device("cuda"), graph=False, random=False)
+    assert batched_losses.batchable(model, cpu, graph=False, random=False)
+    assert not batched_losses.batchable(model, cpu, graph=False, random=True)
+    assert not batched_losses.batchable(model, torch.device("cuda"), graph=False, random=False)
     pure = build_graph(export_graph(model, (torch.randn(2, 6, dtype=torch.float64),)).graph, limits=Limits())
-    assert numcheck_batched.batchable(pure, cpu, graph=True, random=False)
+    assert batched_losses.batchable(pure, cpu, graph=True, random=False)
     bn = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).double().train()
     stats = build_graph(export_graph(bn, (torch.randn(3, 6, dtype=torch.float64),)).graph, limits=Limits())
-    assert not numcheck_batched.batchable(stats, cpu, graph=True, random=False)  # running statistics are written
+    assert not batched_losses.batchable(stats, cpu, graph=True, random=False)  # running statistics are written

@@ -1,5 +1,6 @@
 """What the check does where a finite difference cannot be trusted as it stands: a kink (the one-sided
-differences disagree), a value the loss detaches on purpose (held at its unperturbed point), a float32
+differences disagree), a value the loss detaches on purpose or computes under torch.no_grad() (held at its
+unperturbed point), a float32
 loss large beside its gradient (the returned tolerance follows the arithmetic); and that a planted error
 at any of them still fails, naming the tensor."""
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradsvc.engine import EngineConfig, compute, numcheck
+from gradsvc.engine import EngineConfig, compute
+from gradsvc.engine.numcheck import tolerances
+from gradsvc.engine.numcheck.run import CheckRun, run
 from gradsvc.wire import GradientRequest
 from tests.support.nets import tensor_json
 
@@ -34,7 +37,7 @@ def _relu_at_its_kink():
 
 def test_an_element_on_a_kink_is_judged_kink_and_left_out_not_failed():
     params, loss_fn, grads = _relu_at_its_kink()
-    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
     assert check.passed, check.per_parameter
     weight, bias = check.per_parameter["0.weight"], check.per_parameter["0.bias"]
     assert weight.kinks == 2 and bias.kinks == 1 and check.kinks == 3  # row 0 of W, b[0]
@@ -46,7 +49,7 @@ def test_a_wrong_gradient_on_a_kink_still_fails():
     params, loss_fn, grads = _relu_at_its_kink()
     grads["0.bias"] = grads["0.bias"].clone()
     grads["0.bias"][0] = -1.0  # ReLU's one-sided derivatives at 0 are 0 and 1: -1 is neither
-    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
     assert not check.passed and check.per_parameter["0.bias"].judged == "failed"
 
 
@@ -59,14 +62,14 @@ def test_a_straddled_kink_is_re_differenced_at_a_smaller_step():
         return torch.relu(w - 3e-7).sum() + 2 * w.sum()
 
     grads = {"w": torch.autograd.grad(loss_fn(), [w])[0]}
-    check = numcheck.run("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0)
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
     assert check.passed and check.kinks == 0 and check.max_rel_error < 1e-8, check.per_parameter
 
 
 def test_a_direction_across_a_kink_is_judged_kink():
     params, loss_fn, grads = _relu_at_its_kink()
-    check = numcheck.run("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
-                         directions=8, seed=0)
+    check = run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
+                         directions=8, seed=0))
     assert check.passed and check.kinks > 0  # every direction moves row 0's pre-activation off 0
 
 
@@ -105,6 +108,82 @@ def test_holding_detached_values_keeps_a_wrong_op_inside_failing(monkeypatch):
     assert not check.passed and check.per_parameter[name].judged == "failed" and check.held
 
 
+def _no_grad_check(name: str, planted_error: str | None = None):
+    """VERDICT_CASES[name] (a loss computing part of itself under torch.no_grad()) checked in float64, exact;
+    with `planted_error`, that error planted (check_cases.planted). (check, the planted tensor's name)."""
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+    from tests.support.check_cases import VERDICT_CASES, planted
+
+    (model, inputs, _, loss), weight = planted(name, planted_error) if planted_error else (VERDICT_CASES[name](), "")
+    model = model.double()
+    inputs = tuple(a.double() if a.is_floating_point() else a for a in inputs)
+    eg = export_graph(model, inputs)
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": [to_wire(a) for a in inputs], "loss": loss, "options": {"numcheck": "exact"}}
+    return compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck, weight
+
+
+def test_values_computed_under_no_grad_are_held_and_the_right_gradient_passes():
+    check, _ = _no_grad_check("dqn_target_network")
+    assert check.passed, {n: (p.judged, p.max_rel_error) for n, p in check.per_parameter.items()}
+    # The target network's nodes are held (not only the detaches of the values entering the region)...
+    assert {h for h in check.held if "in module 'target." in h} == {
+        "node 'linear_2' (aten.linear.default) in module 'target.0' (Linear)",
+        "node 'tanh_1' (aten.tanh.default) in module 'target.1' (Tanh)",
+        "node 'linear_3' (aten.linear.default) in module 'target.2' (Linear)"}, check.held
+    # ... and the online network's are not: it is checked element by element, the target network's gradient is 0.
+    assert not any("in module 'q." in h for h in check.held), check.held
+    assert all(check.per_parameter[n].judged == "ratio" for n in check.per_parameter if n.startswith("q."))
+    assert all(check.per_parameter[n].judged == "zero" for n in check.per_parameter if n.startswith("target."))
+
+
+def test_an_ema_teacher_updated_under_no_grad_is_checked_element_by_element():
+    """The teacher's buffers move towards the student at every forward: were the check's evaluations to move
+    them again, each finite difference would measure the drift (every element read as a kink before)."""
+    check, _ = _no_grad_check("ema_teacher")
+    assert check.passed and check.kinks == 0, {n: (p.judged, p.kinks) for n, p in check.per_parameter.items()}
+    assert {p.judged for p in check.per_parameter.values()} == {"ratio"}
+    assert check.max_rel_error < 1e-6
+
+
+class _EMAPull(nn.Module):
+    """A student pulled towards an EMA of its own weight: the EMA buffer is updated in place under no_grad, then
+    read by a term that has a gradient (the held update's value is the buffer itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Linear(6, 4)
+        self.register_buffer("ema", torch.randn(4, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(self.student.weight, alpha=0.1)
+        return self.student(x).pow(2).mean() + ((self.student.weight - self.ema) ** 2).sum()
+
+
+def test_a_buffer_updated_under_no_grad_and_read_with_a_gradient_keeps_its_updated_value():
+    from gradclient.export import export_graph
+    from gradclient.tensors import to_wire
+
+    torch.manual_seed(0)
+    model, x = _EMAPull().double(), torch.randn(8, 6, dtype=torch.float64)
+    eg = export_graph(model, (x,))
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "loss": "output", "options": {"numcheck": "exact"}}
+    check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
+    assert check.passed and check.kinks == 0, {n: (p.judged, p.max_rel_error) for n, p in check.per_parameter.items()}
+    assert any("aten.add_.Tensor" in h for h in check.held), check.held
+
+
+@pytest.mark.parametrize("name", ["dqn_target_network", "ema_teacher"])
+def test_holding_no_grad_values_keeps_a_wrong_op_failing(name):
+    check, weight = _no_grad_check(name, "scaled")
+    failed = {n for n, p in check.per_parameter.items() if p.judged == "failed"}
+    assert not check.passed and weight in failed, (weight, failed)
+    assert not any(n.startswith("target.") for n in failed), failed  # the held target network is not blamed
+
+
 def _regression(weights_scale: float = 1.0, **options):
     from tests.support.check_cases import regression_near_its_fit
 
@@ -124,17 +203,17 @@ def test_a_float32_loss_near_1e5_passes_on_right_gradients_by_its_arithmetic():
     assert check.passed, {n: (p.returned_judged, p.returned_max_rel_error, p.returned_tolerance)
                           for n, p in check.per_parameter.items()}
     # float32 lost more than its fixed 1e-4 here, and the tolerance says how much it could
-    assert check.returned_max_rel_error > numcheck.returned_tolerance(torch.float32)
-    assert check.returned_max_rel_error < check.returned_tolerance <= numcheck.ARITHMETIC_MAX
+    assert check.returned_max_rel_error > tolerances.returned_tolerance(torch.float32)
+    assert check.returned_max_rel_error < check.returned_tolerance <= tolerances.ARITHMETIC_MAX
 
 
 def test_a_wrong_gradient_of_a_small_loss_fails_at_the_dtype_tolerance():
     ref = {"w": torch.tensor([0.3, -1.2, 2.5], dtype=torch.float64)}
     params = {"w": torch.tensor([1.0, 0.5, -0.5], dtype=torch.float64)}
     rounded = {"w": ref["w"] * (1 + 1e-7)}  # a small loss: rounding moves the gradient by float32's own
-    tolerances = numcheck.arithmetic_tolerances(torch.float32, ref, rounded)
-    assert tolerances == {"w": numcheck.returned_tolerance(torch.float32)}
-    wrong = numcheck.returned_check({"w": (ref["w"] * 1.001).float()}, ref, torch.float32, tolerances=tolerances)
+    own = tolerances.arithmetic_tolerances(torch.float32, ref, rounded)
+    assert own == {"w": tolerances.returned_tolerance(torch.float32)}
+    wrong = tolerances.returned_check({"w": (ref["w"] * 1.001).float()}, ref, torch.float32, tolerances=own)
     assert not wrong.passed and wrong.judged["w"] == "failed"
     assert params  # the parameters do not enter the rule: only what rounding does to the gradient
 

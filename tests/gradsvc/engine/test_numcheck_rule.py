@@ -11,7 +11,10 @@ import torch
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.engine import EngineConfig, compute
-from gradsvc.engine import numcheck, quantities
+from gradsvc.engine import quantities
+from gradsvc.engine.numcheck import plan as planning
+from gradsvc.engine.numcheck import tolerances
+from gradsvc.engine.numcheck.run import CheckRun, run
 from gradsvc.wire import GradientRequest
 
 from tests.support.models import CASES
@@ -55,7 +58,7 @@ def _seed_a_check(**options):
 
 
 def _run(mode: str, edit):
-    """numcheck.run on the 6-8-3 tanh net in float64 with the autograd gradients edited by `edit`."""
+    """The check (numcheck.run.run) on the 6-8-3 tanh net in float64 with the autograd gradients edited by `edit`."""
     from torch import nn
 
     torch.manual_seed(0)
@@ -69,7 +72,7 @@ def _run(mode: str, edit):
 
     grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
     edit(grads)
-    return numcheck.run(mode, params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=4, directions=16, seed=0)
+    return run(CheckRun(mode, params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=4, directions=16, seed=0))
 
 
 @pytest.mark.parametrize("mode", ["exact", "sampled"])
@@ -100,9 +103,9 @@ def test_the_returned_check_passes_one_float32_rounding_and_fails_a_wrong_tensor
     ref = {"a": torch.tensor([0.3, -1.2, 2.5], dtype=torch.float64), "b": torch.tensor([1e-22, -3e-23],
                                                                                       dtype=torch.float64)}
     got = {"a": ref["a"].float(), "b": torch.tensor([2e-9, -1e-9])}  # float32 noise on a zero gradient
-    r = numcheck.returned_check(got, ref, torch.float32)
+    r = tolerances.returned_check(got, ref, torch.float32)
     assert r.passed and r.judged == {"a": "ratio", "b": "zero"} and r.max_rel_error < 1e-7
-    bad = numcheck.returned_check({**got, "a": got["a"] * 1.01}, ref, torch.float32)
+    bad = tolerances.returned_check({**got, "a": got["a"] * 1.01}, ref, torch.float32)
     assert not bad.passed and bad.judged["a"] == "failed"
 
 
@@ -139,14 +142,14 @@ def test_every_returned_quantity_is_checked_and_a_wrong_one_fails():
 
 
 def test_auto_plans_within_its_budget_and_says_why():
-    plan = numcheck.plan_auto([48, 8, 24, 3], 1000, exact_max=20_000, samples=8, directions=16)
+    plan = planning.plan_auto([48, 8, 24, 3], 1000, exact_max=20_000, samples=8, directions=16)
     assert plan.mode == "exact" and "166 evaluations" in plan.reason and plan.cut == ""
     big = [1_000_000, 1000, 10_000, 10]
-    sampled = numcheck.plan_auto(big, 100, exact_max=20_000, samples=8, directions=16)
+    sampled = planning.plan_auto(big, 100, exact_max=20_000, samples=8, directions=16)
     assert (sampled.mode, sampled.samples, sampled.cut) == ("sampled", 8, "")
-    fewer = numcheck.plan_auto(big, 40, exact_max=20_000, samples=8, directions=16)
+    fewer = planning.plan_auto(big, 40, exact_max=20_000, samples=8, directions=16)
     assert fewer.mode == "sampled" and fewer.samples == 5 and "cut from 8 to 5" in fewer.cut  # 2 x 4 x 5 fit
-    tight = numcheck.plan_auto(big, 10, exact_max=20_000, samples=8, directions=16)
+    tight = planning.plan_auto(big, 10, exact_max=20_000, samples=8, directions=16)
     assert tight.mode == "directional" and tight.directions == 5 and "cut from 16 to 5" in tight.cut
     check = compute(graph_request("hf_bert", numcheck="auto"), EngineConfig()).numcheck
     assert check.reason.startswith("auto chose") and check.mode in check.reason and check.passed
@@ -157,7 +160,7 @@ def test_gradients_returned_in_a_smaller_dtype_are_judged_at_its_tolerance():
     result = _seed_a_check(numcheck="exact", gradient_dtype="bfloat16")
     assert all(g.dtype == "bfloat16" for g in result.gradients.values())
     check = result.numcheck
-    assert check.returned_tolerance >= numcheck.returned_tolerance(torch.bfloat16) and check.passed
+    assert check.returned_tolerance >= tolerances.returned_tolerance(torch.bfloat16) and check.passed
     assert check.returned_max_rel_error > 1e-4  # bfloat16's rounding shows, within its own tolerance
 
 

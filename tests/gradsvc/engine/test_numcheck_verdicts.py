@@ -1,8 +1,8 @@
 """One request, one verdict: with the default options (numcheck "auto") the check passes on ordinary models
 (the MNIST example's CNN, BatchNorm ResNet and squeeze-excite blocks in training mode, a float32 loss near
-1e5, losses that detach part of themselves, the zoo's transformers) and fails, naming a tensor whose
-gradient is wrong, on the same models with a planted error; run after run, on a machine that other
-processes load, with the same checked elements and the same verdicts."""
+1e5, losses that detach part of themselves or compute part under no_grad, the zoo's transformers) and
+fails, naming a tensor whose gradient is wrong, on the same models with a planted error; run after run, on
+a machine that other processes load, with the same checked elements and the same verdicts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A tiny CPU job runs on one intra-op thread (gradsvc.engine.compute, TINY_JOB_WORK): same answer,
 the process's thread count restored afterwards, larger jobs left on every thread (but for the numerical
-check's small evaluations, which gradsvc.engine.check runs on one thread by a rule of its own)."""
+check's small evaluations, which gradsvc.engine.numcheck runs on one thread by a rule of its own)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gradsvc.wire import GradientRequest
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch, tensor_json, wide_stack_layers
 
 compute_module = importlib.import_module("gradsvc.engine.compute")  # the module (the package re-exports a function of that name)
-check_module = importlib.import_module("gradsvc.engine.check")
+check_module = importlib.import_module("gradsvc.engine.numcheck.plan")
 
 
 def request(layers, x, y, **kw) -> GradientRequest:

@@ -1,7 +1,7 @@
 """The numerical check's batched evaluation: many perturbed losses of a model in one call, over torch.func.vmap,
 where the model is a pure function of its parameters (`batchable`); how many a call may hold, and the calls an
-element-wise check makes (`_plan`, `_perturbed`). A failed batched call falls back to numcheck.py's loop, which
-stays the reference."""
+element-wise check makes (`_plan`, `_perturbed`). A failed batched call falls back to the one-at-a-time loop
+(exact.py, directional.py), which stays the reference."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .losses import LOSSES, OWN_LOSS, LossTerm
+from ..losses import LOSSES, OWN_LOSS, LossTerm
 
 # One batched call holds at most this many float64 elements, its perturbed copies and its activations
 # together (32 MiB).

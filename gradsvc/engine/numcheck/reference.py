@@ -1,0 +1,214 @@
+"""The float64 side of the numerical check (`Reference`): a float64 copy of the model on the request's batch
+and dropout masks, its loss as a function of the trainable parameters (detached and no_grad values held,
+written buffers restored), autograd's gradients of it, what one evaluation does (`Work`, counted on the way),
+the simulated rounding that sets the returned gradients' tolerance, and the dtype those went through."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Iterator
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from gradsvc.wire import GradientRequest
+
+from .. import tensors
+from ..devices import is_random, seeded
+from ..meta_check import attention_elements
+from ..prepared import Prepared
+from ..program import FloatDType, where_step
+from . import batched as batched_losses
+from .plan import Work
+from .tolerances import arithmetic_tolerances, returned_tolerance
+
+
+class Reference:
+    """The float64 side of the check: a float64 copy of the model on the request's batch, its loss as a
+    function of the trainable parameters (dropout masks replayed from the seed, detached values held),
+    autograd's gradients of it, and what one evaluation does (`work`), counted on the way."""
+
+    def __init__(self, prep: Prepared, request: GradientRequest, device: torch.device) -> None:
+        trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
+        self.prep, self.device, self.seed = prep, device, request.model.seed
+        self.model64 = model64 = copy.deepcopy(prep.model).to(torch.float64)
+        if prep.graph is not None:
+            model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
+            model64.hold()  # the first forward records the held values; every later one replays them
+        self.x64 = prep.inputs.map(lambda x, _: x.to(torch.float64) if x.is_floating_point() else x)
+        self.t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
+        self.params = {n: p for n, p in model64.named_parameters() if n in trainable}
+        for n, p in model64.named_parameters():
+            p.requires_grad_(n in self.params)
+        self.random = is_random(model64)
+        # The buffers a forward writes (running statistics, an EMA teacher's weights), as they were: each
+        # evaluation starts from them, so that every one is the same function of the parameters.
+        self.buffers = [(b, b.detach().clone()) for b in _written_buffers(model64, graph=prep.graph is not None)]
+        with _counting(model64, graph=prep.graph is not None) as counts, FlopCounterMode(display=False) as flops:
+            loss = self.loss_fn()
+        self.loss = float(loss.detach())
+        self.work = Work(*counts, flops=flops.get_total_flops())
+        grads = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True)
+        self.grads = dict(zip(self.params, grads))
+
+    def loss_fn(self, inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """The loss on the request's batch (or `inputs`), from the same buffers and dropout masks every call."""
+        return sum(t.weight * loss for t, loss in zip(self.prep.terms, self.term_losses(inputs)))
+
+    def term_losses(self, inputs: tuple[torch.Tensor, ...] | None = None) -> list[torch.Tensor]:
+        """Each loss term's value (unweighted), as `loss_fn` computes them."""
+        self.restore_buffers()
+        with seeded(self.seed, self.device, self.random):
+            out = self.model64(*(self.x64.tensors if inputs is None else inputs))
+            return [t(out, self.t64.get(t.name)) for t in self.prep.terms]
+
+    def restore_buffers(self) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+
+    def batched(self, prep: Prepared):
+        """Many perturbed losses a call (batched.py) where the model allows it, else None."""
+        graph = prep.graph is not None
+        if not batched_losses.batchable(self.model64, self.device, graph=graph, random=self.random):
+            return None
+        return batched_losses.batched(self.model64, self.x64.tensors, self.t64, prep.terms, self.work.elements)
+
+    def held(self) -> list[str]:
+        """Each value the differences held at its unperturbed point, by node (graph models)."""
+        held = getattr(self.model64, "held", None) or {}
+        steps = self.model64._graph.steps if held else []
+        return [where_step(steps[i]) for i in sorted(held)]
+
+    def returned_tolerances(self, dtype: torch.dtype) -> dict[str, float]:
+        """Each tensor's returned-gradient tolerance at `dtype`: the dtype's own, widened to what rounding
+        every value of the forward at `dtype` moves the float64 gradient (tolerances.arithmetic_tolerances)."""
+        base = returned_tolerance(dtype)
+        if dtype == torch.float64:
+            return dict.fromkeys(self.grads, base)
+        gen = torch.Generator().manual_seed(self.seed)
+        with _rounding(self.model64, torch.finfo(dtype).eps, gen, graph=self.prep.graph is not None):
+            loss = self.loss_fn()
+        rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
+        return arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)))
+
+
+def _written_buffers(model: torch.nn.Module, *, graph: bool) -> list[torch.Tensor]:
+    """The buffers a forward of `model` may write: a graph's buffer mutations, a layer spec's every buffer."""
+    if graph:
+        return [getattr(owner, attr) for owner, attr, _ in model._mutations]
+    return list(model.buffers())
+
+
+def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
+    """`value` (a tensor, or a tuple or list of them) with each floating element moved by a rounding of
+    relative size up to unit x sqrt(n), n the op's reduction length (its tensor inputs' elements per output
+    element, 1 for an elementwise op); drawn from `gen`."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rounded(v, args, unit, gen) for v in value)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.numel():
+        return value
+    read = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+    reduction = max(1.0, read / value.numel())
+    noise = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
+    return value * (1 + unit * math.sqrt(reduction) * noise.to(value.dtype))
+
+
+@contextlib.contextmanager
+def _rounding(model: torch.nn.Module, unit: float, gen: torch.Generator, *, graph: bool) -> Iterator[None]:
+    """While the block runs the model, every op's output is rounded as `_rounded` does (graph nodes, or
+    a layer spec's leaf modules)."""
+    if graph:
+        model.visit = lambda _i, out, args, kwargs: _rounded(out, (*args, *kwargs.values()), unit, gen)
+        try:
+            yield
+        finally:
+            model.visit = None
+        return
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_hook(lambda _m, args, out: _rounded(out, args, unit, gen)) for m in leaves]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _counting(model: torch.nn.Module, *, graph: bool) -> Iterator[list[int]]:
+    """Counts, while the block runs the model, [ops, output elements]: modules' outputs (hooks) for a layer
+    spec, nodes' outputs for a graph (its modules only hold parameters)."""
+    counts = [0, 0]
+
+    def count(outs) -> None:
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        counts[0] += 1
+        counts[1] += sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
+
+    if graph:
+        steps = model._graph.steps
+
+        def visit(i, out, args, kwargs) -> None:
+            count(out)
+            # batched calls run attention on its math kernel, which builds the attention matrix too
+            counts[1] += attention_elements(steps[i], args, kwargs)
+            if steps[i].op.name.startswith(RECURRENT_OPS) and len(args) >= 9 and isinstance(args[0], torch.Tensor):
+                counts[0] += _recurrent_ops(args[0], num_layers=args[4], bidirectional=args[7], batch_first=args[8])
+
+        model.visit = visit
+        try:
+            yield counts
+        finally:
+            model.visit = None
+        return
+    def hook(m: torch.nn.Module, args, out) -> None:
+        count(out)
+        if isinstance(m, torch.nn.RNNBase) and args and isinstance(args[0], torch.Tensor):
+            counts[0] += _recurrent_ops(args[0], num_layers=m.num_layers, bidirectional=m.bidirectional,
+                                        batch_first=m.batch_first)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# A recurrent layer is one op (one node or module) that loops over its sequence: each time step of each layer
+# and direction counts this many ops (a cell's matmuls and gates).
+RECURRENT_OPS = ("aten.gru.", "aten.lstm.", "aten.rnn_tanh.", "aten.rnn_relu.")
+RECURRENT_STEP_OPS = 4
+
+
+def _recurrent_ops(x: torch.Tensor, *, num_layers: int, bidirectional: bool, batch_first: bool) -> int:
+    """The ops a recurrent layer's loop over `x` (its input: (L, N, H), (N, L, H) batch first, or (L, H)) adds."""
+    length = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
+    return RECURRENT_STEP_OPS * length * int(num_layers) * (2 if bidirectional else 1)
+
+
+def computed_dtype(prep: Prepared) -> torch.dtype:
+    """The least precise float dtype the returned gradients went through: the model's, or for a graph
+    run as captured, a lower one its own casts name (HF Llama's float32 RMSNorm in a float64 model), or
+    options.gradient_dtype where that is less precise."""
+    computed = _model_computed_dtype(prep)
+    asked = prep.options.gradient_dtype
+    if asked is not None and torch.finfo(tensors.TORCH_DTYPES[asked]).eps > torch.finfo(computed).eps:
+        return tensors.TORCH_DTYPES[asked]
+    return computed
+
+
+def _model_computed_dtype(prep: Prepared) -> torch.dtype:
+    if prep.graph is None or prep.dtype != prep.graph.compiled.dtype:
+        return prep.dtype  # a graph run in another dtype than captured maps its casts to that dtype
+    def casts(a):
+        if isinstance(a, FloatDType):
+            yield a.dtype
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                yield from casts(x)
+
+    named = {d for step in prep.graph.compiled.steps for a in (*step.args, *step.kwargs.values()) for d in casts(a)}
+    return max(named | {prep.dtype}, key=lambda d: torch.finfo(d).eps)  # the largest epsilon

@@ -17,6 +17,7 @@ numpy pass over all the tensors, in float64."""
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 from datetime import datetime, timezone
@@ -65,6 +66,8 @@ def _array(t: Tensor, name: str) -> np.ndarray:
         return np.frombuffer(raw, dtype=_NUMPY[t.dtype])
     if isinstance(t.data, list):
         return np.asarray(t.data, dtype=np.float64).reshape(-1)
+    if t.b64 is not None and t.dtype in _NUMPY:  # JSON's raw bytes
+        return np.frombuffer(base64.b64decode(t.b64), dtype=_NUMPY[t.dtype])
     return tensors.decode(t, where=name, max_elements=_ANY_SIZE).double().reshape(-1).numpy()
 
 
@@ -81,20 +84,22 @@ class Flat(NamedTuple):
 
 
 def flat_of(arrays: dict[str, np.ndarray]) -> Flat:
-    groups: dict[str, list[str]] = {}
-    for name in arrays:
-        groups.setdefault(module_of(name), []).append(name)
-    names = tuple(n for group in groups.values() for n in group)
-    sizes = tuple(arrays[n].size for n in names)
-    at, filled, offset = [], [], 0
+    groups: dict[str, list[tuple[str, np.ndarray]]] = {}
+    for name, a in arrays.items():
+        groups.setdefault(module_of(name), []).append((name, a.reshape(-1)))
+    names, sizes, parts, at, filled, offset = [], [], [], [], [], 0
     for module, group in groups.items():
-        size = sum(arrays[n].size for n in group)
-        if size:
-            at.append(offset)
+        start = offset
+        for name, a in group:
+            names.append(name)
+            sizes.append(a.size)
+            parts.append(a)
+            offset += a.size
+        if offset > start:
+            at.append(start)
             filled.append(module)
-        offset += size
-    vector = np.concatenate([arrays[n].reshape(-1) for n in names], dtype=np.float64) if names else np.zeros(0)
-    return Flat(names, sizes, tuple(groups), at, filled, vector)
+    vector = np.concatenate(parts, dtype=np.float64) if parts else np.zeros(0)
+    return Flat(tuple(names), tuple(sizes), tuple(groups), at, filled, vector)
 
 
 def module_squares(flat: Flat, values: np.ndarray) -> dict[str, float]:

@@ -84,9 +84,10 @@ class Flat(NamedTuple):
 
 
 def flat_of(arrays: dict[str, np.ndarray]) -> Flat:
+    """1-D arrays by parameter name as one Flat."""
     groups: dict[str, list[tuple[str, np.ndarray]]] = {}
     for name, a in arrays.items():
-        groups.setdefault(module_of(name), []).append((name, a.reshape(-1)))
+        groups.setdefault(module_of(name), []).append((name, a))
     names, sizes, parts, at, filled, offset = [], [], [], [], [], 0
     for module, group in groups.items():
         start = offset
@@ -199,7 +200,7 @@ def _as_raw(t: Tensor, flat: np.ndarray) -> Tensor:
     """A weight as raw bytes in its own dtype (what the next step reads fastest), whatever form the body gave."""
     if raw_data(t) is not None or t.dtype not in _NUMPY:
         return Tensor(dtype=t.dtype, shape=t.shape, data=t.data, b64=t.b64)
-    return Tensor(dtype=t.dtype, shape=t.shape, data=flat.astype(_NUMPY[t.dtype]).tobytes())
+    return Tensor(dtype=t.dtype, shape=t.shape, data=flat.astype(_NUMPY[t.dtype], copy=False).tobytes())
 
 
 def step_of(request: GradientRequest, result: GradientResult, job_id: str,

@@ -30,7 +30,7 @@ import torch
 from common import footer, header, median, percentile, seed_a_body, start_stack, table, verdict
 from gradsvc.broker.runs import RunBounds
 from gradsvc.engine import Engine, EngineConfig
-from gradsvc.wire import GradientRequest, GradientResult
+from gradsvc.wire import GradientRequest
 from tests.support.nets import seed_a_module
 from workers.run_steps import StepRecorder, weights_cache
 

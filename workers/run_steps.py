@@ -3,10 +3,10 @@ module), the update ratio per module against the run's previous step's weights, 
 brief; written by the job's success transaction (gradsvc/broker/runs.py), so a step exists once its job finished.
 
 The update ratio needs w_(t-1) when step t arrives, on whichever worker takes it: the run keeps the previous
-step's weights in Redis (their raw bytes, what the request carried, after a 16-byte token that names them),
-replaced at each step. Norms alone cannot give |w_t - w_(t-1)|, and a sketch would only approximate it; weights
-sent by reference could be kept as their refs, but the SDK sends the weights a loop changes in the body, so the
-bytes are what there is. A model larger than GRADSVC_RUN_WEIGHTS_MAX_BYTES keeps none and records no ratio.
+step's weights in Redis (one vector of what the request carried, exact in the widest of its dtypes, after a
+16-byte token that names them), replaced at each step. Norms alone cannot give |w_t - w_(t-1)|, and a sketch
+would only approximate it; weights sent by reference could be kept as their refs, but the SDK sends the weights
+a loop changes in the body, so the values are what there is. A model larger than GRADSVC_RUN_WEIGHTS_MAX_BYTES keeps none and records no ratio.
 
 What a step costs the job (bench/runs.py): the read of the previous weights is sent as the job starts, on a
 connection of its own, and its reply taken after the computation, so its round trip overlaps the job's. A worker
@@ -32,8 +32,7 @@ from gradsvc.engine import tensors
 from gradsvc.lru import LRU
 from gradsvc.wire import ITEMSIZE, GradientRequest, GradientResult, RunCheck, RunStep, Tensor, raw_data
 
-_weights_encoder = msgspec.msgpack.Encoder()
-_weights_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])
+_weights_decoder = msgspec.msgpack.Decoder(dict[str, Tensor])  # the kept weights of an older version
 _ANY_SIZE = 1 << 62  # decode's element bound: these tensors were bounded when the job decoded them
 
 # The token before a run's kept weights in Redis: "W" and 15 random bytes. The weights of an older version were
@@ -83,24 +82,32 @@ class Flat(NamedTuple):
     vector: np.ndarray
 
 
-def flat_of(arrays: dict[str, np.ndarray]) -> Flat:
-    """1-D arrays by parameter name as one Flat."""
-    groups: dict[str, list[tuple[str, np.ndarray]]] = {}
-    for name, a in arrays.items():
-        groups.setdefault(module_of(name), []).append((name, a))
-    names, sizes, parts, at, filled, offset = [], [], [], [], [], 0
+def _flat(groups: dict[str, list[str]], sizes: dict[str, int], vector: np.ndarray) -> Flat:
+    """The Flat of `vector`, laid out as `groups` (each module's parameter names, in order) says."""
+    names, at, filled, offset = [], [], [], 0
     for module, group in groups.items():
         start = offset
-        for name, a in group:
-            names.append(name)
-            sizes.append(a.size)
-            parts.append(a)
-            offset += a.size
+        names += group
+        offset += sum(sizes[n] for n in group)
         if offset > start:
             at.append(start)
             filled.append(module)
+    return Flat(tuple(names), tuple(sizes[n] for n in names), tuple(groups), at, filled, vector)
+
+
+def _grouped(names) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(module_of(name), []).append(name)
+    return groups
+
+
+def flat_of(arrays: dict[str, np.ndarray]) -> Flat:
+    """1-D arrays by parameter name as one Flat."""
+    groups = _grouped(arrays)
+    parts = [arrays[n] for group in groups.values() for n in group]
     vector = np.concatenate(parts, dtype=np.float64) if parts else np.zeros(0)
-    return Flat(tuple(names), tuple(sizes), tuple(groups), at, filled, vector)
+    return _flat(groups, {n: a.size for n, a in arrays.items()}, vector)
 
 
 def module_squares(flat: Flat, values: np.ndarray) -> dict[str, float]:
@@ -168,20 +175,35 @@ def _before_clipping(grad_norm: float, modules: dict[str, float], clip: Any) -> 
 
 
 class Weights(NamedTuple):
-    """What a step keeps for the next one: its weights as one vector, and what Redis holds of them (`stored`:
-    the token, then the raw tensors as MessagePack)."""
+    """What a step keeps for the next one: its weights as one vector, and what Redis holds of them (`stored`)."""
 
     token: bytes
     flat: Flat
     stored: bytes
 
 
+class _Stored(msgspec.Struct, array_like=True):
+    """A run's kept weights in Redis, after their token: the vector in one dtype, laid out as Flat's."""
+
+    names: list[str]
+    sizes: list[int]
+    dtype: str  # numpy's: "<f8", "<f4" or "<f2", the widest of the weights' (bfloat16 as float32), so exact
+    data: bytes
+
+
+_stored_encoder = msgspec.msgpack.Encoder()
+_stored_decoder = msgspec.msgpack.Decoder(_Stored)
+
+
 def stored_weights(value: bytes | None) -> Flat | None:
-    """The weights Redis keeps for a run (Weights.stored, or an older version's MessagePack alone)."""
+    """The weights Redis keeps for a run (Weights.stored, or an older version's MessagePack map of tensors)."""
     if not value:
         return None
-    body = memoryview(value)[TOKEN_SIZE:] if value[:1] == _TOKEN_MARK else value
-    return flat_of({n: _array(t, n) for n, t in _weights_decoder.decode(body).items()})
+    if value[:1] != _TOKEN_MARK:
+        return flat_of({n: _array(t, n) for n, t in _weights_decoder.decode(value).items()})
+    kept = _stored_decoder.decode(memoryview(value)[TOKEN_SIZE:])
+    vector = np.frombuffer(kept.data, dtype=kept.dtype).astype(np.float64)
+    return _flat(_grouped(kept.names), dict(zip(kept.names, kept.sizes)), vector)
 
 
 def _kept(request: GradientRequest, names: list[str], bounds: RunBounds) -> Weights | None:
@@ -190,17 +212,12 @@ def _kept(request: GradientRequest, names: list[str], bounds: RunBounds) -> Weig
     size = sum(ITEMSIZE.get(t.dtype, 8) * math.prod(t.shape) for t in kept.values())
     if not kept or size > bounds.weights_max_bytes:
         return None
-    arrays = {n: _array(t, n) for n, t in kept.items()}
+    flat = flat_of({n: _array(t, n) for n, t in kept.items()})
+    dtypes = {t.dtype for t in kept.values()}
+    dtype = "<f8" if "float64" in dtypes else "<f2" if dtypes == {"float16"} else "<f4"
     token = _TOKEN_MARK + os.urandom(TOKEN_SIZE - 1)
-    stored = token + _weights_encoder.encode({n: _as_raw(t, arrays[n]) for n, t in kept.items()})
-    return Weights(token, flat_of(arrays), stored)
-
-
-def _as_raw(t: Tensor, flat: np.ndarray) -> Tensor:
-    """A weight as raw bytes in its own dtype (what the next step reads fastest), whatever form the body gave."""
-    if raw_data(t) is not None or t.dtype not in _NUMPY:
-        return Tensor(dtype=t.dtype, shape=t.shape, data=t.data, b64=t.b64)
-    return Tensor(dtype=t.dtype, shape=t.shape, data=flat.astype(_NUMPY[t.dtype], copy=False).tobytes())
+    stored = _Stored(list(flat.names), list(flat.sizes), dtype, flat.vector.astype(dtype, copy=False).tobytes())
+    return Weights(token, flat, token + _stored_encoder.encode(stored))
 
 
 def step_of(request: GradientRequest, result: GradientResult, job_id: str,

@@ -15,7 +15,7 @@ from torch import nn
 from gradsvc.broker import keys
 from gradsvc.broker.runs import RunBounds, RunStore
 from gradsvc.engine import tensors
-from gradsvc.wire import GradientRequest, GradientResult, RunStep, Timings
+from gradsvc.wire import GradientRequest, GradientResult, RunStep, Tensor, Timings
 from workers.run_steps import (TOKEN_SIZE, StepRecorder, gradient_norms, module_of, step_of, stored_weights,
                                update_ratios, weights_cache)
 
@@ -205,3 +205,19 @@ def test_an_abandoned_step_leaves_no_reply_for_a_later_command_to_read(r):
         assert r.get("absent") is None and r.set("k", b"v") and r.get("k") == b"v"
     step = _steps_one(r, _weights(1), None, 1)
     assert step.update_ratio == {"0": pytest.approx(_want_ratio(_weights(0), _weights(1)), rel=1e-12)}
+
+
+@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float16", "float16"), ("float16", "bfloat16"),
+                                    ("float32", "float64")])
+def test_the_redis_copy_of_the_weights_holds_exactly_what_the_step_compared(dtypes):
+    torch.manual_seed(0)
+    w = {"0.weight": torch.randn(3, 2).to(getattr(torch, dtypes[0])),
+         "0.bias": torch.randn(3).to(getattr(torch, dtypes[1]))}
+    request = _request(w)
+    if dtypes[1] == "float64":  # JSON's nested lists as well as raw bytes
+        request.model.weights["0.bias"] = Tensor(dtype="float64", shape=[3], data=w["0.bias"].tolist())
+    _, kept = step_of(request, _result(), "job-0", None, RunBounds())
+    again = stored_weights(kept.stored)
+    assert again.names == kept.flat.names and again.sizes == kept.flat.sizes
+    assert np.array_equal(again.vector, kept.flat.vector)
+    assert np.array_equal(kept.flat.vector, torch.cat([w[n].double().flatten() for n in again.names]).numpy())

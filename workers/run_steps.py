@@ -11,8 +11,9 @@ a loop changes in the body, so the values are what there is. A model larger than
 What a step costs the job (bench/runs.py): the read of the previous weights is sent as the job starts, on a
 connection of its own, and its reply taken after the computation, so its round trip overlaps the job's. A worker
 keeps the weights of the steps it recorded in its LRU (float64, module by module, with their token): when the
-token in Redis is still that one, the read is the token alone (GETRANGE) and nothing is decoded; when another
-worker recorded a step since, the Redis copy is read after (a second round trip). The norms and ratios are one
+token in Redis is still that one, nothing is decoded, and the read is the token alone (GETRANGE); when another
+worker recorded a step since, the Redis copy is read after (a second round trip), and the run's next step on
+this worker reads the weights whole in flight (a run that workers take in turn). The norms and ratios are one
 numpy pass over all the tensors, in float64."""
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class Weights(NamedTuple):
     token: bytes
     flat: Flat
     stored: bytes
+    shared: bool = False  # in a worker's cache: another worker recorded a step of the run before this one
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -273,7 +275,8 @@ class _Sent:
 
 class StepRecorder:
     """A run's step for one job. Made as the job starts: sends the read of the previous step's weights (their
-    token alone when this worker's `kept` has them); finish() takes the reply after the computation, computes
+    token alone when this worker's `kept` has them and recorded the step before them too: a run one worker
+    steps; a run that several workers step gets the weights read whole and compared by their token); finish() takes the reply after the computation, computes
     the step and returns the write that records it, for the job's success transaction. A job that fails calls
     abandon() instead."""
 
@@ -282,18 +285,23 @@ class StepRecorder:
         self.store = RunStore(connection, prefix, bounds)
         self.owner, self.job_id, self.request, self.kept = owner, job_id, request, kept
         self.cached = kept.get((owner, request.run.name)) if kept is not None else None
+        self.shared = False  # the previous step was another worker's
         key = keys.run_key(prefix, owner, request.run.name, "weights")
-        self.read = (_Sent(connection, "GETRANGE", key, 0, TOKEN_SIZE - 1) if self.cached is not None
+        # A run this worker alone steps: its token; one that other workers step too: the weights themselves
+        self.probe = self.cached is not None and not self.cached.shared
+        self.read = (_Sent(connection, "GETRANGE", key, 0, TOKEN_SIZE - 1) if self.probe
                      else _Sent(connection, "GET", key))
 
     def previous(self) -> Flat | None:
         """The previous step's weights: this worker's copy while Redis holds its token, else Redis's."""
         value = self.read.reply()
-        if self.cached is not None:
-            if value == self.cached.token:
-                return self.cached.flat
-            if value:  # another worker recorded a step since: its weights
-                value = self.store.previous_weights(self.owner, self.request.run.name)
+        if self.cached is None or not value:
+            return stored_weights(value)
+        if value[:TOKEN_SIZE] == self.cached.token:
+            return self.cached.flat
+        self.shared = True
+        if self.probe:  # the token alone: read the weights another worker recorded since
+            value = self.store.previous_weights(self.owner, self.request.run.name)
         return stored_weights(value)
 
     def abandon(self) -> None:
@@ -306,7 +314,7 @@ class StepRecorder:
             if weights is None:
                 self.kept.pop((self.owner, run.name))
             else:
-                self.kept.put((self.owner, run.name), weights._replace(stored=b""))
+                self.kept.put((self.owner, run.name), weights._replace(stored=b"", shared=self.shared))
         stored = b"" if weights is None else weights.stored
         return lambda client: store.record(client, self.owner, self.job_id, step, run.name, run.step is not None,
                                            stored)

@@ -221,3 +221,24 @@ def test_the_redis_copy_of_the_weights_holds_exactly_what_the_step_compared(dtyp
     assert again.names == kept.flat.names and again.sizes == kept.flat.sizes
     assert np.array_equal(again.vector, kept.flat.vector)
     assert np.array_equal(kept.flat.vector, torch.cat([w[n].double().flatten() for n in again.names]).numpy())
+
+
+def test_a_worker_reads_whole_the_weights_of_a_run_other_workers_step_too_until_it_steps_it_alone(r):
+    a, b = weights_cache(), weights_cache()
+    ws = [_weights(k) for k in range(5)]
+    steps = [_steps_one(r, ws[k], cache, k) for k, cache in enumerate((a, b, a, a, a))]
+    for k in range(1, 5):
+        assert steps[k].update_ratio == {"0": pytest.approx(_want_ratio(ws[k - 1], ws[k]), rel=1e-12)}
+    # step 2 probed the token (a's copy was step 0's), step 3 read whole and found a's own token, step 4 probed
+    assert a.hits == 3 and not a.get(("alice", "exp")).shared
+
+
+def test_a_worker_that_found_another_workers_step_reads_the_runs_next_weights_whole(r):
+    a, b = weights_cache(), weights_cache()
+    _steps_one(r, _weights(0), a, 0)
+    _steps_one(r, _weights(1), b, 1)
+    _steps_one(r, _weights(2), a, 2)
+    assert a.get(("alice", "exp")).shared  # its next step on a reads the weights whole
+    recorder = StepRecorder(r, "test", RunBounds(), "alice", "job-3", _request(_weights(3)), a)
+    assert not recorder.probe
+    recorder.abandon()

@@ -27,11 +27,12 @@ from gradsvc.broker.job import GradientJob
 from gradsvc.broker.record import JobMeta, write_error, write_progress
 from gradsvc.broker.runs import RunBounds
 from gradsvc.engine import ComputeError, Engine, EngineError, SpecError, config_from_settings, resolve_device
+from gradsvc.lru import LRU
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import GradientRequest, GradientResult
 
 from .metrics import WorkerMetrics
-from .run_steps import StepRecorder
+from .run_steps import StepRecorder, weights_cache
 
 log = logging.getLogger("gradsvc.worker")
 _result_encoder = msgspec.msgpack.Encoder()
@@ -99,6 +100,7 @@ class WorkerContext:
     taken: list = field(default_factory=list)  # the job's handoff maps, dropped on the reaper once it is done
     spare: handoff_files.Spare | None = None  # tmpfs pages kept for the next result's file (made on the reaper)
     spare_size: int = 0  # the size of the result file the job wrote: its next spare's
+    run_weights: LRU = field(default_factory=weights_cache)  # the last step's weights of the runs stepped here
 
     def __post_init__(self) -> None:
         if self.handoff is not None and self.spare is None:
@@ -275,9 +277,14 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
     if request.run is not None and cancel_id is None:  # a shard is no step: the API refuses runs with shards
         s = ctx.settings
         recorder = StepRecorder(job.connection, s.queue_prefix, RunBounds.from_settings(s), _owner(job), job.id,
-                                request)
-    result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
-                                device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
+                                request, ctx.run_weights)
+    try:
+        result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
+                                    device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
+    except BaseException:
+        if recorder is not None:
+            recorder.abandon()  # its read of the previous weights is in flight: its connection is closed
+        raise
     result.timings.queue_ms = 1e3 * queue_s
     ctx.metrics.resident_model_bytes.set(ctx.engine.caches.resident_models.bytes)
     if recorder is not None:

@@ -64,7 +64,10 @@ def _refuse_foreign(dir: Path) -> None:
     if (dir / DOMAIN_FILE).is_file():
         return
     with os.scandir(dir) as entries:
-        foreign = sorted(e.name for e in entries if e.name != LAUNCHER_FILE and not e.name.startswith((_TMP, _SPARE)))
+        # The domain file too: a racer making the dir's domain may have linked it since the look above
+        # (Handoff._domain then checks what it holds).
+        foreign = sorted(e.name for e in entries if not (e.name == LAUNCHER_FILE or e.name.startswith((_TMP, _SPARE))
+                                                         or (e.name == DOMAIN_FILE and e.is_file())))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise HandoffError(f"GRADSVC_HANDOFF_DIR={str(dir)!r} holds files gradsvc did not make ({shown}) and no "

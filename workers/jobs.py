@@ -18,11 +18,11 @@ from typing import Callable
 
 import msgspec
 import torch
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import get_current_job
 from rq.job import Job
-from redis import Redis
 from rq.timeouts import JobTimeoutException
 
 from gradsvc.broker import handoff as handoff_files

@@ -67,7 +67,7 @@ class Queues:
         # GRADSVC_HANDOFF_DIR: large bodies go to a file and their jobs to this domain's queues
         # (gradsvc/broker/handoff.py), as long as every live worker of the device drains them.
         self.handoff: Handoff | None = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
-        handoff_files.install(self.handoff)  # for a shard's failure callback run by this process (a reap)
+        handoff_files.bind(self.redis, self.handoff)  # for a shard's failure callback run by this process (a reap)
         # tmpfs pages kept for the next large body's file (handoff.Spare), deleted by close()
         self.spare = handoff_files.Spare(self.handoff) if self.handoff is not None else None
         self.domain = {} if self.handoff is None else {
@@ -84,6 +84,8 @@ class Queues:
         self.redis.close()
         if self.spare is not None:
             self.spare.drop()
+        if self.handoff is not None:
+            self.handoff.close()
 
     def large_result(self, result_bytes: int) -> bool:
         """Whether a job with a result this large may be handed off (then it is enqueued from a thread, since

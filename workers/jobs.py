@@ -1,4 +1,10 @@
-"""The RQ job function: request bytes in, result bytes stored in Redis, failures as coded errors."""
+"""The RQ job function: request bytes in, result bytes stored in Redis, failures as coded errors.
+
+The worker's state (WorkerContext: settings, engine, device, metrics, Redis stores, handoff, reaper thread) is
+made once by the process entry (workers/main.py, `gradsvc worker`) and handed to each job by the worker that
+runs it (GradientWorker.execute_job, hand_over); run_job reads it from the job RQ runs. A job taken by a worker
+that has none (a plain `rq worker`) fails `internal_error`, saying to start workers with `gradsvc worker`:
+nothing is built from the environment on a first job."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from typing import Callable
 
 import msgspec
 import torch
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import get_current_job
@@ -79,24 +86,28 @@ class ResultBuffer:
             self.buffer = bytearray()
 
 
-# A job's handoff maps, dropped on a thread of their own after the job (run_job). A body mapped from its file
-# (unlinked already) is unmapped when its last reference goes, and that frees the file's tmpfs pages: 3.7 ms
-# for 12.7 MB on a 2-core VM, which would otherwise come between the result and the answer. The job hands its
-# maps over once nothing of the request references them; the thread's clear() then drops the last reference,
-# and munmap releases the GIL.
-_reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsvc-reaper")
+def _reaper() -> ThreadPoolExecutor:
+    """A job's handoff maps, dropped on a thread of their own after the job (run_job). A body mapped from its
+    file (unlinked already) is unmapped when its last reference goes, and that frees the file's tmpfs pages:
+    3.7 ms for 12.7 MB on a 2-core VM, which would otherwise come between the result and the answer. The job
+    hands its maps over once nothing of the request references them; the thread's clear() then drops the last
+    reference, and munmap releases the GIL. The thread starts with the first job that hands any over."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsvc-reaper")
 
 
 @dataclass
 class WorkerContext:
+    """One worker process's state, made by make_context and ended by close()."""
+
     settings: Settings
     engine: Engine  # the engine's config and caches, for every job of this worker
     device: torch.device
     metrics: WorkerMetrics
-    graphs: GraphStore | None = None  # model.graph_ref look-ups, over the worker's Redis connection
-    pieces: BlobStore | None = None  # tensors by reference, with this worker's LRU of the pieces it used
+    graphs: GraphStore  # model.graph_ref look-ups, over the worker's Redis connection
+    pieces: BlobStore  # tensors by reference, with this worker's LRU of the pieces it used
     handoff: Handoff | None = None  # GRADSVC_HANDOFF_DIR: bodies and results as files (gradsvc/broker/handoff.py)
     results: ResultBuffer = field(default_factory=ResultBuffer)
+    reaper: ThreadPoolExecutor = field(default_factory=_reaper)
     taken: list = field(default_factory=list)  # the job's handoff maps, dropped on the reaper once it is done
     spare: handoff_files.Spare | None = None  # tmpfs pages kept for the next result's file (made on the reaper)
     spare_size: int = 0  # the size of the result file the job wrote: its next spare's
@@ -106,6 +117,15 @@ class WorkerContext:
         if self.handoff is not None and self.spare is None:
             self.spare = handoff_files.Spare(self.handoff)
 
+    def close(self) -> None:
+        """The worker's exit: its spare result file deleted (a prepare still running on the reaper then keeps
+        none: Spare.drop), the reaper's work done and its thread ended, the handoff's writer threads too."""
+        if self.spare is not None:
+            self.spare.drop()
+        self.reaper.shutdown(wait=True)
+        if self.handoff is not None:
+            self.handoff.close()
+
 
 def _owner(job: Job) -> str:
     return JobMeta.of(job.meta).job_owner
@@ -113,17 +133,11 @@ def _owner(job: Job) -> str:
 
 def _graphs(ctx: WorkerContext, job: Job):
     """model.graph_ref resolved among the graphs of the job's owner."""
-    if ctx.graphs is None:
-        ctx.graphs = GraphStore(job.connection, ctx.settings.queue_prefix, ctx.settings.graph_ttl_s)
     return ctx.graphs.resolver(_owner(job))
 
 
 def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> GradientRequest:
     """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces."""
-    if ctx.pieces is None:
-        s = ctx.settings
-        ctx.pieces = BlobStore(job.connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
-                               cache_bytes=s.tensor_cache_bytes)
     try:
         resolved = ctx.pieces.resolved(_owner(job), request)
     except BlobError as exc:
@@ -132,10 +146,9 @@ def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> Grad
     return resolved
 
 
-_context: WorkerContext | None = None
-
-
-def make_context(settings: Settings) -> WorkerContext:
+def make_context(settings: Settings, connection: Redis) -> WorkerContext:
+    """The worker process's state, made once by its entry (workers/main.py): `connection` is the worker's own
+    Redis client, the one RQ gives its jobs and their callbacks."""
     device = resolve_device(settings.worker_device)
     if device.type == "cpu" and settings.workers > 1:
         # N CPU workers on one machine share its cores: with every worker at the default (all cores),
@@ -143,29 +156,35 @@ def make_context(settings: Settings) -> WorkerContext:
         # than 1 on 2 cores).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.workers))
     handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
-    handoff_files.install(handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
+    handoff_files.bind(connection, handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
+    s = settings
     return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings)), device=device,
-                         metrics=WorkerMetrics(), handoff=handoff)
+                         metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s),
+                         pieces=BlobStore(connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
+                                          cache_bytes=s.tensor_cache_bytes),
+                         handoff=handoff)
 
 
-def set_context(ctx: WorkerContext) -> None:
-    global _context
-    _context = ctx
+# The attribute of a job that holds the context of the worker running it (hand_over, context_of).
+_CONTEXT = "gradsvc_context"
 
 
-def context() -> WorkerContext:
-    global _context
-    if _context is None:  # a plain `rq worker` started without `gradsvc worker`
-        _context = make_context(Settings.from_env())
-    return _context
+def hand_over(job: Job, ctx: WorkerContext | None) -> None:
+    """Gives the job the context of the worker about to run it (GradientWorker.execute_job)."""
+    setattr(job, _CONTEXT, ctx)
 
 
-def drop_spare() -> None:
-    """Deletes the worker's spare result file (its exit); a prepare still running on the reaper then keeps none
-    (Spare.drop)."""
-    ctx = _context
-    if ctx is not None and ctx.spare is not None:
-        ctx.spare.drop()
+def context_of(job: Job) -> WorkerContext:
+    """The context the job's worker handed it; a job run by a worker that has none (a plain `rq worker`, or a
+    GradientWorker built without one) is failed as a coded error saying how workers are started."""
+    ctx = getattr(job, _CONTEXT, None)
+    if ctx is None:
+        message = ("this job was taken by a worker that gradsvc did not start (a plain `rq worker`, or a "
+                   "GradientWorker made without its context), which has no device, engine or handoff dir set up for "
+                   "it; start workers with `gradsvc worker` (or `gradsvc up`) and submit the job again")
+        write_error(job, "internal_error", message)
+        raise RecordedFailureError(f"internal_error: {message}")
+    return ctx
 
 
 def decode_request(body: "bytes | mmap.mmap", fmt: str) -> GradientRequest:
@@ -295,9 +314,9 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
 def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: str = "job") -> dict:
     """Runs `work` as the current RQ job: stores its result under the job's result key, records a failure
     as a coded error in job.meta, and observes the worker's metrics (`kind`: job, shard or reduce)."""
-    ctx = context()
     job = get_current_job()
     assert job is not None, "gradient jobs run inside an RQ worker"
+    ctx = context_of(job)
     settings = ctx.settings
     queue_s = (job.started_at - job.enqueued_at).total_seconds() if job.started_at and job.enqueued_at else 0.0
     ctx.metrics.busy.set(1)
@@ -337,10 +356,10 @@ def run_job(work: Callable[[Job, WorkerContext, float], GradientResult], kind: s
         ctx.metrics.busy.set(0)
         sweep_handoff(ctx)
         if ctx.taken:
-            _reaper.submit(ctx.taken.clear)
+            ctx.reaper.submit(ctx.taken.clear)
             ctx.taken = []
         if ctx.spare_size and ctx.spare is not None:  # after the body's pages are freed: these may be them
-            _reaper.submit(ctx.spare.prepare, ctx.spare_size)
+            ctx.reaper.submit(ctx.spare.prepare, ctx.spare_size)
             ctx.spare_size = 0
     size = ctx.results.size
     device = str(ctx.device) if kind == "reduce" else result.device  # a reduced result may name several devices

@@ -1,6 +1,6 @@
-"""`gradsvc worker`'s process: build the GradientWorker for these settings (its device, its queues, a
-warmed-up torch), cap its memory, serve its metrics, and run it; a worker started while Redis is down
-waits for it rather than exiting."""
+"""`gradsvc worker`'s process: build the GradientWorker for these settings (the process's WorkerContext, its
+queues, a warmed-up torch), cap its memory, serve its metrics, and run it; a worker started while Redis is
+down waits for it rather than exiting. The context is made here, given to the worker, and closed on exit."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from gradsvc.engine import warm_up_shape_check
 from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings
 
-from .jobs import context, drop_spare, make_context, set_context
-from .worker import REDIS_ERRORS, GradientWorker
+from .jobs import make_context
+from .leasing import REDIS_ERRORS
+from .worker import GradientWorker
 
 log = logging.getLogger("gradsvc.worker")
 
@@ -46,16 +47,16 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     if settings.worker_device != "cpu" and torch.cuda.is_available():
         # One worker per GPU: worker i of `gradsvc up` (or `gradsvc worker --index i`) takes GPU i mod count.
         torch.cuda.set_device(index % torch.cuda.device_count())
-    ctx = make_context(settings)
-    set_context(ctx)
-    _warm_up(ctx.device)
     connection = redis_connection(settings)
+    ctx = make_context(settings, connection)
+    _warm_up(ctx.device)
     kind = ctx.device.type
     queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
               for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
     return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
-                          name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix)
+                          name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix,
+                          context=ctx)
 
 
 def _wait_for_redis(settings: Settings) -> None:
@@ -80,7 +81,8 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     keep_large_buffers()
     _wait_for_redis(settings)
     worker = build_worker(settings, index=index)
-    if context().device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
+    ctx = worker.context
+    if ctx.device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
         cap = cap_data(settings.max_job_bytes)
         if cap is not None:
             log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES)",
@@ -89,13 +91,13 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     port = settings.worker_metrics_port + index
     if settings.worker_metrics_port > 0:
         try:
-            context().metrics.serve(port, host=settings.host)
+            ctx.metrics.serve(port, host=settings.host)
         except OSError as exc:  # a taken port costs the metrics, not the worker (a restart would not help)
             log.error("worker %s: cannot serve metrics on %s:%d (%s); running without them; set "
                       "GRADSVC_WORKER_METRICS_PORT to a free range", worker.name, settings.host, port, exc)
-    log.info("worker %s on %s, queues %s, metrics on :%d", worker.name, context().device,
+    log.info("worker %s on %s, queues %s, metrics on :%d", worker.name, ctx.device,
              [q.name for q in worker.queues], port)
     try:
         worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)
     finally:
-        drop_spare()  # the tmpfs pages kept for the next result go with the worker
+        ctx.close()  # the tmpfs pages kept for the next result go with the worker, and its threads

@@ -8,79 +8,77 @@ job stays alive while a dead worker's job expires within seconds; the same threa
 leases (RQ fails them with AbandonedJobError, which the API reports as `worker_lost`). Losing Redis
 is waited out: the worker retries until it comes back instead of exiting.
 
-The same thread runs the job's watchdog (workers/watchdog.py: hard deadline, cancel and SIGTERM inside one
-long op). The process entry (`gradsvc worker`) is workers/main.py. Each SimpleWorker method overridden here,
-and each private name of RQ or redis-py used, is listed with its reason in gradsvc/broker/internals.py.
+The heartbeat thread (workers/leasing.py) also runs the job's watchdog (workers/watchdog.py: hard deadline,
+cancel and SIGTERM inside one long op). The process entry (`gradsvc worker`) is workers/main.py: it makes the
+process's WorkerContext (workers/jobs.py) and gives it to the worker, which hands it to each job it runs. Each
+SimpleWorker method overridden here, and each private name of RQ or redis-py used, is listed with its reason
+in gradsvc/broker/internals.py.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from redis.client import EMPTY_RESPONSE
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq import Queue, worker_registration
-from rq.defaults import DEFAULT_FAILURE_TTL
+from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.rate_limit import release_slot
-from rq.utils import now, utcformat
+from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
-from gradsvc.broker.connection import REFUSAL_ERRORS, refusal
+from gradsvc.broker.connection import refusal
 from gradsvc.broker.job import GRADIENT_JOB, GradientJob
-from gradsvc.broker.leases import LeaseRegistry, lease_s
 from gradsvc.broker.record import JobMeta
 
+from .jobs import WorkerContext, hand_over
+from .leasing import REDIS_ERRORS, Leases
 from .transaction import SentTransaction
-from .watchdog import WATCHDOG_S, Running, Watchdog
+from .watchdog import Running, Watchdog
 
 # RQ records a job's function by its dotted path; the pipelined dequeue compares it to this one's.
 _JOB_FUNCTION = GRADIENT_JOB
 
 log = logging.getLogger("gradsvc.worker")
-# Redis unreachable, or answering but refusing writes (at maxmemory, read-only after a failover): both are
-# waited out the same way, rather than the work loop dying on the first refused heartbeat.
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, *REFUSAL_ERRORS)
 SUSPENSION_CHECK_S = 1.0
 
 
 class GradientWorker(SimpleWorker):
-    """SimpleWorker: a forking worker adds ~20 ms per job with torch loaded and cannot reuse a CUDA context."""
+    """SimpleWorker: a forking worker adds ~20 ms per job with torch loaded and cannot reuse a CUDA context.
+    `context`: the process's WorkerContext, made by its entry (workers/main.py build_worker); a worker made
+    without one (`rq worker -w workers.worker.GradientWorker`) fails each gradsvc job it takes, saying so."""
 
     # Reconnect within a few seconds of Redis coming back (RQ's default backoff grows to 60 s).
     exponential_backoff_factor = 1.5
     max_connection_wait_time = 3.0
 
-    def __init__(self, *args, heartbeat_s: int = 2, prefix: str = "gradsvc", **kwargs) -> None:
+    def __init__(self, *args, heartbeat_s: int = 2, prefix: str = "gradsvc", context: WorkerContext | None = None,
+                 **kwargs) -> None:
         # worker_ttl sets the idle BLPOP to worker_ttl - 15 s; the heartbeat thread keeps the key alive.
         kwargs.setdefault("worker_ttl", 30)
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)
         super().__init__(*args, **kwargs)
-        self.heartbeat_s = heartbeat_s
-        self.lease_s = lease_s(heartbeat_s)  # a worker or job silent this long is lost
+        self.context = context
         self.prefix = prefix
-        self._running: Running | None = None
-        self.watchdog = Watchdog(self)  # run by the heartbeat thread
+        self.watchdog = Watchdog(self)
+        handoff = context.handoff if context is not None else None
+        self.leases = Leases(self, heartbeat_s, self.watchdog, handoff)  # kept by the heartbeat thread
+        self.lease_s = self.leases.lease_s  # a worker or job silent this long is lost
         self._starting = None  # prepare_execution's open pipeline, executed by prepare_job_execution
         self._started: SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet
         self._suspension_checked = float("-inf")
-        self._beating = threading.Event()
 
-    # --- leases -------------------------------------------------------------------------------------
+    # --- leases (renewed by the heartbeat thread: workers/leasing.py) --------------------------------
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self.lease_s
 
     def heartbeat(self, timeout: int | None = None, pipeline=None):
         if pipeline is not None:
             return super().heartbeat(timeout or self.lease_s, pipeline=pipeline)
-        if self._beating.is_set():
+        if self.leases.beating.is_set():
             # The heartbeat thread keeps this worker's key alive; RQ's own calls around every dequeue
             # would add three Redis round trips to each job.
             return None
@@ -116,7 +114,7 @@ class GradientWorker(SimpleWorker):
         # A shard stops on its parent job's flag (DELETE, or a failed sibling), as workers/jobs.py polls it.
         shard = JobMeta.of(job.meta).shard
         cancel_id = shard.parent if shard else job.id
-        self._running = Running(job, execution, time.monotonic(), keys.cancel_key(self.prefix, cancel_id))
+        self.leases.running = Running(job, execution, time.monotonic(), keys.cancel_key(self.prefix, cancel_id))
         return execution
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
@@ -157,7 +155,7 @@ class GradientWorker(SimpleWorker):
 
     def handle_job_failure(self, job: Job, queue: Queue, *args, **kwargs) -> None:
         self.watchdog.yield_to_hard_stop()
-        if self._reaped(job):
+        if self.leases.reaped(job):
             return
         super().handle_job_failure(job, queue, *args, **kwargs)
 
@@ -166,7 +164,7 @@ class GradientWorker(SimpleWorker):
         on, and no read of, the dependents set (two round trips), and the worker's IDLE state written in the
         same transaction. Other jobs take RQ's own path."""
         self.watchdog.yield_to_hard_stop()
-        if self._reaped(job):
+        if self.leases.reaped(job):
             return
         if job.func_name != _JOB_FUNCTION or job.repeats_left:
             super().handle_job_success(job, queue, started_job_registry, execution)
@@ -193,38 +191,8 @@ class GradientWorker(SimpleWorker):
             job.pending_result = None
         release_slot(job)
 
-    def _reaped(self, job: Job) -> bool:
-        """Whether the job was failed (worker_lost) while this worker was cut off from Redis (a partition
-        longer than its lease): then its outcome is dropped, so a client told worker_lost never sees it end a
-        second time. Asked of Redis only when a lease renewal failed or lapsed: one round trip, on those jobs."""
-        running = self._running
-        if running is None or running.job.id != job.id:
-            return False
-        if not running.reaped and (running.lease_failed or
-                                   time.monotonic() - running.renewed >= self.lease_s - self.heartbeat_s):
-            running.reaped = not self._still_ours(running)
-        if not running.reaped:
-            return False
-        log.warning("worker %s: job %s was reported lost while this worker was cut off from Redis; its outcome "
-                    "is dropped (the job ends once, as reported)", self.name, job.id)
-        try:
-            # Redis restarted empty: the job's progress wrote its meta into a hash of its own, with no status
-            # (read as job_lost) and no TTL. A record that was failed as worker_lost keeps the TTL it has.
-            self.connection.expire(job.key, job.failure_ttl or DEFAULT_FAILURE_TTL, nx=True)
-        except REDIS_ERRORS:
-            pass  # Redis gone again: nothing of the job's was written since either
-        pending = getattr(job, "pending_result", None)
-        if pending is not None:
-            handoff_files.drop(pending[1], handoff_files.installed())
-        if isinstance(job, GradientJob):
-            job.pending_result = None
-        return True
-
-    def _still_ours(self, running: Running) -> bool:
-        status, worker = self.connection.hmget(running.job.key, "status", "worker_name")
-        return status == JobStatus.STARTED.value.encode() and worker == self.name.encode()
-
     def execute_job(self, job: Job, queue: Queue) -> None:
+        hand_over(job, self.context)  # the job functions' state (workers/jobs.py run_job)
         try:
             super().execute_job(job, queue)
         except REDIS_ERRORS as exc:
@@ -233,77 +201,21 @@ class GradientWorker(SimpleWorker):
                       self.name, job.id, exc)
             self._wait_a_moment()
         finally:
-            self._running = None
+            self.leases.running = None
             if self._started is not None:  # the job ended without handle_execution_ended: drop the reply
                 self._started.drop()
                 self._started = None
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)
-        self.watchdog.listen_for_signals()
-        self._beating.set()
-        self.watchdog.thread = threading.Thread(target=self._beat_loop, name="gradsvc-heartbeat", daemon=True)
-        self.watchdog.thread.start()
+        self.leases.start()
 
     def teardown(self) -> None:
-        self._beating.clear()
+        self.leases.stop()
         try:
             super().teardown()
         except REDIS_ERRORS as exc:
             log.warning("worker %s: could not register its death, Redis unreachable or refusing writes (%s)", self.name, exc)
-
-    def _beat_loop(self) -> None:
-        next_beat = time.monotonic()
-        while self._beating.is_set():
-            try:
-                self.watchdog.watch(self._running)
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self.heartbeat_s
-                    self.beat()
-            except REDIS_ERRORS as exc:
-                if (running := self._running) is not None:
-                    running.lease_failed = True
-                log.warning("worker %s: heartbeat failed, Redis unreachable or refusing writes (%s); retrying", self.name, exc)
-            except Exception:  # the thread must outlive any surprise, or every job would be reaped
-                log.exception("worker %s: heartbeat failed", self.name)
-            time.sleep(min(WATCHDOG_S, self.heartbeat_s))
-
-    def beat(self) -> None:
-        """Renews this worker's lease and its running job's, then fails any job whose lease lapsed."""
-        running = self._running
-        if running is not None and not running.overdue(time.monotonic()) and not running.reaped:
-            # A wedged job's lease lapses. After Redis was unreachable, the lease is renewed only if the job
-            # was not reaped meanwhile (renewing would put a failed job back in the started registry).
-            if running.lease_failed and not self._still_ours(running):
-                running.reaped = True
-            else:
-                self.maintain_heartbeats(running.job, running.execution)
-                running.renewed, running.lease_failed = time.monotonic(), False
-        with self.connection.pipeline() as pipe:
-            pipe.hset(self.key, "last_heartbeat", utcformat(now()))
-            pipe.expire(self.key, self.lease_s)
-            # Not hset's "created": the running job's heartbeat above writes last_heartbeat into a hash it
-            # makes anew when Redis came back empty, and the worker then never registered again.
-            pipe.sismember(worker_registration.REDIS_WORKER_KEYS, self.key)
-            pipe.hexists(self.key, "queues")
-            _, _, listed, registered = pipe.execute()
-        if not (listed and registered):  # the hash had expired, or Redis came back empty: register again
-            self._register_again()
-        self.reap_abandoned()
-
-    def _register_again(self) -> None:
-        log.warning("worker %s: registering again (its key was gone from Redis)", self.name)
-        with self.connection.pipeline() as pipe:
-            pipe.hset(self.key, mapping={**self.serialize(), "state": self.get_state()})
-            worker_registration.register(self, pipe)
-            pipe.expire(self.key, self.lease_s)
-            pipe.execute()
-
-    def reap_abandoned(self) -> None:
-        """RQ fails a started job whose lease lapsed (AbandonedJobError): its worker died or lost Redis."""
-        for queue in self.queues:
-            # LeaseRegistry: from this heartbeat thread, a reaped shard must still fail its job.
-            LeaseRegistry(queue=queue, job_class=queue.job_class, serializer=queue.serializer).cleanup()
 
     # --- Redis outages in the work loop --------------------------------------------------------------
     def check_for_suspension(self, burst: bool) -> None:

@@ -46,7 +46,7 @@ def shard_failed(job: Job, connection: Redis, exc_type, exc_value, tb) -> None:
     cancel_queued(connection, siblings)
     if siblings:  # results of siblings that finished first: no reduce job will read them
         connection.delete(*[key(prefix, sid) for sid in siblings for key in (keys.result_key, keys.reference_key)])
-    discard_files([job.id, *siblings])  # and their handoff files (this shard's own reference too)
+    discard_files(connection, [job.id, *siblings])  # and their handoff files (this shard's own reference too)
     if error.code == "canceled":
         return  # the job was canceled (DELETE), or a sibling failed first and already failed it
     rows = info.rows
@@ -111,13 +111,14 @@ def cancel_queued(connection: Redis, shard_ids: list[str]) -> None:
         if shard is not None and shard.get_status(refresh=False) == JobStatus.QUEUED:
             shard.cancel()
             canceled.append(shard.id)
-    discard_files(canceled)
+    discard_files(connection, canceled)
 
 
-def discard_files(job_ids: list[str]) -> None:
+def discard_files(connection: Redis, job_ids: list[str]) -> None:
     """Deletes the handoff files (body, result, reference) of these jobs or shards, where this process has
-    the handoff dir they were written to; elsewhere the domain's sweep deletes them after their TTL."""
-    handoff = handoff_files.installed()
+    the handoff dir they were written to (the one bound to its Redis client: handoff.bind); elsewhere the
+    domain's sweep deletes them after their TTL."""
+    handoff = handoff_files.bound(connection)
     if handoff is None:
         return
     for job_id in job_ids:

@@ -53,10 +53,6 @@ LAUNCHER_FILE = "launcher.pid"  # `gradsvc up` claims the dir it made with its P
 MARKER = b"\xc1gradsvc-handoff:"
 
 
-# Staged writes (Handoff.stage): a few at once, each one syscall that releases the GIL.
-_writers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gradsvc-handoff")
-
-
 class HandoffError(ValueError):
     """A ref this process must not open: malformed, a hostile name, or another domain's."""
 
@@ -68,7 +64,10 @@ def _refuse_foreign(dir: Path) -> None:
     if (dir / DOMAIN_FILE).is_file():
         return
     with os.scandir(dir) as entries:
-        foreign = sorted(e.name for e in entries if e.name != LAUNCHER_FILE and not e.name.startswith((_TMP, _SPARE)))
+        # The domain file too: a racer making the dir's domain may have linked it since the look above
+        # (Handoff._domain then checks what it holds).
+        foreign = sorted(e.name for e in entries if not (e.name == LAUNCHER_FILE or e.name.startswith((_TMP, _SPARE))
+                                                         or (e.name == DOMAIN_FILE and e.is_file())))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise HandoffError(f"GRADSVC_HANDOFF_DIR={str(dir)!r} holds files gradsvc did not make ({shown}) and no "
@@ -86,7 +85,8 @@ def file_name(job_id: str, kind: str) -> str:
 
 class Handoff:
     """One handoff dir. `put` writes a file (tmp + os.replace) and returns its ref; `get` reads one by ref
-    (None when it is gone); `take` reads and deletes; `sweep` deletes files older than their kind's age."""
+    (None when it is gone); `take` reads and deletes; `sweep` deletes files older than their kind's age.
+    Its writer threads (stage) are its own, made here and ended by close()."""
 
     def __init__(self, dir: str | os.PathLike, min_bytes: int = 1 << 20) -> None:
         self.dir = Path(dir)
@@ -100,6 +100,13 @@ class Handoff:
         os.chmod(self.dir, 0o700)  # what mkdir's mode became under the umask, or an adopted empty dir's, exactly
         self.domain = self._domain()
         self._last_sweep = 0.0
+        # Staged writes (stage) and the spares made after them: a few at once, each one syscall that releases
+        # the GIL. Threads start with the first write.
+        self.writers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gradsvc-handoff")
+
+    def close(self) -> None:
+        """Ends the writer threads once the writes already started are done (the owner's exit)."""
+        self.writers.shutdown(wait=True)
 
     def _domain(self) -> str:
         """This dir's id: read, or created once. Racers each write a temp file and link it to the final
@@ -409,7 +416,7 @@ class Staged:
         self.handoff, self.size = handoff, len(memoryview(data).cast("B"))
         self.spare = spare if refill else None  # the one made again once committed
         self.tmp = handoff.dir / f"{_TMP}staged-{uuid.uuid4().hex}"
-        self.written = _writers.submit(handoff._fill, self.tmp, data, spare)
+        self.written = handoff.writers.submit(handoff._fill, self.tmp, data, spare)
         self.settled = False
 
     def commit(self, job_id: str, kind: str) -> str:
@@ -425,7 +432,7 @@ class Staged:
             raise
         self.settled = True
         if self.spare is not None:
-            _writers.submit(self.spare.prepare, self.size)
+            self.handoff.writers.submit(self.spare.prepare, self.size)
         return self.handoff.ref(job_id, kind)
 
     def discard(self) -> None:
@@ -506,14 +513,17 @@ def open_dir(dir: str, min_bytes: int) -> Handoff | None:
     return Handoff(dir, min_bytes) if dir else None
 
 
-# The process's own handoff, for code that RQ calls with no context (a shard's failure callback).
-_installed: Handoff | None = None
+# The handoff reached through a Redis client, by code that RQ calls with only the client and a job (a shard's
+# failure callback, gradsvc/broker/fanin.py): whoever owns both (the API's Queues, a worker's context) binds
+# them once made. Not a process global: a client with none bound has no handoff.
+_BOUND = "gradsvc_handoff"
 
 
-def install(handoff: Handoff | None) -> None:
-    global _installed
-    _installed = handoff
+def bind(connection, handoff: Handoff | None) -> None:
+    """Makes `handoff` the one code reaching it through `connection` finds (bound)."""
+    setattr(connection, _BOUND, handoff)
 
 
-def installed() -> Handoff | None:
-    return _installed
+def bound(connection) -> Handoff | None:
+    """The handoff bound to `connection`; None when there is none (the handoff off, or a client nobody bound)."""
+    return getattr(connection, _BOUND, None)

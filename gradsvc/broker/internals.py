@@ -6,16 +6,16 @@ upgrade of either library starts there.
 RQ's SimpleWorker, overridden by workers/worker.py's GradientWorker (rq's own SimpleWorker overrides two
 methods; each further one is listed with its reason):
 
-    __init__                  the heartbeat and lease settings, the watchdog
+    __init__                  the process's WorkerContext, the leases (workers/leasing.py), the watchdog
     get_heartbeat_ttl         a job is leased for 3 heartbeats, not job_timeout + 60 s
     heartbeat, set_state      the worker key is kept by the heartbeat thread, not the main loop
     prepare_execution         the start-of-job MULTI/EXEC is built, not executed (sent by the next method)
     prepare_job_execution     ...and sent without waiting for its reply (workers/transaction.py)
     handle_execution_ended    the start transaction's reply is read before the end is recorded
-    handle_job_failure        the same, on failure; the job's handoff file is dropped
+    handle_job_failure        the same, on failure; a job reaped meanwhile is left failed (Leases.reaped)
     handle_job_success        the result is written in RQ's success transaction (GradientJob._handle_success)
-    execute_job               the watchdog's Running record around the job
-    bootstrap, teardown       the heartbeat thread starts and stops with the worker
+    execute_job               the context handed to the job (workers/jobs.py), the Running record around it
+    bootstrap, teardown       the heartbeat thread (workers/leasing.py) starts and stops with the worker
     check_for_suspension      checked once a second at most, not before every job
     run_maintenance_tasks     expired leases are reaped by the heartbeat thread instead
     dequeue_job_and_maintain_ttl

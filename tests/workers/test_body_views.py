@@ -21,7 +21,8 @@ from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.handoff import INPUT, Handoff
 from gradsvc.engine import Engine
 from gradsvc.wire import GradientRequest
-from workers.jobs import _reaper, decode_request
+from gradsvc.runtime.settings import Settings
+from workers.jobs import decode_request, make_context
 
 CPU = torch.device("cpu")
 
@@ -57,11 +58,15 @@ def test_a_handed_off_body_is_decoded_in_place_and_unmapped_by_the_reaper(tmp_pa
     assert torch.allclose(from_wire(result.gradients["fc.weight"]), model.fc.weight.grad)
 
     alive = weakref.ref(mapped)
-    taken = [mapped]  # as run_job hands a job's maps to the reaper
+    taken = [mapped]  # as run_job hands a job's maps to the worker context's reaper
     del req, weight, result, mapped
-    done = _reaper.submit(taken.clear)
-    del taken
-    done.result(timeout=5)
+    ctx = make_context(Settings(worker_device="cpu"), redis.Redis())
+    try:
+        done = ctx.reaper.submit(taken.clear)
+        del taken
+        done.result(timeout=5)
+    finally:
+        ctx.close()
     deadline = time.monotonic() + 5
     while alive() is not None and time.monotonic() < deadline:
         time.sleep(0.01)

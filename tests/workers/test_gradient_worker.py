@@ -41,10 +41,23 @@ def settings(redis_server) -> Settings:
                     worker_device="cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def worker_context(redis_server):
-    worker_jobs.set_context(worker_jobs.make_context(Settings(redis_url=redis_server.url, worker_device="cpu")))
-    yield
+@pytest.fixture()
+def make_worker(settings):
+    """GradientWorker(s) on the auto queue, each with the context its process entry would make (closed after
+    the test)."""
+    contexts = []
+
+    def make(heartbeat_s: int = 1) -> tuple[GradientWorker, Queue]:
+        conn = redis.Redis.from_url(settings.redis_url)
+        queue = Queue(keys.queue_name(settings.queue_prefix, "auto"), connection=conn, serializer=MsgpackSerializer)
+        contexts.append(worker_jobs.make_context(settings, conn))
+        worker = GradientWorker([queue], connection=conn, serializer=MsgpackSerializer, heartbeat_s=heartbeat_s,
+                                context=contexts[-1])
+        return worker, queue
+
+    yield make
+    for ctx in contexts:
+        ctx.close()
 
 
 def seed_a_request(**options) -> dict:
@@ -53,20 +66,13 @@ def seed_a_request(**options) -> dict:
             "loss": "cross_entropy", "options": {"numcheck": "off", **options}}
 
 
-def make_worker(settings: Settings, heartbeat_s: int = 1) -> tuple[GradientWorker, Queue]:
-    conn = redis.Redis.from_url(settings.redis_url)
-    queue = Queue(keys.queue_name(settings.queue_prefix, "auto"), connection=conn, serializer=MsgpackSerializer)
-    worker = GradientWorker([queue], connection=conn, serializer=MsgpackSerializer, heartbeat_s=heartbeat_s)
-    return worker, queue
-
-
 def enqueue_gradients(store: JobParts, body: dict) -> str:
     job_id, _ = store.enqueuer.enqueue(msgspec.json.encode(body), "json", "auto", "owner-1")
     return job_id
 
 
-def test_a_job_running_longer_than_its_lease_is_renewed_not_reaped(settings):
-    worker, queue = make_worker(settings, heartbeat_s=1)  # lease: 3 s
+def test_a_job_running_longer_than_its_lease_is_renewed_not_reaped(settings, make_worker):
+    worker, queue = make_worker(heartbeat_s=1)  # lease: 3 s
     job = queue.enqueue("time.sleep", 5.0, job_timeout=60)
     reaped = threading.Event()
     stop = threading.Event()
@@ -94,11 +100,11 @@ def test_a_job_running_longer_than_its_lease_is_renewed_not_reaped(settings):
     assert job.get_status(refresh=True) == "finished"
 
 
-def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(settings):
+def test_a_lapsed_lease_is_failed_as_abandoned_and_the_api_reports_worker_lost(settings, make_worker):
     import anyio
 
     store = job_parts(settings)
-    worker, queue = make_worker(settings, heartbeat_s=1)
+    worker, queue = make_worker(heartbeat_s=1)
     job_id = enqueue_gradients(store, seed_a_request())
     job = Job.fetch(job_id, connection=queue.connection, serializer=MsgpackSerializer)
     # What a worker killed mid-job leaves behind: the job started, leased for 3 s, never renewed.
@@ -132,7 +138,7 @@ def test_one_idempotency_key_enqueues_one_job_even_from_8_threads_at_once(settin
 
 @pytest.mark.parametrize("exc", [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
                                  MemoryError("cannot allocate 20 GiB")])
-def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings, monkeypatch, exc):
+def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings, make_worker, monkeypatch, exc):
     real = engine_compute._compute
     calls = []
 
@@ -146,7 +152,7 @@ def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings
     store = job_parts(settings)
     first = enqueue_gradients(store, seed_a_request())
     second = enqueue_gradients(store, seed_a_request())
-    worker, queue = make_worker(settings)
+    worker, queue = make_worker()
     worker.work(burst=True, logging_level="WARNING")
 
     failed = Job.fetch(first, connection=queue.connection, serializer=MsgpackSerializer)
@@ -161,11 +167,11 @@ def test_out_of_memory_fails_the_job_with_advice_and_the_worker_goes_on(settings
     assert len(calls) == 2
 
 
-def test_jobs_cross_redis_as_msgpack_never_pickle(settings):
+def test_jobs_cross_redis_as_msgpack_never_pickle(settings, make_worker):
     store = job_parts(settings)
     assert all(q.serializer is MsgpackSerializer for q in store.queues.shared.values())
     job_id = enqueue_gradients(store, seed_a_request())
-    worker, queue = make_worker(settings)
+    worker, queue = make_worker()
     assert worker.serializer is MsgpackSerializer
     worker.work(burst=True, logging_level="WARNING")
 
@@ -229,7 +235,10 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
         ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
         before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
         worker = build_worker(settings)
-        worker.work(burst=True, logging_level="WARNING")
+        try:
+            worker.work(burst=True, logging_level="WARNING")
+        finally:
+            worker.context.close()
         after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
         return {k[len("cmdstat_"):]: after[k] - before.get(k, 0) for k in after}, ids
 
@@ -249,18 +258,21 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
         assert Result.fetch_latest(job, serializer=MsgpackSerializer).type == Result.Type.SUCCESSFUL
         assert conn.get(keys.result_key(settings.queue_prefix, job_id))
         assert job.last_heartbeat is not None and job.ended_at is not None
-    worker_hash = conn.hgetall(f"rq:worker:{build_worker(settings).name}")
+    named = build_worker(settings)
+    named.context.close()
+    worker_hash = conn.hgetall(f"rq:worker:{named.name}")
     assert not worker_hash or worker_hash.get(b"state") in (None, b"idle")
 
 
-def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_the_job_ends(settings, monkeypatch):
+def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_the_job_ends(settings, make_worker,
+                                                                                          monkeypatch):
     """The worker sends its start transaction and reads the reply when the job ends: while the job runs, Redis
     has already marked it started (registry, status, lease); a refused command in it surfaces as an error at
     the job's end, and its connection goes back to the pool either way."""
     from workers.transaction import SentTransaction
 
     store = job_parts(settings)
-    worker, queue = make_worker(settings)
+    worker, queue = make_worker()
     seen = {}
     real = worker_jobs.run_job
 
@@ -299,3 +311,36 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     SentTransaction(pipe).settle()
     assert conn.get("n") == b"1" and conn.ping()
     assert len(pool._in_use_connections) == 0  # every connection went back
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["rq-simpleworker", "gradientworker-without-context"])
+def test_a_job_taken_by_a_worker_gradsvc_did_not_start_fails_saying_how_workers_are_started(settings, monkeypatch,
+                                                                                            plain):
+    """The job functions get their state from the worker running them, never from the environment: a worker
+    made without the context `gradsvc worker` makes (a plain `rq worker`, or GradientWorker alone) fails each
+    job with a coded error saying so, and stays up."""
+    import anyio
+    from rq.worker import SimpleWorker
+
+    from gradsvc.broker.job import GradientJob
+
+    def no_environment(*args, **kwargs):
+        raise AssertionError("a job built the worker's state from the environment")
+
+    monkeypatch.setattr(Settings, "from_env", no_environment)
+    store = job_parts(settings)
+    job_ids = [enqueue_gradients(store, seed_a_request()) for _ in range(2)]
+    conn = redis.Redis.from_url(settings.redis_url)
+    queue = Queue(keys.queue_name(settings.queue_prefix, "auto"), connection=conn, serializer=MsgpackSerializer,
+                  job_class=GradientJob)
+    worker_class = SimpleWorker if plain else GradientWorker
+    worker = worker_class([queue], connection=conn, serializer=MsgpackSerializer, job_class=GradientJob)
+    worker.work(burst=True, logging_level="WARNING")
+    async def read_all() -> list:
+        return [await store.reader.info(job_id, "owner-1") for job_id in job_ids]
+
+    for job_id, info in zip(job_ids, anyio.run(read_all)):  # both taken: the worker went on after the first
+        assert info.status == "failed"
+        assert info.error.code == "internal_error"
+        assert "gradsvc worker" in info.error.message and "rq worker" in info.error.message
+        assert conn.get(keys.result_key(settings.queue_prefix, job_id)) is None

@@ -53,3 +53,35 @@ def test_the_dotted_paths_the_api_enqueues_name_the_job_functions():
     from workers.shards import reduce_job, shard_job
     assert [import_attribute(name) for name in (GRADIENT_JOB, SHARD_JOB, REDUCE_JOB)] == \
         [gradient_job, shard_job, reduce_job]
+
+
+def test_the_worker_context_owns_its_threads_and_files_and_ends_them_on_close(tmp_path):
+    """No pool at import: the reaper and the handoff's writer threads are made with the worker's context
+    (its process entry makes it) and ended by its close(), which deletes its spare result file too; its
+    handoff reaches RQ's callbacks through the worker's Redis client, not a process global."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pytest
+    import redis
+
+    from gradsvc.broker import handoff as handoff_module
+    from gradsvc.runtime.settings import Settings
+    from workers import jobs as jobs_module
+
+    assert [name for module in (jobs_module, handoff_module) for name, value in vars(module).items()
+            if isinstance(value, ThreadPoolExecutor)] == []
+    handoff_dir = tmp_path / "handoff"
+    conn = redis.Redis()  # never connected: the context makes no round trip
+    ctx = jobs_module.make_context(Settings(worker_device="cpu", handoff_dir=str(handoff_dir)), conn)
+    assert handoff_module.bound(conn) is ctx.handoff and ctx.handoff is not None
+    assert handoff_module.bound(redis.Redis()) is None
+    ctx.reaper.submit(ctx.spare.prepare, 4096).result(timeout=5)
+    assert len(list(handoff_dir.glob(".spare-*"))) == 1
+    ref = ctx.handoff.stage(b"x" * 100).commit("job-1", handoff_module.INPUT)
+    assert ctx.handoff.get(ref) == b"x" * 100
+    ctx.close()
+    assert list(handoff_dir.glob(".spare-*")) == []
+    with pytest.raises(RuntimeError):
+        ctx.reaper.submit(print)
+    with pytest.raises(RuntimeError):
+        ctx.handoff.stage(b"y")

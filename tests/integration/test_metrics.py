@@ -15,15 +15,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gradsvc.runtime.launcher import free_port, wait_port
 from workers.metrics import PHASE_BUCKETS, PHASES
 
 from tests.support.nets import SEED_A_LAYERS, seed_a_batch
+from tests.support.prometheus import NEEDS_PROMETHEUS, instant, needs_prometheus, poll, running_prometheus
 
-NEEDS_PROMETHEUS = "needs promtool and prometheus from Debian's `prometheus` package (apt-get install prometheus)"
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason=NEEDS_PROMETHEUS)
-needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
-                                      reason=NEEDS_PROMETHEUS)
 
 
 def scrape_text(url: str) -> str:
@@ -194,33 +191,6 @@ def test_worker_exports_activation_bytes_and_numcheck_error_per_job(scraped):
 
 # --- a real Prometheus --------------------------------------------------------------------------------
 
-def prometheus_config(api_port: int, worker_port: int) -> str:
-    return f"""global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
-scrape_configs:
-  - job_name: gradsvc-api
-    static_configs: [{{targets: ["127.0.0.1:{api_port}"]}}]
-  - job_name: gradsvc-worker
-    static_configs: [{{targets: ["127.0.0.1:{worker_port}"]}}]
-"""
-
-
-def instant(base: str, query: str) -> list[dict]:
-    r = httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=5)
-    r.raise_for_status()
-    return r.json()["data"]["result"]
-
-
-def poll(base: str, query: str, ok, timeout_s: float = 30) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = instant(base, query)
-        if ok(got) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def prometheus(stack, http, tmp_path_factory):
     """A Prometheus on loopback scraping the stack every second; a job has run before its first scrape, so the
@@ -228,20 +198,8 @@ def prometheus(stack, http, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("prometheus")
     wait_until_idle(http)
     assert http.post("/gradients", json=seed_a_body(numcheck="off")).status_code == 200
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(prometheus_config(stack.api_port, stack.metrics_port))
-    log = open(tmp_path / "prometheus.log", "wb")
-    proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_port(port, 30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with running_prometheus(tmp_path, stack.api_port, stack.metrics_port) as base:
+        yield base
 
 
 @needs_prometheus

@@ -9,7 +9,6 @@ import csv
 import io
 import json
 import math
-import subprocess
 
 import httpx
 import msgspec
@@ -21,12 +20,11 @@ from torch import nn
 from gradclient import Client
 from gradclient.errors import BadOptionError, NotFoundError
 from gradsvc import wire
-from gradsvc.runtime.launcher import free_port, wait_port
 from tests.support.models import SmallTransformer
+from tests.support.prometheus import needs_prometheus, poll, running_prometheus
 from tests.support.stack import ROOT, module_stack
 
 from .test_dashboards import panels
-from .test_metrics import needs_prometheus, poll, prometheus_config
 
 pytestmark = pytest.mark.timeout(600)
 KEYS = ("run-key-alice", "run-key-bob")
@@ -199,19 +197,8 @@ def test_rejects_a_bad_run_name_or_step_with_400(bob_http, run):
 @pytest.fixture()
 def prometheus(runs_stack, tmp_path):
     """A Prometheus on loopback scraping the stack's API (which exports the runs) every second."""
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(prometheus_config(runs_stack.api_port, runs_stack.metrics_port))
-    with open(tmp_path / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_port(port, 30)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    with running_prometheus(tmp_path, runs_stack.api_port, runs_stack.metrics_port) as base:
+        yield base
 
 
 @needs_prometheus

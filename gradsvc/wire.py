@@ -467,7 +467,9 @@ class GraphNode(Struct):
 class ShardsInfo(Struct):
     """How a sharded job ran: `rows` per shard in batch order; `critical_path_ms` = the slowest shard's
     total_ms + reduce_ms (what `timings.total_ms` reports), `compute_ms` = every shard's total_ms summed (the
-    job's cost on one worker, about); `numcheck_shard` is the shard whose check `numcheck` reports (the worst)."""
+    job's cost on one worker, about); `numcheck_shard` is the shard whose check `numcheck` reports (the worst);
+    `curvature_jobs`: the jobs that ran options.curvature's Lanczos runs over the whole batch, after the row
+    shards in `shard_total_ms`."""
 
     count: int
     rows: list[int]
@@ -476,6 +478,7 @@ class ShardsInfo(Struct):
     reduce_ms: float
     shard_total_ms: list[float]
     numcheck_shard: int | None = None
+    curvature_jobs: int = 0
 
 
 class GradientResult(Struct, omit_defaults=False):

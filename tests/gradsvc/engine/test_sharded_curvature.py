@@ -25,15 +25,19 @@ LANCZOS = {"top": 3, "trace": True, "density": True, "probes": 5, "iterations": 
 HUTCHINSON = {"top": 2, "trace": True, "probes": 30, "tolerance": 1e-8, "seed": 9}
 
 
-def request(model: str, reduction: str = "mean", **options) -> GradientRequest:
+def body(model: str, reduction: str = "mean", **options) -> dict:
+    """A POST /gradients body: the float64 MLP or CNN over N rows, cross entropy."""
     layers, shape = MODELS[model]
     g = torch.Generator().manual_seed(5)
     x = torch.randn(N, *shape, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (N,), generator=g)
-    body = {"model": {"layers": layers, "dtype": "float64", "seed": 0}, "inputs": tensor_json(x),
+    return {"model": {"layers": layers, "dtype": "float64", "seed": 0}, "inputs": tensor_json(x),
             "targets": tensor_json(y), "loss": {"type": "cross_entropy", "reduction": reduction},
             "options": {"numcheck": "off", **options}}
-    return msgspec.convert(body, GradientRequest)
+
+
+def request(model: str, reduction: str = "mean", **options) -> GradientRequest:
+    return msgspec.convert(body(model, reduction, **options), GradientRequest)
 
 
 def through_msgpack(body: bytes) -> GradientRequest:

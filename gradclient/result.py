@@ -57,6 +57,7 @@ class Curvature:
     density: Density | None = None
     products: int = 0
     eigenvectors: list[dict[str, Any]] | None = None  # gradient-shaped, one {param: tensor} per eigenvalue
+    trace_samples: list[float] | None = None  # Hutchinson's z^T M z per probe, in probe order
 
 
 @dataclass
@@ -216,7 +217,8 @@ def _curvature(raw: Any, tensors) -> Curvature | None:
         return None
     return Curvature(matrix=raw.matrix, top_eigenvalues=raw.top_eigenvalues, residuals=raw.residuals,
                      trace=raw.trace, trace_stderr=raw.trace_stderr, density=raw.density, products=raw.products,
-                     eigenvectors=None if raw.eigenvectors is None else [tensors(v) for v in raw.eigenvectors])
+                     eigenvectors=None if raw.eigenvectors is None else [tensors(v) for v in raw.eigenvectors],
+                     trace_samples=raw.trace_samples)
 
 
 # A result this large (its answer's bytes) that gradients() returned is released with the client's next

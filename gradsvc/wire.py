@@ -200,7 +200,9 @@ class ClipOptions(Struct, forbid_unknown_fields=True):
 class CurvatureOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Curvature of the loss from matrix-vector products of the Hessian or the GGN (J^T H_out J): the `top`
     eigenvalues by Lanczos, the Hutchinson trace over `probes` Rademacher vectors, and the stochastic Lanczos
-    quadrature density (`probes` runs of `iterations` steps)."""
+    quadrature density (`probes` runs of `iterations` steps). Probe i is drawn from `seed` and its index alone,
+    so `first_probe` picks where in the seed's sequence this request's probes start: requests with the same
+    seed and disjoint ranges compute disjoint parts of one estimate (sharded jobs split their probes so)."""
 
     matrix: Literal["hessian", "ggn"] = "hessian"
     top: Annotated[int, Meta(ge=0)] = 1
@@ -211,6 +213,7 @@ class CurvatureOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
     tolerance: Annotated[float, Meta(gt=0, lt=1)] = 1e-3
     seed: int = 0
     eigenvectors: bool = False
+    first_probe: Annotated[int, Meta(ge=0)] = 0
 
 
 class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -441,7 +444,8 @@ class Density(Struct):
 
 class Curvature(Struct, omit_defaults=True):
     """What options.curvature asked for. `residuals[i]` is |M v_i - lambda_i v_i| / |lambda_i| for the i-th
-    top eigenpair (largest first); `products` counts the matrix-vector products computed."""
+    top eigenpair (largest first); `products` counts the matrix-vector products computed; `trace_samples` are
+    Hutchinson's per-probe values z^T M z, in probe order (their mean is `trace`)."""
 
     matrix: str
     top_eigenvalues: list[float] = []
@@ -451,6 +455,7 @@ class Curvature(Struct, omit_defaults=True):
     density: Density | None = None
     products: int = 0
     eigenvectors: list[dict[str, Tensor]] | None = None
+    trace_samples: list[float] | None = None
 
 
 class GraphNode(Struct):
@@ -462,7 +467,9 @@ class GraphNode(Struct):
 class ShardsInfo(Struct):
     """How a sharded job ran: `rows` per shard in batch order; `critical_path_ms` = the slowest shard's
     total_ms + reduce_ms (what `timings.total_ms` reports), `compute_ms` = every shard's total_ms summed (the
-    job's cost on one worker, about); `numcheck_shard` is the shard whose check `numcheck` reports (the worst)."""
+    job's cost on one worker, about); `numcheck_shard` is the shard whose check `numcheck` reports (the worst);
+    `curvature_jobs`: the jobs that ran options.curvature's Lanczos runs over the whole batch, after the row
+    shards in `shard_total_ms`."""
 
     count: int
     rows: list[int]
@@ -471,6 +478,7 @@ class ShardsInfo(Struct):
     reduce_ms: float
     shard_total_ms: list[float]
     numcheck_shard: int | None = None
+    curvature_jobs: int = 0
 
 
 class GradientResult(Struct, omit_defaults=False):

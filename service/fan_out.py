@@ -27,6 +27,7 @@ from gradsvc.broker.fanin import shard_failed, shard_job_id
 from gradsvc.broker.handoff import Handoff
 from gradsvc.broker.job import REDUCE_JOB, SHARD_JOB
 from gradsvc.broker.record import JobMeta, ShardPlace
+from gradsvc.engine.diagnostics import sharded as sharded_curvature
 from gradsvc.engine.prepare import Prepared
 from gradsvc.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
@@ -114,13 +115,21 @@ class Split:
 
 
 def split(req: GradientRequest, prep: Prepared, count: int) -> Split:
+    """The row shards, then options.curvature's Lanczos jobs over the whole batch (gradsvc/engine/diagnostics/
+    sharded.py: the row shards compute the trace's part, if any)."""
     check_shardable(prep, count)
     bounds = split_rows(prep.inputs.rows, count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     # Mixed mean/sum losses: a shard's combined gradient cannot be rescaled as a whole, so each shard
     # returns its per-loss gradients and the reduction weighs them term by term.
     per_loss = req.options.per_loss if plan.uniform else True
-    return Split(plan, bounds, [_encoder.encode(r) for r in shard_requests(req, prep, bounds, per_loss=per_loss)])
+    rows_req = msgspec.structs.replace(req, options=msgspec.structs.replace(
+        req.options, curvature=sharded_curvature.row_curvature(req.options.curvature)))
+    bodies = [_encoder.encode(r) for r in shard_requests(rows_req, prep, bounds, per_loss=per_loss)]
+    for options in sharded_curvature.lanczos_options(req.options, plan.lanczos):
+        bodies.append(_encoder.encode(msgspec.structs.replace(req, options=options)))
+        bounds.append((0, prep.inputs.rows))
+    return Split(plan, bounds, bodies)
 
 
 @dataclasses.dataclass

@@ -249,9 +249,10 @@ def check_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, fr
     if not opts.batch_gradient:
         bad(f"options.{asked[0]} is computed from the batch's gradient, which options.batch_gradient=false skips; "
             "leave one of them out", option=asked[0])
-    if opts.shards != 1:
-        bad(f"options.{asked[0]} needs the whole batch's gradient in one job, and options.shards splits it across "
-            "jobs; set shards=1 (micro_batch bounds memory within one job)", option=asked[0])
+    whole = [name for name in asked if name != "curvature"]  # curvature is spread over shards (diagnostics/sharded.py)
+    if opts.shards != 1 and whole:
+        bad(f"options.{whole[0]} needs the whole batch's gradient in one job, and options.shards splits it across "
+            "jobs; set shards=1 (micro_batch bounds memory within one job)", option=whole[0])
     size = sum(p.numel() for n, p in model.named_parameters() if n not in frozen)
     if size == 0:
         bad(f"options.{asked[0]}: the model has no trainable parameter, so there is no gradient to diagnose or "

@@ -12,15 +12,16 @@ the float32 gradients themselves do not have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
+from gradsvc.wire import Curvature, CurvatureOptions, GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
 
 from . import numcheck, tensors
+from .diagnostics import sharded as sharded_curvature
 from .encode import cosines
 from .errors import SpecError
 from .losses import OWN_LOSS
@@ -40,6 +41,9 @@ class ShardPlan:
     weights: dict[str, float]  # loss term name -> its weight in the total
     several: bool  # several losses (the result then has `losses`)
     per_loss: bool  # the caller asked for per-loss gradients (a shard may compute them for the reduction only)
+    curvature: dict | None = None  # options.curvature as asked (builtins), when asked
+    # The Lanczos jobs' density probe ranges [a, b), one per job after the row shards (diagnostics/sharded.py)
+    lanczos: list[list[int]] = field(default_factory=list)
 
     @property
     def uniform(self) -> bool:
@@ -92,6 +96,10 @@ def check_shardable(prep: Prepared, count: int) -> None:
                             "and use micro_batch to bound memory", layer=name)
     reductions = {t.reduction for t in prep.terms}
     opts = prep.options
+    if count > 1 and len(reductions) > 1 and opts.curvature is not None:
+        raise SpecError("bad_option", "options.shards with options.curvature needs every loss to use one reduction "
+                        "(all 'mean' or all 'sum'): the batch's matrix is then one weighted sum of the shards'; use "
+                        "one reduction or shards=1", option="options.curvature")
     if len(reductions) > 1 and (opts.input_grad or opts.hvp is not None):
         raise SpecError("bad_option", "options.shards with input_grad or hvp needs every loss to use one reduction "
                         "(all 'mean' or all 'sum'): a shard's combined gradient cannot be split back per loss; "
@@ -101,8 +109,11 @@ def check_shardable(prep: Prepared, count: int) -> None:
 def plan_for(prep: Prepared, rows: list[int]) -> ShardPlan:
     several = len(prep.terms) > 1
     per_loss = several if prep.options.per_loss is None else bool(prep.options.per_loss and several)
+    c = prep.options.curvature
     return ShardPlan(rows=rows, reductions={t.name: t.reduction for t in prep.terms},
-                     weights={t.name: t.weight for t in prep.terms}, several=several, per_loss=per_loss)
+                     weights={t.name: t.weight for t in prep.terms}, several=several, per_loss=per_loss,
+                     curvature=None if c is None else msgspec.to_builtins(c),
+                     lanczos=sharded_curvature.lanczos_ranges(c, len(rows)))
 
 
 def _raw(value: Tensor) -> torch.Tensor:
@@ -165,6 +176,7 @@ def check_combined(result: GradientResult, references: list[dict[str, Tensor] | 
     this one. Skipped (the worst shard's figures stay) when a shard sent no reference (numcheck off) or
     the losses mix reductions (one reference per shard cannot be split per loss)."""
     check = result.numcheck
+    references = references[:len(plan.rows)]  # the Lanczos jobs after the row shards run no check
     if check is None or check.mode == "off" or not plan.uniform or not references or None in references:
         return
     reference = {}
@@ -204,55 +216,18 @@ def add_reduce_time(result: GradientResult, reduce_ms: float) -> None:
 
 
 def reduce_results(results: list[GradientResult], plan: ShardPlan, *, reduce_ms: float = 0.0) -> GradientResult:
-    """One result from the shards' results (in batch order), as if one worker had run the whole batch."""
-    if len(results) != len(plan.rows):
-        raise ValueError(f"{len(results)} shard results for a plan of {len(plan.rows)} shards")
-    first = results[0]
-    count = len(results)
-    terms = list(plan.reductions)
-
-    # Loss values and per-loss gradients scale per term; the rest with the shard's one share (uniform), or
-    # are rebuilt from the per-loss gradients (mixed reductions: check_shardable refused hvp and input_grad).
-    losses = None
-    if plan.several:
-        losses = {t: sum(plan.share(k, t) * r.losses[t] for k, r in enumerate(results)) for t in terms}
-    per_loss = None
-    if first.per_loss_gradients is not None:
-        per_loss = {t: {p: _weighted_sum([(plan.share(k, t), r.per_loss_gradients[t][p])
-                                          for k, r in enumerate(results)])
-                        for p in first.per_loss_gradients[t]}
-                    for t in first.per_loss_gradients}
-    if plan.uniform:
-        loss = sum(plan.share(k) * r.loss for k, r in enumerate(results))
-        gradients = {p: _weighted_sum([(plan.share(k), r.gradients[p]) for k, r in enumerate(results)])
-                     for p in first.gradients}
-    else:
-        assert losses is not None and per_loss is not None, "mixed reductions need each shard's per-loss results"
-        loss = sum(plan.weights[t] * losses[t] for t in terms)
-        gradients = {}
-        for p in first.gradients:
-            parts = [per_loss[t][p] for t in terms]
-            gradients[p] = None if parts[0] is None else _out(
-                sum(plan.weights[t] * _t(per_loss[t][p]) for t in terms), parts[0])
-    hvp = None
-    if first.hvp is not None:
-        hvp = {p: _weighted_sum([(plan.share(k), r.hvp[p]) for k, r in enumerate(results)]) for p in first.hvp}
-    input_gradient = None
-    if first.input_gradient is not None:
-        input_gradient = _concat([r.input_gradient for r in results], [plan.share(k) for k in range(count)])
-    per_sample = None
-    if first.per_sample is not None:
-        # Example i's gradient is that of its own loss: it does not depend on the batch around it.
-        norms = _concat([r.per_sample.norms for r in results]) if first.per_sample.norms is not None else None
-        grads = None
-        if first.per_sample.gradients is not None:
-            grads = {p: _concat([r.per_sample.gradients[p] for r in results]) for p in first.per_sample.gradients}
-        per_sample = PerSample(norms=norms, gradients=grads)
-
-    numcheck, numcheck_shard = worst_numcheck(results)
-    totals = [r.timings.total_ms for r in results]
-    slowest = results[max(range(count), key=lambda k: totals[k])]
-    critical_ms = max(totals) + reduce_ms
+    """One result from the shards' results (the row shards in batch order, then the Lanczos jobs), as if one
+    worker had run the whole batch."""
+    if len(results) != len(plan.rows) + len(plan.lanczos):
+        raise ValueError(f"{len(results)} shard results for a plan of {len(plan.rows)} shards and "
+                         f"{len(plan.lanczos)} Lanczos jobs")
+    rows = results[:len(plan.rows)]
+    first = rows[0]
+    losses, per_loss = _losses(rows, plan), _per_loss_gradients(rows, plan)
+    loss, gradients = _loss_and_gradients(rows, plan, losses, per_loss)
+    numcheck, numcheck_shard = worst_numcheck(rows)
+    info = _shards_info(results, plan, reduce_ms, numcheck_shard)
+    slowest = max(results, key=lambda r: r.timings.total_ms)
     devices = sorted({r.device for r in results})
     return GradientResult(
         device=devices[0] if len(devices) == 1 else ",".join(devices),
@@ -261,20 +236,97 @@ def reduce_results(results: list[GradientResult], plan: ShardPlan, *, reduce_ms:
         torch_version=first.torch_version,
         loss=loss,
         gradients=gradients,
-        timings=msgspec.structs.replace(slowest.timings, total_ms=critical_ms),  # every phase of the slowest
-        micro_batches=sum(r.micro_batches for r in results),
+        timings=msgspec.structs.replace(slowest.timings, total_ms=info.critical_path_ms),  # every phase of the slowest
+        micro_batches=sum(r.micro_batches for r in rows),
         losses=losses,
         per_loss_gradients=per_loss if plan.per_loss else None,
         gradient_cosine=_cosines(per_loss) if plan.per_loss and per_loss else None,
-        per_sample=per_sample,
-        input_gradient=input_gradient,
-        hvp=hvp,
+        per_sample=_per_sample(rows),
+        input_gradient=_input_gradient(rows, plan),
+        hvp=_hvp(rows, plan),
         graph=first.graph,
         numcheck=numcheck,
         memory=_memory(results),
         checkpoint=first.checkpoint,
         graph_ref=first.graph_ref,
-        shards=ShardsInfo(count=count, rows=list(plan.rows), critical_path_ms=critical_ms,
-                          compute_ms=sum(totals), reduce_ms=reduce_ms, shard_total_ms=totals,
-                          numcheck_shard=numcheck_shard),
+        curvature=_curvature(results, plan),
+        shards=info,
     )
+
+
+def _losses(rows: list[GradientResult], plan: ShardPlan) -> dict[str, float] | None:
+    """Each loss term's value over the batch: its shards' values with the term's shares."""
+    if not plan.several:
+        return None
+    return {t: sum(plan.share(k, t) * r.losses[t] for k, r in enumerate(rows)) for t in plan.reductions}
+
+
+def _per_loss_gradients(rows: list[GradientResult], plan: ShardPlan) -> dict[str, dict] | None:
+    first = rows[0].per_loss_gradients
+    if first is None:
+        return None
+    return {t: {p: _weighted_sum([(plan.share(k, t), r.per_loss_gradients[t][p]) for k, r in enumerate(rows)])
+                for p in first[t]}
+            for t in first}
+
+
+def _loss_and_gradients(rows: list[GradientResult], plan: ShardPlan, losses: dict[str, float] | None,
+                        per_loss: dict[str, dict] | None) -> tuple[float, dict]:
+    """The loss and the gradient scale with the shard's one share (uniform reductions), or are rebuilt from
+    the per-loss ones (mixed reductions: check_shardable refused hvp and input_grad there)."""
+    first = rows[0]
+    if plan.uniform:
+        loss = sum(plan.share(k) * r.loss for k, r in enumerate(rows))
+        return loss, {p: _weighted_sum([(plan.share(k), r.gradients[p]) for k, r in enumerate(rows)])
+                      for p in first.gradients}
+    assert losses is not None and per_loss is not None, "mixed reductions need each shard's per-loss results"
+    terms = list(plan.reductions)
+    gradients = {}
+    for p in first.gradients:
+        parts = [per_loss[t][p] for t in terms]
+        gradients[p] = None if parts[0] is None else _out(
+            sum(plan.weights[t] * _t(per_loss[t][p]) for t in terms), parts[0])
+    return sum(plan.weights[t] * losses[t] for t in terms), gradients
+
+
+def _hvp(rows: list[GradientResult], plan: ShardPlan) -> dict | None:
+    if rows[0].hvp is None:
+        return None
+    return {p: _weighted_sum([(plan.share(k), r.hvp[p]) for k, r in enumerate(rows)]) for p in rows[0].hvp}
+
+
+def _input_gradient(rows: list[GradientResult], plan: ShardPlan) -> Tensor | None:
+    if rows[0].input_gradient is None:
+        return None
+    return _concat([r.input_gradient for r in rows], [plan.share(k) for k in range(len(rows))])
+
+
+def _per_sample(rows: list[GradientResult]) -> PerSample | None:
+    """Concatenated in batch order: example i's gradient is that of its own loss, whatever the batch around it."""
+    first = rows[0].per_sample
+    if first is None:
+        return None
+    norms = _concat([r.per_sample.norms for r in rows]) if first.norms is not None else None
+    grads = None
+    if first.gradients is not None:
+        grads = {p: _concat([r.per_sample.gradients[p] for r in rows]) for p in first.gradients}
+    return PerSample(norms=norms, gradients=grads)
+
+
+def _curvature(results: list[GradientResult], plan: ShardPlan) -> Curvature | None:
+    if plan.curvature is None:
+        return None
+    count = len(plan.rows)
+    return sharded_curvature.combine(msgspec.convert(plan.curvature, CurvatureOptions),
+                                     [plan.share(k) for k in range(count)],
+                                     [r.curvature for r in results[:count]],
+                                     [r.curvature for r in results[count:]], plan.lanczos)
+
+
+def _shards_info(results: list[GradientResult], plan: ShardPlan, reduce_ms: float,
+                 numcheck_shard: int | None) -> ShardsInfo:
+    """How the jobs ran: the critical path is the slowest job (a row shard or a Lanczos job) + the reduction."""
+    totals = [r.timings.total_ms for r in results]
+    return ShardsInfo(count=len(plan.rows), rows=list(plan.rows), critical_path_ms=max(totals) + reduce_ms,
+                      compute_ms=sum(totals), reduce_ms=reduce_ms, shard_total_ms=totals,
+                      numcheck_shard=numcheck_shard, curvature_jobs=len(plan.lanczos))

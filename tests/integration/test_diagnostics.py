@@ -42,6 +42,8 @@ def test_sdk_returns_norms_backpack_statistics_clipping_and_curvature(client):
     exact = torch.linalg.eigvalsh(exact_hessian(module, x, y)).flip(0)
     assert result.curvature.top_eigenvalues == pytest.approx(exact[:2].tolist(), rel=1e-6)
     assert abs(result.curvature.trace - float(exact.sum())) <= 4 * result.curvature.trace_stderr
+    samples = result.curvature.trace_samples  # each probe's z^T H z, their mean the trace
+    assert len(samples) == 30 and result.curvature.trace == pytest.approx(sum(samples) / 30, rel=1e-12)
 
 
 def test_sdk_graph_model_gets_per_example_clipping_and_the_noise_scale(client):

@@ -119,6 +119,39 @@ def test_sharded_equals_unsharded_to_1e_12_in_float64_with_2_3_and_7_shards(http
         assert all(redis.hget(Job.key_for(sid), "status") == b"finished" for sid in ids)
 
 
+# Lanczos jobs over the whole batch (the top eigenvalues, the density's probes, the trace from their runs); the
+# Hutchinson trace alone is summed from the row shards' per-probe samples.
+CURVATURE = {"lanczos": {"top": 2, "trace": True, "density": True, "probes": 3, "iterations": 10, "tolerance": 1e-8,
+                         "seed": 3},
+             "row_trace": {"top": 1, "trace": True, "probes": 20, "tolerance": 1e-8, "seed": 8}}
+
+
+@pytest.mark.parametrize("matrix", ["hessian", "ggn"])
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_sharded_curvature_equals_unsharded_for_the_same_seed(http, redis, shard_stack, model, matrix):
+    from tests.gradsvc.engine.test_sharded_curvature import body as curvature_body
+
+    for name, curvature in CURVATURE.items():
+        options = {"curvature": {**curvature, "matrix": matrix}}
+        want = post(http, curvature_body(model, **options))["curvature"]
+        for count in (2, 3):
+            got = post(http, curvature_body(model, shards=count, **options))
+            c = got["curvature"]
+            assert c["top_eigenvalues"] == pytest.approx(want["top_eigenvalues"], rel=1e-6), name
+            assert c["trace"] == pytest.approx(want["trace"], rel=1e-10), name
+            assert c["trace_samples"] == pytest.approx(want["trace_samples"], rel=1e-10), name
+            assert c["trace_stderr"] == pytest.approx(want["trace_stderr"], rel=1e-8), name
+            assert c["products"] == want["products"], name
+            if want.get("density") is not None:
+                assert c["density"]["eigenvalues"] == pytest.approx(want["density"]["eigenvalues"], rel=1e-12)
+                assert c["density"]["weights"] == pytest.approx(want["density"]["weights"], rel=1e-12)
+            jobs = min(count, 3) if name == "lanczos" else 1
+            assert got["shards"]["count"] == count and got["shards"]["curvature_jobs"] == jobs
+            ids = [f"{got['job_id']}-shard-{k}" for k in range(count + jobs)]
+            assert all(redis.hget(Job.key_for(sid), "status") == b"finished" for sid in ids)
+            assert not any(redis.exists(keys.result_key("gradsvc", sid)) for sid in ids)
+
+
 def test_a_msgpack_request_is_sharded_from_its_raw_bytes_and_answers_the_same(http):
     import msgspec
 

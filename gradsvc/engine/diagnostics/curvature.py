@@ -6,6 +6,7 @@ stochastic Lanczos quadrature density, which shares the trace's Rademacher probe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import msgspec
@@ -116,7 +117,7 @@ def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureO
         if opts.eigenvectors:
             result.eigenvectors = [_as_parameters(products, v, prep.dtype) for v in vectors]
     if opts.trace or opts.density:
-        _probe(products, opts, gen, result)
+        _probe(products, opts, result)
     result.products = products.count
     return result
 
@@ -130,7 +131,22 @@ def _as_parameters(products: Products, v: torch.Tensor, dtype: torch.dtype) -> d
     return {n: tensors.encode(p.to(dtype)) for n, p in zip(products.params, products._split(v))}
 
 
-def _probe(products: Products, opts: CurvatureOptions, gen: torch.Generator, result: Curvature) -> None:
+def probe_vector(seed: int, index: int, size: int) -> torch.Tensor:
+    """Rademacher probe `index` of `seed`: (size,) of +-1 in float64, from a generator of its own seeded by a
+    hash of (seed, index), so any range of probes is drawn without drawing the ones before it."""
+    digest = hashlib.blake2b(f"gradsvc-probe:{seed}:{index}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+    return torch.randint(0, 2, (size,), generator=gen, dtype=torch.float64) * 2 - 1
+
+
+def trace_estimate(samples: list[float]) -> tuple[float, float | None]:
+    """Hutchinson's estimate from its per-probe samples z^T M z: their mean and its standard error."""
+    t = torch.tensor(samples, dtype=torch.float64)
+    stderr = float(t.std(unbiased=True)) / math.sqrt(len(samples)) if len(samples) > 1 else None
+    return float(t.mean()), stderr
+
+
+def _probe(products: Products, opts: CurvatureOptions, result: Curvature) -> None:
     """Hutchinson over Rademacher probes z (z^T M z each); with density, each probe also starts a Lanczos
     run whose first diagonal entry is z^T M z / P, so the density's mean is the trace / P exactly."""
     size = products.size
@@ -139,8 +155,8 @@ def _probe(products: Products, opts: CurvatureOptions, gen: torch.Generator, res
     nodes: list[float] = []
     weights: list[float] = []
     steps = min(size, opts.iterations or DEFAULT_DENSITY_STEPS)
-    for _ in range(probes):
-        z = torch.randint(0, 2, (size,), generator=gen, dtype=torch.float64) * 2 - 1  # (P,) of +-1
+    for index in range(opts.first_probe, opts.first_probe + probes):
+        z = probe_vector(opts.seed, index, size)  # (P,) of +-1
         if opts.density:
             state = lanczos(products, z, steps)
             samples.append(size * state.alpha[0])
@@ -150,9 +166,7 @@ def _probe(products: Products, opts: CurvatureOptions, gen: torch.Generator, res
         else:
             samples.append(float(z @ products(z)))
     if opts.trace:
-        t = torch.tensor(samples, dtype=torch.float64)
-        result.trace = float(t.mean())
-        result.trace_stderr = float(t.std(unbiased=True)) / math.sqrt(len(samples)) if len(samples) > 1 else None
+        result.trace, result.trace_stderr = trace_estimate(samples)
+        result.trace_samples = samples
     if opts.density:
         result.density = Density(eigenvalues=nodes, weights=weights)
-

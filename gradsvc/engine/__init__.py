@@ -7,9 +7,9 @@ A request goes through these stages, one module each, top to bottom:
     decode    tensors.py (wire tensors <-> torch), decode.py (losses, targets, options, weights: the checks
               layer specs and graphs share)
     build     layer specs: spec.py (gradsvc/layers.py -> nn.Sequential, shapes on meta), losses.py;
-              graphs: compiler.py (GraphSpec -> program.py's steps; ops.py the allow-list, functions.py the
-              custom autograd Functions), interpreter.py (GraphModel runs them), meta_check.py (shapes and
-              sizes on meta), batch_flow.py (which nodes mix a batch)
+              graphs: graph/ (compiler.py: GraphSpec -> program.py's steps; ops.py the allow-list, functions.py
+              the custom autograd Functions; interpreter.py's GraphModel runs them; meta_check.py shapes and
+              sizes on meta; batch_flow.py which nodes mix a batch; sparse.py sparse inputs)
     prepare   prepare.py (one path, its model side LayerSpecModel in prepare_layers.py or GraphSpecModel in
               prepare_graph.py) -> prepared.py's Prepared;
               batch.py (the model's inputs and their rows)

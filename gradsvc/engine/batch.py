@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .sparse import on_meta
+from .graph.sparse import on_meta
 
 
 @dataclass(frozen=True)

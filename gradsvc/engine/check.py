@@ -18,11 +18,11 @@ from . import numcheck, numcheck_batched, quantities, tensors
 from .batch import Batch
 from .config import EngineConfig
 from .devices import is_random, one_cpu_thread, seeded
-from .meta_check import attention_elements
+from .graph.meta_check import attention_elements
+from .graph.program import FloatDType, where_step
 from .numcheck import ProgressCallback
 from .passes import Pass
 from .prepared import Prepared
-from .program import FloatDType, where_step
 
 
 def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,

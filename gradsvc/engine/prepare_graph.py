@@ -13,17 +13,18 @@ from torch import nn
 from gradsvc import hashing, wire
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
-from . import outputs, resident, sparse, tensors
+from . import outputs, resident, tensors
 from .batch import Batch
-from .batch_flow import batch_flow, draws_masks
 from .caches import EngineCaches
-from .compiler import build_graph
 from .config import EngineConfig
 from .decode import as_tensor_value, decode_weights, input_values, loss_terms, per_example_option, splits
 from .errors import SpecError
-from .interpreter import GraphModel
+from .graph import sparse
+from .graph.batch_flow import batch_flow, draws_masks
+from .graph.compiler import build_graph
+from .graph.interpreter import GraphModel
+from .graph.meta_check import check_graph_shapes
 from .losses import OWN_LOSS
-from .meta_check import check_graph_shapes
 from .prepared import GraphResolver, GraphTemplate
 
 _REF = re.compile(r"[0-9a-f]{64}")

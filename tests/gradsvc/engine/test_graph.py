@@ -14,11 +14,11 @@ from gradclient.tensors import to_wire
 from gradsvc import wire
 from gradsvc.engine import SpecError
 from gradsvc.engine import tensors as engine_tensors
-from gradsvc.engine.batch_flow import batch_mixing_nodes
-from gradsvc.engine.compiler import build_graph, validate_graph
-from gradsvc.engine.interpreter import GraphModel, load_weights
-from gradsvc.engine.meta_check import check_graph_shapes
-from gradsvc.engine.ops import OPS, SKIPPED
+from gradsvc.engine.graph.batch_flow import batch_mixing_nodes
+from gradsvc.engine.graph.compiler import build_graph, validate_graph
+from gradsvc.engine.graph.interpreter import GraphModel, load_weights
+from gradsvc.engine.graph.meta_check import check_graph_shapes
+from gradsvc.engine.graph.ops import OPS, SKIPPED
 from gradsvc.engine.spec import Limits
 
 from tests.support import models

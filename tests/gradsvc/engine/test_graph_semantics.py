@@ -15,10 +15,10 @@ from torch import nn
 from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
 from gradsvc.engine import EngineConfig, SpecError, compute, prepare
-from gradsvc.engine.compiler import build_graph
+from gradsvc.engine.graph.compiler import build_graph
 from gradsvc.engine.devices import is_random
-from gradsvc.engine.meta_check import check_graph_shapes
-from gradsvc.engine.ops import OPS
+from gradsvc.engine.graph.meta_check import check_graph_shapes
+from gradsvc.engine.graph.ops import OPS
 from gradsvc.wire import GradientRequest
 
 from tests.support.public_models import VAE, CausalSelfAttention, Noisy, RotaryAttention, Sequence, Siamese, SpectralMix

@@ -21,13 +21,13 @@ import torch
 
 from gradsvc.wire import GraphSpec
 
-from . import tensors
-from .errors import SpecError
+from .. import tensors
+from ..errors import SpecError
+from ..spec import Limits
 from .functions import MAX_FUNCTIONS, compile_function
 from .interpreter import GraphModel
 from .ops import ALLOWED_OPS_DOC, OPS, REFUSED_CORE, Op
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, Step, bad_graph, where_node
-from .spec import Limits
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,200}$")

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import tensors
-from .errors import SpecError
+from .. import tensors
+from ..errors import SpecError
 from .ops import drawn_in
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from .errors import SpecError
+from ..errors import SpecError
+from ..spec import Limits
 from .footprint import workspace_elements
 from .interpreter import GraphModel
 from .program import Step, where_step
-from .spec import Limits
 
 
 def _shapes(args: Any) -> list:

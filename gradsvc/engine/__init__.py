@@ -4,7 +4,7 @@ one-off `compute(request)` (caches of its own, dropped after the call).
 
 A request goes through these stages, one module each, top to bottom:
 
-    decode    tensors.py (wire tensors <-> torch), decode.py (losses, targets, options, weights: the checks
+    decode    tensors.py (wire tensors <-> torch), decode.py (losses, targets, options, weights: the validation
               layer specs and graphs share)
     build     layer specs: spec.py (gradsvc/layers.py -> nn.Sequential, shapes on meta), losses.py;
               graphs: graph/ (compiler.py: GraphSpec -> program.py's steps; ops.py the allow-list, functions.py

@@ -289,7 +289,7 @@ class GraphSpecModel:
             self.flow = _batch_flow(self.caches, self.template, self.dtype, inputs)
         return self.flow
 
-    def check_splits(self, opts: Options, inputs: Batch) -> None:
+    def validate_splits(self, opts: Options, inputs: Batch) -> None:
         """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
         if opts.checkpoint_segments is not None:
             raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a "
@@ -321,8 +321,8 @@ class GraphSpecModel:
         maybe_split = splits(opts, inputs.rows) or opts.shards == "auto"
         return self.batch_flow(inputs)[1] if maybe_split and any(inputs.batched) else None
 
-    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
-        """A graph's batch statistics are nodes, found by its batch flow (check_splits)."""
+    def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        """A graph's batch statistics are nodes, found by its batch flow (validate_splits)."""
 
     def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
         """(the model, (its key, its Resident) to hand it back to the resident pool under). On meta every weight

@@ -74,14 +74,14 @@ class LayerSpecModel:
         return _output_on_meta(self.caches, self.spec_key, self.request, self.meta, inputs.first,
                                self.config.limits.max_elements)
 
-    def check_splits(self, opts: Options, inputs: Batch) -> None:
-        """A layer spec's splits are checked with its layers (check_batch_statistics), after the options."""
+    def validate_splits(self, opts: Options, inputs: Batch) -> None:
+        """A layer spec's splits are checked with its layers (validate_batch_statistics), after the options."""
 
     def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int]:
         return (0, 1)  # a stack of layers keeps the batch in dim 0, one output row per example
 
-    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
-        _check_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
+    def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        _validate_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
 
     def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
         """(the model on `device`, (the key it goes back to the pool under, its Built)), the weights decoded and
@@ -102,7 +102,7 @@ class LayerSpecModel:
         return built.model, (reuse_key, built)
 
 
-def _check_batch_statistics(opts: Options, model: nn.Module, batch: int,
+def _validate_batch_statistics(opts: Options, model: nn.Module, batch: int,
                             mixing: list[tuple[str, nn.Module]] | None = None) -> None:
     """micro_batch and per_sample split the batch. A layer that mixes the examples of a batch
     (BatchNorm in training mode: it normalises with the batch's mean and variance) makes either

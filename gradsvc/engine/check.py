@@ -15,14 +15,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from gradsvc.wire import GradientRequest
 
 from . import numcheck, numcheck_batched, quantities, tensors
-from .batch import Batch
 from .config import EngineConfig
 from .devices import is_random, one_cpu_thread, seeded
 from .graph.meta_check import attention_elements
 from .graph.program import FloatDType, where_step
 from .numcheck import ProgressCallback
 from .passes import Pass
-from .prepared import Prepared
+from .prepared import Batch, Prepared
 
 
 def numerical_check(prep: Prepared, request: GradientRequest, config: EngineConfig, device: torch.device,

@@ -12,10 +12,10 @@ from torch import nn
 from gradsvc.wire import PER_EXAMPLE_DIAGNOSTICS, GradientRequest, LossSpec, Options, Tensor, is_tensor
 
 from . import tensors
-from .batch import Batch
 from .config import EngineConfig
 from .errors import SpecError
 from .losses import OWN_LOSS, LossTerm, make_term, own_term, prepare_target
+from .prepared import Batch
 
 
 def loss_terms(request: GradientRequest) -> list[LossTerm]:

@@ -15,8 +15,7 @@ import torch
 from gradsvc.wire import GradientRequest
 
 from . import resident, tensors
-from .caches import EngineCaches
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig
 from .decode import (decode_targets, loss_terms, refuse_own_loss_split, rows_per_example, validate_diagnostics,
                      validate_hvp, validate_options, validate_reductions)
 from .errors import SpecError

@@ -14,9 +14,7 @@ from gradsvc import hashing, wire
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
 from . import outputs, resident, tensors
-from .batch import Batch
-from .caches import EngineCaches
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig
 from .decode import as_tensor_value, decode_weights, input_values, loss_terms, per_example_option, splits
 from .errors import SpecError
 from .graph import sparse
@@ -25,7 +23,7 @@ from .graph.compiler import build_graph
 from .graph.interpreter import GraphModel
 from .graph.meta_check import check_graph_shapes
 from .losses import OWN_LOSS
-from .prepared import GraphResolver, GraphTemplate
+from .prepared import Batch, GraphResolver, GraphTemplate
 
 _REF = re.compile(r"[0-9a-f]{64}")
 

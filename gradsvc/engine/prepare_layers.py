@@ -15,12 +15,10 @@ from torch import nn
 from gradsvc.wire import GradientRequest, Options
 
 from . import tensors
-from .batch import Batch
-from .caches import EngineCaches, state_bytes
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig, state_bytes
 from .decode import as_tensor_value, decode_weights, input_values, per_example_option
 from .errors import SpecError
-from .prepared import Prepared
+from .prepared import Batch, Prepared
 from .spec import Limits, build, check_shapes, leaves, sequence_first
 
 # Seeding and building run under one lock: torch.manual_seed sets the process-wide generator (torch's own

@@ -21,7 +21,7 @@ from torch import nn
 from gradsvc.wire import GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
 
 from . import numcheck, tensors
-from .encode import cosines
+from .compute import cosines
 from .errors import SpecError
 from .losses import OWN_LOSS
 from .prepare_graph import check_graph_split, graph_batch_flow

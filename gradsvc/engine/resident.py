@@ -24,8 +24,7 @@ from torch import nn
 
 from gradsvc.wire import Tensor
 
-from .caches import EngineCaches, state_bytes
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig, state_bytes
 
 
 def keeps(device: str | torch.device, config: EngineConfig) -> bool:

@@ -6,7 +6,7 @@ spans files:
     compiler.py     GraphSpec checks -> the compiled graph (validate_graph, compile_graph); build_graph
     functions.py    custom autograd Functions: the user's forward and backward graphs as one Function
     interpreter.py  GraphModel: the compiled graph as an nn.Module whose forward runs the steps
-    meta_check.py   a graph's shapes and sizes on the meta device; footprint.py the dense kernels' workspace
+    meta_check.py   a graph's shapes and sizes on the meta device, the dense kernels' workspace counted too
     batch_flow.py   which nodes mix a batch (micro-batches, per-sample gradients and shards need none)
     sparse.py       sparse inputs (COO, CSR) decoded and checked, and their dense meta stand-ins
 

@@ -247,7 +247,8 @@ def _numerical_check(run: Run) -> None:
     run.check = numerical_check(run.prep, run.request, run.config, run.device, run.progress, returned, run.reference,
                                 job_s=final.forward_s + final.backward_s, final=final, hvp_vector=run.hvp_vector,
                                 per_sample_sum=per_sample_sum)
-    run.numcheck_s = time.perf_counter() - numcheck_started if run.check is not None and run.check.mode != "off" else 0.0
+    ran = run.check is not None and run.check.mode != "off"
+    run.numcheck_s = time.perf_counter() - numcheck_started if ran else 0.0
 
 
 def encode_result(run: Run, timings: Timings) -> GradientResult:

@@ -1,4 +1,4 @@
-"""Graph interpreter overhead: a GraphModel (gradsvc/engine/interpreter.py) against torch.export's own
+"""Graph interpreter overhead: a GraphModel (gradsvc/engine/graph/interpreter.py) against torch.export's own
 `ep.module()` and the eager module, forward + backward on the same weights and batch.
 
 Per model, interleaved rounds; each side's time in a round is the fastest of 3 calls, and each
@@ -25,10 +25,10 @@ from common import footer, header, median, table, verdict
 from gradclient.export import export_graph
 from gradsvc import wire
 from gradsvc.engine import SpecError
-from gradsvc.engine.batch_flow import batch_mixing_nodes
-from gradsvc.engine.compiler import build_graph, compile_graph
-from gradsvc.engine.interpreter import load_weights
-from gradsvc.engine.meta_check import check_graph_shapes
+from gradsvc.engine.graph.batch_flow import batch_mixing_nodes
+from gradsvc.engine.graph.compiler import build_graph, compile_graph
+from gradsvc.engine.graph.interpreter import load_weights
+from gradsvc.engine.graph.meta_check import validate_graph_shapes
 from gradsvc.engine.spec import Limits
 
 LIMITS = Limits()
@@ -85,7 +85,7 @@ def main() -> None:
             ms.append(t["graph"] * 1e3)
         validate_ms = per_call(lambda: compile_graph(eg.graph, limits=LIMITS), 5) * 1e3
         meta = build_graph(eg.graph, limits=LIMITS, device="meta")
-        meta_ms = per_call(lambda: check_graph_shapes(meta, x.to("meta"), limits=LIMITS), 5) * 1e3
+        meta_ms = per_call(lambda: validate_graph_shapes(meta, x.to("meta"), limits=LIMITS), 5) * 1e3
         mix_ms = per_call(lambda: batch_mixing_nodes(meta, list(x.shape)), 3) * 1e3
         rows.append([name, len(eg.graph.nodes), median(ms), median(ratios_ep), median(ratios_eager), validate_ms,
                      meta_ms, mix_ms])

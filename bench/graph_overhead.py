@@ -33,7 +33,7 @@ from torch import nn
 from common import footer, header, median, raw_tensor, table, verdict
 from gradclient.export import export_graph
 from gradsvc.engine import Engine, EngineConfig
-from gradsvc.engine.batch import Batch
+from gradsvc.engine.prepared import Batch
 from gradsvc.wire import GradientRequest
 
 prepare_graph = importlib.import_module("gradsvc.engine.prepare_graph")  # its private steps, timed alone

@@ -29,7 +29,7 @@ from gradsvc.broker.job import REDUCE_JOB, SHARD_JOB
 from gradsvc.broker.record import JobMeta, ShardPlace
 from gradsvc.engine.diagnostics import sharded as sharded_curvature
 from gradsvc.engine.prepare import Prepared
-from gradsvc.engine.reduce import ShardPlan, check_shardable, plan_for, split_rows
+from gradsvc.engine.reduce import ShardPlan, validate_shardable, plan_for, split_rows
 from gradsvc.wire import ITEMSIZE, MAX_SHARDS, GradientRequest, Tensor, is_tensor, raw_data
 
 from . import recent
@@ -77,7 +77,7 @@ def slice_rows(value: Any, a: int, b: int) -> Any:
 
 def _slice_targets(req: GradientRequest, prep: Prepared, a: int, b: int) -> Any:
     targets = req.targets
-    k = prep.rows_per_example or 1  # check_shardable refused a model whose output rows do not map
+    k = prep.rows_per_example or 1  # validate_shardable refused a model whose output rows do not map
     if isinstance(targets, dict) and not is_tensor(targets):
         used = {t.target or t.name for t in prep.terms}  # the engine reads no other entry
         return {name: slice_rows(v, a * k, b * k) for name, v in targets.items() if name in used}
@@ -117,7 +117,7 @@ class Split:
 def split(req: GradientRequest, prep: Prepared, count: int) -> Split:
     """The row shards, then options.curvature's Lanczos jobs over the whole batch (gradsvc/engine/diagnostics/
     sharded.py: the row shards compute the trace's part, if any)."""
-    check_shardable(prep, count)
+    validate_shardable(prep, count)
     bounds = split_rows(prep.inputs.rows, count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     # Mixed mean/sum losses: a shard's combined gradient cannot be rescaled as a whole, so each shard

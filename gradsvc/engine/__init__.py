@@ -4,25 +4,25 @@ one-off `compute(request)` (caches of its own, dropped after the call).
 
 A request goes through these stages, one module each, top to bottom:
 
-    decode    tensors.py (wire tensors <-> torch), decode.py (losses, targets, options, weights: the checks
+    decode    tensors.py (wire tensors <-> torch), decode.py (losses, targets, options, weights: the validation
               layer specs and graphs share)
     build     layer specs: spec.py (gradsvc/layers.py -> nn.Sequential, shapes on meta), losses.py;
-              graphs: compiler.py (GraphSpec -> program.py's steps; ops.py the allow-list, functions.py the
-              custom autograd Functions), interpreter.py (GraphModel runs them), meta_check.py (shapes and
-              sizes on meta), batch_flow.py (which nodes mix a batch)
+              graphs: graph/ (compiler.py: GraphSpec -> program.py's steps; ops.py the allow-list, functions.py
+              the custom autograd Functions; interpreter.py's GraphModel runs them; meta_check.py shapes and
+              sizes on meta; batch_flow.py which nodes mix a batch; sparse.py sparse inputs)
     prepare   prepare.py (one path, its model side LayerSpecModel in prepare_layers.py or GraphSpecModel in
-              prepare_graph.py) -> prepared.py's Prepared;
-              batch.py (the model's inputs and their rows)
-    run       compute.py (the job) -> passes.py (forward and backward, micro-batches, checkpointing),
-              quantities.py (H v, per-sample gradients, and their checks), memory.py (saved bytes per layer),
-              devices.py (device, RNG, out of memory), diagnose.py (non-finite values, failed nodes)
+              prepare_graph.py) -> prepared.py's Prepared (and Batch: the model's inputs and their rows)
+    run       compute.py (the job: preprocess, inference, postprocess) -> passes.py (forward and backward,
+              micro-batches, checkpointing; a non-finite loss or a failed node named), quantities.py (H v,
+              per-sample gradients, and their checks), memory.py (saved bytes per layer), devices.py (device,
+              RNG, out of memory), diagnostics/ (gradient statistics, clipping, curvature)
     check     check.py (the float64 reference, auto's plan) -> numcheck.py (finite differences, exact and
               directional, and the returned-gradient check)
-    encode    encode.py (the GradientResult), estimate.py (POST /estimate on meta), reduce.py (shard results
+    encode    compute.py (the GradientResult), estimate.py (POST /estimate on meta), reduce.py (shard results
               -> one result)
 
-Engine (engine.py) holds an EngineConfig (config.py) and the EngineCaches (caches.py) its calls share;
-errors.py is the exception tree (EngineError: SpecError, ComputeError).
+Engine (engine.py) holds an EngineConfig and the EngineCaches its calls share (config.py); errors.py is the
+exception tree (EngineError: SpecError, ComputeError).
 """
 
 from .compute import compute

@@ -1,6 +1,7 @@
-"""The input-checking path layer specs and graphs share: the request's losses, targets, options, HVP vector
-and weights decoded and checked against the model (its output on meta, its parameters), and the options that
-split the batch refused where the model's output rows do not follow the batch's."""
+"""The input validation layer specs and graphs share: the request's losses, targets, options (validate_*), HVP
+vector and weights decoded and validated against the model (its output on meta, its parameters), and the options
+that split the batch refused where the model's output rows do not follow the batch's. ("check" in the engine
+means the numerical check alone.)"""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from torch import nn
 from gradsvc.wire import PER_EXAMPLE_DIAGNOSTICS, GradientRequest, LossSpec, Options, Tensor, is_tensor
 
 from . import tensors
-from .batch import Batch
 from .config import EngineConfig
 from .errors import SpecError
 from .losses import OWN_LOSS, LossTerm, make_term, own_term, prepare_target
+from .prepared import Batch
 
 
 def loss_terms(request: GradientRequest) -> list[LossTerm]:
@@ -98,7 +99,7 @@ def splits(opts: Options, rows: int) -> list[str]:
         out.append("options.micro_batch")
     if per_example_option(opts):
         out.append(per_example_option(opts))
-    if isinstance(opts.shards, int) and opts.shards > 1:  # "auto" is checked with its count (check_shardable)
+    if isinstance(opts.shards, int) and opts.shards > 1:  # "auto" is checked with its count (validate_shardable)
         out.append("options.shards")
     return out
 
@@ -146,7 +147,7 @@ def rows_per_example(opts: Options, inputs: Batch, out: torch.Tensor,
     return k
 
 
-def check_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
+def validate_options(opts: Options, config: EngineConfig, batch: int, top_layers: int, names: list[str]) -> set[str]:
     def bad(msg: str, **detail) -> None:
         raise SpecError("bad_option", msg, **detail)
 
@@ -184,7 +185,7 @@ def check_options(opts: Options, config: EngineConfig, batch: int, top_layers: i
         bad("the model has no parameters, so there is no gradient to return; set options.input_grad=true for "
             "the gradient with respect to the inputs", option="input_grad")
     if not opts.batch_gradient:
-        _check_no_batch_gradient(opts)
+        _validate_no_batch_gradient(opts)
     del batch
     return frozen
 
@@ -193,7 +194,7 @@ def check_options(opts: Options, config: EngineConfig, batch: int, top_layers: i
 BATCH_PASS_OPTIONS = ("hvp", "input_grad", "per_loss", "checkpoint_segments", "micro_batch", "graph")
 
 
-def _check_no_batch_gradient(opts: Options) -> None:
+def _validate_no_batch_gradient(opts: Options) -> None:
     if opts.per_sample == "off":
         raise SpecError("bad_option", "options.batch_gradient=false leaves nothing to compute; ask for "
                         "per_sample='norms' or 'full', or leave batch_gradient out", option="batch_gradient")
@@ -203,7 +204,7 @@ def _check_no_batch_gradient(opts: Options) -> None:
                             "which options.batch_gradient=false skips; leave one of them out", option=name)
 
 
-def check_reductions(opts: Options, terms: list[LossTerm]) -> None:
+def validate_reductions(opts: Options, terms: list[LossTerm]) -> None:
     """Without the batch pass the loss is rebuilt from the examples' losses, and the check compares the
     examples' gradients summed or averaged: one reduction for every loss."""
     if not opts.batch_gradient and len({t.reduction for t in terms}) > 1:
@@ -212,7 +213,7 @@ def check_reductions(opts: Options, terms: list[LossTerm]) -> None:
                         option="batch_gradient")
 
 
-def check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
+def validate_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
     """The HVP vector's names and shapes, checked before the job is queued."""
     if opts.hvp is None:
         return
@@ -237,7 +238,7 @@ def check_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
                             f"{trainable[name]}", parameter=name)
 
 
-def check_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, frozen: set[str]) -> None:
+def validate_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, frozen: set[str]) -> None:
     """options.diagnostics, clip and curvature against the model and the losses, before the queue."""
     def bad(msg: str, **detail) -> None:
         raise SpecError("bad_option", msg, **detail)
@@ -261,10 +262,10 @@ def check_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, fr
         bad(f"{per_example_option(opts)}: the losses reduce differently, so an example's share of the gradient is "
             "not defined; give every loss the same reduction", option=asked[0])
     if opts.curvature is not None:
-        _check_curvature(opts, terms, size)
+        _validate_curvature(opts, terms, size)
 
 
-def _check_curvature(opts: Options, terms: list[LossTerm], size: int) -> None:
+def _validate_curvature(opts: Options, terms: list[LossTerm], size: int) -> None:
     c = opts.curvature
     if c.top > size:
         raise SpecError("bad_option", f"options.curvature.top={c.top} asks for more eigenvalues than the {size} "
@@ -298,7 +299,7 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
                            complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
         want = list(state[name].shape)
         if list(t.shape) != want:
-            _check_finite(small)  # an earlier weight's fault is named first, as it comes first
+            _validate_finite(small)  # an earlier weight's fault is named first, as it comes first
             raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, {owner} needs {want}",
                             parameter=name, shape=list(t.shape), expected=want)
         if name in parameters:
@@ -308,12 +309,12 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
             elif t.numel() <= _SMALL_WEIGHT:
                 small.append((name, t))
             elif not tensors.all_finite(t):
-                _check_finite(small)
+                _validate_finite(small)
                 raise SpecError("bad_weights", f"weights: {name!r} holds NaN or infinite values", parameter=name)
         else:
             t = t.to(state[name].dtype)
         out[name] = t
-    _check_finite(small)
+    _validate_finite(small)
     return out
 
 
@@ -324,7 +325,7 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
 _SMALL_WEIGHT = 1 << 14
 
 
-def _check_finite(small: list[tuple[str, torch.Tensor]]) -> None:
+def _validate_finite(small: list[tuple[str, torch.Tensor]]) -> None:
     """SpecError naming the first of `small` (name, parameter, all of one dtype) that holds NaN or infinity."""
     if not small:
         return

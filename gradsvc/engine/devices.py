@@ -9,7 +9,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .batch_flow import draws_masks
+from .graph.batch_flow import draws_masks
 from .errors import ComputeError
 
 

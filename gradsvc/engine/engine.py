@@ -7,9 +7,8 @@ import torch
 
 from gradsvc.wire import Estimate, GradientRequest, GradientResult
 
-from .caches import EngineCaches
 from .compute import compute
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig
 from .estimate import estimate
 from .numcheck import ProgressCallback
 from .prepare import prepare

@@ -9,8 +9,7 @@ import msgspec
 
 from gradsvc.wire import Estimate, GradientRequest
 
-from .caches import EngineCaches
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig
 from .passes import chunks, forward, metered, trainable
 from .prepare import prepare
 from .prepared import GraphResolver, Prepared

@@ -36,7 +36,7 @@ class ActivationMeter:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        # A GraphModel names the module path of each node it runs (interpreter.py); anything else has its modules.
+        # A GraphModel names the module path of each node it runs (graph/interpreter.py); anything else has its modules.
         self.graph = model if hasattr(model, "node_modules") and hasattr(model, "track_modules") else None
         self.names = {m: name for name, m in model.named_modules() if name} if self.graph is None else {}
         self.paths = {} if self.graph is None else _paths(self.graph.node_modules)

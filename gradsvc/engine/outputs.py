@@ -17,7 +17,7 @@ from gradsvc.wire import GraphSpec
 
 from . import tensors
 from .errors import SpecError
-from .program import Ref
+from .graph.program import Ref
 
 
 def tree_of(spec: GraphSpec) -> Any:
@@ -132,8 +132,8 @@ def written_buffers(compiled: Any) -> list[str]:
     """The state_dict names of the buffers a run of the compiled graph may write: those an in-place op writes
     (a counter's add_, an EMA's mul_ and add_, chained or not), the running statistics a normalisation in
     training mode updates, and the graph's buffer_mutations."""
-    from .batch_flow import _arg
-    from .compiler import _STAT_WRITES
+    from .graph.batch_flow import _arg
+    from .graph.compiler import _STAT_WRITES
 
     buffer_of = {slot: inp.target for slot, inp in compiled.inputs if inp.kind == "buffer"}
     written = {target for target, _ in compiled.mutations}

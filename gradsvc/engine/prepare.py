@@ -1,7 +1,7 @@
-"""Request -> checked, ready-to-run pieces (model, inputs, targets, loss terms), on meta or a device.
+"""Request -> validated, ready-to-run pieces (model, inputs, targets, loss terms), on meta or a device.
 
 The API runs this on the meta device to reject a bad request before it is queued; the worker runs
-it on its device. Both see the same checks, so a request that passes here does not fail later for
+it on its device. Both run the same validation, so a request that passes here does not fail later for
 a reason that could have been known. One path for both kinds of model, in the order below: what
 differs (the inputs a model takes, its output on meta, the splits it refuses, its weights) is the
 model side's, LayerSpecModel (prepare_layers.py) or GraphSpecModel (prepare_graph.py); the rest is
@@ -15,10 +15,9 @@ import torch
 from gradsvc.wire import GradientRequest
 
 from . import resident, tensors
-from .caches import EngineCaches
-from .config import EngineConfig
-from .decode import (check_diagnostics, check_hvp, check_options, check_reductions, decode_targets, loss_terms,
-                     refuse_own_loss_split, rows_per_example)
+from .config import EngineCaches, EngineConfig
+from .decode import (decode_targets, loss_terms, refuse_own_loss_split, rows_per_example, validate_diagnostics,
+                     validate_hvp, validate_options, validate_reductions)
 from .errors import SpecError
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel, release_model
@@ -28,7 +27,7 @@ from .prepared import GraphResolver, Prepared
 def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta", *,
             shape_only: bool = False, graphs: GraphResolver | None = None,
             caches: EngineCaches | None = None) -> Prepared:
-    """Checks and builds everything; on "meta" nothing runs. `shape_only` (POST /estimate) accepts
+    """Validates and builds everything; on "meta" nothing runs. `shape_only` (POST /estimate) accepts
     inputs and targets given as dtype and shape alone. `graphs` resolves `model.graph_ref`. `caches`
     are the calling Engine's (None: a one-off call, with caches of its own)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
@@ -44,13 +43,13 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     terms = loss_terms(request)
     targets = decode_targets(request, terms, out, dtype, max_elements, shape_only)
     refuse_own_loss_split(opts, terms, inputs.rows)
-    check_reductions(opts, terms)
-    side.check_splits(opts, inputs)
+    validate_reductions(opts, terms)
+    side.validate_splits(opts, inputs)
     rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs))
-    frozen = check_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
-    check_hvp(opts, side.meta, frozen)
-    check_diagnostics(opts, terms, side.meta, frozen)
-    side.check_batch_statistics(opts, inputs)
+    frozen = validate_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
+    validate_hvp(opts, side.meta, frozen)
+    validate_diagnostics(opts, terms, side.meta, frozen)
+    side.validate_batch_statistics(opts, inputs)
     model, reuse = side.model(device, shape_only)  # the weights decoded and checked (those not in place)
     if str(device) != "meta":
         inputs = inputs.to(device)

@@ -13,18 +13,17 @@ from torch import nn
 from gradsvc import hashing, wire
 from gradsvc.wire import GradientRequest, GraphSpec, Options
 
-from . import outputs, resident, sparse, tensors
-from .batch import Batch
-from .batch_flow import batch_flow, draws_masks
-from .caches import EngineCaches
-from .compiler import build_graph
-from .config import EngineConfig
+from . import outputs, resident, tensors
+from .config import EngineCaches, EngineConfig
 from .decode import as_tensor_value, decode_weights, input_values, loss_terms, per_example_option, splits
 from .errors import SpecError
-from .interpreter import GraphModel
+from .graph import sparse
+from .graph.batch_flow import batch_flow, draws_masks
+from .graph.compiler import build_graph
+from .graph.interpreter import GraphModel
+from .graph.meta_check import validate_graph_shapes
 from .losses import OWN_LOSS
-from .meta_check import check_graph_shapes
-from .prepared import GraphResolver, GraphTemplate
+from .prepared import Batch, GraphResolver, GraphTemplate
 
 _REF = re.compile(r"[0-9a-f]{64}")
 
@@ -165,12 +164,12 @@ def _graph_inputs(request: GradientRequest, template: GraphTemplate, dtype: torc
 
 def _graph_output(caches: EngineCaches, template: GraphTemplate, dtype: torch.dtype, inputs: Batch, limits,
                   math_attention: bool = False) -> torch.Tensor:
-    """The graph's first output for `inputs`, as a meta tensor; check_graph_shapes ran once per input
+    """The graph's first output for `inputs`, as a meta tensor; validate_graph_shapes ran once per input
     signature (on a private copy of the shared model: a run writes its program cache)."""
     key = (template.key, dtype, inputs.signature, math_attention)
     hit = caches.graph_shapes.get(key)
     if hit is None:
-        out = check_graph_shapes(_fresh(template, "meta", dtype), *[sparse.on_meta(x) for x in inputs.tensors],
+        out = validate_graph_shapes(_fresh(template, "meta", dtype), *[sparse.on_meta(x) for x in inputs.tensors],
                                  limits=limits, math_attention=math_attention)
         hit = (out.shape, out.dtype, out.requires_grad)
         caches.graph_shapes.put(key, hit)
@@ -184,7 +183,7 @@ def _output_shapes(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -
     try:
         with torch.no_grad():
             values = _fresh(template, "meta", dtype).run(*[sparse.on_meta(x) for x in inputs.tensors])
-    except Exception:  # noqa: BLE001  (check_graph_shapes runs next and names the node that failed)
+    except Exception:  # noqa: BLE001  (validate_graph_shapes runs next and names the node that failed)
         return None
     return [(list(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ([1, 1], torch.int64) for v in values]
 
@@ -288,7 +287,7 @@ class GraphSpecModel:
             self.flow = _batch_flow(self.caches, self.template, self.dtype, inputs)
         return self.flow
 
-    def check_splits(self, opts: Options, inputs: Batch) -> None:
+    def validate_splits(self, opts: Options, inputs: Batch) -> None:
         """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
         if opts.checkpoint_segments is not None:
             raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a "
@@ -310,18 +309,18 @@ class GraphSpecModel:
             raise SpecError("bad_option", f"options.outputs returns forward's outputs for the batch run as one "
                             f"forward; {option} runs it in parts. Leave one of them out", option=option)
         if opts.micro_batch is not None and opts.micro_batch < inputs.rows:
-            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
+            validate_graph_split(self.template, self.batch_flow(inputs)[0], "options.micro_batch")
         if per_example_option(opts):
-            check_graph_split(self.template, self.batch_flow(inputs)[0], per_example_option(opts))
+            validate_graph_split(self.template, self.batch_flow(inputs)[0], per_example_option(opts))
         if "options.shards" in splits(opts, inputs.rows):  # what mixes is the clearer reason
-            check_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
+            validate_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
 
     def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int] | None:
         maybe_split = splits(opts, inputs.rows) or opts.shards == "auto"
         return self.batch_flow(inputs)[1] if maybe_split and any(inputs.batched) else None
 
-    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
-        """A graph's batch statistics are nodes, found by its batch flow (check_splits)."""
+    def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        """A graph's batch statistics are nodes, found by its batch flow (validate_splits)."""
 
     def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
         """(the model, (its key, its Resident) to hand it back to the resident pool under). On meta every weight
@@ -349,7 +348,7 @@ class GraphSpecModel:
         return held.model, (key, held)
 
 
-def check_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:
+def validate_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:
     """Refuses `option` (which splits the batch) when a node mixes the batch's examples (`mixing`, from the
     batch flow); `across_jobs` (options.shards) also when one draws dropout masks, which every shard would
     seed alike."""

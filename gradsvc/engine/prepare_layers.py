@@ -15,13 +15,11 @@ from torch import nn
 from gradsvc.wire import GradientRequest, Options
 
 from . import tensors
-from .batch import Batch
-from .caches import EngineCaches, state_bytes
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig, state_bytes
 from .decode import as_tensor_value, decode_weights, input_values, per_example_option
 from .errors import SpecError
-from .prepared import Prepared
-from .spec import Limits, build, check_shapes, leaves, sequence_first
+from .prepared import Batch, Prepared
+from .spec import Limits, build, validate_shapes, leaves, sequence_first
 
 # Seeding and building run under one lock: torch.manual_seed sets the process-wide generator (torch's own
 # process state, whichever Engine asks), so two threads building at once would draw each other's numbers.
@@ -74,14 +72,14 @@ class LayerSpecModel:
         return _output_on_meta(self.caches, self.spec_key, self.request, self.meta, inputs.first,
                                self.config.limits.max_elements)
 
-    def check_splits(self, opts: Options, inputs: Batch) -> None:
-        """A layer spec's splits are checked with its layers (check_batch_statistics), after the options."""
+    def validate_splits(self, opts: Options, inputs: Batch) -> None:
+        """A layer spec's splits are checked with its layers (validate_batch_statistics), after the options."""
 
     def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int]:
         return (0, 1)  # a stack of layers keeps the batch in dim 0, one output row per example
 
-    def check_batch_statistics(self, opts: Options, inputs: Batch) -> None:
-        _check_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
+    def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:
+        _validate_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
 
     def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
         """(the model on `device`, (the key it goes back to the pool under, its Built)), the weights decoded and
@@ -102,7 +100,7 @@ class LayerSpecModel:
         return built.model, (reuse_key, built)
 
 
-def _check_batch_statistics(opts: Options, model: nn.Module, batch: int,
+def _validate_batch_statistics(opts: Options, model: nn.Module, batch: int,
                             mixing: list[tuple[str, nn.Module]] | None = None) -> None:
     """micro_batch and per_sample split the batch. A layer that mixes the examples of a batch
     (BatchNorm in training mode: it normalises with the batch's mean and variance) makes either
@@ -252,13 +250,13 @@ def _meta_model(caches: EngineCaches, spec_key: bytes, request: GradientRequest,
 
 def _output_on_meta(caches: EngineCaches, spec_key: bytes, request: GradientRequest, meta: nn.Sequential,
                     inputs: torch.Tensor, max_elements: int) -> torch.Tensor:
-    """The model's output for `inputs`, as a meta tensor, after check_shapes named any layer that cannot
+    """The model's output for `inputs`, as a meta tensor, after validate_shapes named any layer that cannot
     take its input. A spec that passed once for an input shape passes again: the result is cached, since
     the meta forward (torch's Python decompositions) costs ~2 ms even for a small net, on every request."""
     key = (spec_key, request.model.dtype, tuple(inputs.shape), inputs.dtype)
     hit = caches.output_shapes.get(key)
     if hit is None:
-        out = check_shapes(meta, inputs.to("meta"), max_elements=max_elements)
+        out = validate_shapes(meta, inputs.to("meta"), max_elements=max_elements)
         hit = (out.shape, out.dtype)
         caches.output_shapes.put(key, hit)
     return torch.empty(hit[0], dtype=hit[1], device="meta")

@@ -21,11 +21,11 @@ from torch import nn
 from gradsvc.wire import Curvature, CurvatureOptions, GradientResult, Numcheck, PerSample, ShardsInfo, Tensor
 
 from . import numcheck, tensors
+from .compute import cosines
 from .diagnostics import sharded as sharded_curvature
-from .encode import cosines
 from .errors import SpecError
 from .losses import OWN_LOSS
-from .prepare_graph import check_graph_split, graph_batch_flow
+from .prepare_graph import validate_graph_split, graph_batch_flow
 from .prepared import Prepared
 from .spec import leaves
 
@@ -67,7 +67,7 @@ def split_rows(n: int, count: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def check_shardable(prep: Prepared, count: int) -> None:
+def validate_shardable(prep: Prepared, count: int) -> None:
     """Refuses what a split batch cannot reproduce; `prep` is the whole request on the meta device."""
     n = prep.inputs.rows
     if count > 1 and any(t.type == OWN_LOSS for t in prep.terms):
@@ -83,7 +83,7 @@ def check_shardable(prep: Prepared, count: int) -> None:
                         "shards (or 'auto')", shards=count, rows=n)
     if prep.graph is not None:  # a graph model: its nodes, not its modules, say what mixes or draws masks
         flow = prep.batch_flow or graph_batch_flow(prep.graph, prep.dtype, prep.inputs)
-        check_graph_split(prep.graph, flow[0], "options.shards", across_jobs=True)
+        validate_graph_split(prep.graph, flow[0], "options.shards", across_jobs=True)
     for name, module in leaves(prep.model):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise SpecError("bad_option", f"options.shards: layer {name} ({type(module).__name__}) normalises with "
@@ -273,7 +273,7 @@ def _per_loss_gradients(rows: list[GradientResult], plan: ShardPlan) -> dict[str
 def _loss_and_gradients(rows: list[GradientResult], plan: ShardPlan, losses: dict[str, float] | None,
                         per_loss: dict[str, dict] | None) -> tuple[float, dict]:
     """The loss and the gradient scale with the shard's one share (uniform reductions), or are rebuilt from
-    the per-loss ones (mixed reductions: check_shardable refused hvp and input_grad there)."""
+    the per-loss ones (mixed reductions: validate_shardable refused hvp and input_grad there)."""
     first = rows[0]
     if plan.uniform:
         loss = sum(plan.share(k) * r.loss for k, r in enumerate(rows))

@@ -5,7 +5,7 @@ sweep or several probes over one checkpoint) is found in place: neither decoded,
 A parameter is in place when the request names it by the same refs (its dtype, shape and the sha256 of each piece)
 as the bytes loaded into it, and the model's tensor is the one loaded, unchanged since: its version counter, which
 every in-place write through autograd's view of it bumps (the HVP check's perturbation), is what it was after the
-load; a graph never writes a parameter (compiler.py refuses it). Buffers are always copied in: a training forward
+load; a graph never writes a parameter (graph/compiler.py refuses it). Buffers are always copied in: a training forward
 writes running statistics, and a kernel that updates them as a side effect (batch norm's) bumps no counter.
 
 On a worker, refs name what a tensor's data holds: BlobStore.resolved fills the data of every tensor with refs
@@ -24,8 +24,7 @@ from torch import nn
 
 from gradsvc.wire import Tensor
 
-from .caches import EngineCaches, state_bytes
-from .config import EngineConfig
+from .config import EngineCaches, EngineConfig, state_bytes
 
 
 def keeps(device: str | torch.device, config: EngineConfig) -> bool:

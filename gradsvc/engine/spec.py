@@ -15,7 +15,7 @@ from gradsvc.modules import Residual, layer_class
 
 from .errors import SpecError
 
-__all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "check_shapes", "layer_catalogue", "leaves",
+__all__ = ["LAYERS", "CONTAINERS", "Residual", "Limits", "build", "validate_shapes", "layer_catalogue", "leaves",
            "prepare_for_meta", "sequence_first"]
 
 _CONTAINER_CLASSES = MappingProxyType({"Sequential": nn.Sequential, "Residual": Residual})
@@ -146,11 +146,11 @@ def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def warm_up_shape_check() -> None:
     """A process's first forward on the meta device loads torch's meta kernels: seconds, once. Processes that
     validate requests call this at start-up so that no request pays it."""
-    check_shapes(build([{"type": "Linear", "in_features": 2, "out_features": 2}], limits=Limits(), device="meta"),
+    validate_shapes(build([{"type": "Linear", "in_features": 2, "out_features": 2}], limits=Limits(), device="meta"),
                  torch.empty(1, 2, device="meta"))
 
 
-def check_shapes(model: nn.Sequential, x: torch.Tensor, *, max_elements: int = Limits.max_elements) -> torch.Tensor:
+def validate_shapes(model: nn.Sequential, x: torch.Tensor, *, max_elements: int = Limits.max_elements) -> torch.Tensor:
     """Runs `x` (on meta) through the model, naming the first layer that cannot take its input, or whose
     output would hold more than `max_elements` (an Upsample, a padding or a transposed convolution can
     ask for any size)."""

@@ -65,13 +65,32 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
     """
     if not isinstance(value, Tensor):
         return _from_nested(value, None, where=where, max_elements=max_elements)
+    dtype = _wire_dtype(value, where, complex_ok)
+    numel = _wire_numel(value.shape, where, max_elements)
+    raw = _raw_bytes(value, where)
+    if raw is not None:
+        return _from_raw(raw, value, dtype, numel, where)
+    if value.data is None:
+        if shape_only or value.refs is not None:
+            # A tensor by reference is checked where its bytes are (the API checks that they exist and add
+            # up; a worker puts them in place before the engine): here its dtype and shape stand for it.
+            return torch.empty(value.shape, dtype=dtype, device="meta")
+        raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
+    return _from_data(value, dtype, where, max_elements)
+
+
+def _wire_dtype(value: Tensor, where: str, complex_ok: bool) -> torch.dtype:
     dtype = torch_dtype(value.dtype, where=where)
     if dtype.is_complex and not complex_ok:
         raise SpecError("bad_tensor", f"{where}: dtype {value.dtype} is taken only by a graph model's inputs, buffers "
                         "and constants (parameters, targets and layer models are real); send a real dtype, or the "
                         "real and imaginary parts as a last dimension of size 2 (torch.view_as_real)",
                         where=where, dtype=value.dtype)
-    shape = value.shape
+    return dtype
+
+
+def _wire_numel(shape: list, where: str, max_elements: int) -> int:
+    """The element count of a wire shape, the shape and the count checked against the element limit."""
     if any((not isinstance(n, int)) or n < 0 for n in shape) or len(shape) > 8:
         raise SpecError(
             "bad_tensor",
@@ -100,6 +119,11 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             elements=numel,
             limit=max_elements,
         )
+    return numel
+
+
+def _raw_bytes(value: Tensor, where: str):
+    """The tensor's bytes (raw, or 'b64' decoded), or None when it gives none."""
     raw = raw_data(value)
     if value.b64 is not None:
         if value.data is not None:
@@ -108,27 +132,30 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             raw = base64.b64decode(value.b64, validate=True)
         except (binascii.Error, ValueError):
             raise SpecError("bad_tensor", f"{where}: 'b64' is not valid base64", where=where) from None
-    if raw is not None:
-        expected = numel * ITEMSIZE[value.dtype]
-        if len(raw) != expected:
-            raise SpecError(
-                "bad_tensor",
-                f"{where}: {len(raw)} bytes for shape {shape} of {value.dtype}; expected {expected} "
-                "(little-endian, C order)",
-                where=where,
-                got_bytes=len(raw),
-                expected_bytes=expected,
-            )
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        flat = _frombuffer(raw, torch.uint8 if dtype == torch.bool else dtype)
-        return flat.view(torch.bool).reshape(shape) if dtype == torch.bool else flat.reshape(shape)
-    if value.data is None:
-        if shape_only or value.refs is not None:
-            # A tensor by reference is checked where its bytes are (the API checks that they exist and add
-            # up; a worker puts them in place before the engine): here its dtype and shape stand for it.
-            return torch.empty(shape, dtype=dtype, device="meta")
-        raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
+    return raw
+
+
+def _from_raw(raw, value: Tensor, dtype: torch.dtype, numel: int, where: str) -> torch.Tensor:
+    shape = value.shape
+    expected = numel * ITEMSIZE[value.dtype]
+    if len(raw) != expected:
+        raise SpecError(
+            "bad_tensor",
+            f"{where}: {len(raw)} bytes for shape {shape} of {value.dtype}; expected {expected} "
+            "(little-endian, C order)",
+            where=where,
+            got_bytes=len(raw),
+            expected_bytes=expected,
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = _frombuffer(raw, torch.uint8 if dtype == torch.bool else dtype)
+    return flat.view(torch.bool).reshape(shape) if dtype == torch.bool else flat.reshape(shape)
+
+
+def _from_data(value: Tensor, dtype: torch.dtype, where: str, max_elements: int) -> torch.Tensor:
+    """'data' (nested lists) as a tensor of `dtype`, its shape the one the tensor says."""
+    shape = value.shape
     tensor = _from_nested(value.data, dtype, where=where, max_elements=max_elements)
     if dtype.is_complex:
         tensor = _complex_from_pairs(tensor, where)

@@ -10,8 +10,8 @@ from torch import nn
 from gradclient.convert import UnsupportedModuleError
 from gradclient.export import export_graph
 from gradsvc import wire
-from gradsvc.engine.compiler import build_graph
-from gradsvc.engine.interpreter import load_weights
+from gradsvc.engine.graph.compiler import build_graph
+from gradsvc.engine.graph.interpreter import load_weights
 from gradsvc.engine.spec import Limits
 
 from tests.support import models

@@ -1,4 +1,4 @@
-"""Conformance with torch's own op tests: for every allow-listed ATen op (gradsvc/engine/ops.py) with an
+"""Conformance with torch's own op tests: for every allow-listed ATen op (gradsvc/engine/graph/ops.py) with an
 OpInfo in `torch.testing._internal.common_methods_invocations.op_db`, a few float64 differentiable
 samples each become a small nn.Module (the sample's float tensors as parameters, the others as buffers;
 forward returns the op's float outputs, flattened and weighted, one row per example of a dummy batch),
@@ -24,7 +24,7 @@ from torch.utils import _pytree
 from gradclient.errors import UnsupportedModuleError
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
-from gradsvc.engine.ops import OPS
+from gradsvc.engine.graph.ops import OPS
 
 from tests.support.nets import from_wire
 from tests.support.suite import TEST_ALL

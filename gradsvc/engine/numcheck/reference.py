@@ -17,9 +17,9 @@ from gradsvc.wire import GradientRequest
 
 from .. import tensors
 from ..devices import is_random, seeded
-from ..meta_check import attention_elements
+from ..graph.meta_check import attention_elements
 from ..prepared import Prepared
-from ..program import FloatDType, where_step
+from ..graph.program import FloatDType, where_step
 from . import batched as batched_losses
 from .plan import Work
 from .tolerances import arithmetic_tolerances, returned_tolerance

@@ -14,11 +14,11 @@ from gradclient.tensors import to_wire
 from gradsvc import wire
 from gradsvc.engine import SpecError
 from gradsvc.engine import tensors as engine_tensors
-from gradsvc.engine.batch_flow import batch_mixing_nodes
-from gradsvc.engine.compiler import build_graph, validate_graph
-from gradsvc.engine.interpreter import GraphModel, load_weights
-from gradsvc.engine.meta_check import check_graph_shapes
-from gradsvc.engine.ops import OPS, SKIPPED
+from gradsvc.engine.graph.batch_flow import batch_mixing_nodes
+from gradsvc.engine.graph.compiler import build_graph, validate_graph
+from gradsvc.engine.graph.interpreter import GraphModel, load_weights
+from gradsvc.engine.graph.meta_check import validate_graph_shapes
+from gradsvc.engine.graph.ops import OPS, SKIPPED
 from gradsvc.engine.spec import Limits
 
 from tests.support import models
@@ -234,7 +234,7 @@ def test_values_are_dropped_after_their_last_use():
 def test_check_graph_shapes_gives_the_output_on_meta():
     _, x, eg = exported("unet_skip")
     gm = build_graph(eg.graph, limits=LIMITS, device="meta")
-    out = check_graph_shapes(gm, x.to("meta"), limits=LIMITS)
+    out = validate_graph_shapes(gm, x.to("meta"), limits=LIMITS)
     assert out.device.type == "meta" and list(out.shape) == list(x.shape)  # (batch, 2, h, w)
 
 
@@ -558,14 +558,14 @@ def test_intermediates_over_the_limits_are_too_large_on_meta():
                 {"name": "a", "op": "aten.mul.Tensor", "args": [{"node": "o"}, 2.0]}])
     gm = build_graph(big, limits=LIMITS, device="meta")
     with pytest.raises(SpecError) as info:
-        check_graph_shapes(gm, torch.empty(4, 3, device="meta"), limits=LIMITS)
+        validate_graph_shapes(gm, torch.empty(4, 3, device="meta"), limits=LIMITS)
     assert info.value.code == "too_large" and info.value.detail["node"] == "o"
     many = spec([{"name": f"e{i}", "op": "aten.expand.default", "args": [{"node": "x"}, [1_000_000, 4, 3]]}
                  for i in range(1)] + [{"name": f"c{i}", "op": "aten.mul.Tensor", "args": [{"node": "e0"}, 1.0]}
                                        for i in range(2)])
     small = Limits(max_graph_intermediate_bytes=60_000_000)
     with pytest.raises(SpecError) as info:
-        check_graph_shapes(build_graph(many, limits=small, device="meta"), torch.empty(4, 3, device="meta"),
+        validate_graph_shapes(build_graph(many, limits=small, device="meta"), torch.empty(4, 3, device="meta"),
                            limits=small)
     assert info.value.code == "too_large" and info.value.detail["node"] == "c1"
 
@@ -577,7 +577,7 @@ def test_integer_arithmetic_on_sizes_cannot_grow_without_bound():
     nodes.append({"name": "v", "op": "aten.view.default", "args": [{"node": "x"}, [{"node": "s39"}, -1]]})
     gm = build_graph(spec(nodes), limits=LIMITS, device="meta")
     with pytest.raises(SpecError) as info:
-        check_graph_shapes(gm, torch.empty(4, 3, device="meta"), limits=LIMITS)
+        validate_graph_shapes(gm, torch.empty(4, 3, device="meta"), limits=LIMITS)
     assert info.value.code == "shape_mismatch" and "out of range" in info.value.message
 
 
@@ -585,7 +585,7 @@ def test_shape_errors_name_node_op_module_and_input_shapes():
     graph = spec([linear(module="encoder.fc", module_type="Linear")])
     gm = build_graph(graph, limits=LIMITS, device="meta")
     with pytest.raises(SpecError) as info:
-        check_graph_shapes(gm, torch.empty(4, 5, device="meta"), limits=LIMITS)
+        validate_graph_shapes(gm, torch.empty(4, 5, device="meta"), limits=LIMITS)
     err = info.value
     assert err.code == "shape_mismatch"
     assert "node 'y' (aten.linear.default) in module 'encoder.fc' (Linear)" in err.message
@@ -659,7 +659,7 @@ def test_mutated_graphs_fail_only_with_spec_errors(name):
             continue
         try:
             gm = build_graph(graph, limits=small, device="meta")
-            check_graph_shapes(gm, x.to("meta"), limits=small)
+            validate_graph_shapes(gm, x.to("meta"), limits=small)
             batch_mixing_nodes(gm, list(x.shape))
             outcomes["passed"] += 1
         except SpecError:

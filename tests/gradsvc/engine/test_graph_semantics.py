@@ -15,10 +15,10 @@ from torch import nn
 from gradclient.export import export_graph
 from gradclient.tensors import from_wire, to_wire
 from gradsvc.engine import EngineConfig, SpecError, compute, prepare
-from gradsvc.engine.compiler import build_graph
+from gradsvc.engine.graph.compiler import build_graph
 from gradsvc.engine.devices import is_random
-from gradsvc.engine.meta_check import check_graph_shapes
-from gradsvc.engine.ops import OPS
+from gradsvc.engine.graph.meta_check import validate_graph_shapes
+from gradsvc.engine.graph.ops import OPS
 from gradsvc.wire import GradientRequest
 
 from tests.support.public_models import VAE, CausalSelfAttention, Noisy, RotaryAttention, Sequence, Siamese, SpectralMix
@@ -64,7 +64,7 @@ def test_view_of_a_transposed_sdpa_output_passes_the_meta_shape_check():
     model, x = CausalSelfAttention(), torch.randn(2, 5, 16)
     eg = export_graph(model, (x,))
     assert "aten.contiguous.default" not in {n.op for n in eg.graph.nodes}  # what makes the graph layout-bound
-    out = check_graph_shapes(build_graph(eg.graph, limits=LIMITS), x.to("meta"))
+    out = validate_graph_shapes(build_graph(eg.graph, limits=LIMITS), x.to("meta"))
     assert out.shape == (2, 5, 16)
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from gradclient.export import export_graph
-from gradsvc.engine.batch_flow import batch_mixing_nodes, draws_masks
-from gradsvc.engine.compiler import build_graph
+from gradsvc.engine.graph.batch_flow import batch_mixing_nodes, draws_masks
+from gradsvc.engine.graph.compiler import build_graph
 
 from tests.support.models import RecurrentLM
 from .test_graph import LIMITS, assert_grads_close, grads, graph_model, over_the_wire

@@ -11,7 +11,7 @@ from torch import nn
 
 from gradsvc.engine import SpecError, compute, estimate
 from gradsvc.engine.errors import EngineError
-from gradsvc.engine.spec import Limits, build, check_shapes
+from gradsvc.engine.spec import Limits, build, validate_shapes
 from gradsvc.engine.tensors import decode
 from gradsvc.modules import LSTM
 from gradsvc.wire import GradientRequest
@@ -97,7 +97,7 @@ def test_every_accepted_argument_value_computes_or_is_refused_with_a_code():
         shape = input_shape(spec["type"])
         x = torch.randint(0, 2, (2, 3)) if shape is None else torch.randn(shape, dtype=torch.float64)
         try:
-            out = check_shapes(build([spec], limits=Limits(), device="meta").double(), x.to("meta"))
+            out = validate_shapes(build([spec], limits=Limits(), device="meta").double(), x.to("meta"))
         except SpecError as exc:
             assert exc.code == "shape_mismatch", (spec, exc.message)
             continue

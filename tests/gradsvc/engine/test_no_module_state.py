@@ -32,13 +32,13 @@ def _assigned(path: Path) -> set[str]:
 
 def test_no_engine_module_holds_a_mutable_container_or_cache():
     found = []
-    for info in pkgutil.iter_modules(gradsvc.engine.__path__):
-        module = importlib.import_module(f"gradsvc.engine.{info.name}")
+    for info in pkgutil.walk_packages(gradsvc.engine.__path__, "gradsvc.engine."):  # sub-packages' modules too
+        module = importlib.import_module(info.name)
         for name in _assigned(Path(module.__file__)):
             if isinstance(getattr(module, name, None), MUTABLE):
-                found.append(f"{info.name}.{name}: {type(getattr(module, name)).__name__}")
+                found.append(f"{info.name.removeprefix('gradsvc.engine.')}.{name}: {type(getattr(module, name)).__name__}")
     assert found == []
-    assert len(list(pkgutil.iter_modules(gradsvc.engine.__path__))) > 20  # the walk saw the modules
+    assert len(list(pkgutil.walk_packages(gradsvc.engine.__path__, "gradsvc.engine."))) > 20  # the walk saw the modules
 
 
 def test_two_engines_share_no_cache():

@@ -304,7 +304,7 @@ def test_models_that_are_not_pure_functions_of_their_parameters_use_the_loop(lay
 
 def test_random_models_graphs_that_write_buffers_and_other_devices_are_not_batchable():
     from gradclient.export import export_graph
-    from gradsvc.engine.compiler import build_graph
+    from gradsvc.engine.graph.compiler import build_graph
     from gradsvc.engine.spec import Limits
 
     model = seed_a_module()

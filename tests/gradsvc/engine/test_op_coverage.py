@@ -1,6 +1,6 @@
 """Op coverage as a measured figure: every op of PyTorch's core ATen opset (the overloads tagged
 torch.Tag.core) that has a derivative formula (torch's own derivatives.yaml, as torchgen ships it) is on
-the allow-list, or refused with its reason written in gradsvc/engine/ops.py and docs/graph-ops.md."""
+the allow-list, or refused with its reason written in gradsvc/engine/graph/ops.py and docs/graph-ops.md."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 import torchgen
 import yaml
 
-from gradsvc.engine.compiler import build_graph
-from gradsvc.engine.ops import OPS, REFUSED_CORE
+from gradsvc.engine.graph.compiler import build_graph
+from gradsvc.engine.graph.ops import OPS, REFUSED_CORE
 from gradsvc.wire import GraphSpec
 
 from .test_graph import LIMITS

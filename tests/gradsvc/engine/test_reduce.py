@@ -12,7 +12,7 @@ from gradsvc.wire import GradientRequest, GradientResult
 from service.fan_out import shard_requests
 from gradsvc.engine import SpecError, compute, prepare
 from gradsvc.engine.prepare import EngineConfig
-from gradsvc.engine.reduce import check_shardable, plan_for, reduce_results, split_rows
+from gradsvc.engine.reduce import validate_shardable, plan_for, reduce_results, split_rows
 from gradsvc.engine.tensors import decode
 
 from tests.support.nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
@@ -48,7 +48,7 @@ def request(loss=None, losses=None, **options) -> GradientRequest:
 
 def sharded(req: GradientRequest, count: int) -> GradientResult:
     prep = prepare(req, EngineConfig(), "meta")
-    check_shardable(prep, count)
+    validate_shardable(prep, count)
     bounds = split_rows(prep.inputs.rows, count)
     plan = plan_for(prep, [b - a for a, b in bounds])
     per_loss = req.options.per_loss if plan.uniform else True
@@ -172,9 +172,9 @@ def test_batch_statistics_dropout_and_too_many_shards_are_refused_with_bad_optio
     for layers, count, needle in ((bn, 2, "BatchNorm1d"), (drop, 2, "Dropout"), (SEED_A_LAYERS, N + 1, "exceeds")):
         req = msgspec.structs.replace(request(), model=msgspec.structs.replace(request().model, layers=layers))
         with pytest.raises(SpecError) as err:
-            check_shardable(prepare(req, EngineConfig(), "meta"), count)
+            validate_shardable(prepare(req, EngineConfig(), "meta"), count)
         assert err.value.code == "bad_option" and needle in err.value.message
     mixed = request(losses=[TWO_LOSSES[0], {**TWO_LOSSES[1], "reduction": "sum"}], input_grad=True)
     with pytest.raises(SpecError) as err:
-        check_shardable(prepare(mixed, EngineConfig(), "meta"), 2)
+        validate_shardable(prepare(mixed, EngineConfig(), "meta"), 2)
     assert err.value.code == "bad_option" and "one reduction" in err.value.message

@@ -171,7 +171,7 @@ def test_running_out_of_memory_empties_the_pool(monkeypatch):
     def no_memory(*args, **kwargs):
         raise MemoryError()
 
-    monkeypatch.setattr(compute_module, "_compute_prepared", no_memory)
+    monkeypatch.setattr(compute_module, "_inference", no_memory)
     try:
         engine.compute(request(net, x, y), device=CPU)
     except ComputeError as exc:  # a bare MemoryError (no message, as Python raises it) is named as such

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gradsvc.engine.errors import SpecError
-from gradsvc.engine.spec import LAYERS, Limits, build, check_shapes, layer_catalogue
+from gradsvc.engine.spec import LAYERS, Limits, build, validate_shapes, layer_catalogue
 from gradsvc.layers import read_args
 
 
@@ -33,7 +33,7 @@ def test_rejects_mismatched_in_features_with_a_fix():
     model = build([{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
                    {"type": "Linear", "in_features": 6, "out_features": 3}], limits=Limits(), device="meta")
     with pytest.raises(SpecError) as info:
-        check_shapes(model, torch.empty(2, 6, device="meta"))
+        validate_shapes(model, torch.empty(2, 6, device="meta"))
     assert info.value.code == "shape_mismatch"
     assert info.value.message == ("layer 2 (Linear) expects 6 input features, got 8 from layer 1 (Tanh); "
                                   "set in_features=8")
@@ -126,7 +126,7 @@ def test_new_layer_types_keep_state_dict_names_and_seeded_init():
     assert list(model.state_dict()) == list(local.state_dict())
     for (name, a), b in zip(model.state_dict().items(), local.state_dict().values()):
         assert torch.equal(a, b), name
-    out = check_shapes(build(MIXED, limits=Limits(), device="meta"), torch.empty(3, 2, 6, device="meta"))
+    out = validate_shapes(build(MIXED, limits=Limits(), device="meta"), torch.empty(3, 2, 6, device="meta"))
     assert list(out.shape) == [3, 3]
 
 
@@ -154,7 +154,7 @@ def test_a_recurrent_layer_outputs_its_output_sequence():
 def test_shape_prechecks_name_the_layer_and_the_fix(layers, shape, fragment):
     model = build(layers, limits=Limits(), device="meta")
     with pytest.raises(SpecError) as info:
-        check_shapes(model, torch.empty(*shape, device="meta"))
+        validate_shapes(model, torch.empty(*shape, device="meta"))
     assert info.value.code == "shape_mismatch"
     assert fragment in info.value.message
 
@@ -162,7 +162,7 @@ def test_shape_prechecks_name_the_layer_and_the_fix(layers, shape, fragment):
 def test_a_layer_whose_output_is_too_large_is_refused_before_it_runs():
     model = build([{"type": "Upsample", "scale_factor": 1000.0}], limits=Limits(), device="meta")
     with pytest.raises(SpecError) as info:
-        check_shapes(model, torch.empty(2, 3, 100, 100, device="meta"), max_elements=1_000_000)
+        validate_shapes(model, torch.empty(2, 3, 100, 100, device="meta"), max_elements=1_000_000)
     assert info.value.code == "too_large"
     assert "layer 0 (Upsample) outputs shape [2, 3, 100000, 100000]" in info.value.message
 

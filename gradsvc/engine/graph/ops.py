@@ -355,7 +355,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
 
 OPS, SKIPPED = _build_table()  # SKIPPED: none on torch 2.13
 
-ALLOWED_OPS_DOC = "docs/graph-ops.md (the list: gradsvc/engine/ops.py, and GET /schema)"
+ALLOWED_OPS_DOC = "docs/graph-ops.md (the list: gradsvc/engine/graph/ops.py, and GET /schema)"
 
 
 def op_catalogue() -> list[str]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from . import tensors
-from .errors import SpecError
+from .. import tensors
+from ..errors import SpecError
 from .ops import Op
 
 DTYPES = MappingProxyType({**tensors.TORCH_DTYPES, "int8": torch.int8, "int16": torch.int16})  # dtype arguments

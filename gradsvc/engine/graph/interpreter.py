@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import tensors
-from .errors import SpecError
+from .. import tensors
+from ..errors import SpecError
 from .ops import drawn_in
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
 
@@ -190,7 +190,30 @@ class GraphModel(nn.Module):
         if len(inputs) != len(self._users):
             raise TypeError(f"the graph takes {len(self._users)} input(s), got {len(inputs)}")
         steps, consts = self._program(self.run_dtype, inputs[0].device)
-        env = self._env(inputs, consts)
+        env = self._environment(inputs, consts)
+        self._execute(steps, env, visit)
+        for owner, attr, slot in self._mutations:
+            buf = getattr(owner, attr)
+            if env[slot] is not buf:
+                with torch.no_grad():
+                    buf.copy_(env[slot])
+        return [_fill(o, env) for o in self._graph.outputs]
+
+    def _environment(self, inputs: tuple[torch.Tensor, ...], consts: list) -> list[Any]:
+        """The slots before the first step: parameters and buffers, constants, the user's inputs."""
+        env: list[Any] = [None] * self._graph.n_slots
+        for slot, _, owner, attr in self._holders:
+            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
+        for slot, value in consts:
+            env[slot] = value
+        for slot, x in zip(self._users, inputs):
+            # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
+            # check's copy), so that view_as_real of them meets parameters of the same dtype.
+            env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
+        return env
+
+    def _execute(self, steps: list, env: list[Any], visit: Callable | None) -> None:
+        """Runs the steps over `env`; a step that raises is kept as failed_node, with its arguments."""
         track = self.track_modules
         node_modules = self.node_modules
         held = self.held
@@ -235,25 +258,6 @@ class GraphModel(nn.Module):
             self._recording = False
             if track:
                 self.current_module = self.current_module_type = ""
-        for owner, attr, slot in self._mutations:
-            buf = getattr(owner, attr)
-            if env[slot] is not buf:
-                with torch.no_grad():
-                    buf.copy_(env[slot])
-        return [_fill(o, env) for o in self._graph.outputs]
-
-    def _env(self, inputs: tuple[torch.Tensor, ...], consts: list) -> list[Any]:
-        """A run's slots with its parameters, buffers, constants and inputs filled in."""
-        env: list[Any] = [None] * self._graph.n_slots
-        for slot, _, owner, attr in self._holders:
-            env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
-        for slot, value in consts:
-            env[slot] = value
-        for slot, x in zip(self._users, inputs):
-            # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
-            # check's copy), so that view_as_real of them meets parameters of the same dtype.
-            env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
-        return env
 
 
 def _run_dtype(d: torch.dtype, dtype: torch.dtype, captured: torch.dtype, as_captured: bool) -> torch.dtype:

@@ -10,8 +10,8 @@ import torch
 
 from gradsvc.wire import Tensor
 
-from . import tensors
-from .errors import SpecError
+from .. import tensors
+from ..errors import SpecError
 
 _PARTS = MappingProxyType({"sparse_coo": ("indices", "values"),
                            "sparse_csr": ("crow_indices", "col_indices", "values")})

@@ -21,13 +21,13 @@ import torch
 
 from gradsvc.wire import GraphSpec
 
-from . import tensors
-from .errors import SpecError
+from .. import tensors
+from ..errors import SpecError
+from ..spec import Limits
 from .functions import MAX_FUNCTIONS, compile_function
 from .interpreter import GraphModel
 from .ops import ALLOWED_OPS_DOC, OPS, REFUSED_CORE, Op
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, Step, bad_graph, where_node
-from .spec import Limits
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,200}$")
@@ -60,6 +60,21 @@ def validate_graph(spec: GraphSpec, *, limits: Limits) -> None:
 
 
 def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
+    """The graph checked, in the order the module docstring gives, and compiled into slots and steps."""
+    _check_header(spec, limits)
+    program = _Program(spec, limits)
+    for i, inp in enumerate(spec.inputs):
+        program.add_input(f"inputs[{i}] ({inp.name!r})", inp)
+    if not any(inp.kind == "input" for inp in spec.inputs):
+        raise bad_graph("no input of kind 'input'; a graph takes the batch as at least one input")
+    functions = _functions(spec, limits)
+    for node in spec.nodes:
+        program.add_node(node, _op(node, functions))
+    return program.compiled()
+
+
+def _check_header(spec: GraphSpec, limits: Limits) -> None:
+    """The format version, the node and input counts, the dtype, and that there is an output."""
     if spec.version != FORMAT_VERSION:
         raise bad_graph(f"format version {spec.version} is not supported; this service reads version {FORMAT_VERSION}")
     if len(spec.nodes) > limits.max_graph_nodes:
@@ -72,115 +87,146 @@ def compile_graph(spec: GraphSpec, *, limits: Limits) -> Compiled:
         raise bad_graph(f"dtype {spec.dtype!r} is not a floating dtype; use one of {', '.join(tensors.FLOAT_DTYPES)}")
     if not spec.outputs:
         raise bad_graph("'outputs' is empty; a graph returns at least one tensor (the loss applies to the first)")
-    slots: dict[str, int] = {}
-    kinds: list[str] = []
-    roots: list[int] = []  # the slot whose storage a value shares (views, in-place results)
-    input_kind: dict[int, str] = {}
-    inputs = []
-    targets: dict[str, str] = {}
-    constants: dict[str, torch.Tensor] = {}
-    for i, inp in enumerate(spec.inputs):
-        where = f"inputs[{i}] ({inp.name!r})"
-        _check_name(inp.name, where, slots)
+
+
+def _op(node: Any, functions: dict[str, Op]) -> Op:
+    """The node's op: allow-listed, or one of the graph's custom Functions."""
+    op = OPS.get(node.op) or functions.get(node.op)
+    if op is None:
+        why = REFUSED_CORE.get(node.op.removeprefix("aten."))
+        why = f" ({why})" if why else ""
+        raise SpecError("unsupported_op", f"model.graph: {where_node(node)}: op {node.op!r} is not allowed{why}; "
+                        f"the allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
+                        module=node.module)
+    if len(node.module) > 1000 or len(node.module_type) > 200:
+        raise bad_graph(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",
+                   node=node.name[:200])
+    return op
+
+
+class _Program:
+    """The compiled graph as it grows, one input or node at a time: every name's slot, what each slot holds
+    (kinds), the slot whose storage each shares (roots: views, in-place results), and the steps."""
+
+    def __init__(self, spec: GraphSpec, limits: Limits) -> None:
+        self.spec, self.limits = spec, limits
+        self.slots: dict[str, int] = {}
+        self.kinds: list[str] = []
+        self.roots: list[int] = []
+        self.input_kind: dict[int, str] = {}
+        self.inputs: list = []
+        self.inputs_by_slot: dict[int, Any] = {}
+        self.targets: dict[str, str] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.index_bounds: dict[str, int] = {}
+        self.steps: list[Step] = []
+        self.step_of: dict[int, Step] = {}
+        self.later = {n.name for n in spec.nodes}
+        self.budget = [_MAX_VALUES]
+
+    def add_input(self, where: str, inp: Any) -> None:
+        _check_name(inp.name, where, self.slots)
         if inp.kind in ("parameter", "buffer"):
-            _check_target(inp.target, where, targets)
-            targets[inp.target] = inp.kind
-            if inp.dtype not in tensors.TORCH_DTYPES or inp.shape is None or len(inp.shape) > 8 or \
-                    any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in inp.shape):
-                raise bad_graph(f"{where}: a {inp.kind} needs 'dtype' (one of {', '.join(tensors.TORCH_DTYPES)}) and "
-                           f"'shape' (at most 8 sizes >= 0), got dtype={inp.dtype!r} shape={inp.shape!r}",
-                           input=inp.name)
-            if inp.kind == "parameter" and not DTYPES[inp.dtype].is_floating_point:
-                raise bad_graph(f"{where}: parameter {inp.target!r} has dtype {inp.dtype}; parameters are floating-point",
-                           input=inp.name)
+            _check_state_input(where, inp, self.targets)
+            self.targets[inp.target] = inp.kind
         elif inp.kind == "constant":
-            if inp.target not in spec.constants:
+            if inp.target not in self.spec.constants:
                 raise bad_graph(f"{where}: constant {inp.target!r} is not in 'constants' (keys: "
-                           f"{sorted(spec.constants)[:8]})", input=inp.name)
-            constants[inp.target] = tensors.decode(spec.constants[inp.target], where=f"model.graph.constants"
-                                                   f"[{inp.target!r}]", max_elements=limits.max_elements,
-                                                   complex_ok=True)
-        slot = len(kinds)
-        slots[inp.name] = slot
-        kinds.append("tensor")
-        roots.append(slot)
-        input_kind[slot] = inp.kind
-        inputs.append((slot, inp))
-    if not any(inp.kind == "input" for inp in spec.inputs):
-        raise bad_graph("no input of kind 'input'; a graph takes the batch as at least one input")
-    functions = _functions(spec, limits)
-    later = {n.name for n in spec.nodes}
-    budget = [_MAX_VALUES]
-    inputs_by_slot = dict(inputs)
-    index_bounds: dict[str, int] = {}
-    steps: list[Step] = []
-    step_of: dict[int, Step] = {}
-    for node in spec.nodes:
-        op = OPS.get(node.op) or functions.get(node.op)
-        if op is None:
-            why = REFUSED_CORE.get(node.op.removeprefix("aten."))
-            why = f" ({why})" if why else ""
-            raise SpecError("unsupported_op", f"model.graph: {where_node(node)}: op {node.op!r} is not allowed{why}; "
-                            f"the allowed ops are listed in {ALLOWED_OPS_DOC}", op=node.op, node=node.name,
-                            module=node.module)
-        if len(node.module) > 1000 or len(node.module_type) > 200:
-            raise bad_graph(f"node {node.name[:200]!r}: 'module' is at most 1000 characters and 'module_type' 200",
-                       node=node.name[:200])
-        ctx = _Context(node, slots, kinds, later, budget)
-        args, kwargs, bound = _bind(node, op, ctx)
+                           f"{sorted(self.spec.constants)[:8]})", input=inp.name)
+            self.constants[inp.target] = tensors.decode(
+                self.spec.constants[inp.target], where=f"model.graph.constants[{inp.target!r}]",
+                max_elements=self.limits.max_elements, complex_ok=True)
+        slot = len(self.kinds)
+        self.slots[inp.name] = slot
+        self.kinds.append("tensor")
+        self.roots.append(slot)
+        self.input_kind[slot] = inp.kind
+        self.inputs.append((slot, inp))
+        self.inputs_by_slot[slot] = inp
+
+    def add_node(self, node: Any, op: Op) -> None:
+        args, kwargs, bound = _bind(node, op, _Context(node, self.slots, self.kinds, self.later, self.budget))
         if op.params and op.params[0].type[0] != "tensor" and any(p.name == "device" for p in op.params):
             kwargs["device"] = DEVICE  # a factory: on the model's device (meta while checking), never the host's
         if "pin_memory" in bound:
             kwargs["pin_memory"] = None  # page-locked host memory is the worker's to decide, not a graph's
         if node.op == "aten.embedding.default" and bound.get("sparse"):
             _set_arg(op, args, kwargs, "sparse", False)  # dense gradients, the same values: they travel
-        slot = len(kinds)
+        slot = len(self.kinds)
+        writes_buffer = self._writes(node, op, bound)
+        _check_name(node.name, where_node(node), self.slots)
+        self.slots[node.name] = slot
+        if op is OPS["operator.getitem"]:
+            self.kinds.append("tensor")
+            self.roots.append(self.roots[args[0].i])
+            _check_index(node, self.step_of.get(args[0].i), args)
+        else:
+            self.kinds.append(op.returns)
+            first = next((a for a in args if isinstance(a, Ref)), None)
+            self.roots.append(self.roots[first.i] if op.aliases_input and first is not None else slot)
+            if writes_buffer:  # an in-place op returns the buffer itself: `ema.mul_(d).add_(x)` writes it twice
+                self.roots[slot], self.input_kind[slot] = slot, "buffer"
+        self.steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
+                               writes_buffer))
+        self.step_of[slot] = self.steps[-1]
+        if node.op == "aten.embedding.default":
+            self._bound_indices(bound)
+
+    def _writes(self, node: Any, op: Op, bound: dict) -> bool:
+        """Whether the node writes a buffer in place; its in-place and running-statistics writes checked."""
         writes_buffer = False
         if op.inplace:
             target = bound[op.params[0].name]
             if not isinstance(target, Ref):
                 raise bad_graph(f"{where_node(node)}: an in-place op needs a tensor to write, got {_show(target)}",
                            node=node.name, op=node.op)
-            writes_buffer = _check_write(node, target, roots, input_kind, "is written in place")
+            writes_buffer = _check_write(node, target, self.roots, self.input_kind, "is written in place")
         training = bound.get("use_input_stats" if node.op == "aten.instance_norm.default" else "training")
         for arg in _STAT_WRITES.get(node.op, ()) if training is not False else ():
             if isinstance(bound.get(arg), Ref):
-                _check_write(node, bound[arg], roots, input_kind, f"is written as {arg}", buffers_only=True)
-        _check_name(node.name, where_node(node), slots)
-        slots[node.name] = slot
-        if op is OPS["operator.getitem"]:
-            kinds.append("tensor")
-            roots.append(roots[args[0].i])
-            _check_index(node, step_of.get(args[0].i), args)
-        else:
-            kinds.append(op.returns)
-            first = next((a for a in args if isinstance(a, Ref)), None)
-            roots.append(roots[first.i] if op.aliases_input and first is not None else slot)
-            if writes_buffer:  # an in-place op returns the buffer itself: `ema.mul_(d).add_(x)` writes it twice
-                roots[slot], input_kind[slot] = slot, "buffer"
-        steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
-                          writes_buffer))
-        step_of[slot] = steps[-1]
-        if node.op == "aten.embedding.default" and isinstance(bound.get("indices"), Ref) and \
-                isinstance(bound.get("weight"), Ref):
-            source = inputs_by_slot.get(roots[bound["indices"].i])
-            table = inputs_by_slot.get(bound["weight"].i)
-            if source is not None and source.kind == "input" and table is not None and table.shape:
-                index_bounds[source.name] = min(index_bounds.get(source.name, table.shape[0]), table.shape[0])
-    out_ctx = _Context(None, slots, kinds, set(), budget)
-    outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
-    if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
-        raise bad_graph("outputs[0] must be {\"node\": name} of a tensor (the loss applies to it)")
-    mutations = []
-    for target, name in spec.buffer_mutations.items():
-        if targets.get(target) != "buffer":
-            raise bad_graph(f"buffer_mutations: {target!r} is not a buffer input of the graph", target=target)
-        if name not in slots or kinds[slots[name]] != "tensor":
-            raise bad_graph(f"buffer_mutations[{target!r}]: {name!r} is not a tensor node of the graph", target=target)
-        mutations.append((target, slots[name]))
-    return Compiled(inputs=inputs, steps=steps, outputs=outputs, mutations=mutations, constants=constants,
-                    n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype], index_bounds=index_bounds)
+                _check_write(node, bound[arg], self.roots, self.input_kind, f"is written as {arg}", buffers_only=True)
+        return writes_buffer
 
+    def _bound_indices(self, bound: dict) -> None:
+        """An embedding's ids from a user input: that input's values must stay below the table's rows."""
+        if not isinstance(bound.get("indices"), Ref) or not isinstance(bound.get("weight"), Ref):
+            return
+        source = self.inputs_by_slot.get(self.roots[bound["indices"].i])
+        table = self.inputs_by_slot.get(bound["weight"].i)
+        if source is not None and source.kind == "input" and table is not None and table.shape:
+            self.index_bounds[source.name] = min(self.index_bounds.get(source.name, table.shape[0]), table.shape[0])
+
+    def compiled(self) -> Compiled:
+        """The outputs and buffer mutations checked, and the whole as a Compiled."""
+        spec, slots, kinds = self.spec, self.slots, self.kinds
+        out_ctx = _Context(None, slots, kinds, set(), self.budget)
+        outputs = [_value(o, ("tensor",), out_ctx, f"outputs[{i}]") for i, o in enumerate(spec.outputs)]
+        if not isinstance(outputs[0], Ref) or kinds[outputs[0].i] != "tensor":
+            raise bad_graph("outputs[0] must be {\"node\": name} of a tensor (the loss applies to it)")
+        mutations = []
+        for target, name in spec.buffer_mutations.items():
+            if self.targets.get(target) != "buffer":
+                raise bad_graph(f"buffer_mutations: {target!r} is not a buffer input of the graph", target=target)
+            if name not in slots or kinds[slots[name]] != "tensor":
+                raise bad_graph(f"buffer_mutations[{target!r}]: {name!r} is not a tensor node of the graph",
+                                target=target)
+            mutations.append((target, slots[name]))
+        return Compiled(inputs=self.inputs, steps=self.steps, outputs=outputs, mutations=mutations,
+                        constants=self.constants, n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype],
+                        index_bounds=self.index_bounds)
+
+
+def _check_state_input(where: str, inp: Any, targets: dict[str, str]) -> None:
+    """A parameter or buffer input: its state_dict target, dtype and shape."""
+    _check_target(inp.target, where, targets)
+    if inp.dtype not in tensors.TORCH_DTYPES or inp.shape is None or len(inp.shape) > 8 or \
+            any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in inp.shape):
+        raise bad_graph(f"{where}: a {inp.kind} needs 'dtype' (one of {', '.join(tensors.TORCH_DTYPES)}) and "
+                   f"'shape' (at most 8 sizes >= 0), got dtype={inp.dtype!r} shape={inp.shape!r}",
+                   input=inp.name)
+    if inp.kind == "parameter" and not DTYPES[inp.dtype].is_floating_point:
+        raise bad_graph(f"{where}: parameter {inp.target!r} has dtype {inp.dtype}; parameters are floating-point",
+                   input=inp.name)
 
 
 def _functions(spec: GraphSpec, limits: Limits) -> dict[str, Op]:
@@ -311,53 +357,18 @@ _NUMBER_KINDS = frozenset({"int", "float", "bool", "number", "tensor"})
 def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
     """A wire argument as the value passed to the op (Ref / FloatDType / DEVICE for the run-time parts)."""
     kind = t[0]
-
-    def bad(expected: str) -> SpecError:
-        shown = _show(v)
-        node = ctx.node.name if ctx.node is not None else None
-        return bad_graph(f"{ctx.where(arg)}: got {shown}, expected {expected}", node=node, argument=arg)
-
     if kind == "optional":
         return None if v is None else _value(v, t[1], ctx, arg)
     if isinstance(v, dict):
-        if len(v) != 1:
-            raise bad('an object with one key ("node", "float", "dtype", "device", "layout" or "memory_format")')
-        (key, inner), = v.items()
-        if key == "node":
-            slot = ctx.slots.get(inner) if isinstance(inner, str) else None
-            if slot is None:
-                why = "is a LATER node (a forward reference or a cycle)" if inner in ctx.later else \
-                    "is neither an input nor a node"
-                raise bad(f"a reference to an input or an earlier node; {inner!r} {why}")
-            have = ctx.kinds[slot]
-            ok = {"tensor": {"tensor", "scalar"}, "int": {"scalar"}, "float": {"scalar"}, "bool": {"scalar"},
-                  "number": {"scalar"}, "tensors": {"tensors"}}.get(kind, set())
-            if have not in ok:
-                raise bad(f"a {kind}; {inner!r} holds a {have}")
-            return Ref(slot)
-        if key == "float" and inner in ("inf", "-inf", "nan") and kind in ("float", "number", "tensor"):
-            return float(inner)
-        if key == "dtype" and kind == "dtype" and inner in DTYPES:
-            d = DTYPES[inner]
-            return FloatDType(d) if d.is_floating_point or d.is_complex else d
-        if key == "device" and kind == "device" and isinstance(inner, str) and _DEVICE.match(inner):
-            return DEVICE
-        if key == "layout" and kind == "layout" and inner in _LAYOUTS:
-            return _LAYOUTS[inner]
-        if key == "memory_format" and kind == "memory_format" and inner in _MEMORY_FORMATS:
-            return _MEMORY_FORMATS[inner]
-        raise bad(f"a {kind}" + {"dtype": f" as {{\"dtype\": one of {sorted(DTYPES)}}}",
-                                 "device": ' as {"device": "cpu"}', "layout": ' as {"layout": "strided"}',
-                                 "memory_format": f" as {{\"memory_format\": one of {sorted(_MEMORY_FORMATS)}}}"
-                                 }.get(kind, ""))
+        return _tagged(v, kind, ctx, arg)
     if kind == "generator":
-        raise bad("null: random ops draw from the job's seed (model.seed), not from a generator of the graph's; "
-                  "drop the generator argument")
+        raise _bad_value(v, ctx, arg, "null: random ops draw from the job's seed (model.seed), not from a generator "
+                         "of the graph's; drop the generator argument")
     if kind == "list":
         if isinstance(v, int) and not isinstance(v, bool) and t[1][0] == "int":
             return v  # an int for int[N], as torch accepts
         if not isinstance(v, list) or len(v) > _MAX_LIST:
-            raise bad(f"a list of {t[1][0]} (at most {_MAX_LIST} items)")
+            raise _bad_value(v, ctx, arg, f"a list of {t[1][0]} (at most {_MAX_LIST} items)")
         ctx.spend(len(v))
         return [_value(x, t[1], ctx, arg) for x in v]
     if isinstance(v, bool):
@@ -372,8 +383,53 @@ def _value(v: Any, t: tuple, ctx: _Context, arg: str) -> Any:
     elif isinstance(v, str):
         if kind == "str" and len(v) <= 200:
             return v
-    raise bad(f"a {kind}" + (' (non-finite floats as {"float": "inf"})' if isinstance(v, float) else ""))
+    raise _bad_value(v, ctx, arg, f"a {kind}" + (' (non-finite floats as {"float": "inf"})'
+                                                 if isinstance(v, float) else ""))
 
+
+def _bad_value(v: Any, ctx: _Context, arg: str, expected: str) -> SpecError:
+    node = ctx.node.name if ctx.node is not None else None
+    return bad_graph(f"{ctx.where(arg)}: got {_show(v)}, expected {expected}", node=node, argument=arg)
+
+
+# What a {"node": x} reference may hold for each argument kind.
+_REF_HOLDS = MappingProxyType({"tensor": frozenset({"tensor", "scalar"}), "int": frozenset({"scalar"}),
+                               "float": frozenset({"scalar"}), "bool": frozenset({"scalar"}),
+                               "number": frozenset({"scalar"}), "tensors": frozenset({"tensors"})})
+
+
+def _tagged(v: dict, kind: str, ctx: _Context, arg: str) -> Any:
+    """An argument written as an object of one key: a node reference, a non-finite float, a dtype, a device,
+    a layout or a memory format."""
+    if len(v) != 1:
+        raise _bad_value(v, ctx, arg, 'an object with one key ("node", "float", "dtype", "device", "layout" or '
+                         '"memory_format")')
+    (key, inner), = v.items()
+    if key == "node":
+        slot = ctx.slots.get(inner) if isinstance(inner, str) else None
+        if slot is None:
+            why = "is a LATER node (a forward reference or a cycle)" if inner in ctx.later else \
+                "is neither an input nor a node"
+            raise _bad_value(v, ctx, arg, f"a reference to an input or an earlier node; {inner!r} {why}")
+        have = ctx.kinds[slot]
+        if have not in _REF_HOLDS.get(kind, ()):
+            raise _bad_value(v, ctx, arg, f"a {kind}; {inner!r} holds a {have}")
+        return Ref(slot)
+    if key == "float" and inner in ("inf", "-inf", "nan") and kind in ("float", "number", "tensor"):
+        return float(inner)
+    if key == "dtype" and kind == "dtype" and inner in DTYPES:
+        d = DTYPES[inner]
+        return FloatDType(d) if d.is_floating_point or d.is_complex else d
+    if key == "device" and kind == "device" and isinstance(inner, str) and _DEVICE.match(inner):
+        return DEVICE
+    if key == "layout" and kind == "layout" and inner in _LAYOUTS:
+        return _LAYOUTS[inner]
+    if key == "memory_format" and kind == "memory_format" and inner in _MEMORY_FORMATS:
+        return _MEMORY_FORMATS[inner]
+    raise _bad_value(v, ctx, arg, f"a {kind}" + {"dtype": f" as {{\"dtype\": one of {sorted(DTYPES)}}}",
+                                                 "device": ' as {"device": "cpu"}', "layout": ' as {"layout": "strided"}',
+                                                 "memory_format": f" as {{\"memory_format\": one of "
+                                                                  f"{sorted(_MEMORY_FORMATS)}}}"}.get(kind, ""))
 
 
 def build_graph(spec: GraphSpec, *, limits: Limits, device: str | torch.device = "meta",

@@ -7,8 +7,6 @@ from __future__ import annotations
 from urllib.parse import quote, urlsplit
 
 import anyio.to_thread
-
-import anyio.to_thread
 from litestar import Request, Response, get, post
 from litestar.response import Redirect
 from markupsafe import Markup

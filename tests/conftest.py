@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import redis
 
 from gradclient import Client
 from gradsvc.runtime.launcher import free_port
@@ -37,3 +38,12 @@ def redis_server() -> RedisServer:
     server = RedisServer(free_port()).start()
     yield server
     server.stop()
+
+
+@pytest.fixture()
+def flushed_redis(redis_server):
+    """A client of the module's redis-server, its database emptied first."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    yield client
+    client.close()

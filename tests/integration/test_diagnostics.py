@@ -94,7 +94,7 @@ def test_http_json_carries_the_contract_field_names(http):
 
 
 def test_http_refuses_more_eigenvalues_than_parameters_with_422_bad_option(http):
-    module, (x, y) = cnn(), cnn_batch()
+    x, y = cnn_batch()
     body = {"model": {"layers": CNN_LAYERS, "dtype": "float64"}, "inputs": x.tolist(), "targets": y.tolist(),
             "options": {"curvature": {"top": 500}}}
     r = http.post("/gradients", json=body)

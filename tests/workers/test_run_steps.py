@@ -8,7 +8,6 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-import redis
 import torch
 from torch import nn
 
@@ -135,11 +134,8 @@ def test_update_ratios_compare_only_the_parameters_both_steps_carry_with_the_sam
 
 
 @pytest.fixture()
-def r(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    yield client
-    client.close()
+def r(flushed_redis):
+    return flushed_redis
 
 
 def _want_ratio(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:

@@ -5,7 +5,6 @@ gradsvc/broker/keys.py names."""
 from __future__ import annotations
 
 import pytest
-import redis
 
 from gradsvc.broker import keys
 from gradsvc.broker.runs import RunBounds, RunStore
@@ -13,11 +12,8 @@ from gradsvc.wire import RunStep
 
 
 @pytest.fixture()
-def r(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    yield client
-    client.close()
+def r(flushed_redis):
+    return flushed_redis
 
 
 def store(r, **bounds) -> RunStore:

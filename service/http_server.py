@@ -11,7 +11,7 @@
 uvicorn internals overridden (uvicorn 0.55, httptools_impl.HttpToolsProtocol; tests/service/test_http_server.py
 pins them): data_received (the head is counted before the parser sees it), on_message_complete (the next
 request's head starts), pause_writing (a buffer past the high-water mark starts the stall watch),
-connection_lost (the watch ends). `gradsvc serve` passes the class to uvicorn.run(http=...).
+connection_lost (the watch ends). `serve` (what `gradsvc serve` runs) passes the class to uvicorn.run(http=...).
 """
 
 from __future__ import annotations
@@ -106,6 +106,15 @@ class BoundedProtocol(HttpToolsProtocol):
             self._stall.cancel()
             self._stall = None
         super().connection_lost(exc)
+
+
+def serve(settings) -> None:
+    """`gradsvc serve`: the API (service.app's factory) under uvicorn with this protocol, until stopped."""
+    import uvicorn
+
+    uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), access_log=False,
+                timeout_keep_alive=settings.keep_alive_s, http=protocol(settings))
 
 
 def protocol(settings) -> type[BoundedProtocol]:

@@ -87,7 +87,7 @@ class _RunCollector:
             run["gradsvc_run_step"].add_metric(labels, last.step)
             if last.noise_scale is not None:
                 run["gradsvc_run_noise_scale"].add_metric(labels, last.noise_scale)
-            if last.numcheck is not None and last.numcheck.mode != "off":
+            if last.numcheck is not None and last.numcheck.passed is not None:  # absent: the check did not run
                 run["gradsvc_run_check_passed"].add_metric(labels, float(last.numcheck.passed))
             for module in list(last.module_grad_norms)[:self.modules]:
                 per_module["gradsvc_run_module_gradient_norm"].add_metric([*labels, module],

@@ -9,7 +9,7 @@ import io
 import anyio.to_thread
 from litestar import Request, Response, delete, get, route
 
-from gradsvc.wire import RunInfo, RunStep
+from gradsvc.wire import RunCheck, RunInfo, RunStep
 
 from .api_state import ApiState
 from .exceptions import ServiceError
@@ -60,6 +60,13 @@ async def delete_run(request: Request, owner: str, state: ApiState, name: str) -
     return respond(request, {"deleted": name})
 
 
+def _verdict(check: RunCheck | None) -> str:
+    """The numcheck_passed cell: true, false, or empty where the check did not run."""
+    if check is None or check.passed is None:
+        return ""
+    return "true" if check.passed else "false"
+
+
 def steps_csv(steps: list[RunStep]) -> str:
     """One row a step: the step's figures, then one column per named loss, module gradient norm and module
     update ratio (`loss[name]`, `grad_norm[module]`, `update_ratio[module]`; empty where a step has none)."""
@@ -73,7 +80,7 @@ def steps_csv(steps: list[RunStep]) -> str:
     for s in steps:
         nc = s.numcheck
         writer.writerow([s.step, s.job_id, s.ended_at, repr(s.loss), repr(s.grad_norm), repr(s.total_ms),
-                         nc.mode if nc else "", ("true" if nc.passed else "false") if nc else "",
+                         nc.mode if nc else "", _verdict(nc),
                          repr(nc.max_rel_error) if nc else "", _cell(s.noise_scale),
                          *(_cell((s.losses or {}).get(n)) for n in losses),
                          *(_cell(s.module_grad_norms.get(m)) for m in modules),

@@ -92,7 +92,7 @@ def verdicts(css_id: str, steps: list[RunStep]) -> str:
              'role="img" aria-label="check verdicts"><text x="0" y="16">check per step</text>']
     for c, s in enumerate(steps):
         nc = s.numcheck
-        verdict = "off" if nc is None or nc.mode == "off" else ("passed" if nc.passed else "failed")
+        verdict = "off" if nc is None or nc.passed is None else ("passed" if nc.passed else "failed")
         detail = "not checked" if verdict == "off" else f"{nc.mode} {verdict}, max rel. error {nc.max_rel_error:.2e}"
         parts.append(f'<a href="/ui/jobs/{quote(s.job_id, safe="")}"><rect class="verdict {verdict}" '
                      f'x="{LABEL_W + c * cell_w:.1f}" y="4" width="{cell_w:.1f}" height="16">'

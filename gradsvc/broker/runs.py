@@ -84,6 +84,8 @@ def _iso(ts: float) -> str:
 def _decoded(raw: bytes, score: float) -> RunStep:
     step = _step_decoder.decode(raw)
     step.step = int(score)  # numbered by the record script: the score is the step
+    if step.numcheck is not None and step.numcheck.mode == "off":
+        step.numcheck.passed = None  # a step recorded before "off" said null said false: it was never judged
     return step
 
 

@@ -69,3 +69,13 @@ def test_an_idle_or_deleted_runs_series_are_gone(runs):
     runs.redis.zadd(keys.run_exports_key("test"), {"0123456789abcdef idle": 1.0})  # last stepped in 1970
     runs.delete("0123456789abcdef", "gone")
     assert {dict(labels)["run"] for _, labels in scrape(runs, run_metrics_idle_s=900)} == {"live"}
+
+
+def test_a_run_whose_last_step_ran_no_check_exports_no_check_series(runs):
+    record(runs, "exp", 0)
+    runs.record(runs.redis, "0123456789abcdef", "exp-1", RunStep(
+        step=1, job_id="exp-1", ended_at="", loss=0.5, grad_norm=3.0, module_grad_norms={"0": 1.0}, total_ms=1.0,
+        numcheck=RunCheck("off", None, 0.0)), "exp", numbered=True)
+    got = scrape(runs)
+    assert got[("gradsvc_run_step", (("owner", "01234567"), ("run", "exp")))] == 1
+    assert not any(name == "gradsvc_run_check_passed" for name, _ in got)

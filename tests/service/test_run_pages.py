@@ -38,3 +38,12 @@ def test_the_csv_has_a_row_a_step_and_a_column_a_module_whatever_its_name():
     assert rows[0]["update_ratio[0]"] == "" and float(rows[1][f"update_ratio[{EVIL}]"]) == 2e-3
     assert float(rows[2]["loss[task]"]) == 0.1 and rows[2]["numcheck_passed"] == "false"
     assert [float(r["loss"]) for r in rows] == [s.loss for s in steps()]
+
+
+def test_a_step_whose_check_did_not_run_reads_off_on_the_page_and_an_empty_cell_in_the_csv():
+    run = steps(2)
+    run[1].numcheck = RunCheck("off", None, 0.0)
+    page = html.page("run.html", logged_in=False, **run_context("exp", run)).content
+    assert page.count("verdict off") == 1 and "verdict failed" not in page and "off passed" not in page
+    rows = list(csv.DictReader(io.StringIO(steps_csv(run))))
+    assert [(r["numcheck_mode"], r["numcheck_passed"]) for r in rows] == [("exact", "true"), ("off", "")]

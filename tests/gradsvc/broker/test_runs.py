@@ -4,11 +4,12 @@ gradsvc/broker/keys.py names."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gradsvc.broker import keys
 from gradsvc.broker.runs import RunBounds, RunStore
-from gradsvc.wire import RunStep
+from gradsvc.wire import RunCheck, RunStep
 
 
 @pytest.fixture()
@@ -95,3 +96,11 @@ def test_exports_are_the_most_recently_stepped_runs_within_the_idle_time(r):
     assert [(e.name, e.last.loss) for e in s.exported(2, 60)] == [("run-2", 2.0), ("run-1", 1.0)]
     r.zadd(keys.run_exports_key("test"), {"alice run-2": 1.0})  # stepped long ago: idle
     assert [e.name for e in s.exported(5, 60)] == ["run-1", "run-0"]
+
+
+def test_a_step_recorded_with_the_check_off_reads_back_with_no_verdict_even_one_stored_as_false(r):
+    s = store(r)
+    for n, passed in enumerate((None, False)):  # False: as steps were recorded before "off" said null
+        off = msgspec.structs.replace(step(n, f"job-{n}"), numcheck=RunCheck("off", passed, 0.0))
+        s.record(r, "alice", f"job-{n}", off, "exp", numbered=True)
+    assert [x.numcheck.passed for x in s.steps("alice", "exp")] == [None, None]

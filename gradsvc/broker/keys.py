@@ -106,8 +106,8 @@ def owner_jobs_key(prefix: str, owner: str) -> str:
     return f"{prefix}:jobs:{owner}"
 
 
-def session_key(prefix: str, token: str) -> str:
-    """A browser session (service/sessions.py) -> its owner. The cookie's token is hashed, so what the
+def page_login_key(prefix: str, token: str) -> str:
+    """A browser's login to the pages (service/page_login.py) -> its owner. The cookie's token is hashed, so what the
     browser holds never becomes part of a Redis key."""
     return f"{prefix}:session:{hashlib.sha256(token.encode()).hexdigest()}"
 
@@ -168,5 +168,5 @@ def write_probe_key(prefix: str) -> str:
 
 
 def login_failures_key(prefix: str, client: str, window: int) -> str:
-    """Failed /ui/login attempts from one client address in one minute (service/sessions.py throttles them)."""
+    """Failed /ui/login attempts from one client address in one minute (service/page_login.py throttles them)."""
     return f"{prefix}:login-failures:{client}:{window}"

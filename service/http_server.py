@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .exceptions import ServiceError
@@ -110,8 +111,6 @@ class BoundedProtocol(HttpToolsProtocol):
 
 def serve(settings) -> None:
     """`gradsvc serve`: the API (service.app's factory) under uvicorn with this protocol, until stopped."""
-    import uvicorn
-
     uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
                 log_level=settings.log_level.lower(), access_log=False,
                 timeout_keep_alive=settings.keep_alive_s, http=protocol(settings))

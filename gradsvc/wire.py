@@ -526,6 +526,9 @@ class GradientResult(Struct, omit_defaults=False):
 class Estimate(Struct):
     parameter_count: int
     memory: Memory
+    # The bytes options.curvature's Lanczos basis holds at most (0 without curvature); GRADSVC_MAX_KRYLOV_BYTES
+    # bounds it.
+    krylov_bytes: int = 0
 
 
 class RunCheck(Struct):

@@ -20,16 +20,10 @@ from ..errors import SpecError
 from ..passes import chunks, forward
 from ..prepared import Prepared
 from ..quantities import twice_differentiable
-from .lanczos import lanczos, quadrature, top_ritz
+from .lanczos import density_steps, lanczos, quadrature, top_ritz, top_steps
 
 # Hutchinson's probes when only the trace is asked for.
 DEFAULT_PROBES = 100
-# Lanczos steps per density probe (PyHessian's default is 100; 30 resolves the bulk and the outliers), and the
-# cap on the top eigenvalues' Lanczos run, which stops earlier once the tolerance is met.
-DEFAULT_DENSITY_STEPS = 30
-DEFAULT_TOP_STEPS = 100
-
-
 class Products:
     """M v for flat float64 vectors v over the trainable parameters, from one forward and backward kept
     for every product; `count` says how many were computed."""
@@ -110,7 +104,7 @@ def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureO
     gen = torch.Generator().manual_seed(opts.seed)
     size = products.size
     if opts.top:
-        steps = min(size, opts.iterations or max(DEFAULT_TOP_STEPS, 10 * opts.top))
+        steps = top_steps(opts, size)
         values, vectors, _ = top_ritz(products, size, opts.top, steps, opts.tolerance, gen)
         result.top_eigenvalues = values.tolist()
         result.residuals = [_residual(products, lam, v) for lam, v in zip(values.tolist(), vectors)]
@@ -154,7 +148,7 @@ def _probe(products: Products, opts: CurvatureOptions, result: Curvature) -> Non
     samples: list[float] = []
     nodes: list[float] = []
     weights: list[float] = []
-    steps = min(size, opts.iterations or DEFAULT_DENSITY_STEPS)
+    steps = density_steps(opts, size)
     for index in range(opts.first_probe, opts.first_probe + probes):
         z = probe_vector(opts.seed, index, size)  # (P,) of +-1
         if opts.density:

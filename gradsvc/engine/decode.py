@@ -264,6 +264,10 @@ def validate_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module,
     if per_example_option(opts) and len({t.reduction for t in terms}) > 1:
         bad(f"{per_example_option(opts)}: the losses reduce differently, so an example's share of the gradient is "
             "not defined; give every loss the same reduction", option=asked[0])
+    if opts.clip is not None and opts.clip.noise_multiplier and not opts.clip.per_sample:
+        bad("options.clip.noise_multiplier adds the DP-SGD step's noise, which belongs to per-example clipping; "
+            "set options.clip.per_sample=true to clip each example and add the noise, or leave noise_multiplier "
+            "out for clip_grad_norm_'s global clipping", option="clip.noise_multiplier")
     if opts.curvature is not None:
         _validate_curvature(opts, terms, size)
         if max_krylov_bytes is not None:

@@ -469,3 +469,34 @@ def test_lanczos_fills_one_basis_and_does_not_restack_it_every_step(monkeypatch)
     assert torch.allclose(q @ q.T, torch.eye(30, dtype=F64), atol=1e-10)
     values = module.top_ritz(lambda v: matrix @ v, 40, 2, 40, 1e-12, torch.Generator().manual_seed(1))[0]
     assert torch.allclose(values, torch.linalg.eigvalsh(matrix).flip(0)[:2], atol=1e-8)
+
+
+# --- clipping's noise past the dtype, and noise without per-example clipping --------------------------------
+
+@pytest.mark.parametrize("dtype, max_norm, noise", [(torch.float32, 1.0, 1e39), (torch.float16, 1000.0, 100.0)])
+def test_dp_noise_that_overflows_the_returned_dtype_fails_non_finite_not_a_null_gradient(dtype, max_norm, noise):
+    """docs/api.md: a gradient that is not finite is a 422 non_finite, after clipping and noise too."""
+    from gradsvc.engine import ComputeError
+
+    layers = [{"type": "Linear", "in_features": 3, "out_features": 2}]
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 2)).to(torch.float32)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    req = layer_request(module, x, y, layers=layers, clip={"max_norm": max_norm, "per_sample": True,
+                                                           "noise_multiplier": noise})
+    req = msgspec.structs.replace(req, model=msgspec.structs.replace(req.model,
+                                                                      dtype=str(dtype).removeprefix("torch.")))
+    with pytest.raises(ComputeError) as info:
+        compute(req, EngineConfig())
+    err = info.value
+    assert err.code == "non_finite" and "options.clip" in err.message and "noise_multiplier" in err.message
+    assert err.detail["parameter"] in ("0.weight", "0.bias")
+
+
+def test_noise_multiplier_without_per_sample_is_a_422_bad_option_saying_to_set_per_sample():
+    """Noise is part of the per-example DP-SGD step; on a global clip it would be ignored, and a caller who asked
+    for noise would get gradients with none."""
+    module, (x, y) = cnn(), cnn_batch()
+    err = refused(layer_request(module, x, y, clip={"max_norm": 1.0, "noise_multiplier": 1.0}))
+    assert err.detail["option"] == "clip.noise_multiplier" and "per_sample" in err.message
+    compute(layer_request(module, x, y, clip={"max_norm": 1.0, "noise_multiplier": 0.0}), EngineConfig())

@@ -164,6 +164,10 @@ class Settings:
     # worker until the run ends; a request whose iterations need more is refused before the queue (too_large).
     max_krylov_bytes: int = field(default_factory=default_krylov_bytes,
                                   metadata={"ok": lambda v: v > 0, "advice": "must be positive"})
+    # The embedded Redis of `gradsvc up` (none at GRADSVC_REDIS_URL): its maxmemory, under noeviction, so a full
+    # Redis refuses writes (503 redis_oom) rather than evict a job's records; 0 is no limit.
+    embedded_redis_maxmemory_bytes: int = field(default_factory=default_krylov_bytes,
+                                                metadata={"ok": lambda v: v >= 0, "advice": "must be >= 0 (0: no limit)"})
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

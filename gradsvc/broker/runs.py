@@ -205,13 +205,17 @@ class RunStore:
         name, step = self.redis.hmget(keys.run_job_key(self.prefix, job_id), "name", "step")
         return None if name is None else (name.decode(), int(step))
 
-    def exported(self, limit: int, idle_s: float) -> list[ExportedRun]:
-        """The `limit` most recently stepped runs of every owner stepped within `idle_s`, with their last steps."""
+    def exported(self, limit: int, idle_s: float, owner: str | None = None) -> list[ExportedRun]:
+        """The `limit` most recently stepped runs of every owner (or of `owner` alone) stepped within `idle_s`,
+        with their last steps."""
         if limit <= 0:
             return []
+        window = {} if owner is not None else {"start": 0, "num": limit}  # an owner's: filtered, then cut
         members = self.redis.zrevrangebyscore(keys.run_exports_key(self.prefix), "+inf", time.time() - idle_s,
-                                              start=0, num=limit)
+                                              **window)
         runs = [m.decode().split(" ", 1) for m in members]
+        if owner is not None:
+            runs = [r for r in runs if r[0] == owner][:limit]
         with self.redis.pipeline(transaction=False) as pipe:
             for owner, name in runs:
                 pipe.zrange(keys.run_key(self.prefix, owner, name, "steps"), -1, -1, withscores=True)

@@ -160,6 +160,9 @@ class Settings:
     run_metrics_runs: int = _at_least_zero(20, " (no run metrics)")
     run_metrics_modules: int = _at_least_zero(32)
     run_metrics_idle_s: int = _positive(900)
+    # With API keys set, /metrics shows a scrape the runs of the key it sends (none without one); true shows every
+    # key's runs to every scrape, as without keys (run names, losses and norms are the key holders' data).
+    run_metrics_public: bool = False
     # options.curvature's Lanczos basis: float64 vectors of the parameter count, one per iteration, held by the
     # worker until the run ends; a request whose iterations need more is refused before the queue (too_large).
     max_krylov_bytes: int = field(default_factory=default_krylov_bytes,

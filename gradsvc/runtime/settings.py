@@ -163,6 +163,11 @@ class Settings:
     # With API keys set, /metrics shows a scrape the runs of the key it sends (none without one); true shows every
     # key's runs to every scrape, as without keys (run names, losses and norms are the key holders' data).
     run_metrics_public: bool = False
+    # A run's page draws at most this many cells in each module x step heatmap (every k-th step past it), and its
+    # CSV or JSON answers at most run_export_max_cells values (steps x columns; past it 422 too_large, `last=` asks
+    # for fewer steps): both are built off the event loop, and their size grows with steps x modules.
+    run_page_cells: int = _positive(100_000)
+    run_export_max_cells: int = _positive(4_000_000)
     # options.curvature's Lanczos basis: float64 vectors of the parameter count, one per iteration, held by the
     # worker until the run ends; a request whose iterations need more is refused before the queue (too_large).
     max_krylov_bytes: int = field(default_factory=default_krylov_bytes,

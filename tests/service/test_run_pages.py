@@ -38,3 +38,26 @@ def test_the_csv_has_a_row_a_step_and_a_column_a_module_whatever_its_name():
     assert rows[0]["update_ratio[0]"] == "" and float(rows[1][f"update_ratio[{EVIL}]"]) == 2e-3
     assert float(rows[2]["loss[task]"]) == 0.1 and rows[2]["numcheck_passed"] == "false"
     assert [float(r["loss"]) for r in rows] == [s.loss for s in steps()]
+
+
+def wide_steps(n: int, modules: int) -> list[RunStep]:
+    return [RunStep(step=i, job_id=f"job-{i}", ended_at="t", loss=1.0, grad_norm=1.0,
+                    module_grad_norms={f"m{j}": 1.0 + j for j in range(modules)},
+                    update_ratio={f"m{j}": 1e-3 for j in range(modules)} if i else None, total_ms=1.0)
+           for i in range(n)]
+
+
+def test_a_long_run_of_a_deep_model_draws_at_most_the_page_cells_in_each_heatmap_and_says_so():
+    """300 steps x 64 modules is 19,200 cells a heatmap; the page draws every k-th step within 2,000 cells, the
+    last step always, and the curves keep every step."""
+    kept = wide_steps(300, 64)
+    context = run_context("deep", kept, max_cells=2_000)
+    page = html.page("run.html", logged_in=False, **context).content
+    norm_cells = page.count('<rect class="cell"') - page.split('id="ratio-heatmap"')[1].count('<rect class="cell"')
+    assert 0 < norm_cells <= 2_000 and context["heatmap_stride"] == 10
+    assert "step 299: " in page.split('id="norm-heatmap"')[1] and 'id="heatmap-stride"' in page
+    assert page.count('class="point"') == 2 * 300
+    small = html.page("run.html", logged_in=False, **run_context("small", steps(), max_cells=2_000)).content
+    assert 'id="heatmap-stride"' not in small
+    assert run_context("wide", wide_steps(2, 5_000), max_cells=2_000)["norm_heatmap"].count('<rect class="cell"') \
+        <= 2_000

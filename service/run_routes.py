@@ -102,7 +102,7 @@ def steps_csv(steps: list[RunStep]) -> str:
         nc = s.numcheck
         writer.writerow([s.step, s.job_id, s.ended_at, repr(s.loss), repr(s.grad_norm), repr(s.total_ms),
                          nc.mode if nc else "", ("true" if nc.passed else "false") if nc else "",
-                         repr(nc.max_rel_error) if nc else "", _cell(s.noise_scale),
+                         repr(nc.max_rel_error) if nc and nc.mode != "off" else "", _cell(s.noise_scale),
                          *(_cell((s.losses or {}).get(n)) for n in losses),
                          *(_cell(s.module_grad_norms.get(m)) for m in modules),
                          *(_cell((s.update_ratio or {}).get(m)) for m in ratios)])

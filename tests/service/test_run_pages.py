@@ -61,3 +61,10 @@ def test_a_long_run_of_a_deep_model_draws_at_most_the_page_cells_in_each_heatmap
     assert 'id="heatmap-stride"' not in small
     assert run_context("wide", wide_steps(2, 5_000), max_cells=2_000)["norm_heatmap"].count('<rect class="cell"') \
         <= 2_000
+
+
+def test_the_csv_leaves_the_error_of_a_check_that_did_not_run_empty_not_zero():
+    off = [RunStep(step=0, job_id="j", ended_at="t", loss=1.0, grad_norm=1.0, module_grad_norms={"0": 1.0},
+                   total_ms=1.0, numcheck=RunCheck("off", False, 0.0))]
+    row = next(csv.DictReader(io.StringIO(steps_csv(off))))
+    assert row["numcheck_mode"] == "off" and row["numcheck_max_rel_error"] == ""

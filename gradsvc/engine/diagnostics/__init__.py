@@ -51,7 +51,7 @@ class Outcome:
 
 
 def run(prep, params: dict[str, torch.Tensor], device: torch.device, seed: int, grads: dict[str, torch.Tensor],
-        per_example: dict[str, torch.Tensor] | None) -> Outcome:
+        per_example: dict[str, torch.Tensor] | None, progress=None) -> Outcome:
     """Every diagnostic the options ask for, from the batch's gradient `grads` (as computed, before any
     clipping) and the examples' own loss gradients `per_example` ({name: (batch, *shape)}, when needed)."""
     opts = prep.options
@@ -70,5 +70,5 @@ def run(prep, params: dict[str, torch.Tensor], device: torch.device, seed: int, 
     elif opts.clip is not None:
         out.clipped, out.clip = clipping.clip_global(grads, opts.clip.max_norm)
     if opts.curvature is not None:
-        out.curvature = curvature(prep, params, device, seed)
+        out.curvature = curvature(prep, params, device, seed, progress)
     return out

@@ -33,6 +33,7 @@ class Products:
         self.shapes = [p.shape for p in params.values()]
         self.size = sum(p.numel() for p in params.values())
         self.count = 0
+        self.progress, self.total = None, 0  # the job's progress callback and the products it expects at most
         chunk = next(iter(chunks(_whole_batch(prep))))
         out, _, total = forward(prep, chunk)
         leaves = list(params.values())
@@ -48,6 +49,8 @@ class Products:
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         self.count += 1
+        if self.progress is not None:
+            self.progress("curvature", min(self.count, self.total), self.total)
         pieces = self._split(v)
         out = self._apply(pieces)
         # Lanczos keeps its basis on the CPU in float64: P x steps numbers, beside products that dominate
@@ -79,13 +82,15 @@ def _whole_batch(prep: Prepared) -> Prepared:
     return dataclasses.replace(prep, options=msgspec.structs.replace(prep.options, micro_batch=None))
 
 
-def curvature(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int) -> Curvature:
-    """What options.curvature asks for, on the whole batch, the model's buffers left as they were."""
+def curvature(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int,
+              progress=None) -> Curvature:
+    """What options.curvature asks for, on the whole batch, the model's buffers left as they were; `progress`
+    (phase, done, total) hears of each product."""
     opts = prep.options.curvature
     saved = {n: b.detach().clone() for n, b in prep.model.named_buffers()}
     try:
         with seeded(seed, device, is_random(prep.model)), twice_differentiable(True):
-            return _curvature(prep, params, opts)
+            return _curvature(prep, params, opts, progress)
     except RuntimeError as exc:
         if "not implemented" not in str(exc) and "does not require grad" not in str(exc):
             raise
@@ -98,11 +103,16 @@ def curvature(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
                 b.copy_(saved[n])
 
 
-def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureOptions) -> Curvature:
+def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureOptions, progress=None) -> Curvature:
     products = Products(prep, params, opts.matrix)
+    size = products.size
+    if progress is not None:
+        probes = (opts.probes or DEFAULT_PROBES) if opts.trace or opts.density else 0
+        products.progress = progress
+        products.total = ((top_steps(opts, size) + opts.top if opts.top else 0)
+                          + probes * (density_steps(opts, size) if opts.density else 1))
     result = Curvature(matrix=opts.matrix)
     gen = torch.Generator().manual_seed(opts.seed)
-    size = products.size
     if opts.top:
         steps = top_steps(opts, size)
         values, vectors, _ = top_ritz(products, size, opts.top, steps, opts.tolerance, gen)
@@ -113,6 +123,8 @@ def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureO
     if opts.trace or opts.density:
         _probe(products, opts, result)
     result.products = products.count
+    if progress is not None:  # Lanczos stopped early: done
+        progress("curvature", products.total, products.total)
     return result
 
 

@@ -500,3 +500,14 @@ def test_noise_multiplier_without_per_sample_is_a_422_bad_option_saying_to_set_p
     err = refused(layer_request(module, x, y, clip={"max_norm": 1.0, "noise_multiplier": 1.0}))
     assert err.detail["option"] == "clip.noise_multiplier" and "per_sample" in err.message
     compute(layer_request(module, x, y, clip={"max_norm": 1.0, "noise_multiplier": 0.0}), EngineConfig())
+
+
+def test_a_curvature_job_reports_its_products_as_progress():
+    """GET /jobs/{id} shows {phase, done, total} while a job runs; curvature's products are most of such a job."""
+    module, (x, y) = cnn(), cnn_batch()
+    seen = []
+    compute(layer_request(module, x, y, curvature={"top": 2, "trace": True, "probes": 5}), EngineConfig(),
+            progress=lambda phase, done, total: seen.append((phase, done, total)))
+    curv = [(d, t) for p, d, t in seen if p == "curvature"]
+    assert len(curv) > 5 and all(0 <= d <= t for d, t in curv)
+    assert [d for d, _ in curv] == sorted(d for d, _ in curv) and curv[-1][0] == curv[-1][1]

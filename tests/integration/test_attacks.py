@@ -489,6 +489,8 @@ def test_a_large_runs_page_and_csv_are_bounded_and_stall_no_other_client(attacke
 
     (pages, csv_answer), latencies = _latencies_meanwhile(attacked, load_pages)
     assert all(p.status_code == 200 for p in pages) and csv_answer.status_code == 200
+    print(f"/healthz + /layers while 4 pages and a CSV load: max {max(latencies):.3f} s over {len(latencies)}; "
+          f"page {len(pages[0].content)} bytes, CSV {len(csv_answer.content)} bytes")
     assert max(latencies) < 1.0, sorted(latencies)[-5:]
     assert pages[0].text.count('<rect class="cell"') <= 2 * 100_000 and 'id="heatmap-stride"' in pages[0].text
     assert csv_answer.headers["content-type"] == "text/csv; charset=utf-8"

@@ -88,7 +88,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
     parts = {"settings": settings, "engine": engine, "auth": auth, "graphs": graphs, "blobs": blobs,
-             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics), "reader": reader,
+             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics, runs), "reader": reader,
              "metrics": metrics,
              "page_login": page_login, "schema_doc": schema_doc, "runs": runs,
              "layers": [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]}

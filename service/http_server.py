@@ -48,6 +48,7 @@ class BoundedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head: bytearray | None = bytearray()  # this request's head so far; None once it ended
         self._stall: asyncio.TimerHandle | None = None
+        self._progress = (0, 0.0)  # (bytes waiting, when they last went down) while the stall watch runs
 
     def data_received(self, data: bytes) -> None:
         head = self._head
@@ -84,18 +85,24 @@ class BoundedProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._watch(self.transport.get_write_buffer_size())
+            self._progress = (self.transport.get_write_buffer_size(), self.loop.time())
+            self._watch()
 
-    def _watch(self, waiting: int) -> None:
-        self._stall = self.loop.call_later(self.write_timeout_s, self._check_progress, waiting)
+    def _watch(self) -> None:
+        # Sampled four times a timeout: a reader that took a few pieces and then stopped is cut one timeout after
+        # its last read (judged once a timeout, a read early in the window bought it a second window).
+        self._stall = self.loop.call_later(self.write_timeout_s / 4, self._check_progress)
 
-    def _check_progress(self, was_waiting: int) -> None:
+    def _check_progress(self) -> None:
         self._stall = None
         waiting = self.transport.get_write_buffer_size()
         if waiting == 0:
             return
-        if waiting < was_waiting:  # slow but reading: watch on
-            self._watch(waiting)
+        now = self.loop.time()
+        if waiting < self._progress[0]:  # slow but reading: watch on
+            self._progress = (waiting, now)
+        if now - self._progress[1] < self.write_timeout_s:
+            self._watch()
             return
         CLOSED["stalled_reader"] += 1
         log.warning("closing the connection of %s: it read none of the %d bytes waiting for it in %.0f s "

@@ -181,25 +181,34 @@ async def run_page(request: Request, viewer: str | None, state: ApiState, name: 
     except ServiceError as exc:
         return html.page("missing.html", status_code=404, message=exc.message, what="run",
                          logged_in=state.page_login.auth.enabled)
-    return html.page("run.html", logged_in=state.page_login.auth.enabled, **run_context(name, steps))
+    # Drawn in a thread: a long run of a deep model is hundreds of thousands of SVG elements, which on the event
+    # loop held every other client (the page's size is bounded too: GRADSVC_RUN_PAGE_CELLS).
+    cells = state.settings.run_page_cells
+    return await anyio.to_thread.run_sync(lambda: html.page("run.html", logged_in=state.page_login.auth.enabled,
+                                                            **run_context(name, steps, cells)))
 
 
-def run_context(name: str, kept) -> dict:
+def run_context(name: str, kept, max_cells: int = 100_000) -> dict:
     """What run.html shows: the run's steps and its plots (SVG made here, every name escaped by run_svg). A long
     run shows its last PLOT_STEPS steps (a page of 10,000 steps x 30 modules would be 300,000 heatmap cells);
-    the CSV has them all."""
+    each heatmap draws at most `max_cells` cells (GRADSVC_RUN_PAGE_CELLS): every k-th of those steps, the last
+    one always, and the first `max_cells` modules. The CSV has them all."""
     steps = kept[-PLOT_STEPS:]
     noise = [(s.step, s.noise_scale) for s in steps if s.noise_scale is not None]
+    modules = max((len(s.module_grad_norms) for s in steps), default=1) or 1
+    stride = max(1, -(-len(steps) * modules // max_cells))  # ceil
+    drawn = steps[::-1][::stride][::-1]
     plots = {
         "loss_svg": run_svg.curve("loss-plot", "loss", [(s.step, s.loss) for s in steps]),
         "norm_svg": run_svg.curve("norm-plot", "gradient norm", [(s.step, s.grad_norm) for s in steps]),
         "noise_svg": run_svg.curve("noise-plot", "noise scale", noise) if noise else "",
-        "norm_heatmap": run_svg.heatmap("norm-heatmap", "gradient norm per module", steps, "module_grad_norms"),
-        "ratio_heatmap": run_svg.heatmap("ratio-heatmap", "update ratio per module", steps, "update_ratio"),
+        "norm_heatmap": run_svg.heatmap("norm-heatmap", "gradient norm per module", drawn, "module_grad_norms",
+                                        max_cells),
+        "ratio_heatmap": run_svg.heatmap("ratio-heatmap", "update ratio per module", drawn, "update_ratio", max_cells),
         "verdict_svg": run_svg.verdicts("verdict-strip", steps),
     }
     return {"name": name, "steps": steps, "kept": len(kept), "table_steps": steps[-TABLE_STEPS:][::-1],
-            **{k: Markup(v) for k, v in plots.items()}}
+            "heatmap_stride": stride, **{k: Markup(v) for k, v in plots.items()}}
 
 
 @get("/ui/static/{name:str}", include_in_schema=False)

@@ -149,6 +149,12 @@ def run_key(prefix: str, owner: str, name: str, part: str) -> str:
     return f"{run_base(prefix, owner)}{hashlib.sha1(name.encode()).hexdigest()}:{part}"
 
 
+def run_weights_sizes_key(prefix: str, owner: str) -> str:
+    """The bytes of each of the owner's runs' kept weights (a hash by run name): what the owner's byte budget
+    (GRADSVC_TENSOR_BUDGET_BYTES) counts of its runs, beside its tensor pieces."""
+    return f"{prefix}:run-weights:{owner}"
+
+
 def run_exports_key(prefix: str) -> str:
     """Every owner's runs ("<owner> <name>") by the time of their last step: the API's /metrics exports the
     most recent of them."""

@@ -284,3 +284,20 @@ def test_a_step_records_the_noise_scale_and_clip_its_call_returned(alice):
     grad_norm, module_norms = norms(unclipped)  # the norms before the clip, as a run records them
     assert step.grad_norm == pytest.approx(grad_norm, rel=1e-5) == pytest.approx(result.clip.total_norm, rel=1e-5)
     assert step.module_grad_norms == pytest.approx(module_norms, rel=1e-5)
+
+
+def test_an_unnumbered_step_after_the_largest_step_number_is_a_422_and_records_nothing(bob_http):
+    from gradsvc.wire import MAX_RUN_STEP
+
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
+            "inputs": [[1.0, 2.0]], "targets": [1], "options": {"numcheck": "off"},
+            "run": {"name": "at-the-top", "step": MAX_RUN_STEP}}
+    assert bob_http.post("/gradients", json=body).status_code == 200
+    body["run"] = {"name": "at-the-top"}
+    r = bob_http.post("/gradients", json=body)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "bad_option" and error["detail"]["option"] == "run.step"
+    assert str(MAX_RUN_STEP) in error["message"]
+    assert [s["step"] for s in bob_http.get("/runs/at-the-top").json()["steps"]] == [MAX_RUN_STEP]
+    bob_http.delete("/runs/at-the-top")

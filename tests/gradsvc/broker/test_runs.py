@@ -104,3 +104,37 @@ def test_a_step_recorded_with_the_check_off_reads_back_with_no_verdict_even_one_
         off = msgspec.structs.replace(step(n, f"job-{n}"), numcheck=RunCheck("off", passed, 0.0))
         s.record(r, "alice", f"job-{n}", off, "exp", numbered=True)
     assert [x.numcheck.passed for x in s.steps("alice", "exp")] == [None, None]
+
+
+def test_an_unnumbered_step_past_the_largest_step_number_is_not_recorded(r):
+    """The API refuses it before the queue (422); the script holds the bound too, for two steps racing there."""
+    from gradsvc.wire import MAX_RUN_STEP
+
+    s = store(r)
+    s.record(r, "alice", "job-top", step(MAX_RUN_STEP, "job-top"), "exp", numbered=True)
+    s.record(r, "alice", "job-next", step(0, "job-next"), "exp", numbered=False)
+    assert [x.step for x in s.steps("alice", "exp")] == [MAX_RUN_STEP]
+    assert s.job_run("job-next") is None
+    assert s.usage("alice", "exp").last_step == MAX_RUN_STEP
+
+
+def test_the_owners_run_weights_are_counted_per_run_and_dropped_with_their_runs(r):
+    s = store(r, max_runs=2)
+    s.record(r, "alice", "j0", step(0, "j0"), "a", numbered=True, weights=b"w" * 100)
+    s.record(r, "alice", "j1", step(0, "j1"), "b", numbered=True, weights=b"w" * 40)
+    s.record(r, "alice", "j2", step(1, "j2"), "a", numbered=True, weights=b"w" * 70)
+    assert s.weights_bytes("alice") == 110 and s.usage("alice", "a").other_weights_bytes == 40
+    s.record(r, "alice", "j3", step(0, "j3"), "c", numbered=True, weights=b"w" * 5)  # evicts run "b"
+    assert s.weights_bytes("alice") == 75
+    s.delete("alice", "a")
+    assert s.weights_bytes("alice") == 5 and s.weights_bytes("bob") == 0
+    s.record(r, "alice", "j4", step(1, "j4"), "c", numbered=True)  # no weights: none kept, none counted
+    assert s.weights_bytes("alice") == 0
+
+
+def test_weights_over_the_owners_budget_are_not_kept(r):
+    s = store(r, weights_budget_bytes=100)
+    s.record(r, "alice", "j0", step(0, "j0"), "a", numbered=True, weights=b"w" * 60)
+    s.record(r, "alice", "j1", step(0, "j1"), "b", numbered=True, weights=b"w" * 60)
+    assert s.weights_bytes("alice") == 60 and s.previous_weights("alice", "b") is None
+    assert [x.step for x in s.steps("alice", "b")] == [0]  # the step itself is recorded

@@ -248,6 +248,9 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     diagnostics: list[Literal["norms", "variance", "second_moment", "noise_scale"]] = []
     clip: ClipOptions | None = None
     curvature: CurvatureOptions | None = None
+    # The float32 math of convolutions and matmuls: "ieee" (full float32), "tf32" (TF32 where the device has it:
+    # faster, a 10-bit mantissa, judged at its tolerance). Default: the worker's GRADSVC_FLOAT32_MATH ("ieee").
+    math_mode: Literal["ieee", "tf32"] | None = None
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional
@@ -521,6 +524,8 @@ class GradientResult(Struct, omit_defaults=False):
     diagnostics: Diagnostics | None = None
     clip: ClipResult | None = None
     curvature: Curvature | None = None
+    # The float32 math the job ran in: "ieee" or "tf32" (only on a CUDA device that has it; never on a CPU).
+    math_mode: str = "ieee"
 
 
 class Estimate(Struct):

@@ -19,7 +19,8 @@ from gradsvc.wire import GradientRequest, GradientResult, Memory, Numcheck, Timi
 
 from . import diagnostics, outputs, tensors
 from .config import EngineCaches, EngineConfig
-from .devices import is_allocation_failure, one_cpu_thread, out_of_memory, resolve_device, sync
+from .devices import (float32_math, is_allocation_failure, math_mode_for, one_cpu_thread, out_of_memory,
+                      resolve_device, sync)
 from .errors import ComputeError
 from .numcheck import CheckInputs, ProgressCallback, computed_dtype, numerical_check
 from .passes import Pass, non_finite_error, run_pass, trainable
@@ -62,6 +63,7 @@ class Run:
     device: torch.device
     progress: ProgressCallback | None = None
     reference: dict[str, torch.Tensor] | None = None  # receives the check's float64 autograd gradients
+    math_mode: str = "ieee"  # the float32 math the passes run in (devices.float32_math)
     started: float = field(default_factory=time.perf_counter)
     # preprocess
     prep: Prepared = field(init=False)
@@ -104,11 +106,14 @@ TINY_JOB_WORK = 1 << 15
 def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
              device: torch.device, graphs: GraphResolver | None = None,
              reference: dict[str, torch.Tensor] | None = None, caches: EngineCaches | None = None) -> GradientResult:
-    """TorchServe's handle(): preprocess, inference, postprocess."""
-    run = _preprocess(Run(request, config, device, progress, reference), graphs, caches)
-    with one_cpu_thread(device, run.is_tiny):
-        _inference(run)
-        result = _postprocess(run)
+    """TorchServe's handle(): preprocess, inference, postprocess, in the job's float32 math (options.math_mode,
+    else the worker's setting; "ieee" wherever TF32 cannot run)."""
+    mode = math_mode_for(device, request.options.math_mode or config.float32_math)
+    with float32_math(mode, device):
+        run = _preprocess(Run(request, config, device, progress, reference, math_mode=mode), graphs, caches)
+        with one_cpu_thread(device, run.is_tiny):
+            _inference(run)
+            result = _postprocess(run)
     release(run.prep, caches)  # after a success only: a failed compute's model is dropped
     return result
 
@@ -245,7 +250,7 @@ def _numerical_check(run: Run) -> None:
         n: g.to(computed_dtype(run.prep)) for n, g in (per_sample_sum or {}).items()}
     run.check = numerical_check(CheckInputs(run.prep, run.request, run.config, run.device, returned, run.progress,
                                             run.reference, final=final, hvp_vector=run.hvp_vector,
-                                            per_sample_sum=per_sample_sum))
+                                            per_sample_sum=per_sample_sum, math_mode=run.math_mode))
     ran = run.check is not None and run.check.mode != "off"
     run.numcheck_s = time.perf_counter() - numcheck_started if ran else 0.0
 
@@ -260,6 +265,7 @@ def encode_result(run: Run, timings: Timings) -> GradientResult:
     return GradientResult(
         device=str(run.device),
         dtype=run.request.model.dtype,
+        math_mode=run.math_mode,
         parameter_count=prep.parameter_count,
         torch_version=str(torch.__version__),
         loss=final.loss,

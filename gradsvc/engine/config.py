@@ -42,6 +42,7 @@ class EngineConfig:
     max_timing_repeat: int = MAX_TIMING_REPEAT
     init_cache_bytes: int = 1 << 30
     resident_model_bytes: int = 1 << 30  # graph models a CPU worker keeps with their weights (resident.py); 0: none
+    float32_math: str = "ieee"  # a job's float32 math unless options.math_mode says (devices.float32_math)
 
 
 def config_from_settings(settings) -> EngineConfig:
@@ -57,6 +58,7 @@ def config_from_settings(settings) -> EngineConfig:
         numcheck_budget=settings.numcheck_budget,
         numcheck_budget_min_s=settings.numcheck_budget_min_s,
         resident_model_bytes=settings.resident_model_bytes,
+        float32_math=settings.float32_math,
     )
 
 

@@ -101,6 +101,9 @@ class Settings:
     # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
     # a weight sent by the same reference as before is not copied again.
     resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")
+    # The float32 math of a job that does not set options.math_mode: "ieee" (full float32 convolutions and
+    # matmuls: the same verdict on any device) or "tf32" (TF32 on CUDA devices that have it; never on a CPU).
+    float32_math: str = _one_of("ieee", ("ieee", "tf32"), "use ieee or tf32")
     numcheck_exact_max: int = 20_000
     numcheck_directions: int = 16
     numcheck_samples: int = 8

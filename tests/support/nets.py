@@ -57,3 +57,20 @@ def from_wire(d: dict) -> torch.Tensor:
         raw = base64.b64decode(d["b64"])
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(d["shape"]) if raw else torch.empty(d["shape"], dtype=dtype)
     return torch.tensor(d["data"], dtype=dtype).reshape(d["shape"])
+
+
+# A BatchNorm/ReLU/max-pool CNN: on a GPU whose cuDNN runs float32 convolutions in TF32 (CUDA's default) its
+# float32 gradient drifts past the float32 tolerance; the worker's default "ieee" math keeps it within.
+BN_CNN_LAYERS = [
+    {"type": "Conv2d", "in_channels": 3, "out_channels": 8, "kernel_size": 3, "padding": 1},
+    {"type": "BatchNorm2d", "num_features": 8}, {"type": "ReLU"}, {"type": "MaxPool2d", "kernel_size": 2},
+    {"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 3, "padding": 1},
+    {"type": "BatchNorm2d", "num_features": 16}, {"type": "ReLU"}, {"type": "MaxPool2d", "kernel_size": 2},
+    {"type": "Flatten"}, {"type": "Linear", "in_features": 16 * 4 * 4, "out_features": 10},
+]
+
+
+def bn_cnn_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """n images of 3x16x16 and their classes (of 10), float32."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)

@@ -55,6 +55,11 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/gradsvc/engine
 
+# .whl/ (ignored): the server's packages the GPU machine's image lacks, as py3.12 manylinux wheels, for
+# bench/gpu_check.sh to install there without the network (docs/testing.md, "On a GPU").
+wheels:
+	bash bench/gpu_wheels.sh
+
 bench: install
 	$(PY) bench/run_all.py
 

@@ -531,6 +531,8 @@ class GradientResult(Struct, omit_defaults=False):
 class Estimate(Struct):
     parameter_count: int
     memory: Memory
+    # POST /estimate: the limits the request was checked under, and which workers' device they came from.
+    limits: EstimateLimits | None = None
 
 
 class RunCheck(Struct):
@@ -713,3 +715,18 @@ ERROR_CODES: dict[str, ErrorCode] = {
 
 JSON_ENCODER = msgspec.json.Encoder()
 MSGPACK_ENCODER = msgspec.msgpack.Encoder()
+
+
+# --- Limits by device (docs/limits.md) ---------------------------------------------------------------------
+
+class EstimateLimits(Struct):
+    """The limits a request was checked under: `device` "cuda" (those of the smallest live CUDA device the job
+    may go to: its element and memory limits follow its memory unless set), "cpu" (the settings': a CPU worker
+    may take the job) or "settings" (no live worker said what it has)."""
+
+    device: str
+    max_elements: int
+    max_job_bytes: int
+    max_parameters: int
+    device_name: str | None = None
+    device_bytes: int | None = None

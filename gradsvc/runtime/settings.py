@@ -47,6 +47,12 @@ def default_job_bytes() -> int:
     return host_memory_bytes() // 2 or 16 << 30
 
 
+# Fields not read from a variable of their own (Settings.from_env derives them).
+DERIVED = ("redis_url_given", "limits_given")
+# The limits a CUDA device's memory stands in for unless set (gradsvc.engine.config.DEVICE_LIMITS).
+DEVICE_LIMITS = ("max_elements", "max_job_bytes")
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -161,15 +167,19 @@ class Settings:
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False
+    # Derived: the limits set explicitly (GRADSVC_MAX_ELEMENTS, GRADSVC_MAX_JOB_BYTES, by field name); on CUDA
+    # the others follow the device's memory (gradsvc.engine.config.limits_for_device, docs/limits.md).
+    limits_given: frozenset = frozenset()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
         env = os.environ if environ is None else environ
         values: dict = {}
         values["redis_url_given"] = "GRADSVC_REDIS_URL" in env
+        values["limits_given"] = frozenset(n for n in DEVICE_LIMITS if f"GRADSVC_{n.upper()}" in env or n in overrides)
         for f in fields(cls):
             var = f"GRADSVC_{f.name.upper()}"
-            if var not in env or f.name == "redis_url_given":
+            if var not in env or f.name in DERIVED:
                 continue
             raw = env[var]
             try:

@@ -201,3 +201,23 @@ def test_catalogue_lists_every_allowed_layer_with_defaults_and_ranges():
     for required in ("Linear", "Conv1d", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "ReLU", "LeakyReLU", "GELU",
                      "Tanh", "Sigmoid", "Softmax", "Dropout", "BatchNorm1d", "BatchNorm2d", "LayerNorm", "Embedding"):
         assert required in names
+
+
+def test_a_norm_layer_without_bias_is_built_on_a_torch_whose_constructor_lacks_the_argument():
+    """torch 2.11's BatchNorm, InstanceNorm and GroupNorm take no `bias`: the layer is built with its affine
+    parameters and the bias removed, as the newer constructor leaves it."""
+    from gradsvc.engine.spec import construct
+
+    class OldBatchNorm(nn.BatchNorm1d):  # a constructor as torch 2.11's
+        def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
+            super().__init__(num_features, eps, momentum, affine, track_running_stats)
+
+    old = construct(OldBatchNorm, {"num_features": 3, "eps": 1e-5, "momentum": 0.1, "affine": True,
+                                   "track_running_stats": True, "bias": False})
+    assert old.bias is None and list(old.state_dict()) == ["weight", "running_mean", "running_var",
+                                                           "num_batches_tracked"]
+    kept = construct(OldBatchNorm, {"num_features": 3, "bias": True})
+    assert kept.bias is not None
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(old(x), torch.nn.functional.batch_norm(x, None, None, old.weight, None, training=True))
+    assert read_args("BatchNorm1d", old)["bias"] is False

@@ -88,14 +88,19 @@ def to_host(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = dict(named)
     done = {}
     for (device, dtype), names in groups.items():
-        flat = torch.cat([named[n].detach().reshape(-1) for n in names])  # one buffer on the device: one copy
-        host = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
+        host = torch.empty(sum(named[n].numel() for n in names), dtype=dtype, pin_memory=True)
         offset = 0
         for n in names:
             size = named[n].numel()
             out[n] = host[offset:offset + size].view(named[n].shape)
             offset += size
+        try:
+            flat = torch.cat([named[n].detach().reshape(-1) for n in names])  # one buffer on the device: one copy
+            host.copy_(flat, non_blocking=True)
+            del flat
+        except torch.cuda.OutOfMemoryError:  # no room for the flat buffer: each tensor into its place, no wait
+            for n in names:
+                out[n].copy_(named[n].detach(), non_blocking=True)
         done[device] = torch.cuda.Event()
         done[device].record(torch.cuda.current_stream(device))
     for event in done.values():  # each device's copies were queued on its stream before its event: one wait each

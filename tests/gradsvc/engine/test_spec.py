@@ -221,3 +221,18 @@ def test_a_norm_layer_without_bias_is_built_on_a_torch_whose_constructor_lacks_t
     x = torch.randn(5, 3)
     torch.testing.assert_close(old(x), torch.nn.functional.batch_norm(x, None, None, old.weight, None, training=True))
     assert read_args("BatchNorm1d", old)["bias"] is False
+
+
+def test_every_argument_of_the_layer_table_is_one_this_torch_takes_or_one_the_engine_builds_without():
+    """The layer table is torch-free; on the oldest admitted torch (make test-compat) a constructor may lack an
+    argument the table lists. The only one allowed is a norm layer's `bias` (spec.construct removes the bias)."""
+    from gradsvc.modules import layer_class
+
+    emulated = {"bias"}
+    lacking = []
+    for kind, layer in LAYERS.items():
+        params = inspect.signature(layer_class(kind).__init__).parameters
+        if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            continue
+        lacking += [(kind, name) for name in layer.args if name not in params and name not in emulated]
+    assert not lacking, f"arguments this torch ({torch.__version__}) does not take: {lacking}"

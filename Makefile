@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-server run test test-all bench clean
+.PHONY: install install-server run test test-all test-compat wheels bench clean
 
 $(PY):
 	@echo "creating $(VENV)/"
@@ -40,8 +40,28 @@ test: install
 test-all: install
 	GRADSVC_TEST_ALL=1 $(PY) -m pytest -q -p no:cacheprovider
 
+# The engine's tests on the oldest torch pyproject admits, in a venv of its own (.venv-compat/, ignored): PyPI's
+# torch for x86_64 is a CUDA build (~0.8 GB, and its nvidia-* libraries), so this is not part of `make test`;
+# CI keeps $(TORCH_PIN). docs/testing.md says when to run it.
+COMPAT_VENV ?= .venv-compat
+TORCH_OLDEST ?= torch==2.11.0
+test-compat:
+	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	@test -f $(COMPAT_VENV)/.installed || { echo "installing $(TORCH_OLDEST) and the dev extra into $(COMPAT_VENV)/"; \
+	  $(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_OLDEST)" && \
+	  $(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' "$(TORCH_OLDEST)" && \
+	  $(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "backpack-for-pytorch>=1.7" && \
+	  touch $(COMPAT_VENV)/.installed; }
+	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/gradsvc/engine
+
+# .whl/ (ignored): the server's packages the GPU machine's image lacks, as py3.12 manylinux wheels, for
+# bench/gpu_check.sh to install there without the network (docs/testing.md, "On a GPU").
+wheels:
+	bash bench/gpu_wheels.sh
+
 bench: install
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .gradsvc .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) .gradsvc .pytest_cache

@@ -100,6 +100,7 @@ class GradientResult:
     diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
     clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
     curvature: Curvature | None = None  # curvature={"top": k, "trace": True, ...}
+    math_mode: str = "ieee"  # the float32 math the job ran in: "ieee", or "tf32" where asked on a GPU that has it
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -150,7 +151,7 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
         buffers=tensors(raw.buffers), outputs=_tree(raw.outputs),
         diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
-        curvature=_curvature(raw.curvature, tensors),
+        curvature=_curvature(raw.curvature, tensors), math_mode=raw.math_mode,
     )
 
 

@@ -30,6 +30,7 @@ from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, r
 from .api_metrics import ApiMetrics
 from .api_state import ApiState
 from .auth import Auth
+from .device_limits import DeviceLimits
 from .enqueue import Enqueuer
 from .error_responses import handle_exception
 from .http_server import BodyBudget
@@ -87,8 +88,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
     metrics = ApiMetrics(reader, runs, settings)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
+    # the limits of the workers a job may go to: on CUDA they follow the device's memory (docs/limits.md)
+    limits = DeviceLimits(engine, queues.redis, settings.queue_prefix, settings.limits_given)
     parts = {"settings": settings, "engine": engine, "auth": auth, "graphs": graphs, "blobs": blobs,
-             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics, runs), "reader": reader,
+             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics, runs, limits=limits),
+             "reader": reader,
              "metrics": metrics,
              "page_login": page_login, "schema_doc": schema_doc, "runs": runs,
              "layers": [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]}

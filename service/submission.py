@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import anyio.to_thread
+import msgspec
 
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
@@ -20,10 +21,11 @@ from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.runs import RunStore
 from gradsvc.engine import Engine
 from gradsvc.engine.prepare import Prepared
-from gradsvc.wire import ITEMSIZE, MAX_RUN_STEP, Estimate, GradientRequest, JobInfo
+from gradsvc.wire import ITEMSIZE, MAX_RUN_STEP, Estimate, EstimateLimits, GradientRequest, JobInfo
 
 from .api_metrics import ApiMetrics
 from .auth import Auth
+from .device_limits import DeviceLimits
 from .enqueue import Enqueuer, JobRequest
 from .exceptions import ServiceError
 from .job_reader import JobReader
@@ -75,6 +77,7 @@ class Submitter:
     reader: JobReader
     metrics: ApiMetrics
     runs: RunStore | None = None  # None: run steps are not checked against the run's state before the queue
+    limits: DeviceLimits | None = None  # the limits of the workers a job may go to (None: the engine's)
 
     async def check_run(self, req: GradientRequest, owner: str) -> None:
         """A run's step against the run as Redis holds it (one round trip): a step without a number after
@@ -144,8 +147,18 @@ class Submitter:
                                option="shards", run=req.run.name)
         if (small_layer_spec(req, body) and req.options.device == "auto" and req.options.shards == 1
                 and key is None and self.auth.limit <= 0):
-            return self.engine.prepare(req, "meta")
+            chosen = self.limits.cached("auto") if self.limits is not None else None
+            if self.limits is None or chosen is not None:  # the devices not read lately: a thread reads them
+                return (chosen.engine if chosen else self.engine).prepare(req, "meta")
         return None
+
+    def checker(self, device: str) -> tuple[Engine, EstimateLimits | None]:
+        """The engine whose limits a request for options.device `device` is checked under (those of the workers
+        its job may go to: service/device_limits.py), and what they are. Reads Redis when not cached: a thread."""
+        if self.limits is None:
+            return self.engine, None
+        chosen = self.limits.for_device(device)
+        return chosen.engine, chosen.limits
 
     def on_event_loop(self, prep: Prepared | None) -> bool:
         """Whether a request validated inline needs nothing else of Redis (a result too small to hand off
@@ -163,7 +176,8 @@ class Submitter:
         try:
             if prep is None:
                 self.blobs.check(owner, req)
-                prep = self.engine.prepare(req, "meta", graphs=self.graphs.resolver(owner))
+                engine, _ = self.checker(req.options.device)
+                prep = engine.prepare(req, "meta", graphs=self.graphs.resolver(owner))
             self.auth.check_rate(owner)
             if prep.graph_data is not None:
                 self.graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
@@ -175,11 +189,17 @@ class Submitter:
                 early.staged.discard()  # a no-op once the enqueue committed it
 
     async def estimate(self, req: GradientRequest, body: bytes, owner: str) -> Estimate:
-        """POST /estimate: the request's predicted memory, checked as POST /gradients checks it."""
-        if small_layer_spec(req, body):
-            return self.engine.estimate(req)  # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
+        """POST /estimate: the request's predicted memory, checked as POST /gradients checks it, under the limits
+        of the workers its job would go to (which it names)."""
+        chosen = self.limits.cached(req.options.device) if self.limits is not None else None
+        if small_layer_spec(req, body) and (self.limits is None or chosen is not None):
+            # as for POST /gradients: a spec seen before is a look-up (~0.1 ms)
+            estimate = (chosen.engine if chosen else self.engine).estimate(req)
+            return msgspec.structs.replace(estimate, limits=chosen.limits) if chosen else estimate
         return await anyio.to_thread.run_sync(self._checked_estimate, req, owner)
 
     def _checked_estimate(self, req: GradientRequest, owner: str) -> Estimate:
         self.blobs.check(owner, req)
-        return self.engine.estimate(req, graphs=self.graphs.resolver(owner))
+        engine, limits = self.checker(req.options.device)
+        estimate = engine.estimate(req, graphs=self.graphs.resolver(owner))
+        return msgspec.structs.replace(estimate, limits=limits)  # the cached estimate itself is shared

@@ -114,6 +114,8 @@ MODULE_STATE = {
         "torch's operator registry is per process and a Library cannot drop an op it defined",
     "gradclient.functions._numbers":
         "the custom Functions' op names, never reused within the process (the Library cannot drop an op)",
+    "gradsvc.engine.spec._takes":
+        "a memo of a pure function of a torch class (whether its constructor takes an argument), one entry per class",
     "gradclient.tensors.decode_type":
         "a memo of a pure function of a wire type (its decode-side twin), one entry per Struct type",
 }

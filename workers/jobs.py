@@ -158,7 +158,10 @@ def make_context(settings: Settings, connection: Redis) -> WorkerContext:
     handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
     handoff_files.bind(connection, handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
     s = settings
-    return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings)), device=device,
+    # On CUDA the element and memory limits not set explicitly follow the device's memory, as the API's do
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    engine = Engine(config_from_settings(settings, device_bytes))
+    return WorkerContext(settings=settings, engine=engine, device=device,
                          metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s),
                          pieces=BlobStore(connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
                                           cache_bytes=s.tensor_cache_bytes),

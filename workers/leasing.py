@@ -19,6 +19,7 @@ from rq.job import Job, JobStatus
 from rq.utils import now, utcformat
 from rq.worker import SimpleWorker
 
+from gradsvc.broker import devices
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker.connection import REFUSAL_ERRORS
 from gradsvc.broker.handoff import Handoff
@@ -91,7 +92,9 @@ class Leases:
             # makes anew when Redis came back empty, and the worker then never registered again.
             pipe.sismember(worker_registration.REDIS_WORKER_KEYS, worker.key)
             pipe.hexists(worker.key, "queues")
-            _, _, listed, registered = pipe.execute()
+            if worker.device is not None:  # what the API sizes this device's limits by (gradsvc/broker/devices.py)
+                devices.publish(pipe, worker.prefix, worker.key, worker.device)
+            _, _, listed, registered, *_ = pipe.execute()
         if not (listed and registered):  # the hash had expired, or Redis came back empty: register again
             self._register_again()
         self.reap_abandoned()

@@ -15,10 +15,11 @@ from rq import Queue
 
 from gradsvc.broker import keys
 from gradsvc.broker.connection import connect
+from gradsvc.broker.devices import WorkerDevice
 from gradsvc.broker.job import GradientJob, MsgpackSerializer
 from gradsvc.engine import warm_up_shape_check
 from gradsvc.runtime.malloc import cap_data, keep_large_buffers
-from gradsvc.runtime.settings import Settings
+from gradsvc.runtime.settings import Settings, host_memory_bytes
 
 from .jobs import make_context
 from .leasing import REDIS_ERRORS
@@ -54,9 +55,19 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
               for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
-    return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
-                          name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix,
-                          context=ctx)
+    worker = GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
+                            name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix,
+                            context=ctx)
+    worker.device = describe_device(ctx.device)
+    return worker
+
+
+def describe_device(device: torch.device) -> WorkerDevice:
+    """This worker's device as the API reads it for the limits (gradsvc/broker/devices.py)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return WorkerDevice(kind="cuda", name=props.name, total_bytes=int(props.total_memory))
+    return WorkerDevice(kind="cpu", name="cpu", total_bytes=host_memory_bytes())
 
 
 def _wait_for_redis(settings: Settings) -> None:

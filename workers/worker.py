@@ -29,8 +29,9 @@ from rq.rate_limit import release_slot
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
-from gradsvc.broker import keys
+from gradsvc.broker import devices, keys
 from gradsvc.broker.connection import refusal
+from gradsvc.broker.devices import WorkerDevice
 from gradsvc.broker.job import GRADIENT_JOB, GradientJob
 from gradsvc.broker.record import JobMeta
 from gradsvc.runtime.malloc import MemoryKeeper
@@ -64,6 +65,7 @@ class GradientWorker(SimpleWorker):
         super().__init__(*args, **kwargs)
         self.context = context
         self.prefix = prefix
+        self.device: WorkerDevice | None = None  # published with each heartbeat (workers/main.py sets it)
         self.watchdog = Watchdog(self)
         handoff = context.handoff if context is not None else None
         self.leases = Leases(self, heartbeat_s, self.watchdog, handoff)  # kept by the heartbeat thread
@@ -216,6 +218,8 @@ class GradientWorker(SimpleWorker):
     def teardown(self) -> None:
         self.leases.stop()
         try:
+            if self.device is not None:
+                devices.withdraw(self.connection, self.prefix, self.key)
             super().teardown()
         except REDIS_ERRORS as exc:
             log.warning("worker %s: could not register its death, Redis unreachable or refusing writes (%s)", self.name, exc)

@@ -176,3 +176,10 @@ def write_probe_key(prefix: str) -> str:
 def login_failures_key(prefix: str, client: str, window: int) -> str:
     """Failed /ui/login attempts from one client address in one minute (service/page_login.py throttles them)."""
     return f"{prefix}:login-failures:{client}:{window}"
+
+
+def worker_devices_key(prefix: str) -> str:
+    """A hash: each live worker's key (RQ's `rq:worker:<name>`) -> its device as JSON (kind, name, total_bytes),
+    written at its start and every heartbeat and deleted at its stop (gradsvc/broker/devices.py); the API reads
+    the devices' memory from it for the limits of the workers a job may go to."""
+    return f"{prefix}:worker-devices"

@@ -19,7 +19,8 @@ from gradsvc.wire import GradientRequest, GradientResult, Memory, Numcheck, Timi
 
 from . import diagnostics, outputs, tensors
 from .config import EngineCaches, EngineConfig
-from .devices import is_allocation_failure, one_cpu_thread, out_of_memory, resolve_device, sync
+from .devices import (float32_math, is_allocation_failure, math_mode_for, one_cpu_thread, out_of_memory,
+                      resolve_device, sync)
 from .errors import ComputeError
 from .numcheck import CheckInputs, ProgressCallback, computed_dtype, numerical_check
 from .passes import Pass, non_finite_error, run_pass, trainable
@@ -41,15 +42,18 @@ def compute(request: GradientRequest, config: EngineConfig | None = None, *, pro
     try:
         return _compute(request, config, progress, device, graphs, reference, caches)
     except torch.cuda.OutOfMemoryError as exc:
-        raise out_of_memory(device, exc) from None
+        failed = out_of_memory(device, exc)
     except (MemoryError, RuntimeError) as exc:  # cuBLAS/cuDNN report some allocation failures as plain RuntimeErrors
         if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
             raise
         caches.resident_models.clear()  # what the pool holds goes first: the next job may need it
-        raise out_of_memory(device, exc) from None
+        failed = out_of_memory(device, exc)
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    # Raised outside the handler, so that it carries no context: the allocation failure's traceback holds the
+    # failed job's frames and, through them, every tensor it had on the device, for as long as the error lives.
+    raise failed
 
 
 @dataclass
@@ -62,6 +66,8 @@ class Run:
     device: torch.device
     progress: ProgressCallback | None = None
     reference: dict[str, torch.Tensor] | None = None  # receives the check's float64 autograd gradients
+    math_mode: str = "ieee"  # the float32 math the passes run in (devices.float32_math)
+    resting_bytes: int = 0  # what the device's allocator held when the job started (CUDA)
     started: float = field(default_factory=time.perf_counter)
     # preprocess
     prep: Prepared = field(init=False)
@@ -104,17 +110,23 @@ TINY_JOB_WORK = 1 << 15
 def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
              device: torch.device, graphs: GraphResolver | None = None,
              reference: dict[str, torch.Tensor] | None = None, caches: EngineCaches | None = None) -> GradientResult:
-    """TorchServe's handle(): preprocess, inference, postprocess."""
-    run = _preprocess(Run(request, config, device, progress, reference), graphs, caches)
-    with one_cpu_thread(device, run.is_tiny):
-        _inference(run)
-        result = _postprocess(run)
+    """TorchServe's handle(): preprocess, inference, postprocess, in the job's float32 math (options.math_mode,
+    else the worker's setting; "ieee" wherever TF32 cannot run)."""
+    mode = math_mode_for(device, request.options.math_mode or config.float32_math)
+    with float32_math(mode, device):
+        run = _preprocess(Run(request, config, device, progress, reference, math_mode=mode), graphs, caches)
+        with one_cpu_thread(device, run.is_tiny):
+            _inference(run)
+            result = _postprocess(run)
     release(run.prep, caches)  # after a success only: a failed compute's model is dropped
     return result
 
 
 def _preprocess(run: Run, graphs: GraphResolver | None, caches: EngineCaches | None) -> Run:
     """The request validated and prepared on the run's device (its model, inputs, targets, loss terms)."""
+    if run.device.type == "cuda":  # the job's own peak is counted from what the worker holds now
+        torch.cuda.reset_peak_memory_stats(run.device)
+        run.resting_bytes = torch.cuda.memory_allocated(run.device)
     run.prep = prepare(run.request, run.config, run.device, graphs=graphs, caches=caches)
     sync(run.device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     run.prepare_s = time.perf_counter() - run.started
@@ -125,8 +137,6 @@ def _inference(run: Run) -> None:
     """The passes, what the options add around them, and the numerical check of it all."""
     run.params = trainable(run.prep)
     run.hvp_vector = hvp_vector_for(run.request, run.params, run.config)
-    if run.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(run.device)
     _passes(run)
     _memory(run)
     if run.prep.options.checkpoint_segments:
@@ -187,6 +197,8 @@ def _timed_passes(run: Run) -> list[Pass]:
 
 
 def _refuse_non_finite_gradients(final: Pass) -> None:
+    if tensors.all_finite_many(list(final.grads.values())):  # on a GPU: one synchronisation for them all
+        return
     for name, g in final.grads.items():
         if not tensors.all_finite(g):
             raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
@@ -194,10 +206,12 @@ def _refuse_non_finite_gradients(final: Pass) -> None:
 
 
 def _memory(run: Run) -> None:
-    """The metered pass's activation memory, and the device's allocator peak (CUDA)."""
+    """The metered pass's activation memory, and the job's own peak on the device (CUDA): the allocator's
+    peak since the job started, less what the worker held then (resident weights, caches of earlier jobs)."""
     meter = run.final.meter
     if meter:
-        peak = torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
+        peak = (torch.cuda.max_memory_allocated(run.device) - run.resting_bytes if run.device.type == "cuda"
+                else None)
         memory_started = time.perf_counter()
         run.memory = meter.report(peak)
         run.memory_s = (time.perf_counter() - memory_started) + meter.hook_s
@@ -245,7 +259,7 @@ def _numerical_check(run: Run) -> None:
         n: g.to(computed_dtype(run.prep)) for n, g in (per_sample_sum or {}).items()}
     run.check = numerical_check(CheckInputs(run.prep, run.request, run.config, run.device, returned, run.progress,
                                             run.reference, final=final, hvp_vector=run.hvp_vector,
-                                            per_sample_sum=per_sample_sum))
+                                            per_sample_sum=per_sample_sum, math_mode=run.math_mode))
     ran = run.check is not None and run.check.mode != "off"
     run.numcheck_s = time.perf_counter() - numcheck_started if ran else 0.0
 
@@ -255,11 +269,15 @@ def encode_result(run: Run, timings: Timings) -> GradientResult:
     prep, final = run.prep, run.final
     opts = prep.options
     several = len(prep.terms) > 1
-    gradients = {n: (tensors.encode(final.grads[n]) if n in final.grads else None)
-                 for n, _ in prep.model.named_parameters()}
+    host = tensors.to_host if run.device.type == "cuda" else _as_they_are  # a GPU's: one flat copy and wait a dict
+    grads = host(final.grads)
+    gradients = {n: (tensors.encode(grads[n]) if n in grads else None) for n, _ in prep.model.named_parameters()}
+    per_loss = {t: host(g) for t, g in final.per_loss.items()} if final.per_loss else None
+    hvp = host(final.hvp) if run.hvp_vector is not None else None
     return GradientResult(
         device=str(run.device),
         dtype=run.request.model.dtype,
+        math_mode=run.math_mode,
         parameter_count=prep.parameter_count,
         torch_version=str(torch.__version__),
         loss=final.loss,
@@ -267,12 +285,11 @@ def encode_result(run: Run, timings: Timings) -> GradientResult:
         micro_batches=len(batch_chunks(prep.inputs.rows, opts.micro_batch)),
         losses=dict(final.losses) if several else None,
         per_loss_gradients=({t: {n: (tensors.encode(g[n]) if n in g else None) for n in gradients}
-                             for t, g in final.per_loss.items()} if final.per_loss else None),
+                             for t, g in per_loss.items()} if per_loss else None),
         gradient_cosine=cosines(final.per_loss) if final.per_loss else None,
         per_sample=run.examples.per_sample if run.examples is not None and opts.per_sample != "off" else None,
         input_gradient=tensors.encode(torch.cat(final.input_grad)) if opts.input_grad else None,
-        hvp={n: (tensors.encode(final.hvp[n]) if n in final.hvp else None) for n in gradients}
-        if run.hvp_vector is not None else None,
+        hvp={n: (tensors.encode(hvp[n]) if n in hvp else None) for n in gradients} if hvp is not None else None,
         graph=final.graph,
         numcheck=run.check,
         memory=run.memory,
@@ -283,6 +300,10 @@ def encode_result(run: Run, timings: Timings) -> GradientResult:
         buffers={n: tensors.encode(b) for n, b in final.buffers.items()} if final.buffers else None,
         outputs=_outputs(prep, final),
     )
+
+
+def _as_they_are(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return named
 
 
 def _outputs(prep: Prepared, final: Pass):

@@ -21,6 +21,7 @@ once both compute it (the second write wins).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -43,15 +44,19 @@ class EngineConfig:
     init_cache_bytes: int = 1 << 30
     resident_model_bytes: int = 1 << 30  # graph models a CPU worker keeps with their weights (resident.py); 0: none
     max_krylov_bytes: int = 4 << 30  # options.curvature's Lanczos basis (diagnostics/lanczos.py: krylov_bytes)
+    float32_math: str = "ieee"  # a job's float32 math unless options.math_mode says (devices.float32_math)
 
 
-def config_from_settings(settings) -> EngineConfig:
-    """The engine's limits from the process's Settings (passed in; the engine reads no environment)."""
+def config_from_settings(settings, device_bytes: int | None = None) -> EngineConfig:
+    """The engine's limits from the process's Settings (passed in; the engine reads no environment); with
+    `device_bytes` (a CUDA device's memory), the element and memory limits not set explicitly follow it."""
+    limits = Limits(max_parameters=settings.max_parameters, max_layers=settings.max_layers,
+                    max_depth=settings.max_depth, max_elements=settings.max_elements,
+                    max_graph_nodes=settings.max_graph_nodes, max_graph_intermediate_bytes=settings.max_job_bytes)
+    if device_bytes is not None:
+        limits = limits_for_device(limits, device_bytes, settings.limits_given)
     return EngineConfig(
-        limits=Limits(max_parameters=settings.max_parameters, max_layers=settings.max_layers,
-                      max_depth=settings.max_depth, max_elements=settings.max_elements,
-                      max_graph_nodes=settings.max_graph_nodes,
-                      max_graph_intermediate_bytes=settings.max_job_bytes),
+        limits=limits,
         numcheck_exact_max=settings.numcheck_exact_max,
         numcheck_samples=settings.numcheck_samples,
         numcheck_directions=settings.numcheck_directions,
@@ -59,7 +64,28 @@ def config_from_settings(settings) -> EngineConfig:
         numcheck_budget_min_s=settings.numcheck_budget_min_s,
         resident_model_bytes=settings.resident_model_bytes,
         max_krylov_bytes=settings.max_krylov_bytes,
+        float32_math=settings.float32_math,
     )
+
+
+# On a CUDA device the element and memory limits follow its memory unless set (docs/limits.md): one tensor may
+# take a sixteenth of the card in float32 (at least the CPU default, at most what 32-bit indexing kernels take),
+# and a graph's intermediates half of it, as a CPU worker's default is half the host's memory.
+DEVICE_BYTES_PER_ELEMENT = 64
+DEVICE_JOB_SHARE = 0.5
+MAX_INDEXABLE_ELEMENTS = 2**31 - 1
+DEVICE_LIMITS = ("max_elements", "max_job_bytes")  # the settings a device's memory stands in for
+
+
+def limits_for_device(limits: Limits, device_bytes: int, given: frozenset[str] = frozenset()) -> Limits:
+    """`limits` (a CPU worker's, from the settings) with the element and memory limits a CUDA device of
+    `device_bytes` gets, except those `given` explicitly (settings' names: max_elements, max_job_bytes)."""
+    elements, job_bytes = limits.max_elements, limits.max_graph_intermediate_bytes
+    if "max_elements" not in given:
+        elements = min(MAX_INDEXABLE_ELEMENTS, max(elements, device_bytes // DEVICE_BYTES_PER_ELEMENT))
+    if "max_job_bytes" not in given:
+        job_bytes = int(device_bytes * DEVICE_JOB_SHARE)
+    return dataclasses.replace(limits, max_elements=elements, max_graph_intermediate_bytes=job_bytes)
 
 
 META_MODELS = 256

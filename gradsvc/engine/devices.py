@@ -1,6 +1,7 @@
 """The device a job runs on and what it shares with the process: resolving options.device, synchronising
-before a clock reads, the same dropout masks for every evaluation (a forked RNG), and an allocation failure
-told from other errors (out_of_memory, with advice)."""
+before a clock reads, the float32 math a job runs in (full IEEE float32 unless TF32 is asked for), the same
+dropout masks for every evaluation (a forked RNG), and an allocation failure told from other errors
+(out_of_memory, with advice)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,54 @@ def resolve_device(option: str) -> torch.device:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+MATH_MODES = ("ieee", "tf32")
+
+
+def math_mode_for(device: torch.device, asked: str) -> str:
+    """The float32 math a job runs in: "tf32" only where asked and the device has it (CUDA, compute capability
+    8.0 or later), else "ieee" (a CPU never runs TF32)."""
+    if asked == "tf32" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        return "tf32"
+    return "ieee"
+
+
+@contextlib.contextmanager
+def float32_math(mode: str, device: torch.device):
+    """Runs the block in `mode`'s float32 math on `device`, the process's own restored after. "ieee": every
+    float32 convolution and matmul in full float32 (cuDNN's convolutions default to TF32 on CUDA, which moved a
+    CNN's gradient 4e-4 off the float64 reference: docs/numcheck.md), and no reduced-precision reductions in
+    float16 or bfloat16 matmuls; "tf32": cuBLAS and cuDNN may read float32 operands as TF32 (a 10-bit
+    mantissa), reductions still as "ieee". On a CPU only the matmul precision applies (oneDNN reads it). The
+    flags are the process's: a worker runs one job at a time."""
+    precision = torch.get_float32_matmul_precision()
+    wanted = "high" if mode == "tf32" else "highest"
+    if precision != wanted:
+        torch.set_float32_matmul_precision(wanted)  # cuBLAS's allow_tf32 follows it ("highest": off)
+    saved = _cuda_math(mode == "tf32") if device.type == "cuda" else None
+    try:
+        yield mode
+    finally:
+        if precision != wanted:
+            torch.set_float32_matmul_precision(precision)
+        if saved is not None:
+            _set_cuda_math(*saved)
+
+
+def _cuda_math(tf32: bool) -> tuple[bool, bool, bool]:
+    """Sets cuDNN's TF32 flag and the reduced-precision reductions (off) for a job; returns them as they were."""
+    matmul = torch.backends.cuda.matmul
+    saved = (torch.backends.cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    _set_cuda_math(tf32, False, False)
+    return saved
+
+
+def _set_cuda_math(cudnn_tf32: bool, fp16_reduced: bool, bf16_reduced: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16_reduced
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16_reduced
 
 
 def is_random(model: nn.Module) -> bool:

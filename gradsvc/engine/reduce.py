@@ -252,6 +252,7 @@ def reduce_results(results: list[GradientResult], plan: ShardPlan, *, reduce_ms:
         graph_ref=first.graph_ref,
         curvature=_curvature(results, plan),
         shards=info,
+        math_mode="tf32" if any(r.math_mode == "tf32" for r in results) else "ieee",  # the least precise
     )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -127,7 +129,7 @@ def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[
         # inputs intact for the numerical check's repeated forwards.
         kwargs["inplace"] = False
     try:
-        return layer_class(kind)(**{name: to_torch(value) for name, value in kwargs.items()})
+        return construct(layer_class(kind), {name: to_torch(value) for name, value in kwargs.items()})
     except (ValueError, TypeError, RuntimeError, AssertionError, ArithmeticError) as exc:
         # torch's own text, first line only: C++ errors append a stack of frames
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -136,6 +138,25 @@ def _build_one(spec: Any, *, path: str, depth: int, limits: Limits, count: list[
         raise SpecError("unknown_layer", f"layer {path} ({kind}): torch refuses these arguments: {reason}; check "
                         "them against GET /layers",
                         path=path) from None
+
+
+def construct(cls: type[nn.Module], kwargs: dict[str, Any]) -> nn.Module:
+    """cls(**kwargs) on any admitted torch: a norm layer's `bias` argument is newer than some (BatchNorm's,
+    InstanceNorm's), where the layer is built with its affine parameters and bias=False removes the bias, as
+    the newer constructor does (its forward then passes None, its state_dict has no bias)."""
+    if "bias" not in kwargs or _takes(cls, "bias"):
+        return cls(**kwargs)
+    kwargs = dict(kwargs)
+    bias = kwargs.pop("bias")
+    module = cls(**kwargs)
+    if not bias and getattr(module, "bias", None) is not None:
+        module.register_parameter("bias", None)
+    return module
+
+
+@functools.cache  # a constructor's signature, read once per class
+def _takes(cls: type, argument: str) -> bool:
+    return argument in inspect.signature(cls.__init__).parameters
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

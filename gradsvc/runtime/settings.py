@@ -52,6 +52,12 @@ def default_job_bytes() -> int:
     return host_memory_bytes() // 2 or 16 << 30
 
 
+# Fields not read from a variable of their own (Settings.from_env derives them).
+DERIVED = ("redis_url_given", "limits_given")
+# The limits a CUDA device's memory stands in for unless set (gradsvc.engine.config.DEVICE_LIMITS).
+DEVICE_LIMITS = ("max_elements", "max_job_bytes")
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -106,6 +112,9 @@ class Settings:
     # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
     # a weight sent by the same reference as before is not copied again.
     resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")
+    # The float32 math of a job that does not set options.math_mode: "ieee" (full float32 convolutions and
+    # matmuls: the same verdict on any device) or "tf32" (TF32 on CUDA devices that have it; never on a CPU).
+    float32_math: str = _one_of("ieee", ("ieee", "tf32"), "use ieee or tf32")
     numcheck_exact_max: int = 20_000
     numcheck_directions: int = 16
     numcheck_samples: int = 8
@@ -179,15 +188,19 @@ class Settings:
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False
+    # Derived: the limits set explicitly (GRADSVC_MAX_ELEMENTS, GRADSVC_MAX_JOB_BYTES, by field name); on CUDA
+    # the others follow the device's memory (gradsvc.engine.config.limits_for_device, docs/limits.md).
+    limits_given: frozenset = frozenset()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
         env = os.environ if environ is None else environ
         values: dict = {}
         values["redis_url_given"] = "GRADSVC_REDIS_URL" in env
+        values["limits_given"] = frozenset(n for n in DEVICE_LIMITS if f"GRADSVC_{n.upper()}" in env or n in overrides)
         for f in fields(cls):
             var = f"GRADSVC_{f.name.upper()}"
-            if var not in env or f.name == "redis_url_given":
+            if var not in env or f.name in DERIVED:
                 continue
             raw = env[var]
             try:

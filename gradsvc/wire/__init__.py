@@ -20,7 +20,7 @@ from gradsvc.wire.common import JSON_ENCODER, MSGPACK_ENCODER, AtLeastOne, NonEm
 from gradsvc.wire.diagnostics import (DIAGNOSTICS, PER_EXAMPLE_DIAGNOSTICS, ClipResult, Curvature, Density,
                                       Diagnostics, NoiseScale, Norms)
 from gradsvc.wire.errors import ERROR_CODES, ErrorBody, ErrorCode, ErrorInfo
-from gradsvc.wire.estimates import Estimate
+from gradsvc.wire.estimates import Estimate, EstimateLimits
 from gradsvc.wire.graphs import FunctionSpec, GraphInput, GraphSpec, OpNode
 from gradsvc.wire.jobs import JOB_STATUSES, MAX_RELEASED, RELEASE_HEADER, JobAccepted, JobInfo, Progress
 from gradsvc.wire.layers import LayerArgument, LayerInfo
@@ -35,7 +35,7 @@ from gradsvc.wire.tensors import (COMPLEX_DTYPES, DTYPES, ITEMSIZE, Tensor, Tens
 
 __all__ = [
     "AtLeastOne", "COMPLEX_DTYPES", "ClipOptions", "ClipResult", "Curvature", "CurvatureOptions", "DIAGNOSTICS",
-    "DTYPES", "Density", "Diagnostics", "ERROR_CODES", "ErrorBody", "ErrorCode", "ErrorInfo", "Estimate",
+    "DTYPES", "Density", "Diagnostics", "ERROR_CODES", "ErrorBody", "ErrorCode", "ErrorInfo", "Estimate", "EstimateLimits",
     "FunctionSpec", "GradientRequest", "GradientResult", "GraphInput", "GraphNode", "GraphSpec", "HvpOptions",
     "ITEMSIZE", "Inputs", "JOB_STATUSES", "JSON_ENCODER", "JobAccepted", "JobInfo", "LayerArgument", "LayerInfo",
     "LayerMemory", "LossSpec", "MAX_RELEASED", "MAX_RUN_STEP", "MAX_SHARDS", "MAX_TIMING_REPEAT", "MSGPACK_ENCODER",

@@ -110,6 +110,9 @@ class Options(Struct, forbid_unknown_fields=True, omit_defaults=True):
     diagnostics: list[Literal["norms", "variance", "second_moment", "noise_scale"]] = []
     clip: ClipOptions | None = None
     curvature: CurvatureOptions | None = None
+    # The float32 math of convolutions and matmuls: "ieee" (full float32), "tf32" (TF32 where the device has it:
+    # faster, a 10-bit mantissa, judged at its tolerance). Default: the worker's GRADSVC_FLOAT32_MATH ("ieee").
+    math_mode: Literal["ieee", "tf32"] | None = None
 
 
 # `inputs`: one tensor (a tensor object, or a bare nested list), a list of tensor objects (the positional

@@ -184,3 +184,5 @@ class GradientResult(Struct, omit_defaults=False):
     diagnostics: Diagnostics | None = None
     clip: ClipResult | None = None
     curvature: Curvature | None = None
+    # The float32 math the job ran in: "ieee" or "tf32" (only on a CUDA device that has it; never on a CPU).
+    math_mode: str = "ieee"

@@ -57,3 +57,44 @@ def from_wire(d: dict) -> torch.Tensor:
         raw = base64.b64decode(d["b64"])
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(d["shape"]) if raw else torch.empty(d["shape"], dtype=dtype)
     return torch.tensor(d["data"], dtype=dtype).reshape(d["shape"])
+
+
+# A BatchNorm/ReLU/max-pool CNN: on a GPU whose cuDNN runs float32 convolutions in TF32 (CUDA's default) its
+# float32 gradient drifts past the float32 tolerance; the worker's default "ieee" math keeps it within.
+BN_CNN_LAYERS = [
+    {"type": "Conv2d", "in_channels": 3, "out_channels": 8, "kernel_size": 3, "padding": 1},
+    {"type": "BatchNorm2d", "num_features": 8}, {"type": "ReLU"}, {"type": "MaxPool2d", "kernel_size": 2},
+    {"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 3, "padding": 1},
+    {"type": "BatchNorm2d", "num_features": 16}, {"type": "ReLU"}, {"type": "MaxPool2d", "kernel_size": 2},
+    {"type": "Flatten"}, {"type": "Linear", "in_features": 16 * 4 * 4, "out_features": 10},
+]
+
+
+def bn_cnn_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """n images of 3x16x16 and their classes (of 10), float32."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+# A tensor of 2^30 float32 elements (4 GiB): the Upsample's output and each Tanh's, which autograd saves.
+HUGE_ELEMENTS = 1 << 30
+
+
+def oom_request(device_bytes: int, elements: int = HUGE_ELEMENTS):
+    """A job whose saved activations add up past `device_bytes` (the card's total memory): 1,024 inputs
+    upsampled to `elements`, then enough Tanh layers, each keeping a float32 output of that size, to need more
+    than the card has, averaged to one number at the end. Its input is 4 KiB, so it is built on any host; the
+    limits are raised so that nothing refuses it before it runs."""
+    import msgspec  # here, not at the top: the SDK's tests import this module without the engine
+
+    from gradsvc.engine import EngineConfig, Limits
+    from gradsvc.wire import GradientRequest
+
+    tanhs = device_bytes // (4 * elements) + 2
+    layers = [{"type": "Linear", "in_features": 1024, "out_features": 1024},
+              {"type": "Upsample", "scale_factor": float(elements // 1024)}, *[{"type": "Tanh"}] * tanhs,
+              {"type": "AdaptiveAvgPool1d", "output_size": 1}, {"type": "Flatten"}]
+    req = msgspec.convert({"model": {"layers": layers, "dtype": "float32"}, "inputs": tensor_json(torch.randn(1, 1, 1024)),
+                           "targets": tensor_json(torch.zeros(1, 1)), "loss": "mse",
+                           "options": {"numcheck": "off", "memory": False}}, GradientRequest)
+    return req, EngineConfig(limits=Limits(max_elements=2 * elements, max_layers=tanhs + 8))

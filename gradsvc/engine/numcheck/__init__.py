@@ -45,6 +45,7 @@ class CheckInputs:
     final: Pass | None = None
     hvp_vector: dict[str, torch.Tensor] | None = None
     per_sample_sum: dict[str, torch.Tensor] | None = None
+    math_mode: str = "ieee"  # the float32 math the job's passes ran in: the returned gradients' tolerance follows it
 
 
 def numerical_check(inputs: CheckInputs) -> Numcheck:
@@ -55,7 +56,7 @@ def numerical_check(inputs: CheckInputs) -> Numcheck:
     opts = prep.options
     if opts.numcheck == "off":
         return unchecked(prep.dtype)
-    ref = Reference(prep, inputs.request, device)
+    ref = Reference(prep, inputs.request, device, inputs.math_mode)
     if inputs.reference is not None:
         inputs.reference.update({n: g.detach().to("cpu") for n, g in ref.grads.items()})
     plan = planning.plan_for(opts, inputs.config, ref.work, [p.numel() for p in ref.params.values()])
@@ -64,7 +65,8 @@ def numerical_check(inputs: CheckInputs) -> Numcheck:
         check = run(CheckRun(plan.mode, ref.params, ref.loss_fn, ref.grads, eps=opts.numcheck_eps,
                              tolerance=opts.numcheck_tolerance, samples=plan.samples, directions=plan.directions,
                              seed=ref.seed, progress=inputs.progress, returned=inputs.returned, returned_dtype=dtype,
-                             batched=ref.batched(prep), returned_tolerances=ref.returned_tolerances(dtype)))
+                             batched=ref.batched(prep), returned_tolerances=ref.returned_tolerances(dtype),
+                             math_mode=inputs.math_mode))
         if inputs.final is not None:
             check.quantities = quantity_checks(ref, inputs.final, inputs.hvp_vector, inputs.per_sample_sum)
             check.passed = check.passed and all(q.passed for q in check.quantities.values())

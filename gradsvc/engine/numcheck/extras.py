@@ -20,7 +20,7 @@ def quantity_checks(ref: Reference, final: Pass, hvp_vector: dict[str, torch.Ten
                     per_sample_sum: dict[str, torch.Tensor] | None) -> dict:
     """Each quantity `final` returned besides the gradients, checked against `ref`."""
     prep, params, opts = ref.prep, ref.params, ref.prep.options
-    exact = returned_tolerance(computed_dtype(prep))  # identities: the returned dtype's tolerance
+    exact = returned_tolerance(computed_dtype(prep), ref.math_mode)  # identities: the returned dtype's tolerance
     by_differences = max(exact, opts.numcheck_tolerance)  # differences in float64 resolve no better than this
     out = {}
     returned = {n: g for n, g in final.grads.items() if n in params}

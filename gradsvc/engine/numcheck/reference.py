@@ -22,7 +22,7 @@ from ..prepared import Prepared
 from ..graph.program import FloatDType, where_step
 from . import batched as batched_losses
 from .plan import Work
-from .tolerances import arithmetic_tolerances, returned_tolerance
+from .tolerances import arithmetic_tolerances, matmul_unit, returned_tolerance
 
 
 class Reference:
@@ -30,9 +30,10 @@ class Reference:
     function of the trainable parameters (dropout masks replayed from the seed, detached values held),
     autograd's gradients of it, and what one evaluation does (`work`), counted on the way."""
 
-    def __init__(self, prep: Prepared, request: GradientRequest, device: torch.device) -> None:
+    def __init__(self, prep: Prepared, request: GradientRequest, device: torch.device, math_mode: str = "ieee") -> None:
         trainable = [n for n, _ in prep.model.named_parameters() if n not in prep.frozen]
         self.prep, self.device, self.seed = prep, device, request.model.seed
+        self.math_mode = math_mode  # the float32 math the job's own passes ran in (devices.float32_math)
         self.model64 = model64 = copy.deepcopy(prep.model).to(torch.float64)
         if prep.graph is not None:
             model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
@@ -83,16 +84,20 @@ class Reference:
         return [where_step(steps[i]) for i in sorted(held)]
 
     def returned_tolerances(self, dtype: torch.dtype) -> dict[str, float]:
-        """Each tensor's returned-gradient tolerance at `dtype`: the dtype's own, widened to what rounding
-        every value of the forward at `dtype` moves the float64 gradient (tolerances.arithmetic_tolerances)."""
-        base = returned_tolerance(dtype)
+        """Each tensor's returned-gradient tolerance at `dtype` under the float32 math that ran (`math_mode`):
+        the dtype's own (TF32's where it ran), widened to what rounding every value of the forward at `dtype`
+        (a convolution's or matmul's at TF32's unit where it ran) moves the float64 gradient
+        (tolerances.arithmetic_tolerances)."""
+        math_mode = self.math_mode
+        base = returned_tolerance(dtype, math_mode)
         if dtype == torch.float64:
             return dict.fromkeys(self.grads, base)
         gen = torch.Generator().manual_seed(self.seed)
-        with _rounding(self.model64, torch.finfo(dtype).eps, gen, graph=self.prep.graph is not None):
+        units = (torch.finfo(dtype).eps, matmul_unit(dtype, math_mode))
+        with _rounding(self.model64, units, gen, graph=self.prep.graph is not None):
             loss = self.loss_fn()
         rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
-        return arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)))
+        return arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)), math_mode)
 
 
 def _written_buffers(model: torch.nn.Module, *, graph: bool) -> list[torch.Tensor]:
@@ -121,6 +126,14 @@ def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
     return value * (1 + unit * math.sqrt(reduction) * noise.to(value.dtype))
 
 
+# What runs as a convolution or a matmul (TF32 rounds their operands): layer-spec leaf modules, graph ops by name.
+MATMUL_MODULES = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)
+MATMUL_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.", "aten.mv.",
+              "aten.addmv.", "aten.einsum.", "aten.convolution.", "aten._convolution.", "aten.conv1d.",
+              "aten.conv2d.", "aten.conv3d.", "aten.conv_transpose", "aten.scaled_dot_product_attention.",
+              "aten._scaled_dot_product", "aten.gru.", "aten.lstm.", "aten.rnn_tanh.", "aten.rnn_relu.")
+
+
 def _aliases(value: torch.Tensor, args: tuple) -> bool:
     """Whether `value` shares its storage with a tensor among `args` (an op's view or in-place result)."""
     if value.is_sparse or value.layout != torch.strided:
@@ -131,18 +144,27 @@ def _aliases(value: torch.Tensor, args: tuple) -> bool:
 
 
 @contextlib.contextmanager
-def _rounding(model: torch.nn.Module, unit: float, gen: torch.Generator, *, graph: bool) -> Iterator[None]:
+def _rounding(model: torch.nn.Module, units: tuple[float, float], gen: torch.Generator, *,
+              graph: bool) -> Iterator[None]:
     """While the block runs the model, every op's output is rounded as `_rounded` does (graph nodes, or
-    a layer spec's leaf modules)."""
+    a layer spec's leaf modules): `units` (every op's unit, a convolution's or matmul's)."""
+    unit, matmul = units
     if graph:
-        model.visit = lambda _i, out, args, kwargs: _rounded(out, (*args, *kwargs.values()), unit, gen)
+        steps = model._graph.steps
+
+        def visit(i, out, args, kwargs):
+            u = matmul if steps[i].op.name.startswith(MATMUL_OPS) else unit
+            return _rounded(out, (*args, *kwargs.values()), u, gen)
+
+        model.visit = visit
         try:
             yield
         finally:
             model.visit = None
         return
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    handles = [m.register_forward_hook(lambda _m, args, out: _rounded(out, args, unit, gen)) for m in leaves]
+    handles = [m.register_forward_hook(lambda m, args, out: _rounded(
+        out, args, matmul if isinstance(m, MATMUL_MODULES) else unit, gen)) for m in leaves]
     try:
         yield
     finally:

@@ -55,6 +55,7 @@ class CheckRun:
     returned_dtype: torch.dtype = torch.float64
     batched: Batched | None = None
     returned_tolerances: dict[str, float] = field(default_factory=dict)
+    math_mode: str = "ieee"  # the float32 math `returned` was computed in (tolerances.returned_tolerance)
 
 
 def run(check_run: CheckRun) -> Numcheck:
@@ -73,7 +74,8 @@ def run(check_run: CheckRun) -> Numcheck:
     check = tally.summary(c.mode, per, c.grads)
     if c.returned is None:
         return check
-    r = returned_check(c.returned, c.grads, c.returned_dtype, along, tolerances=c.returned_tolerances)
+    r = returned_check(c.returned, c.grads, c.returned_dtype, along, tolerances=c.returned_tolerances,
+                       math_mode=c.math_mode)
     for name, rel in r.per_parameter.items():
         # Directional mode has no element-wise finite differences: those entries say checked=0.
         entry = per.setdefault(name, ParameterCheck(max_abs_error=0.0, max_rel_error=0.0, checked=0))

@@ -32,9 +32,23 @@ ZERO_ROUNDINGS = 16
 RETURNED_TOLERANCE = MappingProxyType({torch.float64: 1e-10, torch.float32: 1e-4})
 HALF_EPSILONS = 16
 
+# TF32 (options.math_mode "tf32" on a CUDA device that has it): convolutions and matmuls read their float32
+# operands rounded to a 10-bit mantissa (float16's), accumulating in float32. A float32 gradient that went
+# through it is judged as float16's are: HALF_EPSILONS of that mantissa (1.6e-2).
+TF32_EPS = 2.0 ** -10
 
-def returned_tolerance(dtype: torch.dtype) -> float:
+
+def returned_tolerance(dtype: torch.dtype, math_mode: str = "ieee") -> float:
+    """The returned gradients' tolerance at `dtype`, under the float32 math that ran (`math_mode`)."""
+    if math_mode == "tf32" and dtype == torch.float32:
+        return HALF_EPSILONS * TF32_EPS
     return RETURNED_TOLERANCE.get(dtype, HALF_EPSILONS * torch.finfo(dtype).eps)
+
+
+def matmul_unit(dtype: torch.dtype, math_mode: str = "ieee") -> float:
+    """The rounding unit of a convolution's or a matmul's operands at `dtype` under `math_mode`: TF32's where
+    it ran on float32 values, else the dtype's own."""
+    return TF32_EPS if math_mode == "tf32" and dtype == torch.float32 else torch.finfo(dtype).eps
 
 
 # The widened tolerance: this many times the error one simulated rounding of every value moved the gradient
@@ -44,7 +58,7 @@ ARITHMETIC_MAX = 0.25
 
 
 def arithmetic_tolerances(dtype: torch.dtype, grads: dict[str, torch.Tensor],
-                          rounded: dict[str, torch.Tensor | None]) -> dict[str, float]:
+                          rounded: dict[str, torch.Tensor | None], math_mode: str = "ieee") -> dict[str, float]:
     """Each tensor's returned-gradient tolerance at `dtype`: the dtype's (RETURNED_TOLERANCE), widened to
     ARITHMETIC_SAFETY x the relative error of `rounded` (the float64 gradient of the same forward with every
     value rounded at `dtype`, as check.py simulates it) where that is larger: a loss large beside its
@@ -86,7 +100,8 @@ def verdict(size: float, abs_err: float, rel: float, tolerance: float, atol: flo
 
 def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                    returned_dtype: torch.dtype, along: list[tuple[float, float, float]] = (),
-                   tolerance: float | None = None, tolerances: dict[str, float] | None = None) -> Returned:
+                   tolerance: float | None = None, tolerances: dict[str, float] | None = None,
+                   math_mode: str = "ieee") -> Returned:
     """`returned` (what the caller gets) against `reference` (float64 autograd, full batch, same point).
 
     A tensor passes when its relative error is within the dtype's tolerance, or when its absolute error
@@ -95,8 +110,9 @@ def returned_check(returned: dict[str, torch.Tensor], reference: dict[str, torch
     (returned . u, reference . u, sum |reference * u|) per direction of a directional check; a direction
     passes within tolerance, or under tolerance x that sum of terms. `tolerance`: another than the dtype's
     (the returned quantities checked against finite differences, quantities.py); `tolerances`: one per
-    tensor (arithmetic_tolerances), the largest of them along directions and as the reported tolerance."""
-    tolerance = returned_tolerance(returned_dtype) if tolerance is None else tolerance
+    tensor (arithmetic_tolerances), the largest of them along directions and as the reported tolerance;
+    `math_mode`: the float32 math that ran (returned_tolerance)."""
+    tolerance = returned_tolerance(returned_dtype, math_mode) if tolerance is None else tolerance
     tolerances = tolerances or {}
     tolerance = max([tolerance, *tolerances.values()])
     scale = max((float(r.abs().max()) for r in reference.values() if r.numel()), default=0.0)

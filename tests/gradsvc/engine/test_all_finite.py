@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsvc.engine import tensors
 from gradsvc.engine.tensors import all_finite
 
 BAD = (float("nan"), float("inf"), -float("inf"))
@@ -41,3 +42,28 @@ def test_a_tensor_that_requires_grad_is_read_without_recording_a_graph():
     assert all_finite(y) and y.grad_fn is not None
     y.sum().backward()  # the check left nothing behind that backward would trip over
     assert torch.equal(w.grad, torch.full((5,), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_fused_check_finds_one_bad_value_among_many_tensors(dtype, bad):
+    ts = [torch.randn(7, 5, dtype=dtype), torch.randn(300, dtype=torch.float32), torch.zeros(0, dtype=dtype),
+          torch.arange(4), torch.randn(3, 2, dtype=dtype).t()]  # an integer tensor and a non-contiguous one
+    assert tensors.fused_all_finite(ts)
+    ts[4][1, 2] = bad
+    assert not tensors.fused_all_finite(ts)
+    assert tensors.all_finite_many(ts) is False  # CPU tensors: all_finite each, the same answer
+
+
+def test_the_fused_check_tells_huge_finite_values_from_infinite_ones():
+    huge = torch.full((1000,), torch.finfo(torch.float32).max / 2)  # its L1 norm overflows to inf
+    half = torch.full((10,), 60000.0, dtype=torch.float16)
+    assert tensors.fused_all_finite([huge, half]) and tensors.all_finite_many([huge, half])
+    assert tensors.fused_all_finite([torch.tensor([1 + 2j, 3j])])
+    assert not tensors.fused_all_finite([huge, torch.tensor([complex(float("nan"), 0)])])
+    assert tensors.all_finite_many([])
+
+
+def test_host_copies_leave_cpu_tensors_as_they_are():
+    named = {"a": torch.randn(3), "b": torch.arange(2)}
+    assert tensors.to_host(named) is named

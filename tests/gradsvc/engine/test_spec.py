@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -81,17 +83,28 @@ def test_an_invalid_value_names_its_argument_in_the_detail():
     assert info.value.detail == {"path": "1.0", "argument": "beta"}
 
 
-# The constructor calls torch's module_db makes that a spec must accept.
+def without_bias(cls: type[nn.Module], n: int) -> nn.Module:
+    """cls(n, bias=False) on any admitted torch: the argument is newer than some (BatchNorm's); a layer
+    without it has its bias removed, as spec.construct does."""
+    if "bias" in inspect.signature(cls.__init__).parameters:
+        return cls(n, bias=False)
+    layer = cls(n)
+    layer.register_parameter("bias", None)
+    return layer
+
+
+# The constructor calls torch's module_db makes that a spec must accept (each built when its test runs).
 @pytest.mark.parametrize("spec, local", [
-    ({"type": "BatchNorm1d", "num_features": 10, "eps": 0.001, "momentum": None}, nn.BatchNorm1d(10, 0.001, None)),
-    ({"type": "BatchNorm2d", "num_features": 3, "eps": 0.001, "momentum": None}, nn.BatchNorm2d(3, 0.001, None)),
-    ({"type": "BatchNorm1d", "num_features": 10, "bias": False}, nn.BatchNorm1d(10, bias=False)),
-    ({"type": "BatchNorm2d", "num_features": 3, "bias": False}, nn.BatchNorm2d(3, bias=False)),
-    ({"type": "AvgPool2d", "kernel_size": [2, 2], "divisor_override": 1}, nn.AvgPool2d((2, 2), divisor_override=1)),
-    ({"type": "AdaptiveAvgPool2d", "output_size": [3, None]}, nn.AdaptiveAvgPool2d((3, None))),
-    ({"type": "Softplus", "beta": 2, "threshold": -100}, nn.Softplus(2, -100)),
+    ({"type": "BatchNorm1d", "num_features": 10, "eps": 0.001, "momentum": None}, lambda: nn.BatchNorm1d(10, 0.001, None)),
+    ({"type": "BatchNorm2d", "num_features": 3, "eps": 0.001, "momentum": None}, lambda: nn.BatchNorm2d(3, 0.001, None)),
+    ({"type": "BatchNorm1d", "num_features": 10, "bias": False}, lambda: without_bias(nn.BatchNorm1d, 10)),
+    ({"type": "BatchNorm2d", "num_features": 3, "bias": False}, lambda: without_bias(nn.BatchNorm2d, 3)),
+    ({"type": "AvgPool2d", "kernel_size": [2, 2], "divisor_override": 1}, lambda: nn.AvgPool2d((2, 2), divisor_override=1)),
+    ({"type": "AdaptiveAvgPool2d", "output_size": [3, None]}, lambda: nn.AdaptiveAvgPool2d((3, None))),
+    ({"type": "Softplus", "beta": 2, "threshold": -100}, lambda: nn.Softplus(2, -100)),
 ])
 def test_accepts_what_torch_accepts_and_builds_the_same_layer(spec, local):
+    local = local()
     model = build([spec], limits=Limits())
     assert type(model[0]) is type(local) and read_args(spec["type"], model[0]) == read_args(spec["type"], local)
     assert [(k, v.shape) for k, v in model[0].state_dict().items()] == [(k, v.shape) for k, v in local.state_dict().items()]
@@ -188,3 +201,38 @@ def test_catalogue_lists_every_allowed_layer_with_defaults_and_ranges():
     for required in ("Linear", "Conv1d", "Conv2d", "MaxPool2d", "AvgPool2d", "Flatten", "ReLU", "LeakyReLU", "GELU",
                      "Tanh", "Sigmoid", "Softmax", "Dropout", "BatchNorm1d", "BatchNorm2d", "LayerNorm", "Embedding"):
         assert required in names
+
+
+def test_a_norm_layer_without_bias_is_built_on_a_torch_whose_constructor_lacks_the_argument():
+    """torch 2.11's BatchNorm, InstanceNorm and GroupNorm take no `bias`: the layer is built with its affine
+    parameters and the bias removed, as the newer constructor leaves it."""
+    from gradsvc.engine.spec import construct
+
+    class OldBatchNorm(nn.BatchNorm1d):  # a constructor as torch 2.11's
+        def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
+            super().__init__(num_features, eps, momentum, affine, track_running_stats)
+
+    old = construct(OldBatchNorm, {"num_features": 3, "eps": 1e-5, "momentum": 0.1, "affine": True,
+                                   "track_running_stats": True, "bias": False})
+    assert old.bias is None and list(old.state_dict()) == ["weight", "running_mean", "running_var",
+                                                           "num_batches_tracked"]
+    kept = construct(OldBatchNorm, {"num_features": 3, "bias": True})
+    assert kept.bias is not None
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(old(x), torch.nn.functional.batch_norm(x, None, None, old.weight, None, training=True))
+    assert read_args("BatchNorm1d", old)["bias"] is False
+
+
+def test_every_argument_of_the_layer_table_is_one_this_torch_takes_or_one_the_engine_builds_without():
+    """The layer table is torch-free; on the oldest admitted torch (make test-compat) a constructor may lack an
+    argument the table lists. The only one allowed is a norm layer's `bias` (spec.construct removes the bias)."""
+    from gradsvc.modules import layer_class
+
+    emulated = {"bias"}
+    lacking = []
+    for kind, layer in LAYERS.items():
+        params = inspect.signature(layer_class(kind).__init__).parameters
+        if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            continue
+        lacking += [(kind, name) for name in layer.args if name not in params and name not in emulated]
+    assert not lacking, f"arguments this torch ({torch.__version__}) does not take: {lacking}"

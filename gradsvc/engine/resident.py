@@ -10,11 +10,12 @@ bytes across owners too; the scope makes it hold without that argument, and keep
 another holds (a hit's timing).
 
 A weight is in place when the request names it by the same identity (its dtype, shape and the sha256 of each piece;
-for a layer spec's weight the request leaves out, the seed it is initialised from) as what was loaded into it, and
+a small weight sent inline as raw bytes, their digest; for a layer spec's weight the request leaves out, the seed
+it is initialised from) as what was loaded into it, and
 the model's tensor is the one loaded, unchanged since: its version counter, which every in-place write bumps (the
 HVP check's perturbation), is what it was after the load; a graph never writes a parameter (graph/compiler.py
 refuses it). Buffers are always copied in: a training forward writes running statistics, and a kernel that updates
-them as a side effect (batch norm's) bumps no counter. A weight sent inline, by other refs, or changed, is decoded,
+them as a side effect (batch norm's) bumps no counter. A weight sent by other refs or bytes, or changed, is decoded,
 checked and copied in: on a GPU through a pinned staging buffer without blocking, the next weight decoded while the
 copy runs (prepare's caller synchronises before it reads a clock).
 
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import hashlib
+
 import msgspec
 import torch
 from torch import nn
 
 from gradsvc import hashing
-from gradsvc.wire import Tensor
+from gradsvc.wire import Tensor, raw_data
 
 from . import tensors
 from .config import EngineCaches, EngineConfig, state_bytes
@@ -40,6 +43,9 @@ from .errors import SpecError
 # Weights decoded and copied at a time on a GPU: the copy of one group overlaps the decoding of the next.
 COPY_GROUP_BYTES = 16 << 20
 _ALIGN = 64
+# Inline raw bytes up to this size are known by their sha256 (~0.5-1 us a KiB): a model's small tensors, which the
+# SDK sends inline. Larger inline bytes are copied without hashing: on a GPU a pinned copy outruns the hash.
+INLINE_IDENTITY_BYTES = 1 << 20
 
 
 def keeps(device: str | torch.device, config: EngineConfig) -> bool:
@@ -48,9 +54,19 @@ def keeps(device: str | torch.device, config: EngineConfig) -> bool:
 
 
 def identity(wire) -> tuple | None:
-    """What a wire weight's bytes are known by: (dtype, shape, refs) for one by reference, None when inline."""
-    refs = wire.refs if isinstance(wire, Tensor) else None
-    return (wire.dtype, tuple(wire.shape), tuple(refs)) if refs else None
+    """What a wire weight's bytes are known by: (dtype, shape, refs) for one by reference; for a small one sent as
+    raw bytes (the SDK sends tensors under 64 KiB in the body: biases, norms; larger ones on a first call), the sha256
+    of its bytes as the ref of one piece, so the same bytes again, inline or uploaded, are in place too; None otherwise (nested lists, or inline bytes past
+    INLINE_IDENTITY_BYTES: always decoded and copied)."""
+    if not isinstance(wire, Tensor):
+        return None
+    if wire.refs:
+        return (wire.dtype, tuple(wire.shape), tuple(wire.refs))
+    raw = raw_data(wire)
+    if raw is not None and len(raw) <= INLINE_IDENTITY_BYTES:
+        # the ref of one piece of these bytes: the same bytes uploaded later (the SDK does, on a second call) match
+        return (wire.dtype, tuple(wire.shape), (hashlib.sha256(raw).hexdigest(),))
+    return None
 
 
 def unresolved(wire) -> bool:

@@ -341,8 +341,10 @@ class GraphSpecModel:
             return resident.Resident(_fresh(template, device, dtype), template.parameters, tag=template.first_output)
 
         held, hit = resident.checkout(self.caches, key, make) if keep else (make(), False)
+        adopted = 0
         if held.tag != template.first_output:  # the same graph with another loss output: another program
-            held, hit = make(), False
+            old, held, hit = held, make(), False
+            adopted = held.adopt(old)  # its weights in place, copied on the device
         given = _checked_names(self.request, template)
         identities = {n: resident.identity(w) for n, w in given.items()}
         in_place = held.in_place(identities)
@@ -356,7 +358,7 @@ class GraphSpecModel:
         sizes = {n: t.numel() * t.element_size() for n, t in template.state.items()}
         copied = resident.load_grouped(held, stale, decode, identities, resident.staging_for(self.caches, device),
                                        sizes)
-        self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied
+        self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied + adopted
         return held.model, ((key, held) if keep else None)
 
 

@@ -42,6 +42,7 @@ from .errors import SpecError
 
 # Weights decoded and copied at a time on a GPU: the copy of one group overlaps the decoding of the next.
 COPY_GROUP_BYTES = 16 << 20
+STAGING_MAX_BYTES = 256 << 20  # the pinned staging buffer's most (pinned host memory is the OS's to lock)
 _ALIGN = 64
 # Inline raw bytes up to this size are known by their sha256 (~0.5-1 us a KiB): a model's small tensors, which the
 # SDK sends inline. Larger inline bytes are copied without hashing: on a GPU a pinned copy outruns the hash.
@@ -108,6 +109,20 @@ class Resident:
                 out.add(name)
         return out
 
+    def adopt(self, other: "Resident") -> int:
+        """Takes over what `other` (the same weights in another program: a graph with another loss output) has in
+        place, copied on the device; the bytes copied."""
+        copied = 0
+        with torch.no_grad():
+            for name, (known, tensor, version) in other.loaded.items():
+                mine = self.slots.get(name)
+                if mine is None or tensor._version != version or mine.shape != tensor.shape:
+                    continue
+                mine.copy_(tensor)
+                copied += mine.numel() * mine.element_size()
+                self.loaded[name] = (known, mine, mine._version)
+        return copied
+
     def stale(self, given: dict) -> list[str]:
         """The names of `given` (state_dict name -> wire weight) whose weight is not in place."""
         in_place = self.in_place({n: identity(w) for n, w in given.items()})
@@ -146,8 +161,9 @@ class Staging:
         self.offset = 0
 
     def reserve(self, nbytes: int) -> None:
-        """Room for `nbytes` (plus alignment) from the start; called once per job, after the last job's copies."""
-        need = nbytes + _ALIGN * 1024
+        """Room for `nbytes` (up to STAGING_MAX_BYTES) from the start; called once per job, after the last job's
+        copies ended (prepare's caller synchronised)."""
+        need = min(nbytes, STAGING_MAX_BYTES)
         if self.buffer is None or self.buffer.numel() < need:
             self.buffer = None
             self.buffer = torch.empty(need, dtype=torch.uint8, pin_memory=True)
@@ -156,9 +172,12 @@ class Staging:
     def copy(self, target: torch.Tensor, value: torch.Tensor) -> None:
         n = value.numel() * value.element_size()
         start = -(-self.offset // _ALIGN) * _ALIGN
-        if self.buffer is None or start + n > self.buffer.numel():
-            target.copy_(value)  # past what was reserved (not expected): a plain copy
+        if self.buffer is None or n > self.buffer.numel():
+            target.copy_(value)  # larger than the whole buffer: a plain copy
             return
+        if start + n > self.buffer.numel():  # full: wait for the copies queued from it, then start over
+            torch.cuda.current_stream(target.device).synchronize()
+            start = 0
         host = self.buffer[start:start + n].view(value.dtype).view(value.shape)
         host.copy_(value)
         target.copy_(host, non_blocking=True)

@@ -152,3 +152,41 @@ def test_a_seeded_model_keeps_its_initialisation_in_place():
     local = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     for name, g in autograd(local, x, y).items():
         assert torch.allclose(grads(again)[name], g, rtol=0, atol=1e-12), name
+
+
+class TwoOutputs(nn.Module):
+    """forward(x) -> (logits, a scalar of its own): a loss on either output is another program of one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out = self.a(x)
+        return out, out.pow(2).mean()
+
+
+def test_the_same_graph_with_another_loss_output_takes_over_the_weights_in_place():
+    torch.manual_seed(0)
+    model, (x, y) = TwoOutputs().double(), batch()
+    exported = export_graph(model, (x,))
+
+    def req(loss: str, resolved: bool) -> GradientRequest:
+        body = {"model": {"graph": exported.graph, "dtype": "float64",
+                          "weights": {k: by_ref(v, resolved) for k, v in exported.weights.items()}},
+                "inputs": to_wire(x, "msgpack"), "loss": loss, "options": {"numcheck": "off", "memory": False},
+                **({"targets": to_wire(y, "msgpack")} if loss != "output" else {})}
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest)
+
+    engine = Engine()
+    engine.compute(req("cross_entropy", True), device=CPU, scope="alice")
+    own = req("output", False)  # what a worker sends on: every weight was in place in the held model
+    assert engine.in_place(own, CPU, "alice") == set(own.model.weights)
+    got = engine.compute(own, device=CPU, scope="alice")
+    assert got.prepared == "built" and got.copied_bytes == model_bytes(model)  # copied on the device
+    model.zero_grad()
+    model(x)[1].backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads(got)[name], p.grad, rtol=0, atol=1e-12), name
+    again = engine.compute(own, device=CPU, scope="alice")
+    assert (again.prepared, again.copied_bytes) == ("resident", 0)

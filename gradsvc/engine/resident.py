@@ -250,7 +250,7 @@ def in_place_weights(caches: EngineCaches, request, device: torch.device, scope:
     held = caches.resident_models.peek((structure, dtype, str(device), scope))
     if held is None:
         return set()
-    return held.in_place({n: identity(w) for n, w in weights.items()})
+    return held.in_place({n: identity(w) for n, w in weights.items() if isinstance(w, Tensor) and w.refs})
 
 
 def checkout(caches: EngineCaches, key: tuple, make) -> tuple[Resident, bool]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import hashlib
+
 import msgspec
 import torch
 from torch import nn
@@ -69,6 +71,13 @@ def identity(wire) -> tuple | None:
     return None
 
 
+def _same_bytes(was: tuple, known: tuple) -> bool:
+    """Whether `was`, a weight loaded from inline bytes, holds what `known`, one piece by reference, names: the SDK
+    sends a trainable weight in the body first and by reference once it comes back unchanged (hashed once, here)."""
+    return (len(was) == 4 and was[2] == "bytes" and len(known) == 3 and len(known[2]) == 1
+            and was[:2] == known[:2] and hashlib.sha256(was[3]).hexdigest() == known[2][0])
+
+
 def unresolved(wire) -> bool:
     """A tensor by reference whose bytes the worker left in Redis (they were in place when it looked)."""
     return isinstance(wire, Tensor) and wire.refs is not None and wire.data is None and wire.b64 is None
@@ -103,8 +112,12 @@ class Resident:
         for name, known in identities.items():
             was = self.loaded.get(name)
             tensor = self.slots.get(name)
-            if known is not None and was is not None and was[0] == known and was[1] is tensor \
-                    and was[2] == tensor._version:
+            if known is None or was is None or was[1] is not tensor or was[2] != tensor._version:
+                continue
+            if was[0] == known:
+                out.add(name)
+            elif _same_bytes(was[0], known):  # sent inline before, by the ref of the same bytes now
+                self.loaded[name] = (known, tensor, was[2])
                 out.add(name)
         return out
 

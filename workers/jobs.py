@@ -25,6 +25,7 @@ from rq import get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
+from gradsvc.broker import affinity
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.blobs import BlobError, BlobStore
@@ -112,6 +113,7 @@ class WorkerContext:
     spare: handoff_files.Spare | None = None  # tmpfs pages kept for the next result's file (made on the reaper)
     spare_size: int = 0  # the size of the result file the job wrote: its next spare's
     run_weights: LRU = field(default_factory=weights_cache)  # the last step's weights of the runs stepped here
+    holders: LRU = field(default_factory=lambda: LRU(4096))  # (owner, model key) -> when recorded as its holder
 
     def __post_init__(self) -> None:
         if self.handoff is not None and self.spare is None:
@@ -137,13 +139,31 @@ def _graphs(ctx: WorkerContext, job: Job):
 
 
 def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> GradientRequest:
-    """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces."""
+    """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces; the
+    weights a model this worker holds for the owner has in place stay refs alone (never fetched: resident.py)."""
     try:
-        resolved = ctx.pieces.resolved(_owner(job), request)
+        held = ctx.engine.in_place(request, ctx.device, _owner(job))
+        resolved = ctx.pieces.resolved(_owner(job), request, held)
     except BlobError as exc:
         raise SpecError(exc.code, exc.message, **exc.detail) from None
     ctx.metrics.observe_tensor_cache(ctx.pieces.cache)
     return resolved
+
+
+def _record_holder(ctx: WorkerContext, job: Job, request: GradientRequest, result: GradientResult) -> None:
+    """Records this worker as the holder of the job's model (gradsvc/broker/affinity.py), so the owner's next job of
+    it comes to this worker's own queue: once per model until half the record's TTL has passed."""
+    owner, key = _owner(job), affinity.model_key(request, result.graph_ref)
+    now = time.monotonic()
+    last = ctx.holders.get((owner, key))
+    if last is not None and now - last < affinity.HOLDER_TTL_S / 2:
+        return
+    try:
+        affinity.record_holder(job.connection, ctx.settings.queue_prefix, owner, key, job.worker_name,
+                               affinity.HOLDER_TTL_S)
+    except (RedisConnectionError, RedisTimeoutError):
+        return  # advisory: the next job of the model records it
+    ctx.holders.put((owner, key), now)
 
 
 def make_context(settings: Settings, connection: Redis) -> WorkerContext:
@@ -158,10 +178,7 @@ def make_context(settings: Settings, connection: Redis) -> WorkerContext:
     handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
     handoff_files.bind(connection, handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
     s = settings
-    # On CUDA the element and memory limits not set explicitly follow the device's memory, as the API's do
-    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    engine = Engine(config_from_settings(settings, device_bytes))
-    return WorkerContext(settings=settings, engine=engine, device=device,
+    return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings, device)), device=device,
                          metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s),
                          pieces=BlobStore(connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
                                           cache_bytes=s.tensor_cache_bytes),
@@ -302,13 +319,16 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
                                 request, ctx.run_weights)
     try:
         result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
-                                    device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
+                                    device=ctx.device, graphs=_graphs(ctx, job), reference=reference,
+                                    scope=_owner(job))
     except BaseException:
         if recorder is not None:
             recorder.abandon()  # its read of the previous weights is in flight: its connection is closed
         raise
     result.timings.queue_ms = 1e3 * queue_s
-    ctx.metrics.resident_model_bytes.set(ctx.engine.caches.resident_models.bytes)
+    ctx.metrics.observe_resident(ctx.engine.caches.resident_models)
+    if result.prepared is not None and cancel_id is None:
+        _record_holder(ctx, job, request, result)
     if recorder is not None:
         job.pending_step = recorder.finish(result)
     return result

@@ -52,9 +52,11 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     ctx = make_context(settings, connection)
     _warm_up(ctx.device)
     kind = ctx.device.type
-    queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
-              for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
+    # Its own queue first (jobs of the models it holds: gradsvc/broker/affinity.py), then the shared ones.
+    names = [keys.own_queue_name(settings.queue_prefix, name),
+             *keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
+    queues = [Queue(q, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob) for q in names]
     worker = GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
                             name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix,
                             context=ctx)
@@ -94,10 +96,10 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     worker = build_worker(settings, index=index)
     ctx = worker.context
     if ctx.device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
-        cap = cap_data(settings.max_job_bytes)
+        cap = cap_data(settings.max_job_bytes + ctx.engine.config.resident_model_bytes)
         if cap is not None:
-            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES)",
-                     worker.name, cap)
+            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES and "
+                     "its resident models' GRADSVC_RESIDENT_MODEL_BYTES)", worker.name, cap)
 
     port = settings.worker_metrics_port + index
     if settings.worker_metrics_port > 0:

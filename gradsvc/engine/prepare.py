@@ -20,16 +20,17 @@ from .decode import (decode_targets, loss_terms, refuse_own_loss_split, rows_per
                      validate_hvp, validate_options, validate_reductions)
 from .errors import SpecError
 from .prepare_graph import GraphSpecModel
-from .prepare_layers import LayerSpecModel, release_model
+from .prepare_layers import LayerSpecModel
 from .prepared import GraphResolver, Prepared
 
 
 def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta", *,
             shape_only: bool = False, graphs: GraphResolver | None = None,
-            caches: EngineCaches | None = None) -> Prepared:
+            caches: EngineCaches | None = None, scope: str | None = None) -> Prepared:
     """Validates and builds everything; on "meta" nothing runs. `shape_only` (POST /estimate) accepts
     inputs and targets given as dtype and shape alone. `graphs` resolves `model.graph_ref`. `caches`
-    are the calling Engine's (None: a one-off call, with caches of its own)."""
+    are the calling Engine's (None: a one-off call, with caches of its own). `scope`: whose resident models this
+    request may check out (a worker passes the job's owner: resident.py)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
     opts, max_elements = request.options, config.limits.max_elements
     dtype = _model_dtype(request)
@@ -50,7 +51,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     validate_hvp(opts, side.meta, frozen)
     validate_diagnostics(opts, terms, side.meta, frozen, config.max_krylov_bytes)
     side.validate_batch_statistics(opts, inputs)
-    model, reuse = side.model(device, shape_only)  # the weights decoded and checked (those not in place)
+    model, held = side.model(device, shape_only, scope)  # the weights decoded and checked (those not in place)
     if str(device) != "meta":
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}
@@ -58,20 +59,16 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
                     output_shape=list(out.shape), parameter_count=side.parameter_count, options=opts,
                     frozen=frozen, graph=graph, graph_data=side.graph_data if graph is not None else None,
-                    built=reuse if graph is None else None, resident=reuse if graph is not None else None,
-                    rows_per_example=rows,
+                    resident=held, prepared=side.prepared, copied_bytes=side.copied_bytes, rows_per_example=rows,
                     batch_flow=side.flow if graph is not None else None)
 
 
 def release(prep: Prepared, caches: EngineCaches) -> None:
-    """Hands a worker's model back to its pool for the next request (after compute() succeeded): a layer spec's
-    to the built models (prepare_layers.release_model), a graph's to the resident ones (resident.py)."""
+    """Hands a worker's model back to its resident pool for the next request (after compute() succeeded)."""
     if prep.resident is not None:
         key, held = prep.resident
         prep.resident = None
         resident.release(held, key, caches)
-    else:
-        release_model(prep, caches)
 
 
 def _model_dtype(request: GradientRequest) -> torch.dtype:

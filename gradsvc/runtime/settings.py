@@ -109,9 +109,11 @@ class Settings:
     tensor_cache_bytes: int = 2 << 30
     # The refs (tensor pieces) one request may name: their check holds Redis ~2 us each (gradsvc/broker/blobs.py).
     max_refs: int = _positive(4096)
-    # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
-    # a weight sent by the same reference as before is not copied again.
-    resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")
+    # The models a worker keeps on its device between jobs with their weights in place (gradsvc/engine/resident.py):
+    # a weight sent by the same reference as before is neither fetched nor copied again. -1: a share of the device's
+    # memory (a quarter of a GPU's; an eighth of a CPU host's, split among its workers: engine/config.py says why).
+    resident_model_bytes: int = _rule(-1, lambda v: v >= -1, "use -1 (a share of the device's memory), 0 (no model "
+                                      "kept) or a number of bytes")
     # The float32 math of a job that does not set options.math_mode: "ieee" (full float32 convolutions and
     # matmuls: the same verdict on any device) or "tf32" (TF32 on CUDA devices that have it; never on a CPU).
     float32_math: str = _one_of("ieee", ("ieee", "tf32"), "use ieee or tf32")
@@ -127,6 +129,9 @@ class Settings:
     worker_device: str = _one_of("auto", ("auto", "cpu", "cuda"), "use auto, cpu or cuda")
     # A job's lease is 3 heartbeats: a killed worker's job fails worker_lost within about 8 s.
     worker_heartbeat_s: int = _positive(2)
+    # Affinity (gradsvc/broker/affinity.py): how long a job of a model a worker holds may wait in that worker's own
+    # queue before another worker's heartbeat (every 0.5 s) moves it to the shared queue.
+    affinity_wait_ms: int = _at_least_zero(250)
     idempotency_ttl_s: int = _positive(86400)
     rate_limit_per_minute: int = _at_least_zero(0, " (off)")
     # Wrong keys one client address may try at /ui/login in a minute before it is refused 429 for the rest of it.

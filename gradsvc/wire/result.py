@@ -186,3 +186,8 @@ class GradientResult(Struct, omit_defaults=False):
     curvature: Curvature | None = None
     # The float32 math the job ran in: "ieee" or "tf32" (only on a CUDA device that has it; never on a CPU).
     math_mode: str = "ieee"
+    # How the model came to be on the worker's device: "resident" (held from an earlier job of the same owner;
+    # only the weights not in place were copied in), "built" (built for this job); null where the worker keeps
+    # no model (a reduce job). `copied_bytes`: the bytes copied into the model's tensors on its device for this job.
+    prepared: str | None = None
+    copied_bytes: int | None = None

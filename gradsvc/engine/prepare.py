@@ -26,10 +26,12 @@ from .prepared import GraphResolver, Prepared
 
 def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta", *,
             shape_only: bool = False, graphs: GraphResolver | None = None,
-            caches: EngineCaches | None = None) -> Prepared:
+            caches: EngineCaches | None = None, held: torch.nn.Module | None = None) -> Prepared:
     """Validates and builds everything; on "meta" nothing runs. `shape_only` (POST /estimate) accepts
     inputs and targets given as dtype and shape alone. `graphs` resolves `model.graph_ref`. `caches`
-    are the calling Engine's (None: a one-off call, with caches of its own)."""
+    are the calling Engine's (None: a one-off call, with caches of its own). `held`: a model the caller
+    keeps on `device` (a training session's), run as it is: the request's weights are neither read nor
+    needed, and the model goes back to no pool."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
     opts, max_elements = request.options, config.limits.max_elements
     dtype = _model_dtype(request)
@@ -50,7 +52,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     validate_hvp(opts, side.meta, frozen)
     validate_diagnostics(opts, terms, side.meta, frozen)
     side.validate_batch_statistics(opts, inputs)
-    model, reuse = side.model(device, shape_only)  # the weights decoded and checked (those not in place)
+    model, reuse = (held, None) if held is not None else side.model(device, shape_only)  # weights decoded, checked
     if str(device) != "meta":
         inputs = inputs.to(device)
         targets = {k: v.to(device) for k, v in targets.items()}

@@ -170,3 +170,27 @@ def write_probe_key(prefix: str) -> str:
 def login_failures_key(prefix: str, client: str, window: int) -> str:
     """Failed /ui/login attempts from one client address in one minute (service/sessions.py throttles them)."""
     return f"{prefix}:login-failures:{client}:{window}"
+
+
+# --- Training sessions (gradsvc/broker/session_records.py) ------------------------------------------------
+
+def training_session_key(prefix: str, session_id: str) -> str:
+    """A training session's record (a hash: owner, holder, step, ...), expiring GRADSVC_SESSION_IDLE_TTL_S after
+    its last use. ("session" alone names the pages' login cookie: session_key.)"""
+    return f"{prefix}:tsession:{session_id}"
+
+
+def training_session_state_key(prefix: str, session_id: str) -> str:
+    """The session's last checkpoint: its state as one safetensors file."""
+    return f"{prefix}:tsession:{session_id}:state"
+
+
+def training_session_answer_key(prefix: str, session_id: str, idempotency_key: str) -> str:
+    """The answer of a session's step applied under an idempotency key, returned again to a retry."""
+    digest = hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]
+    return f"{prefix}:tsession:{session_id}:answer:{digest}"
+
+
+def training_sessions_key(prefix: str, owner: str) -> str:
+    """The ids of one owner's sessions (a set; ids whose record expired are dropped when counted)."""
+    return f"{prefix}:tsessions:{owner}"

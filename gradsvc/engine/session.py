@@ -41,6 +41,8 @@ from .prepared import GraphResolver, Prepared
 _REFUSED = {"input_grad": False, "hvp": None, "graph": False, "per_sample": "off", "shards": 1, "timing_repeat": 1,
             "batch_gradient": True, "diagnostics": [], "curvature": None, "freeze": []}
 _NUMCHECK_OFF = ("auto", "off")
+# The idempotency keys a session remembers (in its checkpoint too): a retry comes within a few steps.
+APPLIED_KEYS = 256
 
 
 @dataclass
@@ -78,6 +80,7 @@ class TrainingSession:
         self.names = list(self.params)
         self.optimizer = session_state.make_optimizer(create.optimizer, list(self.params.values()))
         self.step, self.accumulated, self.seed = 0, 0, create.model.seed
+        self.applied: dict[str, int] = {}  # idempotency key -> the step it was applied at (the latest APPLIED_KEYS)
         self.parameter_count = sum(p.numel() for p in model.parameters())
 
     @property
@@ -118,8 +121,10 @@ class TrainingSession:
         return StepOutcome(loss=done.loss, losses=dict(done.losses) if len(prep.terms) > 1 else None,
                            outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s)
 
-    def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None) -> StepOutcome:
-        """The accumulated gradients clipped (as clip_grad_norm_), optimizer.step(), the gradients zeroed."""
+    def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
+                   norms: bool = False) -> StepOutcome:
+        """The accumulated gradients clipped (as clip_grad_norm_), optimizer.step(), the gradients zeroed.
+        `norms`: each parameter's squared gradient norm before clipping, in extra["squares"] (a run's step)."""
         if self.accumulated == 0:
             raise SpecError("nothing_accumulated", f"optim_step: no gradient waits for an update (step {self.step}); "
                             "call forward_backward with a batch first, or send the batch to /step")
@@ -129,6 +134,10 @@ class TrainingSession:
         if not tensors.all_finite(total):
             raise ComputeError("non_finite", f"the accumulated gradient's norm is {float(total)}; nothing was applied "
                                "and the gradients are kept: call optim_step with a clip, or delete the session")
+        squares = None
+        if norms:
+            flat = torch.stack([g.detach().to(torch.float64).pow(2).sum() for g in grads.values()])
+            squares = dict(zip(grads, flat.tolist()))
         clip = clip or self.create.options.clip
         result = None
         if clip is not None:
@@ -144,34 +153,43 @@ class TrainingSession:
         self.step, self.accumulated = self.step + 1, 0
         sync(self.device)
         return StepOutcome(grad_norm=float(total), lr=self.lr, clip=result, gradients=grads,
-                           optimizer_s=time.perf_counter() - started)
+                           optimizer_s=time.perf_counter() - started, extra={"squares": squares})
 
-    def train_step(self, batch: SessionBatch) -> StepOutcome:
+    def train_step(self, batch: SessionBatch, *, norms: bool = False) -> StepOutcome:
         """forward_backward then optim_step (with whatever forward_backward had accumulated before); a failed
         update leaves the gradients as they were before this batch."""
         kept = {n: (p.grad.clone() if p.grad is not None else None) for n, p in self.params.items()} \
             if self.accumulated else None
         passed = self.forward_backward(batch)
         try:
-            done = self.optim_step(batch.lr, batch.options.clip)
+            done = self.optim_step(batch.lr, batch.options.clip, norms=norms)
         except BaseException:
             self.accumulated -= 1
             for n, p in self.params.items():
                 p.grad = kept[n] if kept is not None else None
             raise
         passed.grad_norm, passed.lr, passed.clip, passed.gradients = done.grad_norm, done.lr, done.clip, done.gradients
-        passed.optimizer_s = done.optimizer_s
+        passed.optimizer_s, passed.extra = done.optimizer_s, done.extra
         return passed
 
     # --- state -------------------------------------------------------------------------------------------
 
+    def remember(self, key: str) -> None:
+        """Marks an idempotency key applied at the current step (the oldest forgotten past APPLIED_KEYS)."""
+        self.applied[key] = self.step
+        while len(self.applied) > APPLIED_KEYS:
+            self.applied.pop(next(iter(self.applied)))
+
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        return session_state.export_state(self.model, self.optimizer, self.names,
-                                          {"step": self.step, "accumulated": self.accumulated, "seed": self.seed})
+        out, meta = session_state.export_state(self.model, self.optimizer, self.names,
+                                               {"step": self.step, "accumulated": self.accumulated, "seed": self.seed})
+        meta["applied"] = msgspec.json.encode(self.applied).decode()
+        return out, meta
 
     def restore(self, tensors_: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         counters = session_state.import_state(self.model, self.optimizer, self.names, tensors_, meta)
         self.step, self.accumulated, self.seed = counters["step"], counters["accumulated"], counters["seed"]
+        self.applied = msgspec.json.decode(meta.get("applied", "{}"), type=dict[str, int])
 
     # --- helpers -----------------------------------------------------------------------------------------
 
@@ -249,3 +267,30 @@ def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCach
         model = GraphModel(side.template.compiled, device=device, dtype=dtype) if restoring else \
             side.model(device, False)[0]
     return TrainingSession(create, model, graph, config, caches, device)
+
+
+def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
+              graphs: GraphResolver | None = None) -> tuple[int, int]:
+    """(parameter count, the bytes the session will hold) checked on meta, as POST /sessions checks it before the
+    queue: the model and its weights (as prepare checks them), the optimizer's arguments, options.freeze. The
+    bytes: weights, buffers, the optimizer's per-parameter state and one gradient of every trained parameter."""
+    if create.options.clip is not None and create.options.clip.per_sample:
+        raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
+                        "leave per_sample out", option="options.clip")
+    session_state.optimizer_arguments(create.optimizer)
+    request = GradientRequest(model=create.model, inputs=[])
+    dtype = tensors.TORCH_DTYPES.get(create.model.dtype)
+    if dtype is None or not dtype.is_floating_point:
+        raise SpecError("bad_option", f"model.dtype {create.model.dtype!r} is not a floating-point dtype; use one of "
+                        f"{', '.join(tensors.FLOAT_DTYPES)}")
+    side = LayerSpecModel(request, config, caches, dtype) if create.model.layers is not None else \
+        GraphSpecModel(request, config, caches, dtype, graphs)
+    meta = side.model("meta", False)[0]  # the weights decoded and checked
+    names = dict(meta.named_parameters())
+    unknown = set(create.options.freeze) - set(names)
+    if unknown:
+        raise SpecError("bad_option", f"options.freeze names {sorted(unknown)[:8]}, which are not parameters of "
+                        "the model; name parameters as named_parameters() does", option="options.freeze")
+    trained = sum(p.numel() for n, p in names.items() if n not in create.options.freeze) * dtype.itemsize
+    held = state_bytes(meta.state_dict()) + trained * (1 + session_state.optimizer_slots(create.optimizer))
+    return side.parameter_count, held

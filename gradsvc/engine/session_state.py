@@ -47,6 +47,14 @@ def optimizer_arguments(spec: OptimizerSpec) -> dict:
     return given
 
 
+def optimizer_slots(spec: OptimizerSpec) -> int:
+    """The tensors of a parameter's size the optimizer keeps for it: SGD's momentum buffer, Adam's two moments
+    (and amsgrad's maximum)."""
+    if spec.type == "sgd":
+        return 1 if (spec.momentum or 0) > 0 else 0
+    return 3 if spec.amsgrad else 2
+
+
 def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """torch.optim's optimizer over `params` (one group), with torch's own checks worded as a bad_option."""
     if not params:

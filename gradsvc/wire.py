@@ -709,7 +709,7 @@ ERROR_CODES: dict[str, ErrorCode] = {
                                      "optim_step on a session with no gradient accumulated"),
     "too_many_sessions": ErrorCode(429, "TooManySessionsError", "request",
                                    "over GRADSVC_SESSION_MAX_PER_OWNER sessions, or over the owner's byte budget"),
-    "workers_full": ErrorCode(503, "WorkersFullError", "unavailable",
+    "workers_full": ErrorCode(503, "WorkersFullError", "request",
                               "the worker holds GRADSVC_SESSION_MAX_PER_WORKER sessions already"),
     "session_lost": ErrorCode(410, "SessionLostError", "job",
                               "the session's checkpoint is gone; its state cannot be rebuilt"),

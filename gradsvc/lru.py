@@ -16,7 +16,8 @@ T = TypeVar("T")
 class LRU(Generic[T]):
     """A bounded map. `entries` caps how many values it keeps; `max_bytes` (with `size`, the bytes of a
     value) caps what they weigh; either or both. One lock around every access: the API reads it from
-    several threads (anyio's worker threads) at once. `hits`/`misses` count `get`s."""
+    several threads (anyio's worker threads) at once. `hits`/`misses` count `get`s and `take`s; `evictions` the values
+    `put` let go to stay within the bounds, and those `clear` dropped."""
 
     def __init__(self, entries: int | None = None, *, max_bytes: int | None = None,
                  size: Callable[[T], int] = len) -> None:  # type: ignore[assignment]
@@ -24,7 +25,7 @@ class LRU(Generic[T]):
         self.max_bytes = max_bytes
         self._size = size
         self.bytes = 0
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.evictions = 0
         self._items: OrderedDict[Hashable, T] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -51,6 +52,7 @@ class LRU(Generic[T]):
             while ((self.entries is not None and len(self._items) > self.entries)
                    or (self.max_bytes is not None and self.bytes > self.max_bytes)):
                 _, dropped = self._items.popitem(last=False)
+                self.evictions += 1
                 if self.max_bytes is not None:
                     self.bytes -= self._size(dropped)
 
@@ -61,6 +63,21 @@ class LRU(Generic[T]):
                 self.bytes -= self._size(value)
             return value
 
+    def take(self, key: Hashable) -> T | None:
+        """pop(), counted as a hit or a miss (a value checked out for exclusive use, put back after)."""
+        value = self.pop(key)
+        with self._lock:
+            if value is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+        return value
+
+    def peek(self, key: Hashable) -> T | None:
+        """The value, if kept; no hit or miss counted, its place in the order unchanged."""
+        with self._lock:
+            return self._items.get(key)
+
     def values(self) -> list[T]:
         """A snapshot of the values, least recently used first (for tests and metrics; no hit counted)."""
         with self._lock:
@@ -68,6 +85,7 @@ class LRU(Generic[T]):
 
     def clear(self) -> None:
         with self._lock:
+            self.evictions += len(self._items)
             self._items.clear()
             self.bytes = 0
 

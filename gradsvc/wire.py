@@ -521,6 +521,11 @@ class GradientResult(Struct, omit_defaults=False):
     diagnostics: Diagnostics | None = None
     clip: ClipResult | None = None
     curvature: Curvature | None = None
+    # How the model came to be on the worker's device: "resident" (held from an earlier job of the same owner;
+    # only the weights not in place were copied in), "built" (built for this job); null where the worker keeps
+    # no model (a reduce job). `copied_bytes`: the bytes copied into the model's tensors on its device for this job.
+    prepared: str | None = None
+    copied_bytes: int | None = None
 
 
 class Estimate(Struct):

@@ -1,5 +1,6 @@
-"""Putting a job on the queue: a plain job (to the shared queue, or the handoff domain's with its body as a
-file), a sharded one (service/fan_out.py), each once per Idempotency-Key (service/idempotency.py)."""
+"""Putting a job on the queue: a plain job (to the shared queue, the own queue of the worker that holds its model
+(gradsvc/broker/affinity.py), or the handoff domain's with its body as a file), a sharded one (service/fan_out.py),
+each once per Idempotency-Key (service/idempotency.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import anyio.to_thread
 from redis.exceptions import WatchError
 from rq import Queue, Worker
 
+from gradsvc.broker import affinity
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.connection import send_async
@@ -47,7 +49,9 @@ class JobRequest:
     meta) when options.shards may split the batch (service/fan_out.py). `result_bytes`: what its gradients
     alone will take (a large result is handed back as a file when the job goes through the handoff domain's
     queue, whatever its body's size). `early`: what Enqueuer.start began for this body (its handoff file is
-    committed by the enqueue if the job takes it)."""
+    committed by the enqueue if the job takes it). `model_key`: what a worker holding the job's model knows it by
+    (affinity.model_key; None: no affinity), and `pinned`: the job stays in its holder's own queue as long as that
+    worker lives (a session's step). `fallback`: set by the enqueue when the job goes to an own queue."""
 
     body: bytes
     fmt: str
@@ -58,6 +62,9 @@ class JobRequest:
     sharded: tuple[GradientRequest, Prepared] | None = None
     result_bytes: int = 0
     early: Early | None = None
+    model_key: str | None = None
+    pinned: bool = False
+    fallback: str | None = None
 
 
 @dataclass(eq=False)
@@ -172,7 +179,7 @@ class Enqueuer:
         file), its body, when large, as a file too."""
         queues, device, body = self.queues, job.device, job.body
         if not queues.handoff_wanted(device, len(body), job.result_bytes):
-            return queues.shared[device], None
+            return self._routed(job, queues.shared[device]), None
         if not queues.handoff.wanted(len(body)):
             return queues.domain[device], None
         staged = job.early.staged if job.early is not None else None
@@ -183,6 +190,17 @@ class Enqueuer:
             log.warning("handoff of a %d-byte body failed (%s); it goes through Redis", len(body), exc)
             ref = None
         return queues.domain[device], ref
+
+    def _routed(self, job: JobRequest, shared: Queue) -> Queue:
+        """The own queue of the live worker that holds the job's model, else `shared` (affinity.route). A job whose
+        body or result goes through the handoff domain is not routed: its queue is the domain's."""
+        if job.model_key is None:
+            return shared
+        name = affinity.route(self.queues.redis, self.queues.prefix, job.owner, job.model_key, shared.name)
+        if name == shared.name:
+            return shared
+        job.fallback = shared.name
+        return self.queues.own(name)
 
     def _enqueue_claimed(self, claim: str, value: str, queue: Queue, arg: bytes | str, job: JobRequest,
                          job_id: str) -> str | None:
@@ -251,8 +269,10 @@ class Enqueuer:
             job_timeout=record.timeout_s,
             result_ttl=record.result_ttl_s,
             failure_ttl=record.failure_ttl_s,
-            meta=JobMeta(owner=job.owner).as_meta(),
+            meta=JobMeta(owner=job.owner, pinned=job.pinned and job.fallback is not None).as_meta(),
             description="gradients",
             pipeline=pipe,
         )
+        if job.fallback is not None and queue.name != job.fallback:  # in a worker's own queue: tracked to move
+            self.queues.mover.track(pipe, job_id, job.fallback, record.affinity_wait_s, pinned=job.pinned)
         recent.record(pipe, record.prefix, job.owner, job_id, record.index_ttl_s)

@@ -14,6 +14,7 @@ from rq import Queue
 
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
+from gradsvc.broker.affinity import Mover
 from gradsvc.broker.connection import connect, connect_async
 from gradsvc.broker.handoff import Handoff
 from gradsvc.broker.job import GradientJob, MsgpackSerializer
@@ -33,10 +34,12 @@ class JobRecord:
     timeout_s: int
     result_ttl_s: int
     failure_ttl_s: int
+    affinity_wait_s: float = 0.25  # how long a job may wait in a holder's own queue (GRADSVC_AFFINITY_WAIT_MS)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "JobRecord":
-        return cls(settings.queue_prefix, settings.job_timeout_s, settings.result_ttl_s, settings.failure_ttl_s)
+        return cls(settings.queue_prefix, settings.job_timeout_s, settings.result_ttl_s, settings.failure_ttl_s,
+                   settings.affinity_wait_ms / 1e3)
 
     @property
     def index_ttl_s(self) -> int:
@@ -73,7 +76,12 @@ class Queues:
         self.domain = {} if self.handoff is None else {
             d: self._queue(keys.domain_queue_name(self.prefix, d, self.handoff.domain)) for d in keys.QUEUE_DEVICES}
         self._routes: dict[str, tuple[float, bool]] = {}
+        self.mover = Mover(self.redis, self.prefix)  # tracks the jobs routed to a worker's own queue
         self.epochs = Epochs(self.redis, self.prefix)
+
+    def own(self, queue_name: str) -> Queue:
+        """A worker's own queue (gradsvc/broker/affinity.py route)."""
+        return self._queue(queue_name)
 
     def _queue(self, name: str) -> Queue:
         return Queue(name, connection=self.redis, serializer=MsgpackSerializer, job_class=GradientJob)

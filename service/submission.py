@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import anyio.to_thread
 
+from gradsvc.broker import affinity
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
@@ -142,8 +143,10 @@ class Submitter:
             if prep.graph_data is not None:
                 self.graphs.put(owner, prep.graph.ref, req.model.graph, prep.graph_data)
             sharded = (req, prep) if req.options.shards != 1 else None
+            model_key = affinity.model_key(req, prep.graph.ref if prep.graph is not None else None)
             return self.enqueuer.enqueue_job(dataclasses.replace(job, sharded=sharded, early=early,
-                                                                 result_bytes=prep.gradient_bytes))
+                                                                 result_bytes=prep.gradient_bytes,
+                                                                 model_key=model_key))
         finally:
             if early is not None and early.staged is not None:
                 early.staged.discard()  # a no-op once the enqueue committed it

@@ -25,6 +25,7 @@ from rq import get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
+from gradsvc.broker import affinity
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker import keys
 from gradsvc.broker.blobs import BlobError, BlobStore
@@ -114,6 +115,7 @@ class WorkerContext:
     spare_size: int = 0  # the size of the result file the job wrote: its next spare's
     run_weights: LRU = field(default_factory=weights_cache)  # the last step's weights of the runs stepped here
     sessions: SessionHost = field(default_factory=lambda: SessionHost(16))  # the training sessions held here
+    holders: LRU = field(default_factory=lambda: LRU(4096))  # (owner, model key) -> when recorded as its holder
 
     def __post_init__(self) -> None:
         if self.handoff is not None and self.spare is None:
@@ -146,6 +148,22 @@ def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> Grad
         raise SpecError(exc.code, exc.message, **exc.detail) from None
     ctx.metrics.observe_tensor_cache(ctx.pieces.cache)
     return resolved
+
+
+def _record_holder(ctx: WorkerContext, job: Job, request: GradientRequest, result: GradientResult) -> None:
+    """Records this worker as the holder of the job's model (gradsvc/broker/affinity.py), so the owner's next job of
+    it comes to this worker's own queue: once per model until half the record's TTL has passed."""
+    owner, key = _owner(job), affinity.model_key(request, result.graph_ref)
+    now = time.monotonic()
+    last = ctx.holders.get((owner, key))
+    if last is not None and now - last < affinity.HOLDER_TTL_S / 2:
+        return
+    try:
+        affinity.record_holder(job.connection, ctx.settings.queue_prefix, owner, key, job.worker_name,
+                               affinity.HOLDER_TTL_S)
+    except (RedisConnectionError, RedisTimeoutError):
+        return  # advisory: the next job of the model records it
+    ctx.holders.put((owner, key), now)
 
 
 def make_context(settings: Settings, connection: Redis) -> WorkerContext:
@@ -307,7 +325,9 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
             recorder.abandon()  # its read of the previous weights is in flight: its connection is closed
         raise
     result.timings.queue_ms = 1e3 * queue_s
-    ctx.metrics.resident_model_bytes.set(ctx.engine.caches.resident_models.bytes)
+    ctx.metrics.observe_resident(ctx.engine.caches.resident_models)
+    if result.prepared is not None and cancel_id is None:
+        _record_holder(ctx, job, request, result)
     if recorder is not None:
         job.pending_step = recorder.finish(result)
     return result

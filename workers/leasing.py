@@ -2,7 +2,7 @@
 
 Every heartbeat the thread renews the worker's key and its running job's lease, registers the worker again
 when Redis lost its key, and reaps the jobs whose leases lapsed (any worker's); every WATCHDOG_S it runs the
-job's watchdog. A job whose renewal failed (Redis unreachable or refusing writes) is asked of Redis before its
+job's watchdog and moves the jobs that waited too long in any worker's own queue (gradsvc/broker/affinity.py). A job whose renewal failed (Redis unreachable or refusing writes) is asked of Redis before its
 lease is renewed again or its outcome recorded: it may have been reaped meanwhile, and then it stays failed.
 """
 
@@ -20,6 +20,7 @@ from rq.utils import now, utcformat
 from rq.worker import SimpleWorker
 
 from gradsvc.broker import handoff as handoff_files
+from gradsvc.broker.affinity import Mover
 from gradsvc.broker.connection import REFUSAL_ERRORS
 from gradsvc.broker.handoff import Handoff
 from gradsvc.broker.job import GradientJob
@@ -46,6 +47,7 @@ class Leases:
         self.watchdog = watchdog  # run by the heartbeat thread
         self.running: Running | None = None
         self.beating = threading.Event()
+        self.mover: Mover | None = None  # set by the worker (its queue prefix)
 
     def start(self) -> None:
         self.watchdog.listen_for_signals()
@@ -62,6 +64,11 @@ class Leases:
         while self.beating.is_set():
             try:
                 self.watchdog.watch(self.running)
+                if self.mover is not None:
+                    moved = self.mover.move_overdue()
+                    if moved:
+                        log.info("worker %s: moved %d job(s) out of a busy or gone worker's own queue", name,
+                                 len(moved))
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
                     self.beat()

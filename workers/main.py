@@ -52,9 +52,11 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
     ctx = make_context(settings, connection)
     _warm_up(ctx.device)
     kind = ctx.device.type
-    queues = [Queue(name, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob)
-              for name in keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     name = f"gradsvc-{kind}-{socket.gethostname()}-{os.getpid()}-{index}"
+    # Its own queue first (jobs of the models it holds: gradsvc/broker/affinity.py), then the shared ones.
+    names = [keys.own_queue_name(settings.queue_prefix, name),
+             *keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
+    queues = [Queue(q, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob) for q in names]
     return GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
                           name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix,
                           context=ctx)

@@ -42,8 +42,15 @@ class WorkerMetrics:
                                          "cache.", registry=self.registry)
         self.tensor_cache_misses = Counter("gradsvc_tensor_cache_misses_total", "Tensor pieces fetched from Redis.",
                                            registry=self.registry)
-        self.resident_model_bytes = Gauge("gradsvc_resident_model_bytes", "Bytes of the graph models this worker "
-                                          "keeps with their weights in place (GRADSVC_RESIDENT_MODEL_BYTES).",
+        self.resident_model_bytes = Gauge("gradsvc_resident_model_bytes", "Bytes of the models this worker keeps "
+                                          "on its device with their weights in place (GRADSVC_RESIDENT_MODEL_BYTES).",
+                                          registry=self.registry)
+        self.resident_hits = Counter("gradsvc_resident_model_hits_total", "Jobs whose model this worker held.",
+                                     registry=self.registry)
+        self.resident_misses = Counter("gradsvc_resident_model_misses_total", "Jobs whose model this worker built.",
+                                       registry=self.registry)
+        self.resident_evictions = Counter("gradsvc_resident_model_evictions_total", "Models this worker let go to "
+                                          "stay within its resident bytes (or to free memory after running out).",
                                           registry=self.registry)
         # Training sessions (docs/sessions.md): what this worker holds, and the operations it ran on them.
         self.sessions_held = Gauge("gradsvc_sessions_held", "Training sessions this worker holds on its device.",
@@ -54,6 +61,16 @@ class WorkerMetrics:
                                      "worker ran, by operation (step, forward_backward, optim_step, ...).",
                                      ["operation"], registry=self.registry)
         self._cache_seen = (0, 0)
+        self._resident_seen = (0, 0, 0)
+
+    def observe_resident(self, pool) -> None:
+        """The resident pool's bytes, and its hits, misses and evictions since the last call."""
+        now = (pool.hits, pool.misses, pool.evictions)
+        for counter, value, seen in zip((self.resident_hits, self.resident_misses, self.resident_evictions), now,
+                                        self._resident_seen):
+            counter.inc(max(0, value - seen))
+        self._resident_seen = now
+        self.resident_model_bytes.set(pool.bytes)
 
     def observe_tensor_cache(self, cache) -> None:
         """The cache's bytes, and its hits and misses since the last call."""

@@ -30,6 +30,7 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gradsvc.broker import keys
+from gradsvc.broker.affinity import Mover
 from gradsvc.broker.connection import refusal
 from gradsvc.broker.job import GRADIENT_JOB, GradientJob
 from gradsvc.broker.record import JobMeta
@@ -66,6 +67,8 @@ class GradientWorker(SimpleWorker):
         self.watchdog = Watchdog(self)
         handoff = context.handoff if context is not None else None
         self.leases = Leases(self, heartbeat_s, self.watchdog, handoff)  # kept by the heartbeat thread
+        if self.connection is not None:
+            self.leases.mover = Mover(self.connection, prefix)
         self.lease_s = self.leases.lease_s  # a worker or job silent this long is lost
         self._starting = None  # prepare_execution's open pipeline, executed by prepare_job_execution
         self._started: SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet

@@ -32,6 +32,53 @@ def worker_queues(prefix: str, device: str, domain: str | None = None) -> list[s
     return [domain_queue_name(prefix, device, domain), domain_queue_name(prefix, "auto", domain), *plain]
 
 
+def own_queue_name(prefix: str, worker_name: str) -> str:
+    """The queue only one worker drains, first of its queues: jobs of a model it holds go there (affinity.route);
+    the other workers' heartbeats move a job that waited there too long to the queue it would have gone to."""
+    return f"{prefix}-own:{worker_name}"
+
+
+def own_queue_worker(prefix: str, queue: str) -> str | None:
+    """The worker whose own queue `queue` is, or None for any other queue."""
+    head = f"{prefix}-own:"
+    return queue[len(head):] if queue.startswith(head) else None
+
+
+def holder_key(prefix: str, owner: str, model_key: str) -> str:
+    """The worker that last kept the owner's model `model_key` (gradsvc/broker/affinity.py), with a TTL."""
+    return f"{prefix}:holder:{owner}:{model_key}"
+
+
+def affinity_waiting_key(prefix: str) -> str:
+    """Jobs in a worker's own queue by the time they may wait there until (a sorted set of job ids); pinned
+    jobs are not in it (they move only when their worker is gone)."""
+    return f"{prefix}:affinity:waiting"
+
+
+def affinity_pinned_key(prefix: str) -> str:
+    """Pinned jobs in a worker's own queue (a set of job ids): moved only when that worker is gone."""
+    return f"{prefix}:affinity:pinned"
+
+
+def affinity_fallback_key(prefix: str) -> str:
+    """Job id -> the queue a job in a worker's own queue moves to when it may not wait there any longer (a hash)."""
+    return f"{prefix}:affinity:fallback"
+
+
+def rq_queue_key(queue: str) -> str:
+    """RQ's list of a queue's job ids."""
+    from rq import Queue
+
+    return Queue.redis_queue_namespace_prefix + queue
+
+
+def rq_worker_key(worker_name: str) -> str:
+    """RQ's hash of a live worker (its lease: GradientWorker renews its TTL every heartbeat)."""
+    from rq.worker import Worker
+
+    return Worker.redis_worker_namespace_prefix + worker_name
+
+
 def rq_queue_workers_key(queue: str) -> str:
     """RQ's set of the workers that listen on a queue (rq.worker_registration); the API counts it."""
     from rq.worker_registration import WORKERS_BY_QUEUE_KEY

@@ -9,6 +9,8 @@ goes through JobMeta and the functions below, never `job.meta[...]`.
     error     whoever ends the job failed: the worker, its watchdog,  the API, the fan-in
               the fan-in (a failed shard's parent), the API's cancel
               of a job that had not started
+    pinned    the enqueue that put the job in a worker's own queue    (the affinity mover: never moved while
+              and may not move it elsewhere while that worker lives    its worker lives; gradsvc/broker/affinity.py)
 
 The stored form is RQ's: a msgpack map in the job hash's `meta` field, the same bytes as before the fields
 were typed, so jobs enqueued by an older API read the same.
@@ -42,6 +44,7 @@ class JobMeta(msgspec.Struct, omit_defaults=True):
     shard: ShardPlace | None = None
     progress: Progress | None = None
     error: ErrorInfo | None = None
+    pinned: bool = False
 
     @classmethod
     def of(cls, meta: dict[str, Any] | None) -> JobMeta:

@@ -1,0 +1,162 @@
+"""Affinity: a job whose model a worker holds (gradsvc/engine/resident.py) goes to that worker's own queue first.
+
+    the worker     after a job whose model it kept resident: record_holder(owner, model key -> its name, TTL)
+    the API        route(): the holder's own queue when the holder is alive (its RQ key, the lease its heartbeat
+                   renews), else the queue the job would have gone to (its fallback); a job put in an own queue
+                   is tracked with its fallback and the time it may wait there until (GRADSVC_AFFINITY_WAIT_MS),
+                   in the enqueue's transaction
+    every worker   its heartbeat thread runs move_overdue(): a job still in an own queue past its wait (its worker
+                   busy or gone), or a pinned job whose worker is gone, is moved to the front of its fallback queue
+
+A move is one Lua script: LREM from the own queue, and only when that removed it, the job's `origin` set to the
+fallback and its id pushed there. A worker's dequeue (BLPOP/LMOVE) and a move are both atomic in Redis, so a job
+is taken by exactly one of them: never run twice, never lost. A queued job is in no RQ registry (only its queue's
+list), so nothing else changes. Pinned jobs (`pinned`, for steps of a session that lives on that worker) are
+never moved while their worker is alive. Times are Redis's own (TIME in the scripts): workers and the API may run
+on machines whose clocks differ. No torch here; the store is handed a client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from gradsvc import hashing
+from gradsvc.wire import GradientRequest
+
+from . import keys
+
+_json = msgspec.json.Encoder(order="sorted")
+HOLDER_TTL_S = 3600  # how long a holder record lasts unless a job renews it
+
+# KEYS: the holder record. ARGV: RQ's worker key prefix. The holder's name when its worker key is there, else nil.
+_ROUTE = """
+local name = redis.call('GET', KEYS[1])
+if name and redis.call('EXISTS', ARGV[1] .. name) == 1 then return name end
+return false
+"""
+
+# KEYS: the waiting set, the pinned set, the fallback hash. ARGV: the job id, its fallback queue, the seconds it may
+# wait (ignored when pinned), "1" when pinned.
+_TRACK = """
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+if ARGV[4] == '1' then
+  redis.call('SADD', KEYS[2], ARGV[1])
+else
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[1], t[1] + t[2] / 1e6 + tonumber(ARGV[3]), ARGV[1])
+end
+return 1
+"""
+
+# KEYS: the waiting set, the pinned set, the fallback hash, RQ's set of queues. ARGV: RQ's job key prefix, queue
+# key prefix and worker key prefix, the own queues' prefix, the most jobs to look at. Returns the ids moved.
+# Keys of jobs, queues and workers are built here from the prefixes (a single Redis, as RQ's own scripts assume).
+_MOVE = """
+local jobs, queues, workers, own, limit = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = t[1] + t[2] / 1e6
+local candidates = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
+for _, id in ipairs(redis.call('SRANDMEMBER', KEYS[2], limit)) do
+  local origin = redis.call('HGET', jobs .. id, 'origin')
+  if not origin or string.sub(origin, 1, #own) ~= own then
+    candidates[#candidates + 1] = id
+  elseif redis.call('EXISTS', workers .. string.sub(origin, #own + 1)) == 0 then
+    candidates[#candidates + 1] = id
+  elseif not redis.call('LPOS', queues .. origin, id) then
+    candidates[#candidates + 1] = id
+  end
+end
+local moved = {}
+for _, id in ipairs(candidates) do
+  local fallback = redis.call('HGET', KEYS[3], id)
+  local origin = redis.call('HGET', jobs .. id, 'origin')
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('SREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  if fallback and origin and string.sub(origin, 1, #own) == own and
+      redis.call('LREM', queues .. origin, 1, id) == 1 then
+    redis.call('HSET', jobs .. id, 'origin', fallback)
+    redis.call('LPUSH', queues .. fallback, id)
+    redis.call('SADD', KEYS[4], queues .. fallback)
+    moved[#moved + 1] = id
+  end
+end
+return moved
+"""
+
+MOVE_BATCH = 256  # the most jobs one move_overdue call looks at (each call holds Redis a few us a job)
+
+
+def model_key(request: GradientRequest, graph_ref: str | None = None) -> str:
+    """What a worker's resident model is known by across processes: the model's structure and dtype (a layer spec's
+    canonical JSON, or its graph's ref), not its weights (a changed weight is copied into the held model)."""
+    model = request.model
+    if model.layers is not None:
+        digest = hashlib.sha256(_json.encode(model.layers)).hexdigest()
+        return f"layers:{model.dtype}:{digest}"
+    ref = graph_ref or model.graph_ref or hashing.digest(hashing.encode(model.graph))
+    return f"graph:{model.dtype}:{ref}"
+
+
+def worker_alive(redis, worker_name: str) -> bool:
+    """Whether the worker's RQ key is there: its heartbeat renews it for a lease (3 heartbeats); a worker dead or
+    cut off from Redis loses it within that."""
+    return bool(redis.exists(keys.rq_worker_key(worker_name)))
+
+
+def record_holder(redis, prefix: str, owner: str, model_key: str, worker_name: str, ttl_s: int) -> None:
+    """The worker `worker_name` holds the owner's model `model_key` (for ttl_s: a record outlived by an eviction
+    costs a job a build, never a wrong answer)."""
+    redis.set(keys.holder_key(prefix, owner, model_key), worker_name, ex=ttl_s)
+
+
+def holder(redis, prefix: str, owner: str, model_key: str) -> str | None:
+    """The worker that last recorded the owner's model, or None."""
+    name = redis.get(keys.holder_key(prefix, owner, model_key))
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def route(redis, prefix: str, owner: str, model_key: str | None, fallback: str) -> str:
+    """The queue a job goes to: the own queue of the worker holding the owner's model when that worker is alive,
+    else `fallback` (the queue the job would go to without affinity). One round trip."""
+    if model_key is None:
+        return fallback
+    from rq.worker import Worker
+
+    name = redis.eval(_ROUTE, 1, keys.holder_key(prefix, owner, model_key), Worker.redis_worker_namespace_prefix)
+    if not name:
+        return fallback
+    return keys.own_queue_name(prefix, name.decode() if isinstance(name, bytes) else name)
+
+
+class Mover:
+    """The scripts that track a job put in an own queue and move it out when it may wait no longer, registered
+    once on a client."""
+
+    def __init__(self, redis, prefix: str) -> None:
+        self.redis, self.prefix = redis, prefix
+        self._track = redis.register_script(_TRACK)
+        self._move = redis.register_script(_MOVE)
+
+    def track(self, pipe, job_id: str, fallback: str, wait_s: float, pinned: bool = False) -> None:
+        """Adds to `pipe` (the enqueue's transaction) the record of a job put in an own queue: the queue it moves
+        to, and until when it may wait (or, `pinned`, that it waits as long as its worker lives)."""
+        p = self.prefix
+        self._track(keys=[keys.affinity_waiting_key(p), keys.affinity_pinned_key(p), keys.affinity_fallback_key(p)],
+                    args=[job_id, fallback, repr(float(wait_s)), "1" if pinned else "0"], client=pipe)
+
+    def move_overdue(self) -> list[str]:
+        """Moves every job that waited past its time in an own queue, and every pinned job whose worker is gone,
+        to the front of its fallback queue; the ids moved."""
+        from rq import Queue
+        from rq.job import Job
+        from rq.worker import Worker
+
+        p = self.prefix
+        moved = self._move(keys=[keys.affinity_waiting_key(p), keys.affinity_pinned_key(p),
+                                 keys.affinity_fallback_key(p), Queue.redis_queues_keys],
+                           args=[Job.redis_job_namespace_prefix, Queue.redis_queue_namespace_prefix,
+                                 Worker.redis_worker_namespace_prefix, keys.own_queue_name(p, ""), MOVE_BATCH])
+        return [m.decode() if isinstance(m, bytes) else m for m in moved]

@@ -1,0 +1,112 @@
+"""Affinity routing on a real Redis: a job of a held model goes to its holder's own queue while the holder is alive;
+a job that waited past its time there, or a pinned one whose worker is gone, moves to the front of its fallback
+queue exactly once, whoever runs the mover and however many run it at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rq import Queue
+from rq.job import Job
+
+from gradsvc.broker import affinity, keys
+from gradsvc.broker.job import GradientJob, MsgpackSerializer
+from gradsvc.wire import GradientRequest
+
+PREFIX = "gradsvc"
+
+
+def _queue(redis, name: str) -> Queue:
+    return Queue(name, connection=redis, serializer=MsgpackSerializer, job_class=GradientJob)
+
+
+def _enqueue(redis, mover: affinity.Mover, own: str, fallback: str, job_id: str, wait_s: float,
+             pinned: bool = False) -> None:
+    with redis.pipeline() as pipe:
+        _queue(redis, own).enqueue("builtins.print", "x", job_id=job_id, pipeline=pipe)
+        mover.track(pipe, job_id, fallback, wait_s, pinned=pinned)
+        pipe.execute()
+
+
+def _alive(redis, name: str) -> None:
+    redis.set(keys.rq_worker_key(name), b"1", ex=30)
+
+
+def test_route_goes_to_the_live_holders_own_queue_else_the_fallback(flushed_redis):
+    redis = flushed_redis
+    key = "layers:float32:abc"
+    assert affinity.route(redis, PREFIX, "alice", key, "gradsvc") == "gradsvc"  # nobody holds it
+    affinity.record_holder(redis, PREFIX, "alice", key, "w1", ttl_s=60)
+    assert affinity.holder(redis, PREFIX, "alice", key) == "w1"
+    assert affinity.route(redis, PREFIX, "alice", key, "gradsvc") == "gradsvc"  # w1 is not alive
+    _alive(redis, "w1")
+    assert affinity.worker_alive(redis, "w1") and not affinity.worker_alive(redis, "w2")
+    assert affinity.route(redis, PREFIX, "alice", key, "gradsvc") == keys.own_queue_name(PREFIX, "w1")
+    assert affinity.route(redis, PREFIX, "bob", key, "gradsvc") == "gradsvc"  # another owner: not its model
+    assert affinity.route(redis, PREFIX, "alice", None, "gradsvc") == "gradsvc"
+
+
+def test_model_key_names_structure_and_dtype_not_weights():
+    import msgspec
+
+    def req(dtype="float32", out=3, w=None):
+        return msgspec.convert({"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": out}],
+                                          "dtype": dtype, **({"weights": w} if w else {})},
+                                "inputs": [[1.0, 2.0]], "targets": [0], "loss": "cross_entropy"}, GradientRequest)
+
+    assert affinity.model_key(req()) == affinity.model_key(req(w={"0.bias": {"dtype": "float32", "shape": [3], "data": [0.0, 0.0, 0.0]}}))
+    assert affinity.model_key(req()) != affinity.model_key(req(dtype="float64"))
+    assert affinity.model_key(req()) != affinity.model_key(req(out=4))
+
+
+def test_a_job_waiting_past_its_time_moves_once_to_the_front_of_its_fallback(flushed_redis):
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    own = keys.own_queue_name(PREFIX, "busy-worker")
+    _alive(redis, "busy-worker")
+    _queue(redis, "gradsvc").enqueue("builtins.print", "y", job_id="already-there")
+    _enqueue(redis, mover, own, "gradsvc", "j1", wait_s=0.2)
+    assert mover.move_overdue() == []  # not yet due
+    assert _queue(redis, own).job_ids == ["j1"]
+    time.sleep(0.3)
+    movers = [affinity.Mover(redis, PREFIX) for _ in range(4)]
+    moved: list[list[str]] = []
+    threads = [threading.Thread(target=lambda m=m: moved.append(m.move_overdue())) for m in movers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(sum(moved, [])) == ["j1"]  # one mover moved it, the others found nothing
+    assert _queue(redis, own).job_ids == []
+    assert _queue(redis, "gradsvc").job_ids == ["j1", "already-there"]  # at the front: it waited already
+    job = Job.fetch("j1", connection=redis, serializer=MsgpackSerializer)
+    assert job.origin == "gradsvc" and job.get_status() == "queued"
+    assert redis.zcard(keys.affinity_waiting_key(PREFIX)) == 0 and redis.hlen(keys.affinity_fallback_key(PREFIX)) == 0
+
+
+def test_a_job_taken_by_its_worker_is_not_moved(flushed_redis):
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    own = keys.own_queue_name(PREFIX, "w")
+    _alive(redis, "w")
+    _enqueue(redis, mover, own, "gradsvc", "j2", wait_s=0.0)
+    assert redis.lpop(keys.rq_queue_key(own)) == b"j2"  # the worker's dequeue won
+    assert mover.move_overdue() == []
+    assert _queue(redis, "gradsvc").job_ids == []
+    assert redis.zcard(keys.affinity_waiting_key(PREFIX)) == 0  # its record went
+
+
+def test_a_pinned_job_stays_while_its_worker_lives_and_moves_when_it_is_gone(flushed_redis):
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    own = keys.own_queue_name(PREFIX, "holder")
+    _alive(redis, "holder")
+    _enqueue(redis, mover, own, "gradsvc-cuda", "p1", wait_s=0.0, pinned=True)
+    time.sleep(0.05)
+    assert mover.move_overdue() == []
+    assert _queue(redis, own).job_ids == ["p1"]
+    redis.delete(keys.rq_worker_key("holder"))  # its lease lapsed
+    assert mover.move_overdue() == ["p1"]
+    assert _queue(redis, "gradsvc-cuda").job_ids == ["p1"] and _queue(redis, own).job_ids == []
+    assert mover.move_overdue() == []

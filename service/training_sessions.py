@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import anyio.to_thread
 import msgspec
 
-from gradsvc.broker import keys
+from gradsvc.broker import affinity, keys
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.record import JobMeta
@@ -39,6 +39,7 @@ class Operation:
     fmt: str
     device: str = "auto"
     key: str | None = None
+    holder: str = ""  # the worker holding the session (its own queue takes the job while it lives)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class TrainingSessions:
                       key: str | None = None) -> Answer:
         """step, forward_backward, optim_step, weights: enqueued for the session's worker and waited on."""
         rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
-        return await self._run(owner, Operation(session_id, op, body, fmt, rec.create.options.device, key), wait_s)
+        return await self._run(owner, Operation(session_id, op, body, fmt, rec.create.options.device, key, rec.holder),
+                               wait_s)
 
     async def info(self, owner: str, session_id: str) -> SessionInfo:
         rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
@@ -130,9 +132,11 @@ class TrainingSessions:
     async def delete(self, owner: str, session_id: str) -> None:
         """Deletes the record and checkpoint now; the worker holding the session frees it with its next job
         (a delete job, or when it needs the room)."""
-        await anyio.to_thread.run_sync(self.owned, owner, session_id)
+        rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
         await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
-        await anyio.to_thread.run_sync(self._enqueue, owner, Operation(session_id, "delete", b"", "msgpack"))
+        if rec.holder:
+            await anyio.to_thread.run_sync(self._enqueue, owner, Operation(session_id, "delete", b"", "msgpack",
+                                                                           holder=rec.holder))
 
     async def _run(self, owner: str, call: Operation, wait_s: float) -> Answer:
         session_id, op = call.session_id, call.op
@@ -152,10 +156,22 @@ class TrainingSessions:
         raise ServiceError(error.code, error.message, **error.detail)
 
     def _enqueue(self, owner: str, call: Operation) -> str:
+        """The job to the own queue of the worker holding the session while it lives, pinned there (never moved
+        to the shared queue while that worker lives: gradsvc/broker/affinity.py); else to the shared queue of the
+        session's device, where the worker that takes it restores the session from its checkpoint."""
         queues, s = self.queues, self.settings
         job_id = queues.epochs.new_job_id()
-        queues.shared[call.device].enqueue(
-            SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, job_id=job_id,
-            job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
-            meta=JobMeta(owner=owner).as_meta(), description=f"session {call.op}")
+        shared = queues.shared[call.device]
+        queue = shared
+        if call.holder and affinity.worker_alive(queues.redis, call.holder):
+            queue = queues.own(keys.own_queue_name(s.queue_prefix, call.holder))
+        pinned = queue is not shared
+        with queues.redis.pipeline() as pipe:
+            queue.enqueue(SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, job_id=job_id,
+                          job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
+                          meta=JobMeta(owner=owner, pinned=pinned).as_meta(), description=f"session {call.op}",
+                          pipeline=pipe)
+            if pinned:
+                queues.mover.track(pipe, job_id, shared.name, 0.0, pinned=True)
+            pipe.execute()
         return job_id

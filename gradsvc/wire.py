@@ -716,6 +716,8 @@ ERROR_CODES: dict[str, ErrorCode] = {
                                    "over GRADSVC_SESSION_MAX_PER_OWNER sessions, or over the owner's byte budget"),
     "workers_full": ErrorCode(503, "WorkersFullError", "request",
                               "the worker holds GRADSVC_SESSION_MAX_PER_WORKER sessions already"),
+    "session_resumed": ErrorCode(409, "SessionResumedError", "request",
+                                 "the session came back from an older checkpoint: resend the batches from detail.step"),
     "session_lost": ErrorCode(410, "SessionLostError", "job",
                               "the session's checkpoint is gone; its state cannot be rebuilt"),
 }

@@ -153,6 +153,8 @@ def _operate(call: Call, op: str) -> bytes:
     rec = call.record()
     payload = call.decode(SessionOptimStep if op == "optim_step" else SessionBatch)
     session, resumed = _session(call, rec)
+    if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
+        _refuse_lost_steps(call, rec, session)
     key = payload.idempotency_key or call.key
     again = _replayed(call, session, key)
     if again is not None:
@@ -174,6 +176,20 @@ def _operate(call: Call, op: str) -> bytes:
     if norms and op != "forward_backward":
         _record_run_step(call, rec, session, outcome, answer)
     return data
+
+
+def _refuse_lost_steps(call: Call, rec: SessionRecord, session: TrainingSession) -> None:
+    """The session came back from a checkpoint older than where it stood (its worker died): the record now says
+    where it stands, and the batch is refused, so that the client sends the lost steps' batches first, in order,
+    and ends on the weights it would have had."""
+    lost, at = rec.step - session.step, session.step
+    rec.step, rec.accumulated, rec.holder = session.step, session.accumulated, call.records.worker
+    rec.device, rec.last_used_at = str(session.device), time.time()
+    call.records.put(call.session_id, rec)
+    raise SpecError("session_resumed", f"session {call.session_id} was restored from its checkpoint at step {at} on "
+                    f"worker {call.records.worker} (the worker that held it is gone); the {lost} optimizer steps "
+                    f"after it (and {rec.accumulated} accumulated passes) were lost, and this batch was not applied: "
+                    f"send the batches of step {at} on again, in order", step=at, lost_steps=lost)
 
 
 def _answer(call: Call, session: TrainingSession, outcome: StepOutcome, returns: list[str],

@@ -146,13 +146,15 @@ class BaseSession:
 
         state = yield from self._state()
         own = dict(model.state_dict(keep_vars=True))
-        missing = [n for n in own if n not in state]
+        covered = {id(t) for n, t in own.items() if n in state}  # a tied weight goes under its first name
+        missing = [n for n, t in own.items() if n not in state and id(t) not in covered]
         if missing:
             raise KeyError(f"pull: the session has no weights for {missing[:8]}; pull into the module the session "
                            "was created from")
         with torch.no_grad():
             for name, t in own.items():
-                t.copy_(state[name])
+                if name in state:
+                    t.copy_(state[name])
         return model
 
     def _info(self) -> Flow[wire.SessionInfo]:

@@ -121,7 +121,7 @@ def _create(call: Call) -> bytes:
     session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
                            ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job))
     ctx.sessions.sessions[call.session_id] = session
-    size = session.state_bytes
+    size = session.expected_bytes  # its optimizer's state comes with the first step
     every = create.options.checkpoint_every or ctx.settings.session_checkpoint_every or default_checkpoint_every(size)
     rec.holder, rec.device, rec.parameter_count, rec.state_bytes = call.records.worker, str(ctx.device), \
         session.parameter_count, size

@@ -92,6 +92,13 @@ class TrainingSession:
         return held + sum(p.grad.numel() * p.grad.element_size() for p in self.params.values() if p.grad is not None)
 
     @property
+    def expected_bytes(self) -> int:
+        """What it will hold once stepping: weights and buffers, and per trained parameter one gradient and the
+        optimizer's tensors (created by its first step)."""
+        trained = sum(p.numel() * p.element_size() for p in self.params.values())
+        return state_bytes(self.model.state_dict()) + trained * (1 + session_state.optimizer_slots(self.create.optimizer))
+
+    @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

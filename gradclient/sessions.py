@@ -13,6 +13,7 @@ flows, as Client and AsyncClient do."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 from gradsvc import wire
@@ -50,23 +51,47 @@ def _local(tensors: dict | None, names: dict[str, str]) -> dict | None:
     return {names.get(n, n): (from_wire(t).clone() if t is not None else None) for n, t in tensors.items()}
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """client.session's keywords: the SDK's and POST /sessions's own (`run`, `clip`, ...), the rest the
+    optimizer's (torch's argument names), in `optimizer` with its type."""
+
+    optimizer: dict
+    run: str | None = None
+    clip: float | None = None
+    dtype: str | None = None
+    seed: int = 0
+    device: str = "auto"
+    checkpoint_every: int | None = None
+    freeze: tuple = ()
+    wait_s: float = 60.0  # each call's server-side wait (the SDK sends it again, same key, past it)
+
+    @classmethod
+    def of(cls, optimizer: str, kwargs: dict[str, Any]) -> "SessionSettings":
+        own = {f.name for f in fields(cls)} - {"optimizer"}
+        mine = {k: v for k, v in kwargs.items() if k in own}
+        args = {k: v for k, v in kwargs.items() if k not in own and v is not None}
+        if "freeze" in mine:
+            mine["freeze"] = tuple(mine["freeze"] or ())
+        return cls(optimizer={"type": optimizer, **args}, **mine)
+
+    def options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"device": self.device}
+        if self.clip is not None:
+            out["clip"] = {"max_norm": self.clip}
+        if self.checkpoint_every is not None:
+            out["checkpoint_every"] = self.checkpoint_every
+        if self.freeze:
+            out["freeze"] = list(self.freeze)
+        return out
+
+
 class BaseSession:
     """A session's settings and flows; `session_id` once its first batch created it."""
 
-    def __init__(self, client: Any, model: Any, optimizer: str = "adamw", *, run: str | None = None,
-                 clip: float | None = None, dtype: str | None = None, seed: int = 0, device: str = "auto",
-                 checkpoint_every: int | None = None, freeze: list[str] | None = None, wait_s: float = 60.0,
-                 **optimizer_args: Any) -> None:
-        self.client, self.model, self.run, self.wait_s = client, model, run, wait_s
-        self.optimizer = {"type": optimizer, **{k: v for k, v in optimizer_args.items() if v is not None}}
-        self.options: dict[str, Any] = {"device": device}
-        if clip is not None:
-            self.options["clip"] = {"max_norm": clip}
-        if checkpoint_every is not None:
-            self.options["checkpoint_every"] = checkpoint_every
-        if freeze:
-            self.options["freeze"] = list(freeze)
-        self.dtype, self.seed = dtype, seed
+    def __init__(self, client: Any, model: Any, optimizer: str = "adamw", **kwargs: Any) -> None:
+        self.client, self.model = client, model
+        self.settings = SessionSettings.of(optimizer, kwargs)
         self.session_id: str | None = None
         self.created: wire.SessionCreated | None = None
         self.names: dict[str, str] = {}  # the service's parameter names -> the local module's
@@ -82,18 +107,19 @@ class BaseSession:
     def _creating(self, inputs: Any) -> Flow[None]:
         """POST /sessions with the model (its large weights uploaded first, by reference)."""
         client = self.client
-        out = client._prepare(Call(self.model, inputs, dtype=self.dtype, seed=self.seed))
+        settings = self.settings
+        out = client._prepare(Call(self.model, inputs, dtype=settings.dtype, seed=settings.seed))
         yield from client._uploading(out)
-        options = dict(self.options)
+        options = settings.options()
         freeze = out.body.get("options", {}).get("freeze")
         if freeze and "freeze" not in options:
             options["freeze"] = freeze
-        body = {"model": out.body["model"], "optimizer": self.optimizer, "options": options}
-        if self.run is not None:
-            body["run"] = self.run
+        body = {"model": out.body["model"], "optimizer": settings.optimizer, "options": options}
+        if settings.run is not None:
+            body["run"] = settings.run
         response, buf = yield from client._sending(
             "POST", "/sessions", content=Outgoing(body=body, encoder=client._encoder, local_names={}),
-            params={"wait": self.wait_s}, extra_s=self.wait_s, idempotency_key=new_key())
+            params={"wait": settings.wait_s}, extra_s=settings.wait_s, idempotency_key=new_key())
         self.created = client._reader.decode(wire.SessionCreated, response, buf)
         self.session_id, self.names = self.created.session_id, out.local_names
 
@@ -107,9 +133,9 @@ class BaseSession:
         client, key = self.client, new_key()
         content = Outgoing(body=body, encoder=client._encoder, local_names={})
         while True:
+            wait = self.settings.wait_s
             response, buf = yield from client._sending("POST", f"{self._path}/{op}", content=content,
-                                                       params={"wait": self.wait_s}, extra_s=self.wait_s,
-                                                       idempotency_key=key)
+                                                       params={"wait": wait}, extra_s=wait, idempotency_key=key)
             if response.status_code != 202:
                 break
             yield AGAIN_S

@@ -100,6 +100,10 @@ class GradientResult:
     diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
     clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
     curvature: Curvature | None = None  # curvature={"top": k, "trace": True, ...}
+    # "resident" when the worker held the model from an earlier call (only what changed was copied in), "built" when
+    # it built it for this call; copied_bytes: the bytes copied into the model on the worker's device.
+    prepared: str | None = None
+    copied_bytes: int | None = None
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -150,7 +154,7 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
         buffers=tensors(raw.buffers), outputs=_tree(raw.outputs),
         diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
-        curvature=_curvature(raw.curvature, tensors),
+        curvature=_curvature(raw.curvature, tensors), prepared=raw.prepared, copied_bytes=raw.copied_bytes,
     )
 
 

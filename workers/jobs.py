@@ -141,9 +141,11 @@ def _graphs(ctx: WorkerContext, job: Job):
 
 
 def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> GradientRequest:
-    """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces."""
+    """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces; the
+    weights a model this worker holds for the owner has in place stay refs alone (never fetched: resident.py)."""
     try:
-        resolved = ctx.pieces.resolved(_owner(job), request)
+        held = ctx.engine.in_place(request, ctx.device, _owner(job))
+        resolved = ctx.pieces.resolved(_owner(job), request, held)
     except BlobError as exc:
         raise SpecError(exc.code, exc.message, **exc.detail) from None
     ctx.metrics.observe_tensor_cache(ctx.pieces.cache)
@@ -178,7 +180,7 @@ def make_context(settings: Settings, connection: Redis) -> WorkerContext:
     handoff = handoff_files.open_dir(settings.handoff_dir, settings.handoff_min_bytes)
     handoff_files.bind(connection, handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
     s = settings
-    return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings)), device=device,
+    return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings, device)), device=device,
                          metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s),
                          pieces=BlobStore(connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
                                           cache_bytes=s.tensor_cache_bytes),
@@ -319,7 +321,8 @@ def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, q
                                 request, ctx.run_weights)
     try:
         result = ctx.engine.compute(request, progress=_ProgressReporter(job, ctx.settings.queue_prefix, cancel_id),
-                                    device=ctx.device, graphs=_graphs(ctx, job), reference=reference)
+                                    device=ctx.device, graphs=_graphs(ctx, job), reference=reference,
+                                    scope=_owner(job))
     except BaseException:
         if recorder is not None:
             recorder.abandon()  # its read of the previous weights is in flight: its connection is closed

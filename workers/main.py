@@ -86,10 +86,10 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     worker = build_worker(settings, index=index)
     ctx = worker.context
     if ctx.device.type == "cpu":  # a CUDA context maps far more than it uses: the device's own OOM holds
-        cap = cap_data(settings.max_job_bytes)
+        cap = cap_data(settings.max_job_bytes + ctx.engine.config.resident_model_bytes)
         if cap is not None:
-            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES)",
-                     worker.name, cap)
+            log.info("worker %s: memory capped at %d bytes (RLIMIT_DATA: its own plus GRADSVC_MAX_JOB_BYTES and "
+                     "its resident models' GRADSVC_RESIDENT_MODEL_BYTES)", worker.name, cap)
 
     port = settings.worker_metrics_port + index
     if settings.worker_metrics_port > 0:

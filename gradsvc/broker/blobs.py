@@ -253,18 +253,22 @@ class BlobStore:
                 self.cache.put((owner, ref), data)
         return out
 
-    def resolved(self, owner: str, req: GradientRequest) -> GradientRequest:
+    def resolved(self, owner: str, req: GradientRequest, held: set[str] | frozenset = frozenset()) -> GradientRequest:
         """The request with every referenced tensor's bytes in place (a worker, before the engine), whatever
-        data the body gave beside the refs (the API refuses both): a tensor's refs then name its data's bytes."""
+        data the body gave beside the refs (the API refuses both): a tensor's refs then name its data's bytes.
+        `held`: names of model.weights the worker's engine has in place already (Engine.in_place): their bytes
+        are not fetched, and they stay refs alone (the engine knows them by their refs)."""
         if not has_refs(req):
             return req
         import msgspec
 
-        pieces = self.fetch(owner, [r for _, v in request_tensors(req) for r in (refs_of(v) or [])])
+        skipped = {id(v) for k, v in (req.model.weights or {}).items() if k in held}
+        pieces = self.fetch(owner, [r for _, v in request_tensors(req) if id(v) not in skipped
+                                    for r in (refs_of(v) or [])])
 
         def fill(value: Any) -> Any:
             refs = refs_of(value)
-            if refs is None:
+            if refs is None or id(value) in skipped:
                 return value
             t = value if isinstance(value, Tensor) else msgspec.convert(value, Tensor)
             data = pieces[refs[0]] if len(refs) == 1 else b"".join(pieces[r] for r in refs)

@@ -36,16 +36,25 @@ def compute(request: GradientRequest, config: EngineConfig | None = None, *, pro
     float64 autograd gradients (a shard's, for the returned-gradient check of the combined gradient).
     `caches` are the calling Engine's (None: a one-off call, with caches of its own)."""
     config = config or EngineConfig()
-    caches = caches if caches is not None else EngineCaches.for_config(config)
     device = device or resolve_device(request.options.device)
+    return execute(Run(request, config, device, progress, reference), graphs, caches)
+
+
+def execute(run: "Run", graphs: GraphResolver | None = None, caches: EngineCaches | None = None,
+            scope: str | None = None) -> GradientResult:
+    """compute() of a Run made by the caller; `scope`: whose resident models it may use (Engine.compute passes the
+    job's owner: resident.py). Running out of memory is a coded out_of_memory, and empties the resident pool."""
+    caches = caches if caches is not None else EngineCaches.for_config(run.config)
+    device = run.device
     try:
-        return _compute(request, config, progress, device, graphs, reference, caches)
+        return _compute(run, graphs, caches, scope)
     except torch.cuda.OutOfMemoryError as exc:
+        caches.resident_models.clear()  # what the pool holds goes first: the next job may need it
         raise out_of_memory(device, exc) from None
     except (MemoryError, RuntimeError) as exc:  # cuBLAS/cuDNN report some allocation failures as plain RuntimeErrors
         if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
             raise
-        caches.resident_models.clear()  # what the pool holds goes first: the next job may need it
+        caches.resident_models.clear()
         raise out_of_memory(device, exc) from None
     finally:
         if device.type == "cuda":
@@ -101,21 +110,19 @@ class Run:
 TINY_JOB_WORK = 1 << 15
 
 
-def _compute(request: GradientRequest, config: EngineConfig, progress: ProgressCallback | None,
-             device: torch.device, graphs: GraphResolver | None = None,
-             reference: dict[str, torch.Tensor] | None = None, caches: EngineCaches | None = None) -> GradientResult:
+def _compute(run: "Run", graphs: GraphResolver | None, caches: EngineCaches, scope: str | None) -> GradientResult:
     """TorchServe's handle(): preprocess, inference, postprocess."""
-    run = _preprocess(Run(request, config, device, progress, reference), graphs, caches)
-    with one_cpu_thread(device, run.is_tiny):
+    run = _preprocess(run, graphs, caches, scope)
+    with one_cpu_thread(run.device, run.is_tiny):
         _inference(run)
         result = _postprocess(run)
     release(run.prep, caches)  # after a success only: a failed compute's model is dropped
     return result
 
 
-def _preprocess(run: Run, graphs: GraphResolver | None, caches: EngineCaches | None) -> Run:
+def _preprocess(run: Run, graphs: GraphResolver | None, caches: EngineCaches | None, scope: str | None = None) -> Run:
     """The request validated and prepared on the run's device (its model, inputs, targets, loss terms)."""
-    run.prep = prepare(run.request, run.config, run.device, graphs=graphs, caches=caches)
+    run.prep = prepare(run.request, run.config, run.device, graphs=graphs, caches=caches, scope=scope)
     sync(run.device)  # the copies to the device belong to prepare_ms, not to the first timed pass
     run.prepare_s = time.perf_counter() - run.started
     return run
@@ -282,6 +289,8 @@ def encode_result(run: Run, timings: Timings) -> GradientResult:
         seed=run.request.model.seed,
         buffers={n: tensors.encode(b) for n, b in final.buffers.items()} if final.buffers else None,
         outputs=_outputs(prep, final),
+        prepared=prep.prepared,
+        copied_bytes=prep.copied_bytes if prep.prepared is not None else None,
     )
 
 

@@ -7,7 +7,9 @@ import torch
 
 from gradsvc.wire import Estimate, GradientRequest, GradientResult
 
-from .compute import compute
+from . import resident
+from .compute import Run, execute
+from .devices import resolve_device
 from .config import EngineCaches, EngineConfig
 from .estimate import estimate
 from .numcheck import ProgressCallback
@@ -21,14 +23,20 @@ class Engine:
         self.caches = EngineCaches.for_config(self.config)
 
     def prepare(self, request: GradientRequest, device: str | torch.device = "meta", *, shape_only: bool = False,
-                graphs: GraphResolver | None = None) -> Prepared:
-        return prepare(request, self.config, device, shape_only=shape_only, graphs=graphs, caches=self.caches)
+                graphs: GraphResolver | None = None, scope: str | None = None) -> Prepared:
+        return prepare(request, self.config, device, shape_only=shape_only, graphs=graphs, caches=self.caches,
+                       scope=scope)
 
     def compute(self, request: GradientRequest, *, progress: ProgressCallback | None = None,
                 device: torch.device | None = None, graphs: GraphResolver | None = None,
-                reference: dict[str, torch.Tensor] | None = None) -> GradientResult:
-        return compute(request, self.config, progress=progress, device=device, graphs=graphs, reference=reference,
-                       caches=self.caches)
+                reference: dict[str, torch.Tensor] | None = None, scope: str | None = None) -> GradientResult:
+        run = Run(request, self.config, device or resolve_device(request.options.device), progress, reference)
+        return execute(run, graphs, self.caches, scope)
+
+    def in_place(self, request: GradientRequest, device: torch.device, scope: str | None = None) -> set[str]:
+        """The names of the request's weights (by reference) that a model held for `scope` on `device` has in place
+        now: a worker leaves their bytes in Redis (compute then neither decodes nor copies them)."""
+        return resident.in_place_weights(self.caches, request, device, scope)
 
     def estimate(self, request: GradientRequest, *, graphs: GraphResolver | None = None) -> Estimate:
         return estimate(request, self.config, graphs=graphs, caches=self.caches)

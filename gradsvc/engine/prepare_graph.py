@@ -253,6 +253,8 @@ class GraphSpecModel:
         self.parameter_names = [n for n in template.state if n in template.parameters]
         self.parameter_count = sum(template.state[n].numel() for n in self.parameter_names)
         self.flow: tuple | None = None  # the batch flow, found on meta the first time a check needs it
+        self.prepared: str | None = None  # after model() on a device: "resident" or "built", and the bytes copied
+        self.copied_bytes = 0
 
     def inputs(self, shape_only: bool) -> Batch:
         return _graph_inputs(self.request, self.template, self.dtype, self.config.limits, shape_only)
@@ -322,30 +324,42 @@ class GraphSpecModel:
     def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:
         """A graph's batch statistics are nodes, found by its batch flow (validate_splits)."""
 
-    def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
+    def model(self, device: str | torch.device, shape_only: bool, scope: str | None = None) -> tuple[nn.Module, tuple | None]:
         """(the model, (its key, its Resident) to hand it back to the resident pool under). On meta every weight
         is decoded and checked, and the model is the template's (read, never run or changed, on that path) or,
-        for POST /estimate (`shape_only`, which runs it), a private copy; on a CPU a GraphModel resident from an
-        earlier request of this graph when there is one (resident.py: only the weights not in place are decoded,
-        checked and copied in), else a GraphModel of its own with the weights."""
+        for POST /estimate (`shape_only`, which runs it), a private copy; on a device a GraphModel held from an
+        earlier request of this graph and `scope` when there is one (resident.py: only the weights not in place
+        are decoded, checked and copied in), else a GraphModel of its own with the weights."""
         template, dtype, max_elements = self.template, self.dtype, self.config.limits.max_elements
-        on_meta = str(device) == "meta"
-        if on_meta or not resident.keeps(device, self.config):
-            weights = _graph_weights(self.request, template, dtype, max_elements)
-            if on_meta and not shape_only:
-                return template.model, None
-            model = _fresh(template, device, dtype)
-            if not on_meta:
-                model.load_state_dict(weights)
-            return model, None
-        key = (template.key, dtype, str(device))
-        held = self.caches.resident_models.pop(key) or \
-            resident.Resident(_fresh(template, device, dtype), template.parameters)
+        if str(device) == "meta":
+            _graph_weights(self.request, template, dtype, max_elements)
+            return (template.model if not shape_only else _fresh(template, device, dtype)), None
+        key = (template.ref, dtype, str(device), scope)
+        keep = resident.keeps(device, self.config)
+
+        def make() -> resident.Resident:
+            return resident.Resident(_fresh(template, device, dtype), template.parameters, tag=template.first_output)
+
+        held, hit = resident.checkout(self.caches, key, make) if keep else (make(), False)
+        adopted = 0
+        if held.tag != template.first_output:  # the same graph with another loss output: another program
+            old, held, hit = held, make(), False
+            adopted = held.adopt(old)  # its weights in place, copied on the device
         given = _checked_names(self.request, template)
-        stale = held.stale(given)
-        held.load(decode_weights({n: given[n] for n in stale}, template.state, template.parameters, dtype,
-                                 max_elements, "the graph"), given)
-        return held.model, (key, held)
+        identities = {n: resident.identity(w) for n, w in given.items()}
+        in_place = held.in_place(identities)
+        stale = [n for n in given if n not in in_place]
+        resident.refuse_unresolved(given, stale)
+
+        def decode(names: list[str]) -> dict[str, torch.Tensor]:
+            return decode_weights({n: given[n] for n in names}, template.state, template.parameters, dtype,
+                                  max_elements, "the graph")
+
+        sizes = {n: t.numel() * t.element_size() for n, t in template.state.items()}
+        copied = resident.load_grouped(held, stale, decode, identities, resident.staging_for(self.caches, device),
+                                       sizes)
+        self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied + adopted
+        return held.model, ((key, held) if keep else None)
 
 
 def validate_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:

@@ -1,7 +1,7 @@
 """The model side of prepare() for a layer spec (model.layers): its model built on meta once per spec (the checks
 read it), the input decoded and checked, the output's shape found on meta, the splits its layers refuse, its
-weights; on a device, the request's weights over the seeded default initialisation. A CPU worker's models go back to
-its Engine's pool after a successful compute (release_model) for the next request of their spec."""
+weights; on a device, the request's weights over the seeded default initialisation, in a model the worker holds from an
+earlier request of the spec when it has one (resident.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from gradsvc.wire import GradientRequest, Options
 
-from . import tensors
+from . import resident, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
 from .decode import as_tensor_value, decode_weights, input_values, per_example_option
 from .errors import SpecError
@@ -24,7 +24,6 @@ from .spec import Limits, build, validate_shapes, leaves, sequence_first
 # Seeding and building run under one lock: torch.manual_seed sets the process-wide generator (torch's own
 # process state, whichever Engine asks), so two threads building at once would draw each other's numbers.
 _seed_lock = threading.Lock()
-BUILT_MODEL_MAX_BYTES = 64 << 20
 
 
 class LayerSpecModel:
@@ -39,6 +38,8 @@ class LayerSpecModel:
         self.top_layers = len(self.meta)
         self.parameter_names = self.facts.names
         self.parameter_count = self.facts.parameter_count
+        self.prepared: str | None = None  # after model() on a device: "resident" or "built", and the bytes copied
+        self.copied_bytes = 0
 
     def inputs(self, shape_only: bool) -> Batch:
         """The one input tensor: integer indices for a first Embedding, else floating in the model's dtype."""
@@ -81,23 +82,64 @@ class LayerSpecModel:
     def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:
         _validate_batch_statistics(opts, self.meta, inputs.rows, self.facts.mixing)
 
-    def model(self, device: str | torch.device, shape_only: bool) -> tuple[nn.Module, tuple | None]:
-        """(the model on `device`, (the key it goes back to the pool under, its Built)), the weights decoded and
-        checked first: on meta the shared meta model;
-        elsewhere the request's weights over the seeded default initialisation, which is computed once per
-        (layers, dtype, seed) and kept (seconds for large models). Every entry of the state_dict is written,
-        so a model reused from an earlier request of this spec keeps nothing of it."""
-        request, dtype, caches = self.request, self.dtype, self.caches
-        weights = _weights(request, self.facts, dtype, self.config.limits.max_elements)
+    def model(self, device: str | torch.device, shape_only: bool, scope: str | None = None) -> tuple[nn.Module, tuple | None]:
+        """(the model on `device`, (the key it goes back to the pool under, its Resident)), the weights decoded and
+        checked first: on meta the shared meta model (every weight decoded and checked); elsewhere the request's
+        weights over the seeded default initialisation (computed once per (layers, dtype, seed) and kept: seconds for
+        large models), in a model the worker holds from an earlier request of this spec and `scope` when there is
+        one (resident.py: only what is not in place is decoded, checked and copied in). Every state entry not in
+        place is written, so a model held from an earlier request keeps nothing of it."""
+        request, dtype, caches, facts = self.request, self.dtype, self.caches, self.facts
+        max_elements = self.config.limits.max_elements
         if str(device) == "meta":
+            _weights(request, facts, dtype, max_elements)
             return self.meta, None
-        state = {} if set(weights) == set(self.facts.state) else _initial_state(caches, self.spec_key, request,
-                                                                                dtype, self.config)
-        reuse_key = (self.spec_key, dtype, str(device))
-        built = caches.built_models.pop(reuse_key) or Built.of(build(
-            request.model.layers, limits=self.config.limits, device="meta").to(dtype).to_empty(device=device))
-        built.load({**state, **weights})
-        return built.model, (reuse_key, built)
+        given = _given(request, facts)
+        key = (self.spec_key, dtype, str(device), scope)
+        keep = resident.keeps(device, self.config)
+        held, hit = resident.checkout(caches, key, lambda: _resident(request, self.config, dtype, device, facts)) \
+            if keep else (_resident(request, self.config, dtype, device, facts), False)
+        seed = ("seed", request.model.seed)
+        identities = {n: resident.identity(given[n]) if n in given else seed for n in facts.state}
+        in_place = held.in_place(identities)
+        stale = [n for n in facts.state if n not in in_place]
+        resident.refuse_unresolved(given, stale)
+        init = _initial_state(caches, self.spec_key, request, dtype, self.config) \
+            if any(n not in given for n in stale) else {}
+        params = set(facts.names)
+
+        def decode(names: list[str]) -> dict[str, torch.Tensor]:
+            out = decode_weights({n: given[n] for n in names if n in given}, facts.state, params, dtype, max_elements,
+                                 "the model")
+            return {n: out[n] if n in out else init[n] for n in names}
+
+        staging = resident.staging_for(caches, device)
+        sizes = {n: t.numel() * t.element_size() for n, t in facts.state.items()}
+        copied = resident.load_grouped(held, stale, decode, identities, staging, sizes)
+        self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied
+        return held.model, ((key, held) if keep else None)
+
+
+def _given(request: GradientRequest, facts: "_Facts") -> dict:
+    """The request's wire weights, once each name is the model's and, when any is given, every parameter is."""
+    given = request.model.weights or {}
+    state, params = facts.state, facts.names
+    for name in given:
+        if name not in state:
+            raise SpecError("bad_weights", f"weights: unknown parameter {name!r}; the model has "
+                            f"{sorted(state)[:12]}", parameter=name)
+    missing = [n for n in params if n not in given]
+    if given and missing:
+        raise SpecError("bad_weights", f"weights: parameter {missing[0]!r} is missing; when weights are given, "
+                        "every parameter must be (buffers are optional)", parameter=missing[0])
+    return given
+
+
+def _resident(request: GradientRequest, config: EngineConfig, dtype: torch.dtype, device, facts: "_Facts"):
+    """A new model for the spec on `device` (zero-filled: every entry is loaded next), as a Resident."""
+    model = build(request.model.layers, limits=config.limits, device="meta").to(dtype).to_empty(device=device)
+    plain, keep = load_facts(model)
+    return resident.Resident(model, frozenset(facts.names), plain=plain, keep=keep)
 
 
 def _validate_batch_statistics(opts: Options, model: nn.Module, batch: int,
@@ -146,37 +188,8 @@ def _batch_stat_leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _weights(request: GradientRequest, facts: "_Facts", dtype: torch.dtype, max_elements: int) -> dict[str, torch.Tensor]:
-    given = request.model.weights or {}
-    state, params = facts.state, facts.names
-    for name in given:
-        if name not in state:
-            raise SpecError("bad_weights", f"weights: unknown parameter {name!r}; the model has "
-                            f"{sorted(state)[:12]}", parameter=name)
-    missing = [n for n in params if n not in given]
-    if given and missing:
-        raise SpecError("bad_weights", f"weights: parameter {missing[0]!r} is missing; when weights are given, "
-                        "every parameter must be (buffers are optional)", parameter=missing[0])
-    return decode_weights(given, state, set(params), dtype, max_elements, "the model")
+    return decode_weights(_given(request, facts), facts.state, set(facts.names), dtype, max_elements, "the model")
 
-
-
-# A CPU worker keeps the models it built, per (spec, dtype, device), and reuses one for the next request of
-# the same spec: building a model (module construction, default init on meta, storage) is most of a small
-# job's worker time (the 6-8-3 tanh net: ~0.6 of 1.1 ms, bench/summary.py). A model is checked out exclusively
-# (prepare) and handed back after a successful compute (release_model), so two computes never share one.
-# What a request could leave in it is reset by prepare: every state_dict entry is loaded, requires_grad is
-# set per request (passes.trainable), the memory hooks are removed as they finish; a model with state
-# outside its state_dict (non-persistent buffers) is never kept. CUDA models are not kept: they would hold
-# device memory across jobs and show in the next job's allocator peak.
-def release_model(prep: Prepared, caches: EngineCaches) -> None:
-    """Hands a worker's model back for the next request of its spec (after compute() succeeded)."""
-    if prep.built is None:
-        return
-    key, built = prep.built
-    if not key[2].startswith("cpu") or not built.keep:
-        return
-    prep.built = None
-    caches.built_models.put(key, built)
 
 
 # Modules whose _load_from_state_dict, given every key of their state, copies each one in place as nn.Module's does
@@ -184,38 +197,17 @@ def release_model(prep: Prepared, caches: EngineCaches) -> None:
 _PLAIN_LOAD = (nn.Module._load_from_state_dict, nn.modules.batchnorm._NormBase._load_from_state_dict)
 
 
-@dataclass(eq=False)
-class Built:
-    """A model built on a device for a spec, with what loading a request's state into it takes, found once when it is
-    built: its state_dict's own tensors (`slots`) when every module loads as nn.Module does (no load hooks, no
-    override of its own), so prepare copies each entry in place instead of walking the modules through
-    load_state_dict on every request; and whether it may go back to the pool (`keep`), which release_model found by
-    walking it after every request (both walks: the 6-8-3 tanh net's compute in process 1.04 -> 0.89 ms)."""
-
-    model: nn.Module
-    slots: dict[str, torch.Tensor] | None
-    keep: bool
-
-    @classmethod
-    def of(cls, model: nn.Module) -> "Built":
-        state = model.state_dict(keep_vars=True)
-        # non-persistent buffers hold state load_state_dict would not reset; a large model is not kept
-        keep = (len(state) == sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
-                and state_bytes(state) <= BUILT_MODEL_MAX_BYTES)
-        plain = all(type(m)._load_from_state_dict in _PLAIN_LOAD and not m._load_state_dict_pre_hooks
-                    and not m._load_state_dict_post_hooks for m in model.modules())
-        return cls(model, dict(state) if plain else None, keep)
-
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        """load_state_dict(state) (strict): every entry written, shapes as decode_weights checked them."""
-        slots = self.slots
-        if slots is None or state.keys() != slots.keys() or \
-                any(t.shape != slots[k].shape for k, t in state.items()):
-            self.model.load_state_dict(state)  # its own path, and its own errors
-            return
-        with torch.no_grad():
-            for k, t in state.items():
-                slots[k].copy_(t)
+def load_facts(model: nn.Module) -> tuple[bool, bool]:
+    """(plain, keep) of a model built for a spec, found once when it is built: `plain` when every module loads as
+    nn.Module does (no load hooks, no override of its own), so prepare copies each entry in place instead of walking
+    the modules through load_state_dict on every request (the 6-8-3 tanh net's compute in process: 1.04 -> 0.89 ms);
+    `keep` when it holds no state outside its state_dict (non-persistent buffers, which loading would not reset),
+    so it may be held for the next request."""
+    state = model.state_dict(keep_vars=True)
+    keep = len(state) == sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    plain = all(type(m)._load_from_state_dict in _PLAIN_LOAD and not m._load_state_dict_pre_hooks
+                and not m._load_state_dict_post_hooks for m in model.modules())
+    return plain, keep
 
 
 @dataclass(frozen=True)

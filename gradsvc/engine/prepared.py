@@ -87,8 +87,9 @@ class Prepared:
     frozen: set[str]
     graph: "GraphTemplate | None" = None  # graph models: the validated graph (its ref, state, input dtype)
     graph_data: bytes | None = None  # model.graph's canonical bytes (what the API stores under its ref)
-    built: tuple | None = None  # (key, prepare_layers.Built) when `model` may go back to the built models (release_model)
-    resident: tuple | None = None  # (key, resident.Resident) when `model` may go back to the resident graph models
+    resident: tuple | None = None  # (key, resident.Resident) when `model` may go back to the resident models
+    prepared: str | None = None  # on a device: "resident" (held from an earlier request) or "built"
+    copied_bytes: int = 0  # the bytes copied into the model's tensors on its device
     # Output (and target) rows per batch row, where the output's rows map to the batch's in order (1 for a
     # classifier, seq for every-position LM logits flattened to (batch*seq, vocab)); None where they do
     # not: then nothing may split the batch (prepare refused micro_batch, per_sample and shards).

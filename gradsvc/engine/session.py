@@ -31,7 +31,7 @@ from .diagnostics.clip import CLIP_EPS
 from .errors import ComputeError, SpecError
 from .graph.interpreter import GraphModel
 from .passes import run_pass
-from .prepare import prepare
+from .prepare import prepare_held
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel
 from .prepared import GraphResolver, Prepared
@@ -106,8 +106,8 @@ class TrainingSession:
 
     def forward_backward(self, batch: SessionBatch) -> StepOutcome:
         """Forward and backward over the batch; its gradients are added to those waiting for optim_step."""
-        prep = prepare(self._request(batch), self.config, self.device, graphs=self._graphs, caches=self.caches,
-                       held=self.model)
+        prep = prepare_held(self._request(batch), self.config, self.device, self.model, graphs=self._graphs,
+                            caches=self.caches)
         if prep.graph is not None and prep.graph.first_output != 0:
             raise SpecError("bad_loss", "loss: a session trains on the graph's first output; name it as the loss, or "
                             "export the module with the loss first", option="loss")

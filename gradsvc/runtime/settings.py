@@ -98,9 +98,11 @@ class Settings:
     tensor_cache_bytes: int = 2 << 30
     # The refs (tensor pieces) one request may name: their check holds Redis ~2 us each (gradsvc/broker/blobs.py).
     max_refs: int = _positive(4096)
-    # The graph models a CPU worker keeps between requests with their weights in place (gradsvc/engine/resident.py):
-    # a weight sent by the same reference as before is not copied again.
-    resident_model_bytes: int = _at_least_zero(1 << 30, " (no model kept)")
+    # The models a worker keeps on its device between jobs with their weights in place (gradsvc/engine/resident.py):
+    # a weight sent by the same reference as before is neither fetched nor copied again. -1: a share of the device's
+    # memory (a quarter of a GPU's; an eighth of a CPU host's, split among its workers: engine/config.py says why).
+    resident_model_bytes: int = _rule(-1, lambda v: v >= -1, "use -1 (a share of the device's memory), 0 (no model "
+                                      "kept) or a number of bytes")
     numcheck_exact_max: int = 20_000
     numcheck_directions: int = 16
     numcheck_samples: int = 8

@@ -1,4 +1,4 @@
-"""A CPU worker reuses the model it built for a spec (its Engine's caches.built_models): nothing of one request may reach the
+"""A CPU worker reuses the model it built for a spec (its Engine's caches.resident_models): nothing of one request may reach the
 next. Each test runs a request whose state would leak (buffers a training forward changes, frozen
 parameters, other weights, another seed) and then one that must equal a fresh model's answer."""
 
@@ -45,7 +45,7 @@ def bn_module(seed: int = 0) -> nn.Sequential:
 
 def test_a_second_request_of_a_spec_reuses_the_first_ones_model():
     engine = Engine()
-    built, compute = engine.caches.built_models, engine.compute
+    built, compute = engine.caches.resident_models, engine.compute
     x, y = seed_a_batch()
     compute(request(SEED_A_LAYERS, x, y))
     assert len(built) == 1
@@ -56,7 +56,7 @@ def test_a_second_request_of_a_spec_reuses_the_first_ones_model():
 
 def test_buffers_a_training_forward_changed_are_reset():
     engine = Engine()
-    built, compute = engine.caches.built_models, engine.compute
+    built, compute = engine.caches.resident_models, engine.compute
     x, y = seed_a_batch(8)
     for _ in range(3):  # each request updates BatchNorm's running stats in its model
         result = compute(request(BN_LAYERS, x, y))
@@ -88,7 +88,7 @@ def test_frozen_parameters_and_other_weights_do_not_carry_over():
 
 def test_a_failed_compute_drops_its_model():
     engine = Engine()
-    built, compute = engine.caches.built_models, engine.compute
+    built, compute = engine.caches.resident_models, engine.compute
     layers = [{"type": "Linear", "in_features": 6, "out_features": 3}]
     x, y = seed_a_batch()
     compute(request(layers, x, y))
@@ -108,20 +108,20 @@ def test_a_failed_compute_drops_its_model():
 
 
 def test_a_pooled_model_is_loaded_in_place_unless_a_module_loads_its_own_way():
-    """prepare writes a request's state into a pooled model entry by entry (Built.slots) where every module loads
+    """prepare writes a request's state into a pooled model entry by entry (Resident.slots) where every module loads
     as nn.Module does; InstanceNorm with running stats has a _load_from_state_dict of its own, so its model goes
     through load_state_dict, and either way a second request keeps nothing of the first."""
     engine = Engine()
     x, y = seed_a_batch(8)
     plain = engine.prepare(request(BN_LAYERS, x, y), torch.device("cpu"))
-    assert plain.built is not None and plain.built[1].slots is not None
-    assert set(plain.built[1].slots) == set(plain.model.state_dict())
+    assert plain.resident is not None and plain.resident[1].plain
+    assert set(plain.resident[1].slots) == set(plain.model.state_dict())
     norm = [{"type": "Linear", "in_features": 6, "out_features": 8},
             {"type": "Unflatten", "dim": 1, "unflattened_size": [2, 4]},
             {"type": "InstanceNorm1d", "num_features": 2, "track_running_stats": True, "affine": True},
             {"type": "Flatten"}, {"type": "Linear", "in_features": 8, "out_features": 3}]
     own = engine.prepare(request(norm, x, y), torch.device("cpu"))
-    assert own.built is not None and own.built[1].slots is None
+    assert own.resident is not None and not own.resident[1].plain
     torch.manual_seed(9)
     other = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in own.model.state_dict().items()}
     first, second = (grads(engine.compute(request(norm, x, y, weights=w))) for w in (other, None))
@@ -129,7 +129,7 @@ def test_a_pooled_model_is_loaded_in_place_unless_a_module_loads_its_own_way():
     fresh = nn.Sequential(nn.Linear(6, 8), nn.Unflatten(1, (2, 4)), nn.InstanceNorm1d(2, track_running_stats=True,
                                                                                       affine=True),
                           nn.Flatten(), nn.Linear(8, 3)).double()
-    assert len(engine.caches.built_models) == 1  # the second request took the first one's model from the pool
+    assert len(engine.caches.resident_models) == 1  # the second request took the first one's model from the pool
     for name, g in local(fresh, x, y).items():
         assert torch.allclose(second[name], g, rtol=0, atol=1e-12), name
         assert not torch.allclose(first[name], g), name

@@ -88,12 +88,21 @@ def test_a_changed_weight_is_copied_in_and_the_rest_stay():
     assert sorted(held(engine).stale(req.model.weights)) == buffers
 
 
-def test_weights_sent_inline_are_always_copied_in():
+def test_a_weight_sent_inline_stays_in_place_only_as_the_same_bytes():
+    """Small weights sent inline as raw bytes (the SDK's biases and norms) are known by their bytes' digest: the same
+    bytes again are in place, other bytes are copied in; nested lists are always copied in."""
     engine, net, (x, y) = Engine(), bn_net().eval(), batch()
     req = request(net, x, y, inline=("0.weight",))
     engine.compute(req, device=CPU)
-    assert sorted(held(engine).stale(req.model.weights)) == ["0.weight", "1.num_batches_tracked", "1.running_mean",
-                                                             "1.running_var"]
+    buffers = ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert sorted(held(engine).stale(req.model.weights)) == buffers
+    with torch.no_grad():
+        net[0].weight[0, 0] += 1.0
+    changed = request(net, x, y, inline=("0.weight",))
+    assert sorted(held(engine).stale(changed.model.weights)) == ["0.weight", *buffers]
+    assert same_answer(engine.compute(changed, device=CPU), Engine().compute(changed, device=CPU))
+    listed = msgspec.structs.replace(changed.model.weights["0.weight"], data=net[0].weight.tolist())
+    assert "0.weight" in held(engine).stale({**changed.model.weights, "0.weight": listed})
 
 
 def test_a_training_loop_of_changing_weights_matches_a_fresh_engine_at_every_step():

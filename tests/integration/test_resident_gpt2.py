@@ -1,0 +1,57 @@
+"""GPT-2 (built from a transformers config: nothing downloaded) stepped three times through the SDK against a live
+stack with unchanged weights: the model is resident on the worker from the second step, the third copies no byte into
+it, and it answers the first step's gradients bit for bit, which equal the same step run locally. A 0.4M-parameter GPT-2 in the default
+run; GPT-2 small (124M) marked slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradclient import Client
+
+pytestmark = pytest.mark.timeout(900)
+
+
+class LM(nn.Module):
+    def __init__(self, **config) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.lm = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config))
+
+    def forward(self, ids):
+        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
+
+
+def _thrice(client: Client, model: nn.Module, vocab: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (32,), generator=g)
+    first, second, again = (client.gradients(model, ids, y, numcheck="off", memory=False) for _ in range(3))
+    # The SDK sends a trainable weight in the body the first time (up to 128 MiB), by reference once it comes back
+    # unchanged: the worker copies such a large inline weight in again on the second step, and nothing on the third.
+    assert first.prepared == "built" and second.prepared == "resident"
+    assert (again.prepared, again.copied_bytes) == ("resident", 0)
+    assert again.upload_bytes < first.upload_bytes  # only the batch and the small tensors' bytes went up again
+    loss = F.cross_entropy(model(ids), y)
+    loss.backward()
+    assert again.loss == first.loss == pytest.approx(float(loss.detach()), rel=1e-5)
+    for name, p in model.named_parameters():
+        assert torch.equal(again.gradients[name], first.gradients[name]), name
+        assert torch.allclose(again.gradients[name], p.grad, rtol=1e-3, atol=1e-6), name
+
+
+def test_a_small_gpt2_stepped_again_is_resident_with_nothing_copied(client):
+    torch.manual_seed(0)
+    _thrice(client, LM(vocab_size=1024, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                      eos_token_id=0), 1024)
+
+
+@pytest.mark.slow
+def test_gpt2_small_stepped_again_is_resident_with_nothing_copied(client):
+    torch.manual_seed(0)
+    model = LM()
+    assert sum(p.numel() for p in model.parameters()) > 124_000_000
+    _thrice(client, model, 50257)

@@ -188,3 +188,19 @@ def test_another_keys_session_is_a_404(sessions_stack):
         assert s.info().step == 1  # bob's DELETE deleted nothing
     with client_for(sessions_stack) as client, pytest.raises(NotFoundError):
         client._drive(client._getting(f"/sessions/{sid}", dict))  # deleted with its `with` block
+
+
+def test_the_session_page_shows_its_step_bytes_device_and_the_loss_curve_of_its_run(sessions_stack):
+    net, data = bn_net(), batches(3)
+    with client_for(sessions_stack) as client, client.session(net, "sgd", lr=0.1, run="page-run<&>") as s:
+        for x, y in data:
+            s.step(x, y)
+        with httpx.Client(base_url=sessions_stack.base_url, headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+            page = http.get(f"/ui/sessions/{s.session_id}").text
+            other = httpx.get(f"{sessions_stack.base_url}/ui/sessions/{s.session_id}",
+                              headers={"Authorization": f"Bearer {KEYS[1]}"})
+        info = s.info()
+    assert f'<td class="num" id="session-step">3</td>' in page
+    assert f'id="session-bytes">{info.state_bytes}<' in page and 'id="session-device">cpu<' in page
+    assert 'id="loss-plot"' in page and "page-run&lt;&amp;&gt;" in page and "page-run<&>" not in page
+    assert other.status_code == 404

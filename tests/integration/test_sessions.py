@@ -204,3 +204,24 @@ def test_the_session_page_shows_its_step_bytes_device_and_the_loss_curve_of_its_
     assert f'id="session-bytes">{info.state_bytes}<' in page and 'id="session-device">cpu<' in page
     assert 'id="loss-plot"' in page and "page-run&lt;&amp;&gt;" in page and "page-run<&>" not in page
     assert other.status_code == 404
+
+
+def test_an_async_session_steps_as_the_sync_one_does(sessions_stack):
+    import anyio
+
+    from gradclient import AsyncClient
+
+    net, data = bn_net(), batches(2)
+
+    async def train() -> nn.Module:
+        async with AsyncClient(sessions_stack.base_url, api_key=KEYS[0], timeout=120) as client:
+            async with client.session(net, "sgd", lr=0.1, momentum=0.9) as s:
+                for x, y in data:
+                    await s.step(x, y)
+                got = copy.deepcopy(net)
+                await s.pull(got)
+                assert (await s.info()).step == 2
+        return got
+
+    got = anyio.run(train)
+    assert_same(got, local_training(net, data, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)), 1e-12, 1e-12)

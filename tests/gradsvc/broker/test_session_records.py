@@ -42,5 +42,5 @@ def test_every_write_refreshes_the_ttl_of_the_record_and_its_checkpoint(flushed_
 def test_checkpoint_every_defaults_to_one_checkpoint_per_16_mib_of_state():
     assert default_checkpoint_every(1000) == 1
     assert default_checkpoint_every(16 << 20) == 1
-    assert default_checkpoint_every(278_000_000) == 17  # a 23M GPT-2 with AdamW
+    assert default_checkpoint_every(278_000_000) == 17
     assert default_checkpoint_every(10 << 30) == CHECKPOINT_EVERY_MAX

@@ -832,6 +832,9 @@ class SessionStepResult(Struct, omit_defaults=False):
     resumed_from: int | None = None
     replayed: bool = False
     timings: SessionTimings = msgspec.field(default_factory=SessionTimings)
+    # options.numcheck "exact", "sampled" or "directional": the check of this batch's gradient (before clipping),
+    # as POST /gradients runs it; null otherwise ("auto" is off in a session: a check costs many passes).
+    numcheck: Numcheck | None = None
 
 
 class SessionInfo(Struct):

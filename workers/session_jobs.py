@@ -25,7 +25,7 @@ from gradsvc.broker.session_records import SessionRecord, SessionRecords, job_an
 from gradsvc.engine import ComputeError, EngineError, SpecError, tensors
 from gradsvc.engine import session_state
 from gradsvc.engine.session import StepOutcome, TrainingSession, open_session
-from gradsvc.wire import (GradientRequest, RunStep, SessionBatch, SessionCreate, SessionCreated, SessionOptimStep,
+from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated, SessionOptimStep,
                           SessionStepResult, SessionTimings)
 
 from .jobs import WorkerContext, _fail, _graphs, _with_pieces, context_of
@@ -208,7 +208,7 @@ def _answer(call: Call, session: TrainingSession, outcome: StepOutcome, returns:
         weights={n: tensors.encode(p) for n, p in session.model.named_parameters()} if "weights" in returns else None,
         buffers={n: tensors.encode(b) for n, b in named.items()} if "buffers" in returns and named else None,
         outputs=_outputs(prep, outcome) if "outputs" in returns else None, device=str(session.device),
-        worker=call.records.worker, resumed_from=resumed,
+        worker=call.records.worker, resumed_from=resumed, numcheck=outcome.check,
         timings=SessionTimings(forward_ms=1e3 * outcome.forward_s, backward_ms=1e3 * outcome.backward_s,
                                optimizer_ms=1e3 * outcome.optimizer_s,
                                total_ms=1e3 * (time.perf_counter() - call.started)))
@@ -249,7 +249,9 @@ def _record_run_step(call: Call, rec: SessionRecord, session: TrainingSession, o
     step = RunStep(step=session.step - 1, job_id=call.job.id, ended_at=datetime.now(timezone.utc).isoformat(), loss=float(outcome.loss or 0.0),
                    grad_norm=float(outcome.grad_norm or 0.0), module_grad_norms={m: v ** 0.5 for m, v in modules.items()},
                    total_ms=answer.timings.total_ms, losses=outcome.losses,
-                   clip=msgspec.to_builtins(outcome.clip) if outcome.clip is not None else None)
+                   clip=msgspec.to_builtins(outcome.clip) if outcome.clip is not None else None,
+                   numcheck=None if outcome.check is None or outcome.check.mode == "off" else
+                   RunCheck(outcome.check.mode, outcome.check.passed, outcome.check.max_rel_error))
     store = RunStore(call.job.connection, s.queue_prefix, RunBounds.from_settings(s))
     owner, name, job_id = rec.owner, rec.create.run, call.job.id
 

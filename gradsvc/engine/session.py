@@ -21,8 +21,8 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import ClipOptions, ClipResult, GradientRequest, GraphSpec, ModelSpec, Options, SessionBatch, \
-    SessionCreate
+from gradsvc.wire import ClipOptions, ClipResult, GradientRequest, GraphSpec, ModelSpec, Numcheck, Options, \
+    SessionBatch, SessionCreate
 
 from . import session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
@@ -30,6 +30,7 @@ from .devices import sync
 from .diagnostics.clip import CLIP_EPS
 from .errors import ComputeError, SpecError
 from .graph.interpreter import GraphModel
+from .numcheck import CheckInputs, numerical_check
 from .passes import run_pass
 from .prepare import prepare_held
 from .prepare_graph import GraphSpecModel
@@ -40,7 +41,6 @@ from .prepared import GraphResolver, Prepared
 # otherwise, or answers what /gradients answers): field -> its default, which a step must leave it at.
 _REFUSED = {"input_grad": False, "hvp": None, "graph": False, "per_sample": "off", "shards": 1, "timing_repeat": 1,
             "batch_gradient": True, "diagnostics": [], "curvature": None, "freeze": []}
-_NUMCHECK_OFF = ("auto", "off")
 # The idempotency keys a session remembers (in its checkpoint too): a retry comes within a few steps.
 APPLIED_KEYS = 256
 
@@ -57,6 +57,7 @@ class StepOutcome:
     gradients: dict[str, torch.Tensor] | None = None  # what the optimizer used: summed, clipped
     outputs: list | None = None
     prep: Prepared | None = None
+    check: Numcheck | None = None  # options.numcheck's check of the batch's gradient
     forward_s: float = 0.0
     backward_s: float = 0.0
     optimizer_s: float = 0.0
@@ -106,8 +107,8 @@ class TrainingSession:
 
     def forward_backward(self, batch: SessionBatch) -> StepOutcome:
         """Forward and backward over the batch; its gradients are added to those waiting for optim_step."""
-        prep = prepare_held(self._request(batch), self.config, self.device, self.model, graphs=self._graphs,
-                            caches=self.caches)
+        request = self._request(batch)
+        prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs, caches=self.caches)
         if prep.graph is not None and prep.graph.first_output != 0:
             raise SpecError("bad_loss", "loss: a session trains on the graph's first output; name it as the loss, or "
                             "export the module with the loss first", option="loss")
@@ -116,6 +117,8 @@ class TrainingSession:
             done = run_pass(prep, self.params, self.device, record_memory=False, hvp_vector=None,
                             seed=self._pass_seed())
             _refuse_non_finite(done.grads, done.loss)
+            check = numerical_check(CheckInputs(prep, request, self.config, self.device, done.grads, final=done)) \
+                if prep.options.numcheck != "off" else None
         except BaseException:
             self._put_buffers(before)  # a layer spec's training forward wrote them in place
             raise
@@ -126,7 +129,8 @@ class TrainingSession:
             p.grad = grad.detach() if p.grad is None else p.grad.add_(grad)
         self.accumulated += 1
         return StepOutcome(loss=done.loss, losses=dict(done.losses) if len(prep.terms) > 1 else None,
-                           outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s)
+                           outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s,
+                           check=check)
 
     def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
                    norms: bool = False) -> StepOutcome:
@@ -216,7 +220,8 @@ class TrainingSession:
         opts = validate_step_options(batch.options, self.create.options.device)
         m = self.create.model
         model = ModelSpec(layers=m.layers, graph_ref=self.graph_ref, dtype=m.dtype, seed=self._pass_seed())
-        opts = msgspec.structs.replace(opts, numcheck="off", memory=False, freeze=list(self.create.options.freeze),
+        numcheck = "off" if opts.numcheck == "auto" else opts.numcheck  # a check costs many passes: asked for only
+        opts = msgspec.structs.replace(opts, numcheck=numcheck, memory=False, freeze=list(self.create.options.freeze),
                                        clip=None)
         return GradientRequest(model=model, inputs=batch.inputs, targets=batch.targets, loss=batch.loss,
                                losses=batch.losses, options=opts)
@@ -230,10 +235,6 @@ def validate_step_options(opts: Options, device: str) -> Options:
                 "POST /gradients with the session's weights (GET /sessions/{id}/weights)"
             raise SpecError("bad_option", f"options.{name}: a session step does not take it; leave it out (use "
                             f"{where} for it)", option=f"options.{name}")
-    if opts.numcheck not in _NUMCHECK_OFF:
-        raise SpecError("bad_option", f"options.numcheck={opts.numcheck!r}: a session step runs no numerical check; "
-                        "check a step's gradient with POST /gradients on the session's weights (GET "
-                        "/sessions/{id}/weights), or leave numcheck out", option="options.numcheck")
     if opts.clip is not None and opts.clip.per_sample:
         raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
                         "leave per_sample out", option="options.clip")

@@ -199,3 +199,16 @@ def test_refuses_options_a_step_cannot_honour_and_arguments_the_optimizer_lacks(
         session.train_step(batch(x, y, options={"hvp": {}}))
     with pytest.raises(SpecError, match="no gradient waits"):
         session.optim_step()
+
+
+def test_a_step_asked_for_the_numerical_check_gets_it_and_trains_as_without():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "adam", {"lr": 1e-2})
+    data = batches(2, torch.float64)
+    for i, (x, y) in enumerate(data):
+        out = session.train_step(batch(x, y, options={"numcheck": "exact"} if i == 1 else {}))
+        assert (out.check is not None) == (i == 1)
+    assert out.check.mode == "exact" and out.check.passed and out.check.max_rel_error < 1e-6
+    opt = local_steps(local, "adam", {"lr": 1e-2}, data, None)
+    assert_same_state(session, local, opt, torch.float64)

@@ -141,6 +141,25 @@ def test_a_killed_worker_session_resumes_from_its_checkpoint_and_the_replayed_st
     assert_same(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_gracefully_stopped_worker_checkpoints_its_sessions_and_none_of_their_steps_is_lost(sessions_stack):
+    net, data = bn_net(), batches(4)
+    want = local_training(net, data, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    with client_for(sessions_stack) as client, client.session(net, "adamw", lr=1e-2, checkpoint_every=100) as s:
+        for x, y in data[:2]:
+            s.step(x, y)  # no checkpoint since creation: only the stop's can save these two steps
+        holder = s.info().worker
+        stopping = next(p for p in sessions_stack.workers if p.pid == worker_pid(holder))
+        stopping.send_signal(signal.SIGTERM)
+        stopping.wait(timeout=60)
+        answers = [s.step(x, y) for x, y in data[2:]]  # no SessionResumedError: nothing was lost
+        assert answers[0].resumed_from == 2 and [a.step for a in answers] == [3, 4]
+        got = copy.deepcopy(net)
+        s.pull(got)
+    sessions_stack.start_worker()
+    sessions_stack.wait_ready(2)
+    assert_same(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_retried_step_under_its_idempotency_key_is_answered_again_and_applied_once(sessions_stack):
     net, data = bn_net(), batches(2)
     with client_for(sessions_stack) as client, client.session(net, "sgd", lr=0.1) as s:

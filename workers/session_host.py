@@ -10,9 +10,8 @@ import math
 import time
 
 from gradsvc.broker.session_records import SessionRecord, SessionRecords
-from gradsvc.engine import ComputeError, Engine
+from gradsvc.engine import ComputeError, Engine, session_state
 from gradsvc.engine.session import TrainingSession, open_session
-from gradsvc.engine import session_state
 
 log = logging.getLogger("gradsvc.worker")
 
@@ -54,11 +53,6 @@ class SessionHost:
                                "(DELETE /sessions/{id}), start more workers, or raise the setting",
                                limit=self.max_sessions)
 
-    def open(self, session_id: str, rec: SessionRecord, engine: Engine, device, graphs) -> TrainingSession:
-        session = open_session(rec.create, engine.config, engine.caches, device, graphs=graphs)
-        self.sessions[session_id] = session
-        return session
-
     def held(self, session_id: str, rec: SessionRecord, records: SessionRecords, engine: Engine, device,
              graphs) -> tuple[TrainingSession, int | None]:
         """(the session as its record says it stands, the checkpoint's step when it was restored from it: the
@@ -82,8 +76,6 @@ class SessionHost:
         self.sessions[session_id] = session
         return session, session.step
 
-    def checkpoint(self, session_id: str, session: TrainingSession) -> bytes:
-        return session_state.to_bytes(*session.state())
 
     def checkpoint_all(self, records: SessionRecords) -> int:
         """On a graceful stop: every session this worker holds and still owns, checkpointed where it stands.
@@ -95,7 +87,7 @@ class SessionHost:
                     not session.accumulated:
                 continue
             rec.checkpoint_step = session.step
-            records.put(session_id, rec, self.checkpoint(session_id, session))
+            records.put(session_id, rec, session_state.to_bytes(*session.state()))
             written += 1
         self.sessions.clear()
         return written

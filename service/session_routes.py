@@ -38,7 +38,8 @@ async def read_body(request: Request, kind: type):
 @post("/sessions", status_code=201)
 async def create_session(request: Request, owner: str, state: ApiState) -> Response:
     body, fmt, create = await read_body(request, SessionCreate)
-    created = await state.training.create(owner, create, body, fmt, wait_s(request, state.settings))
+    created = await state.training.create(owner, create, body, fmt, wait_s(request, state.settings),
+                                          idempotency_key(request))
     return respond(request, created, status=201, headers={"Location": f"/sessions/{created.session_id}"})
 
 

@@ -69,8 +69,17 @@ class TrainingSessions:
 
     # --- POST /sessions -------------------------------------------------------------------------------------
 
-    async def create(self, owner: str, create: SessionCreate, body: bytes, fmt: str, wait_s: float) -> SessionCreated:
+    async def create(self, owner: str, create: SessionCreate, body: bytes, fmt: str, wait_s: float,
+                     key: str | None = None) -> SessionCreated:
+        """`key`: the Idempotency-Key; a retry under it answers the session its first try created."""
+        earlier = await anyio.to_thread.run_sync(self._created_under, owner, key) if key is not None else None
+        if earlier is not None:
+            return await self._created(owner, earlier, wait_s)
         session_id = await anyio.to_thread.run_sync(self._admit, owner, create)
+        if key is not None and not await anyio.to_thread.run_sync(self._claim, owner, key, session_id):
+            await anyio.to_thread.run_sync(self.records.delete, owner, session_id)  # a concurrent try won
+            return await self._created(owner, await anyio.to_thread.run_sync(self._created_under, owner, key),
+                                       wait_s)
         try:
             answer = await self._run(owner, Operation(session_id, "create", body, fmt, create.options.device), wait_s)
         except BaseException:
@@ -81,6 +90,29 @@ class TrainingSessions:
             raise ServiceError("queue_unavailable", f"no worker built the session within {wait_s:.0f} s (are the "
                                "workers busy?); retry POST /sessions later", headers={"Retry-After": "5"})
         return _created.decode(answer.data)
+
+    def _created_under(self, owner: str, key: str) -> str | None:
+        raw = self.queues.redis.get(keys.training_session_created_key(self.settings.queue_prefix, owner, key))
+        return raw.decode() if raw else None
+
+    def _claim(self, owner: str, key: str, session_id: str) -> bool:
+        return bool(self.queues.redis.set(keys.training_session_created_key(self.settings.queue_prefix, owner, key),
+                                          session_id, nx=True, ex=self.settings.idempotency_ttl_s))
+
+    async def _created(self, owner: str, session_id: str, wait_s: float) -> SessionCreated:
+        """The answer of the session an earlier try created, once its worker built it (within wait_s)."""
+        deadline = anyio.current_time() + wait_s
+        while True:
+            rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
+            if rec.holder:
+                return SessionCreated(session_id=session_id, step=rec.step, parameter_count=rec.parameter_count,
+                                      device=rec.device, checkpoint_every=rec.checkpoint_every,
+                                      state_bytes=rec.state_bytes)
+            if anyio.current_time() > deadline:
+                raise ServiceError("queue_unavailable", f"session {session_id}, created by an earlier try under this "
+                                   "Idempotency-Key, is still being built; retry", headers={"Retry-After": "2"},
+                                   session_id=session_id)
+            await anyio.sleep(0.05)
 
     def _admit(self, owner: str, create: SessionCreate) -> str:
         """Checks the session before the queue (its model on meta, the owner's count and bytes) and writes its

@@ -241,3 +241,8 @@ def training_session_answer_key(prefix: str, session_id: str, idempotency_key: s
 def training_sessions_key(prefix: str, owner: str) -> str:
     """The ids of one owner's sessions (a set; ids whose record expired are dropped when counted)."""
     return f"{prefix}:tsessions:{owner}"
+
+
+def training_session_created_key(prefix: str, owner: str, idempotency_key: str) -> str:
+    """The session a POST /sessions under this Idempotency-Key created (its retry answers it again)."""
+    return f"{prefix}:tsession-created:{owner}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"

@@ -178,6 +178,17 @@ def test_a_retried_step_under_its_idempotency_key_is_answered_again_and_applied_
     assert_same(got, local_training(net, data, lambda p: torch.optim.SGD(p, lr=0.1)), rtol=1e-12, atol=1e-12)
 
 
+def test_a_retried_create_under_its_idempotency_key_answers_the_same_session(sessions_stack):
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 1}]},
+            "optimizer": {"type": "sgd"}}
+    with sessions_stack.http_client() as http:
+        first = http.post("/sessions", json=body, headers={"Idempotency-Key": "create-once"})
+        again = http.post("/sessions", json=body, headers={"Idempotency-Key": "create-once"})
+        assert first.status_code == again.status_code == 201
+        assert again.json() == first.json()
+        http.delete(f"/sessions/{first.json()['session_id']}")
+
+
 def test_count_and_byte_limits_answer_429_saying_what_to_do(sessions_stack):
     with client_for(sessions_stack, KEYS[1]) as client:
         big = nn.Linear(512, 1024)  # 2 MiB of float32 weights, Adam's two moments and a gradient: over 4 MiB

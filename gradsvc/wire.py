@@ -835,6 +835,9 @@ class SessionStepResult(Struct, omit_defaults=False):
     # options.numcheck "exact", "sampled" or "directional": the check of this batch's gradient (before clipping),
     # as POST /gradients runs it; null otherwise ("auto" is off in a session: a check costs many passes).
     numcheck: Numcheck | None = None
+    # options.diagnostics ["norms"]: the batch gradient's norms (before clipping); the per-example diagnostics
+    # need per-sample gradients, which a session step does not compute.
+    diagnostics: Diagnostics | None = None
 
 
 class SessionInfo(Struct):

@@ -208,7 +208,7 @@ def _answer(call: Call, session: TrainingSession, outcome: StepOutcome, returns:
         weights={n: tensors.encode(p) for n, p in session.model.named_parameters()} if "weights" in returns else None,
         buffers={n: tensors.encode(b) for n, b in named.items()} if "buffers" in returns and named else None,
         outputs=_outputs(prep, outcome) if "outputs" in returns else None, device=str(session.device),
-        worker=call.records.worker, resumed_from=resumed, numcheck=outcome.check,
+        worker=call.records.worker, resumed_from=resumed, numcheck=outcome.check, diagnostics=outcome.diagnostics,
         timings=SessionTimings(forward_ms=1e3 * outcome.forward_s, backward_ms=1e3 * outcome.backward_s,
                                optimizer_ms=1e3 * outcome.optimizer_s,
                                total_ms=1e3 * (time.perf_counter() - call.started)))

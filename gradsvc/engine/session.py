@@ -21,13 +21,14 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import ClipOptions, ClipResult, GradientRequest, GraphSpec, ModelSpec, Numcheck, Options, \
-    SessionBatch, SessionCreate
+from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, GraphSpec, ModelSpec, Numcheck, \
+    Options, SessionBatch, SessionCreate
 
 from . import session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
 from .devices import sync
 from .diagnostics.clip import CLIP_EPS
+from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, SpecError
 from .graph.interpreter import GraphModel
 from .numcheck import CheckInputs, numerical_check
@@ -40,7 +41,7 @@ from .prepared import GraphResolver, Prepared
 # Options of POST /gradients a session step cannot honour as /gradients does (each would change the state
 # otherwise, or answers what /gradients answers): field -> its default, which a step must leave it at.
 _REFUSED = {"input_grad": False, "hvp": None, "graph": False, "per_sample": "off", "shards": 1, "timing_repeat": 1,
-            "batch_gradient": True, "diagnostics": [], "curvature": None, "freeze": []}
+            "batch_gradient": True, "curvature": None, "freeze": []}
 # The idempotency keys a session remembers (in its checkpoint too): a retry comes within a few steps.
 APPLIED_KEYS = 256
 
@@ -58,6 +59,7 @@ class StepOutcome:
     outputs: list | None = None
     prep: Prepared | None = None
     check: Numcheck | None = None  # options.numcheck's check of the batch's gradient
+    diagnostics: Diagnostics | None = None  # options.diagnostics ["norms"] of the batch's gradient
     forward_s: float = 0.0
     backward_s: float = 0.0
     optimizer_s: float = 0.0
@@ -119,6 +121,7 @@ class TrainingSession:
             _refuse_non_finite(done.grads, done.loss)
             check = numerical_check(CheckInputs(prep, request, self.config, self.device, done.grads, final=done)) \
                 if prep.options.numcheck != "off" else None
+            diagnosed = Diagnostics(norms=norms_of(done.grads)) if prep.options.diagnostics else None
         except BaseException:
             self._put_buffers(before)  # a layer spec's training forward wrote them in place
             raise
@@ -130,7 +133,7 @@ class TrainingSession:
         self.accumulated += 1
         return StepOutcome(loss=done.loss, losses=dict(done.losses) if len(prep.terms) > 1 else None,
                            outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s,
-                           check=check)
+                           check=check, diagnostics=diagnosed)
 
     def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
                    norms: bool = False) -> StepOutcome:
@@ -238,6 +241,11 @@ def validate_step_options(opts: Options, device: str) -> Options:
     if opts.clip is not None and opts.clip.per_sample:
         raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
                         "leave per_sample out", option="options.clip")
+    others = [d for d in opts.diagnostics if d != "norms"]
+    if others:
+        raise SpecError("bad_option", f"options.diagnostics {others}: a session step computes no per-example "
+                        "gradients, which these need; ask for 'norms' alone, or use POST /gradients on the session's "
+                        "weights (GET /sessions/{id}/weights)", option="options.diagnostics")
     if opts.device not in ("auto", device):
         raise SpecError("bad_option", f"options.device={opts.device!r}: the session lives on {device!r}; leave "
                         "options.device out of a step", option="options.device")

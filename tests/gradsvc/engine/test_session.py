@@ -212,3 +212,17 @@ def test_a_step_asked_for_the_numerical_check_gets_it_and_trains_as_without():
     assert out.check.mode == "exact" and out.check.passed and out.check.max_rel_error < 1e-6
     opt = local_steps(local, "adam", {"lr": 1e-2}, data, None)
     assert_same_state(session, local, opt, torch.float64)
+
+
+def test_a_step_answers_the_gradient_norms_asked_for_and_refuses_the_per_example_diagnostics():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "sgd", {"lr": 0.1})
+    x, y = batches(1, torch.float64)[0]
+    F.cross_entropy(local(x), y).backward()
+    want = torch.sqrt(sum(p.grad.pow(2).sum() for p in local.parameters()))
+    out = session.train_step(batch(x, y, options={"diagnostics": ["norms"]}))
+    assert out.diagnostics.norms.global_ == pytest.approx(float(want), rel=1e-12)
+    assert out.grad_norm == pytest.approx(float(want), rel=1e-12)
+    with pytest.raises(SpecError, match="no per-example"):
+        session.train_step(batch(x, y, options={"diagnostics": ["variance"]}))

@@ -19,7 +19,7 @@ with its optimizer step). Medians of STEPS steps after one untimed step (export,
 GPT-2 23M (6 layers, width 512, vocabulary 8,192) always; GPT-2 small (124M, the defaults) on a GPU, or on a CPU
 with --124m.
 
-Run: .venv/bin/python bench/gpu_step.py [--124m] [--steps N]
+Run: .venv/bin/python bench/gpu_step.py [--124m] [--steps N] [--cases full,frozen,fixed]
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def main() -> list[list]:
     parser = argparse.ArgumentParser(description="GPT-2 steps locally and through the service, side by side")
     parser.add_argument("--124m", dest="gpt2_small", action="store_true", help="GPT-2 small on a CPU too")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--cases", default="full,frozen,fixed", help="a comma-separated subset of full,frozen,fixed")
     args = parser.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     started = header(f"GPU step: GPT-2 locally and through the service on {device}", __doc__.split("Run:")[0])
@@ -152,7 +153,7 @@ def main() -> list[list]:
                 vocab = config.get("vocab_size", 50257)
                 batches = [(torch.randint(0, vocab, (BATCH, SEQ), generator=g),
                             torch.randint(0, vocab, (BATCH * SEQ,), generator=g)) for _ in range(args.steps + 1)]
-                for case in ("full", "frozen", "fixed"):
+                for case in args.cases.split(","):
                     rows.append(run_case(client, transport, config, case, device, batches, args.steps))
                     print(f"  {rows[-1][0]}: worker {rows[-1][5]:.1f} ms, local {rows[-1][1]:.1f} ms", flush=True)
     finally:

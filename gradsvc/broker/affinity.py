@@ -40,6 +40,7 @@ return false
 # KEYS: the waiting set, the pinned set, the fallback hash. ARGV: the job id, its fallback queue, the seconds it may
 # wait (ignored when pinned), "1" when pinned.
 _TRACK = """
+redis.replicate_commands()
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 if ARGV[4] == '1' then
   redis.call('SADD', KEYS[2], ARGV[1])
@@ -54,6 +55,7 @@ return 1
 # key prefix and worker key prefix, the own queues' prefix, the most jobs to look at. Returns the ids moved.
 # Keys of jobs, queues and workers are built here from the prefixes (a single Redis, as RQ's own scripts assume).
 _MOVE = """
+redis.replicate_commands()
 local jobs, queues, workers, own, limit = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
@@ -125,7 +127,8 @@ def route(redis, prefix: str, owner: str, model_key: str | None, fallback: str) 
         return fallback
     from rq.worker import Worker
 
-    name = redis.eval(_ROUTE, 1, keys.holder_key(prefix, owner, model_key), Worker.redis_worker_namespace_prefix)
+    name = redis.register_script(_ROUTE)(keys=[keys.holder_key(prefix, owner, model_key)],
+                                         args=[Worker.redis_worker_namespace_prefix])
     if not name:
         return fallback
     return keys.own_queue_name(prefix, name.decode() if isinstance(name, bytes) else name)

@@ -30,6 +30,10 @@ Private or undocumented names used:
     rq.worker.SimpleWorker._state   set_state keeps RQ's own field in step
     rq.worker_registration.WORKERS_BY_QUEUE_KEY, rq.results.Result.get_key
                                     key names the API reads (gradsvc/broker/keys.py)
+    RQ's storage layout: a queue's list (Queue.redis_queue_namespace_prefix + name), a job hash's `origin`
+    field, the set of queues (Queue.redis_queues_keys), a worker's key (Worker.redis_worker_namespace_prefix)
+                                    affinity's scripts move a queued job between queues and ask whether a worker
+                                    lives (gradsvc/broker/affinity.py)
     redis.client.Pipeline.command_stack, redis.client.EMPTY_RESPONSE
                                     a pipeline's queued commands, sent as one packed write (service/enqueue.py,
                                     workers/transaction.py, workers/worker.py)

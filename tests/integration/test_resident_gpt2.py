@@ -31,7 +31,8 @@ def _thrice(client: Client, model: nn.Module, vocab: int) -> None:
     ids, y = torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (32,), generator=g)
     first, second, again = (client.gradients(model, ids, y, numcheck="off", memory=False) for _ in range(3))
     # The SDK sends a trainable weight in the body the first time (up to 128 MiB), by reference once it comes back
-    # unchanged: the worker copies such a large inline weight in again on the second step, and nothing on the third.
+    # unchanged: the worker copies such a weight in again on the second step (known by its bytes the first time, by
+    # its refs the second), and nothing on the third.
     assert first.prepared == "built" and second.prepared == "resident"
     assert (again.prepared, again.copied_bytes) == ("resident", 0)
     assert again.upload_bytes < first.upload_bytes  # only the batch and the small tensors' bytes went up again

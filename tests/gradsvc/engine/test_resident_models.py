@@ -190,3 +190,24 @@ def test_the_same_graph_with_another_loss_output_takes_over_the_weights_in_place
         assert torch.allclose(grads(got)[name], p.grad, rtol=0, atol=1e-12), name
     again = engine.compute(own, device=CPU, scope="alice")
     assert (again.prepared, again.copied_bytes) == ("resident", 0)
+
+
+def test_a_weight_sent_inline_then_by_the_ref_of_its_bytes_stays_in_place():
+    """The SDK sends a trainable weight in the body the first time and by reference once it comes back unchanged."""
+    engine, model, (x, y) = Engine(), net(), batch()
+
+    def req(inline: bool, resolved: bool = True) -> GradientRequest:
+        weights = {k: (to_wire(v, "msgpack") if inline else by_ref(v, resolved)) for k, v in model.state_dict().items()}
+        body = {"model": {"layers": LAYERS, "dtype": "float64", "weights": weights}, "inputs": to_wire(x, "msgpack"),
+                "targets": to_wire(y, "msgpack"), "loss": "cross_entropy",
+                "options": {"numcheck": "off", "memory": False}}
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest)
+
+    first = engine.compute(req(inline=True), device=CPU, scope="alice")
+    assert engine.in_place(req(inline=False), CPU, "alice") == set(model.state_dict())
+    again = engine.compute(req(inline=False, resolved=False), device=CPU, scope="alice")
+    assert (again.prepared, again.copied_bytes) == ("resident", 0) and bitwise(grads(again), grads(first))
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    changed = engine.compute(req(inline=False), device=CPU, scope="alice")  # other bytes: copied in
+    assert changed.copied_bytes == model[0].bias.numel() * 8

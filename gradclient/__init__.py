@@ -20,6 +20,7 @@ from .client import AsyncClient, AsyncJob, Client, Job
 from .errors import *  # noqa: F403 - the exception tree is part of the package's surface
 from .errors import ERRORS, GradientClientError
 from .result import Curvature, Diagnostics, GradientResult, PerSample
+from .sessions import AsyncSession, Session, SessionOutput
 
 __version__ = "0.1.0"
 
@@ -36,7 +37,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AsyncClient", "AsyncJob", "Client", "Job", "GradientResult", "PerSample", "Diagnostics", "Curvature", "Estimate", "LayerInfo",
+    "AsyncClient", "AsyncJob", "Client", "Job", "Session", "AsyncSession", "SessionOutput", "GradientResult", "PerSample", "Diagnostics", "Curvature", "Estimate", "LayerInfo",
     "LayerMemory", "Memory", "Numcheck", "ParameterCheck", "Timings", "GradientClientError", "ERRORS", "errors",
     *_TORCH_NAMES,
     *errors.__all__,

@@ -20,6 +20,7 @@ from .base import BaseClient, BaseJob, Driven, Flow, T
 from .request import Call
 from .result import GradientResult
 from .runs import AsyncRun, Run
+from .sessions import AsyncSession, Session
 from .transfer import _KEPT_BUFFER_MIN, _LARGE_ANSWER, _AsyncPieces, _Body, _Pieces  # noqa: F401  (tests read the sizes here)
 
 
@@ -152,6 +153,12 @@ class Client(BaseClient):
         run's next step (from `start`), which GET /runs/{name}, the run's page and /metrics show."""
         return Run(self, name, start)
 
+    def session(self, model: Any, optimizer: str = "adamw", **kwargs: Any) -> Session:
+        """A training session (docs/sessions.md): the weights and the optimizer (`sgd`, `adam`, `adamw`; torch's
+        arguments as keywords: lr, betas, weight_decay, momentum, ...) stay on a worker; `run`, `clip`, `dtype`,
+        `seed`, `device`, `checkpoint_every`, `freeze` as POST /sessions takes them. Created with its first batch."""
+        return Session(self, model, optimizer, **kwargs)
+
     def runs(self) -> list[wire.RunSummary]:
         """GET /runs: this key's runs, most recently stepped first."""
         return self._drive(self._getting("/runs", list[wire.RunSummary]))
@@ -235,6 +242,10 @@ class AsyncClient(BaseClient):
         """Client.run, with coroutine methods."""
         return AsyncRun(self, name, start)
 
+    def session(self, model: Any, optimizer: str = "adamw", **kwargs: Any) -> AsyncSession:
+        """Client.session, with coroutine methods (`async with client.session(...) as s: await s.step(x, y)`)."""
+        return AsyncSession(self, model, optimizer, **kwargs)
+
     async def runs(self) -> list[wire.RunSummary]:
         return await self._drive(self._getting("/runs", list[wire.RunSummary]))
 
@@ -245,4 +256,4 @@ class AsyncClient(BaseClient):
         return await self._drive(self._getting("/readyz" if ready else "/healthz", dict[str, Any]))
 
 
-__all__ = ["AsyncClient", "AsyncJob", "AsyncRun", "Client", "Job", "Run"]
+__all__ = ["AsyncClient", "AsyncJob", "AsyncRun", "AsyncSession", "Client", "Job", "Run", "Session"]

@@ -241,6 +241,7 @@ class Send:
     extra_s: float = 0.0  # the server-side wait (`?wait=`) the read timeout must cover
     idempotency_key: str | None = None
     release: list[str] | None = None  # results the service may drop (wire.RELEASE_HEADER)
+    accept: str | None = None  # an Accept other than the client's (a session's weights as safetensors)
 
     def request(self, http: Any, timeout: float, key_age_s: float | None) -> httpx.Request:
         """The try's httpx.Request; `key_age_s` (a try again) goes with its Idempotency-Key."""
@@ -248,6 +249,8 @@ class Send:
         headers = {"Idempotency-Key": self.idempotency_key} if self.idempotency_key else {}
         if self.release:
             headers[wire.RELEASE_HEADER] = ", ".join(self.release)
+        if self.accept:
+            headers["Accept"] = self.accept
         if self.idempotency_key and key_age_s is not None:
             # A retry: the service refuses it (job_lost) if Redis lost its data since the first try, whose
             # job may have run, rather than run it a second time under a key it no longer knows.

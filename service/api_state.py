@@ -20,6 +20,7 @@ from .auth import Auth
 from .job_reader import JobReader
 from .page_login import PageLogin
 from .submission import Submitter
+from .training_sessions import TrainingSessions
 
 
 class ApiState(State):
@@ -35,3 +36,4 @@ class ApiState(State):
     schema_doc: bytes  # GET /schema's answer, encoded once
     layers: list[LayerInfo]  # GET /layers's answer
     runs: RunStore  # training runs: GET/DELETE /runs, the run pages, the run gauges of /metrics
+    training: TrainingSessions  # training sessions: /sessions (service/training_sessions.py)

@@ -26,7 +26,7 @@ from gradsvc.runtime.malloc import keep_large_buffers
 from gradsvc.runtime.settings import Settings
 from gradsvc.wire import LayerInfo
 
-from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, run_routes, tensor_routes
+from . import docs, gradient_routes, job_routes, openapi, pages, probe_routes, run_routes, session_routes, tensor_routes
 from .api_metrics import ApiMetrics
 from .api_state import ApiState
 from .auth import Auth
@@ -39,12 +39,13 @@ from .job_reader import JobReader
 from .queues import JobRecord, Queues
 from .page_login import PageLogin
 from .submission import Submitter
+from .training_sessions import TrainingSessions
 
 log = logging.getLogger("gradsvc.api")
 HANDOFF_SWEEP_S = 60.0
 PIECE_SEND_S = 32.0
 ROUTES = [*gradient_routes.ROUTES, *job_routes.ROUTES, *probe_routes.ROUTES, *tensor_routes.ROUTES, *docs.ROUTES,
-          *pages.ROUTES, *run_routes.ROUTES]
+          *pages.ROUTES, *run_routes.ROUTES, *session_routes.ROUTES]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
              "reader": reader,
              "metrics": metrics,
              "page_login": page_login, "schema_doc": schema_doc, "runs": runs,
+             "training": TrainingSessions.of(settings, queues, reader, engine, graphs, blobs),
              "layers": [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]}
 
     @asynccontextmanager

@@ -124,3 +124,12 @@ def _tree(value: Any, encoding: str) -> Any:
     if isinstance(value, dict):
         return {k: _tree(v, encoding) for k, v in value.items()}
     return value
+
+
+def tensors_for_json(tensors_: dict | None, encoding: str) -> dict | None:
+    """A map of raw-byte tensors (a session's gradients, weights, buffers) as `encoding` asks for JSON."""
+    return _tensors(tensors_, encoding)
+
+
+def tree_for_json(value: Any, encoding: str) -> Any:
+    return _tree(value, encoding)

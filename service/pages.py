@@ -1,6 +1,7 @@
 """The pages for a browser: log in once, the owner's recent jobs, one page per job (its status while it
 runs, then the loss, the check per parameter, memory bars per layer, timings and the grad_fn chain), the owner's
-training runs and one page per run (its curves, module x step heatmaps and check verdicts)."""
+training runs and one page per run (its curves, module x step heatmaps and check verdicts), and one page per training
+session (where it stands, its bytes and device, its run's loss curve)."""
 
 from __future__ import annotations
 
@@ -211,9 +212,25 @@ def run_context(name: str, kept, max_cells: int = 100_000) -> dict:
             "heatmap_stride": stride, **{k: Markup(v) for k, v in plots.items()}}
 
 
+@get("/ui/sessions/{session_id:str}", include_in_schema=False)
+async def session_page(request: Request, viewer: str | None, state: ApiState, session_id: str) -> Response:
+    """A training session's page: where it stands, its bytes and device, the loss curve of its run."""
+    if viewer is None:
+        return login_redirect(request)
+    try:
+        info = await state.training.info(viewer, session_id)  # GET /sessions/{id}'s rule: another key's is unknown
+    except ServiceError as exc:
+        return html.page("missing.html", status_code=404, message=exc.message, what="session",
+                         logged_in=state.sessions.auth.enabled)
+    steps = (await anyio.to_thread.run_sync(state.runs.steps, viewer, info.run) or []) if info.run else []
+    curve = run_svg.curve("loss-plot", "loss", [(s.step, s.loss) for s in steps[-PLOT_STEPS:]]) if steps else ""
+    return html.page("session.html", logged_in=state.sessions.auth.enabled, session_id=session_id, info=info,
+                     loss_svg=Markup(curve))
+
+
 @get("/ui/static/{name:str}", include_in_schema=False)
 async def page_asset(name: str) -> Response:
     return html.asset(html.STATIC, {"pages.css": "text/css"}, name)
 
 
-ROUTES = [login_form, login, logout, job_list, job_page, run_list, run_page, page_asset]
+ROUTES = [login_form, login, logout, job_list, job_page, run_list, run_page, session_page, page_asset]

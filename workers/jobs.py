@@ -41,6 +41,7 @@ from gradsvc.wire import GradientRequest, GradientResult
 
 from .metrics import WorkerMetrics
 from .run_steps import StepRecorder, weights_cache
+from .session_host import SessionHost
 
 log = logging.getLogger("gradsvc.worker")
 _result_encoder = msgspec.msgpack.Encoder()
@@ -113,6 +114,7 @@ class WorkerContext:
     spare: handoff_files.Spare | None = None  # tmpfs pages kept for the next result's file (made on the reaper)
     spare_size: int = 0  # the size of the result file the job wrote: its next spare's
     run_weights: LRU = field(default_factory=weights_cache)  # the last step's weights of the runs stepped here
+    sessions: SessionHost = field(default_factory=lambda: SessionHost(16))  # the training sessions held here
     holders: LRU = field(default_factory=lambda: LRU(4096))  # (owner, model key) -> when recorded as its holder
 
     def __post_init__(self) -> None:
@@ -182,7 +184,7 @@ def make_context(settings: Settings, connection: Redis) -> WorkerContext:
                          metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s),
                          pieces=BlobStore(connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
                                           cache_bytes=s.tensor_cache_bytes),
-                         handoff=handoff)
+                         handoff=handoff, sessions=SessionHost(s.session_max_per_worker))
 
 
 # The attribute of a job that holds the context of the worker running it (hand_over, context_of).

@@ -17,6 +17,7 @@ from gradsvc.broker import keys
 from gradsvc.broker.connection import connect
 from gradsvc.broker.devices import WorkerDevice
 from gradsvc.broker.job import GradientJob, MsgpackSerializer
+from gradsvc.broker.session_records import SessionRecords
 from gradsvc.engine import warm_up_shape_check
 from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings, host_memory_bytes
@@ -113,4 +114,20 @@ def run(settings: Settings, *, index: int = 0, burst: bool = False) -> None:
     try:
         worker.work(burst=burst, logging_level=settings.log_level.upper(), with_scheduler=False)
     finally:
+        _checkpoint_sessions(worker)
         ctx.close()  # the tmpfs pages kept for the next result go with the worker, and its threads
+
+
+def _checkpoint_sessions(worker: GradientWorker) -> None:
+    """A graceful stop (SIGTERM ends work() after the job in hand): every training session this worker holds is
+    checkpointed where it stands, so the next worker to take one loses no step."""
+    ctx, s = worker.context, worker.context.settings
+    if not ctx.sessions.sessions:
+        return
+    try:
+        written = ctx.sessions.checkpoint_all(SessionRecords(worker.connection, s.queue_prefix, s.session_idle_ttl_s,
+                                                             worker.name))
+        log.info("worker %s: %d training sessions checkpointed on stopping", worker.name, written)
+    except REDIS_ERRORS as exc:
+        log.warning("worker %s: training sessions not checkpointed on stopping (%s); they resume from their last "
+                    "checkpoint", worker.name, exc)

@@ -52,6 +52,14 @@ class WorkerMetrics:
         self.resident_evictions = Counter("gradsvc_resident_model_evictions_total", "Models this worker let go to "
                                           "stay within its resident bytes (or to free memory after running out).",
                                           registry=self.registry)
+        # Training sessions (docs/sessions.md): what this worker holds, and the operations it ran on them.
+        self.sessions_held = Gauge("gradsvc_sessions_held", "Training sessions this worker holds on its device.",
+                                   registry=self.registry)
+        self.session_bytes = Gauge("gradsvc_session_state_bytes", "Bytes of the training sessions' state (weights, "
+                                   "buffers, optimizer state, gradients) this worker holds.", registry=self.registry)
+        self.session_steps = Counter("gradsvc_session_operations_total", "Operations on training sessions this "
+                                     "worker ran, by operation (step, forward_backward, optim_step, ...).",
+                                     ["operation"], registry=self.registry)
         self._cache_seen = (0, 0)
         self._resident_seen = (0, 0, 0)
 

@@ -219,6 +219,10 @@ class BlobStore:
                 raise BlobError("bad_tensor", f"{where}: its refs hold {got} bytes, its dtype and shape need {want}",
                                 where=where, got_bytes=got, expected_bytes=want)
 
+    def held_bytes(self, owner: str) -> int:
+        """The bytes of the owner's pieces in Redis (what the budget counts of them)."""
+        return sum(int(v) for v in self.redis.hvals(keys.blob_sizes_key(self.prefix, owner)))
+
     def fetch(self, owner: str, refs: list[str]) -> dict[str, bytes]:
         """The pieces, from the local LRU or Redis (one round trip for the rest); BlobError if one is gone."""
         out: dict[str, bytes] = {}

@@ -230,3 +230,32 @@ def worker_devices_key(prefix: str) -> str:
     written at its start and every heartbeat and deleted at its stop (gradsvc/broker/devices.py); the API reads
     the devices' memory from it for the limits of the workers a job may go to."""
     return f"{prefix}:worker-devices"
+
+
+# --- Training sessions (gradsvc/broker/session_records.py) ------------------------------------------------
+
+def training_session_key(prefix: str, session_id: str) -> str:
+    """A training session's record (a hash: owner, holder, step, ...), expiring GRADSVC_SESSION_IDLE_TTL_S after
+    its last use. ("session" alone names the pages' login cookie: page_login_key.)"""
+    return f"{prefix}:tsession:{session_id}"
+
+
+def training_session_state_key(prefix: str, session_id: str) -> str:
+    """The session's last checkpoint: its state as one safetensors file."""
+    return f"{prefix}:tsession:{session_id}:state"
+
+
+def training_session_answer_key(prefix: str, session_id: str, idempotency_key: str) -> str:
+    """The answer of a session's step applied under an idempotency key, returned again to a retry."""
+    digest = hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]
+    return f"{prefix}:tsession:{session_id}:answer:{digest}"
+
+
+def training_sessions_key(prefix: str, owner: str) -> str:
+    """The ids of one owner's sessions (a set; ids whose record expired are dropped when counted)."""
+    return f"{prefix}:tsessions:{owner}"
+
+
+def training_session_created_key(prefix: str, owner: str, idempotency_key: str) -> str:
+    """The session a POST /sessions under this Idempotency-Key created (its retry answers it again)."""
+    return f"{prefix}:tsession-created:{owner}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"

@@ -10,6 +10,8 @@ decode.py's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gradsvc.wire import GradientRequest
@@ -21,7 +23,7 @@ from .decode import (decode_targets, loss_terms, refuse_own_loss_split, rows_per
 from .errors import SpecError
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel
-from .prepared import GraphResolver, Prepared
+from .prepared import Batch, GraphResolver, Prepared
 
 
 def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.device = "meta", *,
@@ -31,6 +33,49 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     inputs and targets given as dtype and shape alone. `graphs` resolves `model.graph_ref`. `caches`
     are the calling Engine's (None: a one-off call, with caches of its own). `scope`: whose resident models this
     request may check out (a worker passes the job's owner: resident.py)."""
+    checked = _checked(request, config, shape_only, graphs, caches)
+    model, held = checked.side.model(device, shape_only, scope)  # the weights decoded and checked (those not in place)
+    return checked.prepared(model, held, device)
+
+
+def prepare_held(request: GradientRequest, config: EngineConfig, device: torch.device, model: torch.nn.Module, *,
+                 graphs: GraphResolver | None = None, caches: EngineCaches | None = None) -> Prepared:
+    """prepare() around a model the caller keeps on `device` (a training session's, engine/session.py): the same
+    checks of the batch, the model run as it is (the request's weights neither read nor needed), going back to
+    no pool."""
+    return _checked(request, config, False, graphs, caches).prepared(model, None, device)
+
+
+@dataclass
+class _Checked:
+    """What prepare() validated before it builds the model: the model's side and the batch's pieces."""
+
+    side: LayerSpecModel | GraphSpecModel
+    dtype: torch.dtype
+    inputs: Batch
+    out: torch.Tensor
+    terms: list
+    targets: dict[str, torch.Tensor]
+    rows: int | None
+    frozen: set[str]
+    opts: object
+
+    def prepared(self, model: torch.nn.Module, held: tuple | None, device: str | torch.device) -> Prepared:
+        side, inputs, targets = self.side, self.inputs, self.targets
+        if str(device) != "meta":
+            inputs = inputs.to(device)
+            targets = {k: v.to(device) for k, v in targets.items()}
+        graph = side.template if isinstance(side, GraphSpecModel) else None
+        return Prepared(model=model, dtype=self.dtype, inputs=inputs, targets=targets, terms=self.terms,
+                        output_shape=list(self.out.shape), parameter_count=side.parameter_count, options=self.opts,
+                        frozen=self.frozen, graph=graph, graph_data=side.graph_data if graph is not None else None,
+                        resident=held, prepared=side.prepared, copied_bytes=side.copied_bytes,
+                        rows_per_example=self.rows, batch_flow=side.flow if graph is not None else None)
+
+
+def _checked(request: GradientRequest, config: EngineConfig, shape_only: bool, graphs: GraphResolver | None,
+             caches: EngineCaches | None) -> _Checked:
+    """Every check of the request in prepare()'s order, but the model's weights (side.model's)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
     opts, max_elements = request.options, config.limits.max_elements
     dtype = _model_dtype(request)
@@ -51,16 +96,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     validate_hvp(opts, side.meta, frozen)
     validate_diagnostics(opts, terms, side.meta, frozen, config.max_krylov_bytes)
     side.validate_batch_statistics(opts, inputs)
-    model, held = side.model(device, shape_only, scope)  # the weights decoded and checked (those not in place)
-    if str(device) != "meta":
-        inputs = inputs.to(device)
-        targets = {k: v.to(device) for k, v in targets.items()}
-    graph = side.template if isinstance(side, GraphSpecModel) else None
-    return Prepared(model=model, dtype=dtype, inputs=inputs, targets=targets, terms=terms,
-                    output_shape=list(out.shape), parameter_count=side.parameter_count, options=opts,
-                    frozen=frozen, graph=graph, graph_data=side.graph_data if graph is not None else None,
-                    resident=held, prepared=side.prepared, copied_bytes=side.copied_bytes, rows_per_example=rows,
-                    batch_flow=side.flow if graph is not None else None)
+    return _Checked(side, dtype, inputs, out, terms, targets, rows, frozen, opts)
 
 
 def release(prep: Prepared, caches: EngineCaches) -> None:

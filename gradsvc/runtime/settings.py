@@ -190,6 +190,13 @@ class Settings:
     # Redis refuses writes (503 redis_oom) rather than evict a job's records; 0 is no limit.
     embedded_redis_maxmemory_bytes: int = field(default_factory=default_krylov_bytes,
                                                 metadata={"ok": lambda v: v >= 0, "advice": "must be >= 0 (0: no limit)"})
+    # Training sessions (docs/sessions.md): how many one owner may hold and one worker may hold, how long an
+    # unused session lives (its record, checkpoint and answers expire together), and how often its state is
+    # checkpointed when POST /sessions does not say (0: from the state's size, docs/sessions.md).
+    session_max_per_owner: int = _positive(8)
+    session_max_per_worker: int = _positive(16)
+    session_idle_ttl_s: int = _positive(3600)
+    session_checkpoint_every: int = _at_least_zero(0, " (from the state's size)")
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

@@ -13,6 +13,7 @@ re-exported here (`from gradsvc.wire import GradientRequest`):
     errors       the error body (ErrorBody, ErrorInfo) and the one table of codes (ERROR_CODES)
     estimates    POST /estimate's answer (Estimate)
     layers       GET /layers' entries (LayerInfo, LayerArgument)
+    sessions     training sessions (SessionCreate, SessionBatch, SessionStepResult, SessionInfo, OptimizerSpec)
     common       the shared decode constraints (NonEmpty, AtLeastOne) and encoders
 """
 
@@ -30,17 +31,23 @@ from gradsvc.wire.result import (GradientResult, GraphNode, LayerMemory, Memory,
                                  PerSample, QuantityCheck, ShardsInfo, Timings)
 from gradsvc.wire.runs import (MAX_RUN_STEP, RUN_NAME_PATTERN, RunCheck, RunInfo, RunName, RunRef, RunStep,
                                RunSummary)
+from gradsvc.wire.sessions import (SESSION_RETURNS, IdempotencyKeyField, OptimizerSpec, SessionBatch, SessionCreate,
+                                   SessionCreated, SessionId, SessionInfo, SessionOptimStep, SessionOptions,
+                                   SessionStepResult, SessionTimings)
 from gradsvc.wire.tensors import (COMPLEX_DTYPES, DTYPES, ITEMSIZE, Tensor, TensorLike, is_tensor, owned,
                                   raw_data)
 
 __all__ = [
     "AtLeastOne", "COMPLEX_DTYPES", "ClipOptions", "ClipResult", "Curvature", "CurvatureOptions", "DIAGNOSTICS",
-    "DTYPES", "Density", "Diagnostics", "ERROR_CODES", "ErrorBody", "ErrorCode", "ErrorInfo", "Estimate", "EstimateLimits",
+    "DTYPES", "Density", "Diagnostics", "ERROR_CODES", "ErrorBody", "ErrorCode", "ErrorInfo", "Estimate",
+    "EstimateLimits",
     "FunctionSpec", "GradientRequest", "GradientResult", "GraphInput", "GraphNode", "GraphSpec", "HvpOptions",
     "ITEMSIZE", "Inputs", "JOB_STATUSES", "JSON_ENCODER", "JobAccepted", "JobInfo", "LayerArgument", "LayerInfo",
     "LayerMemory", "LossSpec", "MAX_RELEASED", "MAX_RUN_STEP", "MAX_SHARDS", "MAX_TIMING_REPEAT", "MSGPACK_ENCODER",
     "Memory", "ModelSpec", "NoiseScale", "NonEmpty", "Norms", "Numcheck", "NumcheckMode", "OpNode", "Options",
     "PER_EXAMPLE_DIAGNOSTICS", "ParameterCheck", "PerSample", "Progress", "QuantityCheck", "RELEASE_HEADER",
-    "RUN_NAME_PATTERN", "RunCheck", "RunInfo", "RunName", "RunRef", "RunStep", "RunSummary", "ShardsInfo",
+    "RUN_NAME_PATTERN", "RunCheck", "RunInfo", "RunName", "RunRef", "RunStep", "RunSummary", "SESSION_RETURNS",
+    "IdempotencyKeyField", "OptimizerSpec", "SessionBatch", "SessionCreate", "SessionCreated", "SessionId",
+    "SessionInfo", "SessionOptimStep", "SessionOptions", "SessionStepResult", "SessionTimings", "ShardsInfo",
     "Tensor", "TensorLike", "Timings", "is_tensor", "owned", "raw_data",
 ]

@@ -92,4 +92,15 @@ ERROR_CODES: dict[str, ErrorCode] = {
                              "the API holds GRADSVC_MAX_BODIES_BYTES of request bodies already; see Retry-After"),
     "not_ready": ErrorCode(503, "NotReadyError", "unavailable", "Redis is reachable but no worker is alive"),
     "internal_error": ErrorCode(500, "InternalServerError", "server", "a gradsvc bug; the message says where"),
+    # Training sessions (docs/sessions.md)
+    "nothing_accumulated": ErrorCode(409, "NothingAccumulatedError", "request",
+                                     "optim_step on a session with no gradient accumulated"),
+    "too_many_sessions": ErrorCode(429, "TooManySessionsError", "request",
+                                   "over GRADSVC_SESSION_MAX_PER_OWNER sessions, or over the owner's byte budget"),
+    "workers_full": ErrorCode(503, "WorkersFullError", "request",
+                              "the worker holds GRADSVC_SESSION_MAX_PER_WORKER sessions already"),
+    "session_resumed": ErrorCode(409, "SessionResumedError", "request",
+                                 "the session came back from an older checkpoint: resend the batches from detail.step"),
+    "session_lost": ErrorCode(410, "SessionLostError", "job",
+                              "the session's checkpoint is gone; its state cannot be rebuilt"),
 }

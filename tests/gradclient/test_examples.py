@@ -35,7 +35,15 @@ def test_federated_average_of_shard_gradients_is_the_full_batch_gradient(stack):
     assert out["losses"][-1] < out["losses"][0]
 
 
-@pytest.mark.parametrize("name", ["train_mlp", "federated"])
+def test_a_session_loop_and_the_same_loop_with_local_gradients_end_on_the_same_weights(stack):
+    module = load("train_session")
+    out = module.main(stack.base_url, verbose=False)
+    assert out["max_weight_diff"] <= module.WEIGHT_TOLERANCE
+    assert out["session_losses"][-1] < out["session_losses"][0]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(out["session_losses"], out["local_losses"]))
+
+
+@pytest.mark.parametrize("name", ["train_mlp", "federated", "train_session"])
 def test_help_shows_the_whole_description_and_every_flag_explained(name):
     """--help shows the whole first paragraph of the description, and every flag has its help."""
     out = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--help"], capture_output=True, text=True,

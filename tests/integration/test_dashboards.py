@@ -67,11 +67,17 @@ def metric_names(expr: str) -> set[str]:
 @pytest.fixture(scope="module")
 def exported(stack) -> set[str]:
     """Every sample name (with _bucket/_sum/_count/_total) the API and the worker export after a real job, a step
-    of a training run; and the families declared without a sample yet (a run's noise scale, when no step asked
+    of a training run, a training session's step; and the families declared without a sample yet (a run's noise scale, when no step asked
     for it)."""
     with stack.http_client() as http:
         r = http.post("/gradients", json={**seed_a_body(numcheck="exact"), "run": {"name": "exp-1"}})
         assert r.status_code == 200, r.text
+        created = http.post("/sessions", json={"model": seed_a_body()["model"], "optimizer": {"type": "sgd"}})
+        assert created.status_code == 201, created.text
+        body = seed_a_body()
+        step = http.post(f"/sessions/{created.json()['session_id']}/step",
+                         json={k: body[k] for k in ("inputs", "targets", "loss")})
+        assert step.status_code == 200, step.text
         api = http.get("/metrics").text
     worker = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).text
     declared = {f.name for text in (api, worker) for f in text_string_to_metric_families(text) if f.type == "gauge"}

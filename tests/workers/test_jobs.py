@@ -51,8 +51,10 @@ def test_the_dotted_paths_the_api_enqueues_name_the_job_functions():
 
     from workers.jobs import gradient_job
     from workers.shards import reduce_job, shard_job
-    assert [import_attribute(name) for name in (GRADIENT_JOB, SHARD_JOB, REDUCE_JOB)] == \
-        [gradient_job, shard_job, reduce_job]
+    from gradsvc.broker.session_records import SESSION_JOB
+    from workers.session_jobs import session_job
+    assert [import_attribute(name) for name in (GRADIENT_JOB, SHARD_JOB, REDUCE_JOB, SESSION_JOB)] == \
+        [gradient_job, shard_job, reduce_job, session_job]
 
 
 def test_the_worker_context_owns_its_threads_and_files_and_ends_them_on_close(tmp_path):

@@ -1,0 +1,312 @@
+"""A training session on a worker (pure PyTorch): the model prepared once and kept on its device, a torch.optim
+optimizer over its trainable parameters, the optimizer steps taken and the seed its random numbers come from.
+step() is forward, backward, the clip and optimizer.step() as a local loop runs them (the equivalence tests hold
+it to torch.optim's own numbers); forward_backward() sums gradients until optim_step(); state() and restore()
+carry it all as named tensors (session_state.py) for a checkpoint.
+
+Each batch goes through prepare() as a POST /gradients body would, with the session's model held in place
+(`held`): the same validation, the same passes (passes.run_pass), the same clip (clip_grad_norm_'s factor).
+A failed call changes nothing: gradients are added and buffers kept only once the pass succeeded.
+
+Random numbers: the pass of optimizer step s, accumulation a, draws its dropout masks from seed + s * 2^16 + a
+(model.seed at creation), so a replayed step draws the same masks, and the RNG state is two integers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+from torch import nn
+
+from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, GraphSpec, ModelSpec, Numcheck, \
+    Options, SessionBatch, SessionCreate
+
+from . import session_state, tensors
+from .config import EngineCaches, EngineConfig, state_bytes
+from .devices import sync
+from .diagnostics.clip import CLIP_EPS
+from .diagnostics.norms import norms as norms_of
+from .errors import ComputeError, SpecError
+from .graph.interpreter import GraphModel
+from .numcheck import CheckInputs, numerical_check
+from .passes import run_pass
+from .prepare import prepare_held
+from .prepare_graph import GraphSpecModel
+from .prepare_layers import LayerSpecModel
+from .prepared import GraphResolver, Prepared
+
+# Options of POST /gradients a session step cannot honour as /gradients does (each would change the state
+# otherwise, or answers what /gradients answers): field -> its default, which a step must leave it at.
+_REFUSED = {"input_grad": False, "hvp": None, "graph": False, "per_sample": "off", "shards": 1, "timing_repeat": 1,
+            "batch_gradient": True, "curvature": None, "freeze": []}
+# The idempotency keys a session remembers (in its checkpoint too): a retry comes within a few steps.
+APPLIED_KEYS = 256
+
+
+@dataclass
+class StepOutcome:
+    """What one call did: the batch's loss (forward_backward, step), the update's figures (optim_step, step)."""
+
+    loss: float | None = None
+    losses: dict[str, float] | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    clip: ClipResult | None = None
+    gradients: dict[str, torch.Tensor] | None = None  # what the optimizer used: summed, clipped
+    outputs: list | None = None
+    prep: Prepared | None = None
+    check: Numcheck | None = None  # options.numcheck's check of the batch's gradient
+    diagnostics: Diagnostics | None = None  # options.diagnostics ["norms"] of the batch's gradient
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class TrainingSession:
+    """The state one worker holds for a session, and the operations on it."""
+
+    def __init__(self, create: SessionCreate, model: nn.Module, graph: tuple[str, GraphSpec] | None,
+                 config: EngineConfig, caches: EngineCaches, device: torch.device) -> None:
+        self.create, self.model, self.device = create, model, device
+        self.graph_ref, self.graph = graph if graph is not None else (None, None)
+        self.config, self.caches = config, caches
+        frozen = set(create.options.freeze)
+        unknown = frozen - {n for n, _ in model.named_parameters()}
+        if unknown:
+            raise SpecError("bad_option", f"options.freeze names {sorted(unknown)[:8]}, which are not parameters of "
+                            "the model; name parameters as named_parameters() does", option="options.freeze")
+        self.params = {n: p.requires_grad_(n not in frozen) for n, p in model.named_parameters() if n not in frozen}
+        self.names = list(self.params)
+        self.optimizer = session_state.make_optimizer(create.optimizer, list(self.params.values()))
+        self.step, self.accumulated, self.seed = 0, 0, create.model.seed
+        self.applied: dict[str, int] = {}  # idempotency key -> the step it was applied at (the latest APPLIED_KEYS)
+        self.parameter_count = sum(p.numel() for p in model.parameters())
+
+    @property
+    def state_bytes(self) -> int:
+        """The device bytes it holds: weights and buffers, the optimizer's state, gradients accumulating."""
+        held = state_bytes(self.model.state_dict())
+        for per in self.optimizer.state.values():
+            held += sum(v.numel() * v.element_size() for v in per.values() if isinstance(v, torch.Tensor))
+        return held + sum(p.grad.numel() * p.grad.element_size() for p in self.params.values() if p.grad is not None)
+
+    @property
+    def expected_bytes(self) -> int:
+        """What it will hold once stepping: weights and buffers, and per trained parameter one gradient and the
+        optimizer's tensors (created by its first step)."""
+        trained = sum(p.numel() * p.element_size() for p in self.params.values())
+        return state_bytes(self.model.state_dict()) + trained * (1 + session_state.optimizer_slots(self.create.optimizer))
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # --- operations ------------------------------------------------------------------------------------
+
+    def forward_backward(self, batch: SessionBatch) -> StepOutcome:
+        """Forward and backward over the batch; its gradients are added to those waiting for optim_step."""
+        request = self._request(batch)
+        prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs, caches=self.caches)
+        if prep.graph is not None and prep.graph.first_output != 0:
+            raise SpecError("bad_loss", "loss: a session trains on the graph's first output; name it as the loss, or "
+                            "export the module with the loss first", option="loss")
+        before = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        try:
+            done = run_pass(prep, self.params, self.device, record_memory=False, hvp_vector=None,
+                            seed=self._pass_seed())
+            _refuse_non_finite(done.grads, done.loss)
+            check = numerical_check(CheckInputs(prep, request, self.config, self.device, done.grads, final=done)) \
+                if prep.options.numcheck != "off" else None
+            diagnosed = Diagnostics(norms=norms_of(done.grads)) if prep.options.diagnostics else None
+        except BaseException:
+            self._put_buffers(before)  # a layer spec's training forward wrote them in place
+            raise
+        if done.buffers:  # a graph's pass reports what its forward wrote and puts the old values back
+            self._put_buffers(done.buffers)
+        for name, grad in done.grads.items():
+            p = self.params[name]
+            p.grad = grad.detach() if p.grad is None else p.grad.add_(grad)
+        self.accumulated += 1
+        return StepOutcome(loss=done.loss, losses=dict(done.losses) if len(prep.terms) > 1 else None,
+                           outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s,
+                           check=check, diagnostics=diagnosed)
+
+    def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
+                   norms: bool = False) -> StepOutcome:
+        """The accumulated gradients clipped (as clip_grad_norm_), optimizer.step(), the gradients zeroed.
+        `norms`: each parameter's squared gradient norm before clipping, in extra["squares"] (a run's step)."""
+        if self.accumulated == 0:
+            raise SpecError("nothing_accumulated", f"optim_step: no gradient waits for an update (step {self.step}); "
+                            "call forward_backward with a batch first, or send the batch to /step")
+        started = time.perf_counter()
+        grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        total = torch.nn.utils.get_total_norm(list(grads.values()), 2.0)
+        if not tensors.all_finite(total):
+            raise ComputeError("non_finite", f"the accumulated gradient's norm is {float(total)}; nothing was applied "
+                               "and the gradients are kept: call optim_step with a clip, or delete the session")
+        squares = None
+        if norms:
+            flat = torch.stack([g.detach().to(torch.float64).pow(2).sum() for g in grads.values()])
+            squares = dict(zip(grads, flat.tolist()))
+        clip = clip or self.create.options.clip
+        result = None
+        if clip is not None:
+            scale = torch.clamp(clip.max_norm / (total + CLIP_EPS), max=1.0)
+            for g in grads.values():
+                g.mul_(scale.to(g.dtype))
+            result = ClipResult(total_norm=float(total), scale=float(scale))
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step, self.accumulated = self.step + 1, 0
+        sync(self.device)
+        return StepOutcome(grad_norm=float(total), lr=self.lr, clip=result, gradients=grads,
+                           optimizer_s=time.perf_counter() - started, extra={"squares": squares})
+
+    def train_step(self, batch: SessionBatch, *, norms: bool = False) -> StepOutcome:
+        """forward_backward then optim_step (with whatever forward_backward had accumulated before); a failed
+        update leaves the gradients as they were before this batch."""
+        kept = {n: (p.grad.clone() if p.grad is not None else None) for n, p in self.params.items()} \
+            if self.accumulated else None
+        passed = self.forward_backward(batch)
+        try:
+            done = self.optim_step(batch.lr, batch.options.clip, norms=norms)
+        except BaseException:
+            self.accumulated -= 1
+            for n, p in self.params.items():
+                p.grad = kept[n] if kept is not None else None
+            raise
+        passed.grad_norm, passed.lr, passed.clip, passed.gradients = done.grad_norm, done.lr, done.clip, done.gradients
+        passed.optimizer_s, passed.extra = done.optimizer_s, done.extra
+        return passed
+
+    # --- state -------------------------------------------------------------------------------------------
+
+    def remember(self, key: str) -> None:
+        """Marks an idempotency key applied at the current step (the oldest forgotten past APPLIED_KEYS)."""
+        self.applied[key] = self.step
+        while len(self.applied) > APPLIED_KEYS:
+            self.applied.pop(next(iter(self.applied)))
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        out, meta = session_state.export_state(self.model, self.optimizer, self.names,
+                                               {"step": self.step, "accumulated": self.accumulated, "seed": self.seed})
+        meta["applied"] = msgspec.json.encode(self.applied).decode()
+        return out, meta
+
+    def restore(self, tensors_: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        counters = session_state.import_state(self.model, self.optimizer, self.names, tensors_, meta)
+        self.step, self.accumulated, self.seed = counters["step"], counters["accumulated"], counters["seed"]
+        self.applied = msgspec.json.decode(meta.get("applied", "{}"), type=dict[str, int])
+
+    # --- helpers -----------------------------------------------------------------------------------------
+
+    def _pass_seed(self) -> int:
+        return (self.seed + (self.step << 16) + self.accumulated) % (1 << 63)
+
+    def _graphs(self, ref: str) -> GraphSpec | None:
+        return self.graph
+
+    def _put_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in values.items():
+                self.model.get_buffer(name).copy_(value)
+
+    def _request(self, batch: SessionBatch) -> GradientRequest:
+        """The batch as a POST /gradients body over the session's model (no weights: the model is held)."""
+        opts = validate_step_options(batch.options, self.create.options.device)
+        m = self.create.model
+        model = ModelSpec(layers=m.layers, graph_ref=self.graph_ref, dtype=m.dtype, seed=self._pass_seed())
+        numcheck = "off" if opts.numcheck == "auto" else opts.numcheck  # a check costs many passes: asked for only
+        opts = msgspec.structs.replace(opts, numcheck=numcheck, memory=False, freeze=list(self.create.options.freeze),
+                                       clip=None)
+        return GradientRequest(model=model, inputs=batch.inputs, targets=batch.targets, loss=batch.loss,
+                               losses=batch.losses, options=opts)
+
+
+def validate_step_options(opts: Options, device: str) -> Options:
+    """Refuses the options of POST /gradients a session step does not run, each with what to do instead."""
+    for name, default in _REFUSED.items():
+        if getattr(opts, name) != default:
+            where = "options.freeze of POST /sessions" if name == "freeze" else \
+                "POST /gradients with the session's weights (GET /sessions/{id}/weights)"
+            raise SpecError("bad_option", f"options.{name}: a session step does not take it; leave it out (use "
+                            f"{where} for it)", option=f"options.{name}")
+    if opts.clip is not None and opts.clip.per_sample:
+        raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
+                        "leave per_sample out", option="options.clip")
+    others = [d for d in opts.diagnostics if d != "norms"]
+    if others:
+        raise SpecError("bad_option", f"options.diagnostics {others}: a session step computes no per-example "
+                        "gradients, which these need; ask for 'norms' alone, or use POST /gradients on the session's "
+                        "weights (GET /sessions/{id}/weights)", option="options.diagnostics")
+    if opts.device not in ("auto", device):
+        raise SpecError("bad_option", f"options.device={opts.device!r}: the session lives on {device!r}; leave "
+                        "options.device out of a step", option="options.device")
+    return opts
+
+
+def _refuse_non_finite(grads: dict[str, torch.Tensor], loss: float) -> None:
+    for name, g in grads.items():
+        if not tensors.all_finite(g):
+            raise ComputeError("non_finite", f"the gradient of {name!r} holds NaN or infinite values while the loss "
+                               f"is {loss}; nothing was applied. Lower the inputs' scale or the learning rate",
+                               parameter=name)
+
+
+def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCaches, device: torch.device, *,
+                 graphs: GraphResolver | None = None, restoring: bool = False) -> TrainingSession:
+    """The session's model built on `device` with its weights (a layer spec's missing ones from its seeded
+    default initialisation), and its optimizer. `restoring`: the weights will come from a checkpoint
+    (TrainingSession.restore), so the request's are not read."""
+    if create.options.clip is not None and create.options.clip.per_sample:
+        raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
+                        "leave per_sample out", option="options.clip")
+    spec = msgspec.structs.replace(create.model, weights=None) if restoring else create.model
+    request = GradientRequest(model=spec, inputs=[])
+    dtype = tensors.TORCH_DTYPES.get(spec.dtype)
+    if dtype is None or not dtype.is_floating_point:
+        raise SpecError("bad_option", f"model.dtype {spec.dtype!r} is not a floating-point dtype; use one of "
+                        f"{', '.join(tensors.FLOAT_DTYPES)}")
+    if spec.layers is not None:
+        model = LayerSpecModel(request, config, caches, dtype).model(device, False)[0]
+        graph = None
+    else:
+        side = GraphSpecModel(request, config, caches, dtype, graphs)
+        graph = (side.template.ref, side.template.spec)
+        model = GraphModel(side.template.compiled, device=device, dtype=dtype) if restoring else \
+            side.model(device, False)[0]
+    return TrainingSession(create, model, graph, config, caches, device)
+
+
+def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
+              graphs: GraphResolver | None = None) -> tuple[int, int]:
+    """(parameter count, the bytes the session will hold) checked on meta, as POST /sessions checks it before the
+    queue: the model and its weights (as prepare checks them), the optimizer's arguments, options.freeze. The
+    bytes: weights, buffers, the optimizer's per-parameter state and one gradient of every trained parameter."""
+    if create.options.clip is not None and create.options.clip.per_sample:
+        raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
+                        "leave per_sample out", option="options.clip")
+    session_state.optimizer_arguments(create.optimizer)
+    request = GradientRequest(model=create.model, inputs=[])
+    dtype = tensors.TORCH_DTYPES.get(create.model.dtype)
+    if dtype is None or not dtype.is_floating_point:
+        raise SpecError("bad_option", f"model.dtype {create.model.dtype!r} is not a floating-point dtype; use one of "
+                        f"{', '.join(tensors.FLOAT_DTYPES)}")
+    side = LayerSpecModel(request, config, caches, dtype) if create.model.layers is not None else \
+        GraphSpecModel(request, config, caches, dtype, graphs)
+    meta = side.model("meta", False)[0]  # the weights decoded and checked
+    names = dict(meta.named_parameters())
+    unknown = set(create.options.freeze) - set(names)
+    if unknown:
+        raise SpecError("bad_option", f"options.freeze names {sorted(unknown)[:8]}, which are not parameters of "
+                        "the model; name parameters as named_parameters() does", option="options.freeze")
+    trained = sum(p.numel() for n, p in names.items() if n not in create.options.freeze) * dtype.itemsize
+    held = state_bytes(meta.state_dict()) + trained * (1 + session_state.optimizer_slots(create.optimizer))
+    return side.parameter_count, held

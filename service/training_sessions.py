@@ -1,0 +1,209 @@
+"""Training sessions from the API's side (docs/sessions.md): a POST /sessions checked before the queue (its model
+and weights on meta, the owner's count and byte budget), each operation enqueued as an RQ job for the worker that
+holds the session and waited on like a /gradients job, its answer read back; GET and DELETE over the session's
+record. The routes (service/session_routes.py) map these outcomes to HTTP."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import anyio.to_thread
+import msgspec
+
+from gradsvc.broker import affinity, keys
+from gradsvc.broker.blobs import BlobStore
+from gradsvc.broker.graphs import GraphStore
+from gradsvc.broker.record import JobMeta
+from gradsvc.broker.session_records import SESSION_JOB, SessionRecord, SessionRecords, job_answer_name, new_record
+from gradsvc.engine import Engine
+from gradsvc.engine.session import footprint
+from gradsvc.runtime.settings import Settings
+from gradsvc.wire import GradientRequest, SessionCreate, SessionCreated, SessionInfo
+
+from .exceptions import ServiceError
+from .job_reader import JobReader
+from .queues import Queues
+
+_created = msgspec.msgpack.Decoder(SessionCreated)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation to enqueue: its session, name, body (as sent, `fmt`), the session's device queue and the
+    call's Idempotency-Key header."""
+
+    session_id: str
+    op: str
+    body: bytes
+    fmt: str
+    device: str = "auto"
+    key: str | None = None
+    holder: str = ""  # the worker holding the session (its own queue takes the job while it lives)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An operation's outcome: the worker's answer (MessagePack), or, when it did not end within the wait, the
+    job still running (`job_id`: retry the call with the same idempotency key)."""
+
+    data: bytes | None = None
+    job_id: str | None = None
+
+
+@dataclass(eq=False)
+class TrainingSessions:
+    settings: Settings
+    queues: Queues
+    reader: JobReader
+    records: SessionRecords
+    engine: Engine
+    graphs: GraphStore
+    blobs: BlobStore
+
+    @classmethod
+    def of(cls, settings: Settings, queues: Queues, reader: JobReader, engine: Engine, graphs: GraphStore,
+           blobs: BlobStore) -> "TrainingSessions":
+        records = SessionRecords(queues.redis, settings.queue_prefix, settings.session_idle_ttl_s)
+        return cls(settings, queues, reader, records, engine, graphs, blobs)
+
+    # --- POST /sessions -------------------------------------------------------------------------------------
+
+    async def create(self, owner: str, create: SessionCreate, body: bytes, fmt: str, wait_s: float,
+                     key: str | None = None) -> SessionCreated:
+        """`key`: the Idempotency-Key; a retry under it answers the session its first try created."""
+        earlier = await anyio.to_thread.run_sync(self._created_under, owner, key) if key is not None else None
+        if earlier is not None:
+            return await self._created(owner, earlier, wait_s)
+        session_id = await anyio.to_thread.run_sync(self._admit, owner, create)
+        if key is not None and not await anyio.to_thread.run_sync(self._claim, owner, key, session_id):
+            await anyio.to_thread.run_sync(self.records.delete, owner, session_id)  # a concurrent try won
+            return await self._created(owner, await anyio.to_thread.run_sync(self._created_under, owner, key),
+                                       wait_s)
+        try:
+            answer = await self._run(owner, Operation(session_id, "create", body, fmt, create.options.device), wait_s)
+        except BaseException:
+            await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
+            raise
+        if answer.data is None:
+            await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
+            raise ServiceError("queue_unavailable", f"no worker built the session within {wait_s:.0f} s (are the "
+                               "workers busy?); retry POST /sessions later", headers={"Retry-After": "5"})
+        return _created.decode(answer.data)
+
+    def _created_under(self, owner: str, key: str) -> str | None:
+        raw = self.queues.redis.get(keys.training_session_created_key(self.settings.queue_prefix, owner, key))
+        return raw.decode() if raw else None
+
+    def _claim(self, owner: str, key: str, session_id: str) -> bool:
+        return bool(self.queues.redis.set(keys.training_session_created_key(self.settings.queue_prefix, owner, key),
+                                          session_id, nx=True, ex=self.settings.idempotency_ttl_s))
+
+    async def _created(self, owner: str, session_id: str, wait_s: float) -> SessionCreated:
+        """The answer of the session an earlier try created, once its worker built it (within wait_s)."""
+        deadline = anyio.current_time() + wait_s
+        while True:
+            rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
+            if rec.holder:
+                return SessionCreated(session_id=session_id, step=rec.step, parameter_count=rec.parameter_count,
+                                      device=rec.device, checkpoint_every=rec.checkpoint_every,
+                                      state_bytes=rec.state_bytes)
+            if anyio.current_time() > deadline:
+                raise ServiceError("queue_unavailable", f"session {session_id}, created by an earlier try under this "
+                                   "Idempotency-Key, is still being built; retry", headers={"Retry-After": "2"},
+                                   session_id=session_id)
+            await anyio.sleep(0.05)
+
+    def _admit(self, owner: str, create: SessionCreate) -> str:
+        """Checks the session before the queue (its model on meta, the owner's count and bytes) and writes its
+        record; answers its id."""
+        s = self.settings
+        self.blobs.check(owner, GradientRequest(model=create.model, inputs=[]))
+        _, held = footprint(create, self.engine.config, self.engine.caches, self.graphs.resolver(owner))
+        live = self.records.live(owner)
+        if len(live) >= s.session_max_per_owner:
+            raise ServiceError("too_many_sessions", f"this API key holds {len(live)} training sessions, the most "
+                               f"GRADSVC_SESSION_MAX_PER_OWNER={s.session_max_per_owner} allows; delete one you no "
+                               "longer use (DELETE /sessions/{id}) or wait for an idle one to expire "
+                               f"(GRADSVC_SESSION_IDLE_TTL_S={s.session_idle_ttl_s})", limit=s.session_max_per_owner,
+                               sessions=sorted(live))
+        used = sum(r.state_bytes for r in live.values()) + self.blobs.held_bytes(owner)
+        if used + held > s.tensor_budget_bytes:
+            raise ServiceError("too_many_sessions", f"this session would hold {held} bytes; with the {used} bytes this "
+                               "API key's sessions and uploaded tensors hold, that is over GRADSVC_TENSOR_BUDGET_BYTES="
+                               f"{s.tensor_budget_bytes}; delete a session, or train a smaller model (or fewer "
+                               "parameters: options.freeze)", bytes=held, used=used, limit=s.tensor_budget_bytes)
+        session_id = secrets.token_hex(16)
+        rec = new_record(owner, create)
+        rec.state_bytes = held
+        self.records.put(session_id, rec)
+        return session_id
+
+    # --- operations ----------------------------------------------------------------------------------------
+
+    def owned(self, owner: str, session_id: str) -> SessionRecord:
+        rec = self.records.owned(owner, session_id)
+        if rec is None:
+            raise ServiceError("not_found", f"no session {session_id!r} for this API key: it never existed, was "
+                               "deleted, belongs to another key, or went unused for longer than "
+                               f"GRADSVC_SESSION_IDLE_TTL_S={self.settings.session_idle_ttl_s}; create one with "
+                               "POST /sessions", session_id=session_id)
+        return rec
+
+    async def operate(self, owner: str, session_id: str, op: str, body: bytes, fmt: str, wait_s: float,
+                      key: str | None = None) -> Answer:
+        """step, forward_backward, optim_step, weights: enqueued for the session's worker and waited on."""
+        rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
+        return await self._run(owner, Operation(session_id, op, body, fmt, rec.create.options.device, key, rec.holder),
+                               wait_s)
+
+    async def info(self, owner: str, session_id: str) -> SessionInfo:
+        rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
+        return rec.info(session_id)
+
+    async def delete(self, owner: str, session_id: str) -> None:
+        """Deletes the record and checkpoint now; the worker holding the session frees it with its next job
+        (a delete job, or when it needs the room)."""
+        rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
+        await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
+        if rec.holder:
+            await anyio.to_thread.run_sync(self._enqueue, owner, Operation(session_id, "delete", b"", "msgpack",
+                                                                           holder=rec.holder))
+
+    async def _run(self, owner: str, call: Operation, wait_s: float) -> Answer:
+        session_id, op = call.session_id, call.op
+        job_id = await anyio.to_thread.run_sync(self._enqueue, owner, call)
+        ended, _ = await self.reader.wait(job_id, wait_s)
+        if not ended:
+            return Answer(job_id=job_id)
+        raw = await self.queues.aredis.get(
+            keys.training_session_answer_key(self.settings.queue_prefix, session_id, job_answer_name(job_id)))
+        if raw is not None:
+            return Answer(data=raw)
+        info = await self.reader.info(job_id, owner, with_result=False)
+        error = info.error
+        if error is None:
+            raise ServiceError("not_found", f"the answer of session {session_id}'s {op} expired before it was read; "
+                               "send it again with the same idempotency key", session_id=session_id)
+        raise ServiceError(error.code, error.message, **error.detail)
+
+    def _enqueue(self, owner: str, call: Operation) -> str:
+        """The job to the own queue of the worker holding the session while it lives, pinned there (never moved
+        to the shared queue while that worker lives: gradsvc/broker/affinity.py); else to the shared queue of the
+        session's device, where the worker that takes it restores the session from its checkpoint."""
+        queues, s = self.queues, self.settings
+        job_id = queues.epochs.new_job_id()
+        shared = queues.shared[call.device]
+        queue = shared
+        if call.holder and affinity.worker_alive(queues.redis, call.holder):
+            queue = queues.own(keys.own_queue_name(s.queue_prefix, call.holder))
+        pinned = queue is not shared
+        with queues.redis.pipeline() as pipe:
+            queue.enqueue(SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, job_id=job_id,
+                          job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
+                          meta=JobMeta(owner=owner, pinned=pinned).as_meta(), description=f"session {call.op}",
+                          pipeline=pipe)
+            if pinned:
+                queues.mover.track(pipe, job_id, shared.name, 0.0, pinned=True)
+            pipe.execute()
+        return job_id

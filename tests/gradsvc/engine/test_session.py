@@ -1,0 +1,228 @@
+"""Training sessions in the engine against torch.optim: N session steps end on the weights, buffers and optimizer
+state of the same N local steps (float64 to 1e-12, float32 to 1e-6 relative), for SGD with momentum, Adam and
+AdamW, with and without global clipping, a BatchNorm model and a graph model; gradient accumulation; the state
+through a safetensors checkpoint; a failed step changes nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradclient.export import export_graph
+from gradclient.tensors import to_wire
+from gradsvc import wire
+from gradsvc.engine import session_state
+from gradsvc.engine.config import EngineCaches, EngineConfig
+from gradsvc.engine.errors import ComputeError, SpecError
+from gradsvc.engine.session import open_session
+
+CPU = torch.device("cpu")
+OPTIMIZERS = [
+    ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)),
+    ("adam", dict(lr=1e-2, betas=(0.8, 0.95))),
+    ("adamw", dict(lr=1e-2, weight_decay=0.1)),
+]
+TORCH = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+LAYERS = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "BatchNorm1d", "num_features": 8},
+          {"type": "Tanh"}, {"type": "Linear", "in_features": 8, "out_features": 3}]
+
+
+def local_bn_net(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def batches(n: int, dtype: torch.dtype, rows: int = 5):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(rows, 6, generator=g, dtype=dtype), torch.randint(0, 3, (rows,), generator=g))
+            for _ in range(n)]
+
+
+def session_for(model_spec: dict, kind: str, args: dict, clip: float | None = None, **options):
+    body = {"model": model_spec, "optimizer": {"type": kind, **args}, "options": options}
+    if clip is not None:
+        body["options"]["clip"] = {"max_norm": clip}
+    create = msgspec.convert(body, wire.SessionCreate)
+    config = EngineConfig()
+    return open_session(create, config, EngineCaches.for_config(config), CPU)
+
+
+def batch(x: torch.Tensor, y: torch.Tensor, loss: str = "cross_entropy", **fields) -> wire.SessionBatch:
+    return msgspec.convert({"inputs": to_wire(x), "targets": to_wire(y), "loss": loss, **fields}, wire.SessionBatch)
+
+
+def local_steps(model: nn.Module, kind: str, args: dict, data, clip: float | None, accumulate: int = 1):
+    opt = TORCH[kind](model.parameters(), **args)
+    for i in range(0, len(data), accumulate):
+        for x, y in data[i:i + accumulate]:
+            F.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def assert_same_state(session, model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    rtol, atol = (1e-12, 1e-12) if dtype == torch.float64 else (1e-6, 1e-7)
+    mine = session.model.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(mine[name], value, rtol=rtol, atol=atol, msg=name)
+    theirs = opt.state_dict()["state"]
+    ours = session.optimizer.state_dict()["state"]
+    assert set(ours) == set(theirs)
+    for i in theirs:
+        for key, value in theirs[i].items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(ours[i][key], value, rtol=rtol, atol=atol, msg=f"{i}.{key}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("kind, args", OPTIMIZERS)
+def test_session_steps_equal_local_torch_optim_steps_with_batchnorm(kind, args, clip, dtype):
+    name = str(dtype).removeprefix("torch.")
+    local = local_bn_net(dtype)
+    spec = {"layers": LAYERS, "dtype": name, "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, kind, args, clip)
+    data = batches(4, dtype)
+    for x, y in data:
+        out = session.train_step(batch(x, y))
+        assert out.grad_norm > 0 and (out.clip is not None) == (clip is not None)
+    opt = local_steps(local, kind, args, data, clip)
+    assert session.step == 4
+    assert_same_state(session, local, opt, dtype)
+    assert int(session.model.state_dict()["1.num_batches_tracked"]) == 4  # the buffers trained too
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.emb(tokens)).mean(dim=1))
+
+
+@pytest.mark.parametrize("clip", [None, 0.1])
+@pytest.mark.parametrize("kind, args", OPTIMIZERS)
+def test_session_steps_equal_local_steps_for_a_graph_model_in_float64(kind, args, clip):
+    torch.manual_seed(0)
+    local = TinyLM().double()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 11, (4, 5), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    eg = export_graph(copy.deepcopy(local), (data[0][0],))
+    spec = {"graph": msgspec.to_builtins(eg.graph), "dtype": "float64",
+            "weights": {k: to_wire(v.double()) for k, v in eg.weights.items()}}
+    session = session_for(spec, kind, args, clip)
+    for x, y in data:
+        session.train_step(batch(x, y))
+    opt = local_steps(local, kind, args, data, clip)
+    assert_same_state(session, local, opt, torch.float64)
+
+
+def test_forward_backward_accumulates_until_optim_step_as_two_backward_calls_do():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "adamw", {"lr": 1e-2}, clip=0.05)
+    data = batches(4, torch.float64)
+    for i, (x, y) in enumerate(data):
+        session.forward_backward(batch(x, y))
+        assert session.accumulated == i % 2 + 1
+        if i % 2:
+            out = session.optim_step()
+            assert out.grad_norm > 0
+    opt = local_steps(local, "adamw", {"lr": 1e-2}, data, 0.05, accumulate=2)
+    assert session.step == 2
+    assert_same_state(session, local, opt, torch.float64)
+
+
+def test_the_state_survives_safetensors_bytes_and_training_goes_on_identically():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    first = session_for(spec, "adam", {"lr": 1e-2})
+    data = batches(4, torch.float64)
+    for x, y in data[:2]:
+        first.train_step(batch(x, y))
+    first.forward_backward(batch(*data[2]))  # a gradient waiting for optim_step goes into the checkpoint too
+    data_bytes = session_state.to_bytes(*first.state())
+    assert b"pickle" not in data_bytes[:64]
+    config = EngineConfig()
+    create = msgspec.convert({"model": spec, "optimizer": {"type": "adam", "lr": 1e-2}}, wire.SessionCreate)
+    second = open_session(create, config, EngineCaches.for_config(config), CPU, restoring=True)
+    second.restore(*session_state.from_bytes(data_bytes))
+    assert (second.step, second.accumulated) == (2, 1)
+    for s in (first, second):
+        s.optim_step()
+        s.train_step(batch(*data[3]))
+    for name, value in first.model.state_dict().items():
+        assert torch.equal(second.model.state_dict()[name], value), name
+    assert first.optimizer.state_dict()["state"].keys() == second.optimizer.state_dict()["state"].keys()
+
+
+def test_a_non_finite_step_changes_nothing():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "sgd", {"lr": 0.1, "momentum": 0.9})
+    x, y = batches(1, torch.float64)[0]
+    session.train_step(batch(x, y))
+    before = {k: v.clone() for k, v in session.model.state_dict().items()}
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(SpecError):  # prepare refuses the NaN input before anything runs
+        session.train_step(batch(bad, y))
+    target = torch.full((5, 3), 1e200, dtype=torch.float64)  # the squared error overflows
+    with pytest.raises(ComputeError) as err:
+        session.train_step(batch(x, target, loss="mse"))
+    assert err.value.code == "non_finite"
+    for k, v in session.model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # BatchNorm's running statistics included
+    assert (session.step, session.accumulated) == (1, 0)
+
+
+def test_refuses_options_a_step_cannot_honour_and_arguments_the_optimizer_lacks():
+    spec = {"layers": LAYERS, "dtype": "float64"}
+    with pytest.raises(SpecError, match="Adam takes no 'momentum'"):
+        session_for(spec, "adam", {"momentum": 0.9})
+    with pytest.raises(SpecError, match="refused the arguments"):
+        session_for(spec, "sgd", {"nesterov": True})
+    session = session_for(spec, "sgd", {})
+    x, y = batches(1, torch.float64)[0]
+    with pytest.raises(SpecError, match="options.hvp"):
+        session.train_step(batch(x, y, options={"hvp": {}}))
+    with pytest.raises(SpecError, match="no gradient waits"):
+        session.optim_step()
+
+
+def test_a_step_asked_for_the_numerical_check_gets_it_and_trains_as_without():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "adam", {"lr": 1e-2})
+    data = batches(2, torch.float64)
+    for i, (x, y) in enumerate(data):
+        out = session.train_step(batch(x, y, options={"numcheck": "exact"} if i == 1 else {}))
+        assert (out.check is not None) == (i == 1)
+    assert out.check.mode == "exact" and out.check.passed and out.check.max_rel_error < 1e-6
+    opt = local_steps(local, "adam", {"lr": 1e-2}, data, None)
+    assert_same_state(session, local, opt, torch.float64)
+
+
+def test_a_step_answers_the_gradient_norms_asked_for_and_refuses_the_per_example_diagnostics():
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "sgd", {"lr": 0.1})
+    x, y = batches(1, torch.float64)[0]
+    F.cross_entropy(local(x), y).backward()
+    want = torch.sqrt(sum(p.grad.pow(2).sum() for p in local.parameters()))
+    out = session.train_step(batch(x, y, options={"diagnostics": ["norms"]}))
+    assert out.diagnostics.norms.global_ == pytest.approx(float(want), rel=1e-12)
+    assert out.grad_norm == pytest.approx(float(want), rel=1e-12)
+    with pytest.raises(SpecError, match="no per-example"):
+        session.train_step(batch(x, y, options={"diagnostics": ["variance"]}))

@@ -1,0 +1,93 @@
+"""The training sessions one worker holds (docs/sessions.md): each session's TrainingSession on the worker's
+device, at most GRADSVC_SESSION_MAX_PER_WORKER of them; a session this worker does not hold, or holds at another
+step than its record says (another worker stepped it since), is rebuilt from its last checkpoint; checkpoints
+every `checkpoint_every` optimizer steps, and of every held session on a graceful stop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from gradsvc.broker.session_records import SessionRecord, SessionRecords
+from gradsvc.engine import ComputeError, Engine, session_state
+from gradsvc.engine.session import TrainingSession, open_session
+
+log = logging.getLogger("gradsvc.worker")
+
+# checkpoint_every's default: one checkpoint per this many bytes of state, so a step writes about this much on
+# average (16 MiB: a few milliseconds into a local Redis), every step for a state under it, at most every
+# CHECKPOINT_EVERY_MAX steps (a lost worker costs at most that many steps to replay).
+CHECKPOINT_BYTES_PER_STEP = 16 << 20
+CHECKPOINT_EVERY_MAX = 100
+
+
+def default_checkpoint_every(state_bytes: int) -> int:
+    return max(1, min(CHECKPOINT_EVERY_MAX, math.ceil(state_bytes / CHECKPOINT_BYTES_PER_STEP)))
+
+
+class SessionHost:
+    """session id -> (its TrainingSession, its owner), on this worker."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, TrainingSession] = {}
+        self.steps_total = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.state_bytes for s in self.sessions.values())
+
+    def room_for(self, session_id: str, records: SessionRecords) -> None:
+        """Makes room for one more session: sessions whose record expired or moved to another worker go first;
+        a worker still full refuses with workers_full (503)."""
+        if session_id in self.sessions or len(self.sessions) < self.max_sessions:
+            return
+        for held in list(self.sessions):
+            rec = records.get(held)
+            if rec is None or rec.holder != records.worker:
+                self.sessions.pop(held, None)
+        if len(self.sessions) >= self.max_sessions:
+            raise ComputeError("workers_full", f"this worker holds GRADSVC_SESSION_MAX_PER_WORKER="
+                               f"{self.max_sessions} training sessions already; delete sessions you no longer use "
+                               "(DELETE /sessions/{id}), start more workers, or raise the setting",
+                               limit=self.max_sessions)
+
+    def held(self, session_id: str, rec: SessionRecord, records: SessionRecords, engine: Engine, device,
+             graphs) -> tuple[TrainingSession, int | None]:
+        """(the session as its record says it stands, the checkpoint's step when it was restored from it: the
+        steps after it are lost and the answer says so)."""
+        session = self.sessions.get(session_id)
+        if session is not None and rec.holder == records.worker and (session.step, session.accumulated) == \
+                (rec.step, rec.accumulated):
+            return session, None
+        self.sessions.pop(session_id, None)
+        self.room_for(session_id, records)
+        data = records.state(session_id)
+        if data is None:
+            raise ComputeError("session_lost", f"session {session_id}'s checkpoint is gone (expired, or Redis lost "
+                               "it): its state cannot be rebuilt; create a new session from your last weights",
+                               session_id=session_id)
+        started = time.perf_counter()
+        session = open_session(rec.create, engine.config, engine.caches, device, graphs=graphs, restoring=True)
+        session.restore(*session_state.from_bytes(data))
+        log.info("session %s restored from its checkpoint at step %d in %.3f s (its record said step %d)",
+                 session_id, session.step, time.perf_counter() - started, rec.step)
+        self.sessions[session_id] = session
+        return session, session.step
+
+
+    def checkpoint_all(self, records: SessionRecords) -> int:
+        """On a graceful stop: every session this worker holds and still owns, checkpointed where it stands.
+        Returns how many were written."""
+        written = 0
+        for session_id, session in list(self.sessions.items()):
+            rec = records.get(session_id)
+            if rec is None or rec.holder != records.worker or rec.checkpoint_step == session.step and \
+                    not session.accumulated:
+                continue
+            rec.checkpoint_step = session.step
+            records.put(session_id, rec, session_state.to_bytes(*session.state()))
+            written += 1
+        self.sessions.clear()
+        return written

@@ -1,0 +1,289 @@
+"""The RQ job of a training session's operation (docs/sessions.md): create, step, forward_backward, optim_step and
+weights, run by the worker that holds the session (workers/session_host.py), each answered as MessagePack under
+the job's answer key (gradsvc/broker/session_records.py) in RQ's success transaction; a failure is a coded error
+as for a gradient job. A step under an idempotency key the session applied already is answered again, not run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import msgspec
+import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import get_current_job
+from rq.job import Job
+from rq.timeouts import JobTimeoutException
+
+from gradsvc.broker import keys
+from gradsvc.broker.job import GradientJob
+from gradsvc.broker.runs import RunBounds, RunStore
+from gradsvc.broker.session_records import SessionRecord, SessionRecords, job_answer_name
+from gradsvc.engine import ComputeError, EngineError, SpecError, tensors
+from gradsvc.engine import session_state
+from gradsvc.engine.session import StepOutcome, TrainingSession, open_session
+from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated, SessionOptimStep,
+                          SessionStepResult, SessionTimings)
+
+from .jobs import WorkerContext, _fail, _graphs, _with_pieces, context_of
+from .run_steps import module_of
+from .session_host import default_checkpoint_every
+
+log = logging.getLogger("gradsvc.worker")
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {
+    kind: {"json": msgspec.json.Decoder(kind), "msgpack": msgspec.msgpack.Decoder(kind)}
+    for kind in (SessionCreate, SessionBatch, SessionOptimStep)
+}
+
+
+@dataclass
+class Call:
+    """One operation as the job runs it."""
+
+    job: Job
+    ctx: WorkerContext
+    records: SessionRecords
+    session_id: str
+    body: bytes
+    fmt: str
+    started: float
+    key: str | None = None  # the Idempotency-Key header's (a body's idempotency_key wins)
+
+    def decode(self, kind):
+        try:
+            return _decoders[kind][self.fmt].decode(self.body)
+        except msgspec.ValidationError as exc:
+            raise SpecError("invalid_body", f"the request does not match the schema: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise SpecError("malformed_body", f"the request body is not valid {self.fmt}: {exc}") from None
+
+    def record(self) -> SessionRecord:
+        rec = self.records.get(self.session_id)
+        if rec is None:
+            raise SpecError("not_found", f"no session {self.session_id!r}: it was deleted, or went unused for longer "
+                            "than GRADSVC_SESSION_IDLE_TTL_S; create a new one (POST /sessions)",
+                            session_id=self.session_id)
+        return rec
+
+
+def session_job(session_id: str, op: str, body: bytes, fmt: str, key: str | None = None) -> dict:
+    """Runs one operation on a session; its answer goes to the job's answer key as MessagePack."""
+    job = get_current_job()
+    assert job is not None, "session jobs run inside an RQ worker"
+    ctx = context_of(job)
+    s = ctx.settings
+    records = SessionRecords(job.connection, s.queue_prefix, s.session_idle_ttl_s, job.worker_name or "")
+    ctx.metrics.busy.set(1)
+    try:
+        data = _OPS[op](Call(job, ctx, records, session_id, body, fmt, time.perf_counter(), key))
+        if len(data) > s.max_result_bytes:
+            raise ComputeError("result_too_large", f"the answer takes {len(data)} bytes, above GRADSVC_MAX_RESULT_BYTES="
+                               f"{s.max_result_bytes}; ask for fewer `return` entries, or read the weights with GET "
+                               "/sessions/{id}/weights and Accept: application/octet-stream",
+                               result_bytes=len(data), limit=s.max_result_bytes)
+        key = keys.training_session_answer_key(s.queue_prefix, session_id, job_answer_name(job.id))
+        if isinstance(job, GradientJob):  # written in RQ's success transaction
+            job.pending_result = (key, data, s.result_ttl_s)
+        else:
+            job.connection.set(key, data, ex=s.result_ttl_s)
+    except EngineError as exc:
+        raise _fail(job, ctx, exc.code, exc.message, exc.detail, "session") from None
+    except JobTimeoutException:
+        raise _fail(job, ctx, "timeout", f"the session's {op} ran past its timeout of {job.timeout} s; send "
+                    "smaller batches (or micro_batch)", kind="session") from None
+    except (RedisConnectionError, RedisTimeoutError):
+        raise
+    except Exception as exc:  # a bug, not the user's input: reported as such, the worker kept alive
+        log.exception("session job %s (%s) failed unexpectedly", job.id, op)
+        raise _fail(job, ctx, "internal_error", f"the worker failed unexpectedly ({type(exc).__name__}); this "
+                    "is a gradsvc bug, please report it with the request", kind="session") from None
+    finally:
+        ctx.metrics.busy.set(0)
+        ctx.metrics.sessions_held.set(len(ctx.sessions.sessions))
+        ctx.metrics.session_bytes.set(ctx.sessions.held_bytes)
+    ctx.metrics.session_steps.labels(op).inc()
+    return {"result_bytes": len(data)}
+
+
+def _create(call: Call) -> bytes:
+    ctx, rec = call.ctx, call.record()
+    create = call.decode(SessionCreate)
+    if create.options.device not in ("auto", ctx.device.type):
+        raise SpecError("device_unavailable", f"options.device={create.options.device!r}: the worker that took the "
+                        f"session runs on {ctx.device}; use device='auto' or start a {create.options.device} worker")
+    with_pieces = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]))
+    rec.create = msgspec.structs.replace(create, model=msgspec.structs.replace(create.model, weights=None))
+    ctx.sessions.room_for(call.session_id, call.records)
+    session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
+                           ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job))
+    ctx.sessions.sessions[call.session_id] = session
+    size = session.expected_bytes  # its optimizer's state comes with the first step
+    every = create.options.checkpoint_every or ctx.settings.session_checkpoint_every or default_checkpoint_every(size)
+    rec.holder, rec.device, rec.parameter_count, rec.state_bytes = call.records.worker, str(ctx.device), \
+        session.parameter_count, size
+    rec.checkpoint_every, rec.checkpoint_step, rec.last_used_at = every, 0, time.time()
+    call.records.put(call.session_id, rec, session_state.to_bytes(*session.state()))
+    return _encoder.encode(SessionCreated(session_id=call.session_id, step=0, parameter_count=session.parameter_count,
+                                          device=str(ctx.device), checkpoint_every=every, state_bytes=size))
+
+
+def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | None]:
+    ctx = call.ctx
+    return ctx.sessions.held(call.session_id, rec, call.records, ctx.engine, ctx.device, _graphs(ctx, call.job))
+
+
+def _replayed(call: Call, session: TrainingSession, key: str | None) -> bytes | None:
+    """The answer given when `key` was applied, marked replayed, when the session (as it stands) applied it."""
+    if key is None or key not in session.applied:
+        return None
+    raw = call.records.answer(call.session_id, key)
+    if raw is None:
+        return None
+    answer = msgspec.msgpack.decode(raw, type=SessionStepResult)
+    return _encoder.encode(msgspec.structs.replace(answer, replayed=True))
+
+
+def _operate(call: Call, op: str) -> bytes:
+    """step, forward_backward or optim_step: the session as its record says, the call applied once, the
+    record (and a checkpoint when due) written, the answer kept under the idempotency key."""
+    rec = call.record()
+    payload = call.decode(SessionOptimStep if op == "optim_step" else SessionBatch)
+    session, resumed = _session(call, rec)
+    if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
+        _refuse_lost_steps(call, rec, session)
+    key = payload.idempotency_key or call.key
+    again = _replayed(call, session, key)
+    if again is not None:
+        return again
+    norms = rec.create.run is not None
+    if op == "forward_backward":
+        outcome = session.forward_backward(payload)
+    elif op == "optim_step":
+        outcome = session.optim_step(payload.lr, None, norms=norms)
+    else:
+        outcome = session.train_step(payload, norms=norms)
+    answer = _answer(call, session, outcome, payload.returns, resumed)
+    if key is not None:
+        session.remember(key)
+    data = _encoder.encode(answer)
+    _commit(call, rec, session, answer, op)
+    if key is not None:
+        call.records.put_answer(call.session_id, key, data)
+    if norms and op != "forward_backward":
+        _record_run_step(call, rec, session, outcome, answer)
+    return data
+
+
+def _refuse_lost_steps(call: Call, rec: SessionRecord, session: TrainingSession) -> None:
+    """The session came back from a checkpoint older than where it stood (its worker died): the record now says
+    where it stands, and the batch is refused, so that the client sends the lost steps' batches first, in order,
+    and ends on the weights it would have had."""
+    lost, at = rec.step - session.step, session.step
+    rec.step, rec.accumulated, rec.holder = session.step, session.accumulated, call.records.worker
+    rec.device, rec.last_used_at = str(session.device), time.time()
+    call.records.put(call.session_id, rec)
+    raise SpecError("session_resumed", f"session {call.session_id} was restored from its checkpoint at step {at} on "
+                    f"worker {call.records.worker} (the worker that held it is gone); the {lost} optimizer steps "
+                    f"after it (and {rec.accumulated} accumulated passes) were lost, and this batch was not applied: "
+                    f"send the batches of step {at} on again, in order", step=at, lost_steps=lost)
+
+
+def _answer(call: Call, session: TrainingSession, outcome: StepOutcome, returns: list[str],
+            resumed: int | None) -> SessionStepResult:
+    prep = outcome.prep
+    gdtype = prep.options.gradient_dtype if prep is not None else None
+    grads = None
+    if "gradients" in returns and outcome.gradients is not None:
+        cast = tensors.TORCH_DTYPES[gdtype] if gdtype else None
+        grads = {n: (tensors.encode(outcome.gradients[n].to(cast) if cast else outcome.gradients[n])
+                     if n in outcome.gradients else None) for n, _ in session.model.named_parameters()}
+    named = dict(session.model.named_buffers())
+    return SessionStepResult(
+        session_id=call.session_id, step=session.step, accumulated=session.accumulated, loss=outcome.loss,
+        losses=outcome.losses, grad_norm=outcome.grad_norm, lr=session.lr, clip=outcome.clip, gradients=grads,
+        weights={n: tensors.encode(p) for n, p in session.model.named_parameters()} if "weights" in returns else None,
+        buffers={n: tensors.encode(b) for n, b in named.items()} if "buffers" in returns and named else None,
+        outputs=_outputs(prep, outcome) if "outputs" in returns else None, device=str(session.device),
+        worker=call.records.worker, resumed_from=resumed, numcheck=outcome.check, diagnostics=outcome.diagnostics,
+        timings=SessionTimings(forward_ms=1e3 * outcome.forward_s, backward_ms=1e3 * outcome.backward_s,
+                               optimizer_ms=1e3 * outcome.optimizer_s,
+                               total_ms=1e3 * (time.perf_counter() - call.started)))
+
+
+def _outputs(prep, outcome: StepOutcome):
+    from gradsvc.engine import outputs
+
+    if outcome.outputs is None or prep is None or prep.graph is None:
+        raise SpecError("bad_option", "return: 'outputs' returns a graph model's outputs with options.outputs=true "
+                        "on a graph model; set options.outputs or drop 'outputs' from return", option="return")
+    return outputs.as_returned(outputs.tree_of(prep.graph.spec), outcome.outputs, prep.graph.first_output)
+
+
+def _commit(call: Call, rec: SessionRecord, session: TrainingSession, answer: SessionStepResult, op: str) -> None:
+    """The record where the session stands now, with a checkpoint when one is due (every checkpoint_every
+    optimizer steps)."""
+    due = op != "forward_backward" and session.step % max(1, rec.checkpoint_every) == 0
+    rec.step, rec.accumulated, rec.holder = session.step, session.accumulated, call.records.worker
+    rec.device, rec.state_bytes, rec.last_used_at = str(session.device), session.state_bytes, time.time()
+    rec.last = msgspec.structs.replace(answer, gradients=None, weights=None, buffers=None, outputs=None)
+    state = None
+    if due:
+        state = session_state.to_bytes(*session.state())
+        rec.checkpoint_step = session.step
+    call.records.put(call.session_id, rec, state)
+    call.ctx.sessions.steps_total += 1
+
+
+def _record_run_step(call: Call, rec: SessionRecord, session: TrainingSession, outcome: StepOutcome,
+                     answer: SessionStepResult) -> None:
+    """The optimizer step as a step of the session's run (GET /runs/{name}): its loss and gradient norms
+    (before clipping), written in the job's success transaction."""
+    s = call.ctx.settings
+    modules = {}
+    for name, sq in (outcome.extra.get("squares") or {}).items():
+        modules[module_of(name)] = modules.get(module_of(name), 0.0) + sq
+    step = RunStep(step=session.step - 1, job_id=call.job.id, ended_at=datetime.now(timezone.utc).isoformat(), loss=float(outcome.loss or 0.0),
+                   grad_norm=float(outcome.grad_norm or 0.0), module_grad_norms={m: v ** 0.5 for m, v in modules.items()},
+                   total_ms=answer.timings.total_ms, losses=outcome.losses,
+                   clip=msgspec.to_builtins(outcome.clip) if outcome.clip is not None else None,
+                   numcheck=None if outcome.check is None or outcome.check.mode == "off" else
+                   RunCheck(outcome.check.mode, outcome.check.passed, outcome.check.max_rel_error))
+    store = RunStore(call.job.connection, s.queue_prefix, RunBounds.from_settings(s))
+    owner, name, job_id = rec.owner, rec.create.run, call.job.id
+
+    def write(client) -> None:
+        store.record(client, owner, job_id, step, name, numbered=True)
+    call.job.pending_step = write
+
+
+def _weights(call: Call) -> bytes:
+    """The session's weights and buffers: wire tensors (fmt "msgpack") or one safetensors file ("safetensors")."""
+    rec = call.record()
+    session, _ = _session(call, rec)
+    state = session.model.state_dict()
+    if call.fmt == "safetensors":
+        return session_state.to_bytes({n: t.detach().to("cpu", copy=True).contiguous() for n, t in state.items()},
+                                      {"step": str(session.step)})
+    return _encoder.encode({n: tensors.encode(t) for n, t in state.items()})
+
+
+def _delete(call: Call) -> bytes:
+    """Frees what this worker holds of the session (the API deleted its record)."""
+    call.ctx.sessions.sessions.pop(call.session_id, None)
+    if call.ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return _encoder.encode({"deleted": call.session_id})
+
+
+_OPS = {
+    "create": _create,
+    "step": lambda call: _operate(call, "step"),
+    "forward_backward": lambda call: _operate(call, "forward_backward"),
+    "optim_step": lambda call: _operate(call, "optim_step"),
+    "weights": _weights,
+    "delete": _delete,
+}

@@ -221,10 +221,10 @@ async def session_page(request: Request, viewer: str | None, state: ApiState, se
         info = await state.training.info(viewer, session_id)  # GET /sessions/{id}'s rule: another key's is unknown
     except ServiceError as exc:
         return html.page("missing.html", status_code=404, message=exc.message, what="session",
-                         logged_in=state.sessions.auth.enabled)
+                         logged_in=state.page_login.auth.enabled)
     steps = (await anyio.to_thread.run_sync(state.runs.steps, viewer, info.run) or []) if info.run else []
     curve = run_svg.curve("loss-plot", "loss", [(s.step, s.loss) for s in steps[-PLOT_STEPS:]]) if steps else ""
-    return html.page("session.html", logged_in=state.sessions.auth.enabled, session_id=session_id, info=info,
+    return html.page("session.html", logged_in=state.page_login.auth.enabled, session_id=session_id, info=info,
                      loss_svg=Markup(curve))
 
 

@@ -218,7 +218,12 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
                    max_elements: int) -> dict[str, torch.Tensor]:
     """Every parameter and buffer, by state_dict name, decoded and checked."""
     return decode_weights(_checked_names(request, template), template.state, template.parameters, dtype,
-                          max_elements, "the graph")
+                          max_elements, "the graph", _layouts(template))
+
+
+def _layouts(template: GraphTemplate) -> dict[str, str]:
+    """The buffers the graph declares sparse, by state_dict name."""
+    return {i.target: i.layout for i in template.spec.inputs if i.kind == "buffer" and i.layout is not None}
 
 
 def _checked_names(request: GradientRequest, template: GraphTemplate) -> dict:
@@ -344,7 +349,7 @@ class GraphSpecModel:
         given = _checked_names(self.request, template)
         stale = held.stale(given)
         held.load(decode_weights({n: given[n] for n in stale}, template.state, template.parameters, dtype,
-                                 max_elements, "the graph"), given)
+                                 max_elements, "the graph", _layouts(template)), given)
         return held.model, (key, held)
 
 

@@ -65,6 +65,9 @@ class Resident:
             for name, value in weights.items():
                 tensor = state[name]
                 self.loaded.pop(name, None)  # not in place until the copy is done
+                if value.layout != torch.strided or tensor.layout != torch.strided:
+                    self.model.load_state_dict({**state, name: value})  # a sparse buffer: set, not copied
+                    continue
                 tensor.copy_(value)
                 known = identity(given[name])
                 if known is not None and name in self.parameters:

@@ -4,10 +4,11 @@
 `run_decompositions`, which breaks GPT-2-style views), with a dynamic batch dimension (dim 0 of every
 input, dim 1 of an RNN's state) so that one export serves every batch size. When the dynamic export fails
 (a model that specialises on its batch size), a static export is tried and `ExportedGraph.dynamic_batch`
-is False: that graph then takes only the example's batch size; when that fails on a data-dependent branch,
-`torch.export.draft_export` captures what the call ran for this batch (`capture` "draft"); when none of them
-can, the ATen program the forward executes on this batch is recorded (trace.py, `capture` "trace"),
-specialised to this batch and with the guards it read listed. Inputs may
+is False: that graph then takes only the example's batch size; when that fails (a data-dependent branch,
+distributions validating their arguments, state assigned in forward), the ATen program the forward executes on
+this batch is recorded (trace.py, `capture` "trace"), specialised to this batch with the guards it read
+listed; a forward calling a custom autograd Function goes through `torch.export.draft_export` instead
+(`capture` "draft"), which keeps the Function's backward. Inputs may
 be nested tuples, lists and dicts of tensors (the graph takes their leaves in order). A model returning
 several tensors (a tuple, a Hugging Face ModelOutput) lists them all in `outputs`, their structure in
 `output_tree`; `loss="output"` finds the scalar among them (docs/training-code.md).
@@ -31,7 +32,7 @@ from gradsvc import wire
 from .errors import BadTensorError, UnsupportedModuleError
 from .functions import Capture
 from .graph import convert_program, reason
-from .trace import DATA_DEPENDENT, op_name, trace_graph
+from .trace import DATA_DEPENDENT, op_name, restore, snapshot, trace_graph
 from .graph import state_dict_path as _state_dict_path  # noqa: F401  (tests/client/test_export.py reads it here)
 from .tensors import is_tree, several_inputs
 
@@ -131,10 +132,12 @@ def _quiet() -> Iterator[None]:
 
 
 def export_graph(module: nn.Module, example_args: tuple | torch.Tensor,
-                 example_kwargs: dict | None = None) -> ExportedGraph:
-    """`module` captured by torch.export and converted to the wire format; UnsupportedModuleError (with
-    torch's reason) when it cannot be. `example_args` are forward's positional inputs, `example_kwargs`
-    its keyword inputs (the request then names them); each a tensor or a nested tuple, list or dict of them."""
+                 example_kwargs: dict | None = None, recorded_because: str | None = None) -> ExportedGraph:
+    """`module` captured by torch.export and converted to the wire format, or recorded as its forward runs
+    (trace.py) when export cannot; UnsupportedModuleError when neither can. `example_args` are forward's
+    positional inputs, `example_kwargs` its keyword inputs (the request then names them); each a tensor or a
+    nested tuple, list or dict of them. `recorded_because`: export's reason from an earlier call of this
+    module structure, so that it is recorded straight away."""
     if not isinstance(module, nn.Module):
         raise UnsupportedModuleError(f"expected an nn.Module, got {type(module).__name__}")
     if isinstance(example_args, torch.Tensor):
@@ -145,6 +148,8 @@ def export_graph(module: nn.Module, example_args: tuple | torch.Tensor,
         raise UnsupportedModuleError("example inputs must be tensors, the first with a batch dimension (dim 0)")
     dims = batch_dims(xs)
     batched = [d == 0 for d in dims]
+    if recorded_because is not None:
+        return _traced(module, args, kwargs, batched, recorded_because)
     capture = Capture()
     with _quiet():
         ep, how = _captured(module, args, kwargs, xs, tree, dims, capture)
@@ -181,9 +186,9 @@ def _traced(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool], w
 
 def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims: list, capture: Capture):
     """(the ExportedProgram, how): what torch offers, tried in turn. "export": one graph for every batch size;
-    "export_static": for this batch size; "draft": draft_export, which settles each data-dependent branch
-    (an `if` on a tensor's values, nn.TransformerEncoder's mask check) as this call's values took it. When
-    none can, (torch's first reason, "trace"): the caller records the program the forward runs (trace.py)."""
+    "export_static": for this batch size; "draft": draft_export, for a forward calling a custom autograd
+    Function only. When none can, (torch's first reason, "trace"): the caller records the program the forward
+    runs (trace.py), which settles each data-dependent branch on the real values."""
     # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
     # one is traced as two (the example repeated) and the graph still takes any batch size.
     twice = xs[0].shape[0] == 1
@@ -199,6 +204,8 @@ def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims
                                                                                  kwargs=kwargs or None)))]
     first = None
     for how, attempt in attempts:
+        if how == "draft" and not _has_functions(module, args, kwargs):
+            break  # the recording settles branches on the real values (draft_export's guesses can differ)
         try:
             with capture.active():
                 ep = attempt()
@@ -210,6 +217,31 @@ def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims
         except Exception as exc:  # noqa: BLE001  (torch raises many kinds; the first one's reason is kept)
             first = first or exc
     return reason(first), "trace"
+
+
+def _has_functions(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether forward calls a custom autograd Function (its backward travels with an exported graph only):
+    then draft_export captures a module with data-dependent branches; else the recording does (trace.py)."""
+    function = torch.autograd.function.Function
+    original, seen = function.__dict__["apply"], []
+
+    def apply(cls, *a, **kw):
+        if not cls.__module__.startswith("torch"):
+            seen.append(cls)
+        return original.__func__(cls, *a, **kw)
+
+    snap = snapshot(module)  # the probe's forward writes the module's state: put back after it
+    function.apply = classmethod(apply)
+    try:
+        copy = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        with torch.no_grad():
+            module(*copy[0], **copy[1])
+    except Exception:  # noqa: BLE001  (the recording will say what the forward raises)
+        return False
+    finally:
+        function.apply = original
+        restore(module, snap)
+    return bool(seen)
 
 
 def _without_checks(ep: "torch.export.ExportedProgram") -> "torch.export.ExportedProgram":

@@ -95,6 +95,7 @@ class _Export(msgspec.Struct):
     out_spec: Any = None  # forward's output structure (a torch pytree TreeSpec)
     traced: Any = None  # capture "trace": the recording, whose guards decide whether the next call reuses it
     specialised: Any = None  # what the graph is specialised to (GradientResult.specialised)
+    why_not_export: str | None = None  # capture "trace": torch.export's reason (the next capture skips export)
 
 
 class _Inline:
@@ -240,13 +241,14 @@ class RequestBuilder:
         if entry is None:  # a model export could not make batch-dynamic is kept per batch size
             entry = self.exports.get((*key, rows))
             key = key if entry is None else (*key, rows)
+        because = None
         if entry is not None and entry.traced is not None and not _guards_hold(entry, model, args, kwargs):
-            entry = None  # a recording whose guards this batch breaks: recorded again
+            entry, because = None, entry.why_not_export  # its guards broken by this batch: recorded again
         if entry is None:
-            exported = export_graph(model, args, kwargs)  # UnsupportedModuleError with torch's reason
+            exported = export_graph(model, args, kwargs, because)  # UnsupportedModuleError with torch's reason
             entry = _Export(graph=exported.graph, names=list(exported.weights), capture=exported.capture,
                             out_spec=exported.out_spec, traced=exported.traced,
-                            specialised=_specialised(exported, args, kwargs))
+                            specialised=_specialised(exported, args, kwargs), why_not_export=exported.why_not_export)
             key = key if exported.dynamic_batch else (*key, rows)
             if exported.capture == "draft":  # a graph of this call's branches, without guards: never reused
                 key = (*key, rows, id(entry))

@@ -95,15 +95,23 @@ class _Recorder(TorchDispatchMode):
         self.modules: list[tuple[str, str]] = [("", "")]
         self.storages: dict[tuple, str] = {}  # a state tensor's or input's memory -> its name (`w.data` reads)
         self.counts: dict[str, int] = {}
+        self.used: set[str] = set()
 
     def name(self, t: torch.Tensor, name: str) -> None:
         self.names[id(t)] = name
+        self.used.add(name)
         self.keep.append(t)
 
     def _fresh(self, base: str) -> str:
+        """A node name no other node or input has."""
         n = self.counts.get(base, 0)
+        name = base if n == 0 else f"{base}_{n}"
+        while name in self.used:
+            n += 1
+            name = f"{base}_{n}"
         self.counts[base] = n + 1
-        return base if n == 0 else f"{base}_{n}"
+        self.used.add(name)
+        return name
 
     def _ref(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
@@ -236,13 +244,48 @@ class Traced:
     constants: dict = field(default_factory=dict)
 
 
+@dataclass
+class Snapshot:
+    """What a forward may change in a module, kept to be put back: its tensor attributes and buffers (the
+    objects, and the values of the non-parameters), and torch's RNG."""
+
+    attrs: dict
+    saved: dict
+    params: set
+    rng: torch.Tensor
+
+
+def snapshot(module: nn.Module) -> Snapshot:
+    state = _state(module)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return Snapshot(attrs={n: getattr(*_owner(module, n)) for n in state}, params=params,
+                    saved={n: (t, t.detach().clone()) for n, t in state.items() if n not in params},
+                    rng=torch.random.get_rng_state())
+
+
+def restore(module: nn.Module, snap: Snapshot) -> None:
+    """The module as `snap` found it: attributes and buffers (objects and values), and the RNG."""
+    for n, old in snap.attrs.items():
+        if n in snap.params:
+            continue
+        owner, attr = _owner(module, n)
+        if attr in owner._buffers:
+            owner._buffers[attr] = old
+        elif attr in vars(owner):
+            object.__setattr__(owner, attr, old)
+        with torch.no_grad():
+            back = snap.saved.get(n, (None, None))[1]
+            if back is not None and old.layout == torch.strided and (old.shape != back.shape or
+                                                                    not torch.equal(old, back)):
+                old.data = back
+    torch.random.set_rng_state(snap.rng)
+
+
 def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool]) -> Traced:
     """The forward run once on a copy of this batch, its ATen calls recorded (module docstring)."""
     state = _state(module)
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    saved = {n: (t, t.detach().clone()) for n, t in state.items() if n not in params}
-    attrs = {n: getattr(*_owner(module, n)) for n in state}
-    rng = torch.random.get_rng_state()
+    snap = snapshot(module)
+    params, saved, attrs = snap.params, snap.saved, snap.attrs
     xs, tree = pytree.tree_flatten((args, kwargs))
     copies = [x.detach().clone() for x in xs]
     rec = _Recorder()
@@ -272,20 +315,7 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
     finally:
         for h in hooks:
             h.remove()
-        for n, old in attrs.items():  # the module as it was: attributes, buffers (values), the RNG
-            owner, attr = _owner(module, n)
-            if n in params:
-                continue
-            if attr in owner._buffers:
-                owner._buffers[attr] = old
-            else:
-                object.__setattr__(owner, attr, old) if attr in vars(owner) else None
-            with torch.no_grad():
-                back = saved.get(n, (None, None))[1]
-                if back is not None and old.layout == torch.strided and (old.shape != back.shape or
-                                                                        not torch.equal(old, back)):
-                    old.data = back
-        torch.random.set_rng_state(rng)
+        restore(module, snap)
     return Traced(graph=graph, weights=weights, guards=rec.guards, calls=rec.calls, out_spec=out_spec,
                   state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants))
 

@@ -56,7 +56,7 @@ def test_control_flow_on_values_is_captured_as_this_call_ran_it(capfd):
     torch.manual_seed(0)
     model, x = DataDependent(), torch.randn(3, 4).abs()  # x.sum() > 0: the first branch
     eg = export_graph(model, (x,))
-    assert eg.capture == "draft" and not eg.dynamic_batch
+    assert eg.capture == "trace" and not eg.dynamic_batch
     assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
     assert capfd.readouterr().err == ""  # neither torch's logs nor the failed traces' graphs
 

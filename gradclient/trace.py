@@ -37,8 +37,7 @@ from .tensors import to_wire
 
 aten = torch.ops.aten
 # Ops whose output shape depends on the values of their inputs (the node records the size it had).
-DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.unique_dim.default",
-                            "aten._unique2.default", "aten.unique_consecutive.default", "aten.argwhere.default"})
+DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.argwhere.default"})
 _SKIP = frozenset({"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default",
                    "aten._assert_async.msg", "aten._assert_async.default", "aten.sym_size.int",
                    "aten.sym_numel.default", "aten.sym_stride.int", "aten.sym_storage_offset.default"})

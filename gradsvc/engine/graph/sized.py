@@ -15,12 +15,17 @@ from .program import bad_graph, where_node
 
 # Ops whose output holds indices (int64) rather than the values of their first argument.
 _INDEX_OUTPUT = frozenset({"aten.nonzero.default", "aten.argwhere.default"})
+# The ops whose output's size may depend on values: the only ones a node's `shape` may be given for.
+SIZED_OPS = _INDEX_OUTPUT | {"aten.masked_select.default", "aten.index.Tensor"}
 _MAX_DIMS = 16
 
 
 def sized_op(node: Any, op: Op) -> Op:
     """`op` run as the node's recorded size says (module docstring); a tensor-returning op only."""
     shape = node.shape
+    if op.name not in SIZED_OPS:
+        raise bad_graph(f"{where_node(node)}: 'shape' is given only for an op whose output's size depends on values "
+                        f"({', '.join(sorted(SIZED_OPS))}); leave it out here", node=node.name)
     if op.returns != "tensor" or len(shape) > _MAX_DIMS or not all(isinstance(n, int) and n >= 0 for n in shape):
         raise bad_graph(f"{where_node(node)}: 'shape' is the size of a tensor output whose shape depends on values "
                         f"(at most {_MAX_DIMS} sizes >= 0); got {shape!r} on an op returning {op.returns}",

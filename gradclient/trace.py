@@ -371,10 +371,13 @@ def _written(module: nn.Module, state: dict, attrs: dict, versions: dict, rec: _
             key = rec.names.get(id(now))
             if key is None:
                 continue
+            owner, attr = _owner(module, n)
+            if (now.shape != old.shape or now.dtype != old.dtype) and attr not in owner._buffers:
+                continue  # a plain attribute of another shape (`self.last_attn = attn`): not state a step carries
             if now.shape != old.shape or now.dtype != old.dtype:
                 raise UnsupportedModuleError(f"the forward assigns {n!r} a {now.dtype} tensor of shape "
-                                             f"{list(now.shape)} where it held {old.dtype} {list(old.shape)}; state "
-                                             "written in forward keeps its shape and dtype")
+                                             f"{list(now.shape)} where the buffer held {old.dtype} {list(old.shape)}; "
+                                             "a buffer written in forward keeps its shape and dtype")
             out[n] = key
         elif n in saved and old._version == versions[n] and old.layout == torch.strided and \
                 not torch.equal(old, saved[n][1]) and not _passed(rec, _wire_name(n, params)):

@@ -255,3 +255,46 @@ def test_nested_inputs_flatten_in_order_and_the_output_tree_keeps_forwards_struc
     eg = export_graph(NestedOutputs(), (x, state))
     assert [i.name for i in eg.graph.inputs if i.kind == "input"] == ["x", "state_0", "state_1"]
     assert eg.graph.output_tree == {"logits": 0, "state": [1, 2], "loss": 3}
+
+
+class Recorded(nn.Module):
+    """What export cannot capture: a validating distribution, an `if` on a value, state assigned in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 3), nn.BatchNorm1d(3)
+        self.register_buffer("seen", torch.zeros(3))
+        self.last = torch.zeros(1)  # a plain attribute whose shape follows the batch: not carried
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x)
+        h = self.bn(z)
+        self.seen = h.detach().mean(0)
+        self.last = h.detach()
+        if (z - self.fc.bias).sum() > 0:  # linear in x: -x takes the other branch
+            h = 2 * h
+        return -torch.distributions.Normal(h, torch.ones_like(h), validate_args=True).log_prob(
+            torch.zeros_like(h)).mean()
+
+
+def test_a_recording_leaves_the_module_as_it_was_lists_its_guards_and_says_when_they_hold():
+    from gradclient.trace import check_guards
+
+    torch.manual_seed(0)
+    model, x = Recorded(), torch.randn(5, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eg = export_graph(model, (x,))
+    assert eg.capture == "trace"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats untouched
+    assert set(eg.graph.buffer_mutations) == {"seen", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    guards = eg.traced.guards.as_dict()
+    assert guards["inputs"] == [{"shape": [5, 4], "dtype": "float32"}] and len(guards["values"]) >= 2
+    assert torch.allclose(run_graph(eg, x), Recorded.forward(copy_of(model), x))
+    assert check_guards(eg.traced, model, [x]) and not check_guards(eg.traced, model, [torch.randn(6, 4)])
+    assert not check_guards(eg.traced, model, [-x])  # the other branch
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)

@@ -42,6 +42,7 @@ class EngineConfig:
     max_timing_repeat: int = MAX_TIMING_REPEAT
     init_cache_bytes: int = 1 << 30
     resident_model_bytes: int = 1 << 30  # graph models a CPU worker keeps with their weights (resident.py); 0: none
+    max_krylov_bytes: int = 4 << 30  # options.curvature's Lanczos basis (diagnostics/lanczos.py: krylov_bytes)
 
 
 def config_from_settings(settings) -> EngineConfig:
@@ -57,6 +58,7 @@ def config_from_settings(settings) -> EngineConfig:
         numcheck_budget=settings.numcheck_budget,
         numcheck_budget_min_s=settings.numcheck_budget_min_s,
         resident_model_bytes=settings.resident_model_bytes,
+        max_krylov_bytes=settings.max_krylov_bytes,
     )
 
 

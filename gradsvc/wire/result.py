@@ -48,7 +48,8 @@ class Numcheck(Struct):
     evaluations: int
     max_abs_error: float
     max_rel_error: float
-    passed: bool
+    # true or false: the check ran and held or not; null: it did not run (mode "off"), nothing was judged.
+    passed: bool | None
     tolerance: float
     per_parameter: dict[str, ParameterCheck]
     # The absolute tolerance of the element-wise rule (the largest applied): what float64 and the step
@@ -57,7 +58,7 @@ class Numcheck(Struct):
     rounding_floor: float = 0.0
     # The gradients as returned against the float64 reference on the same batch; `passed` needs both
     # checks. Absolute errors below returned_floor (returned_tolerance x the largest reference element)
-    # pass whatever their ratio. Mode "off": nothing was checked, `passed` is false and both tolerances 0.
+    # pass whatever their ratio. Mode "off": nothing was checked, `passed` is null and both tolerances 0.
     returned_max_rel_error: float = 0.0
     returned_tolerance: float = 0.0
     returned_floor: float = 0.0

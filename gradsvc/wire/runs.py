@@ -23,10 +23,11 @@ class RunRef(Struct, forbid_unknown_fields=True):
 
 
 class RunCheck(Struct):
-    """A step's numerical check in brief: the mode that ran, its verdict and its largest relative error."""
+    """A step's numerical check in brief: the mode that ran, its verdict and its largest relative error;
+    `passed` null when the check did not run (mode "off")."""
 
     mode: str
-    passed: bool
+    passed: bool | None
     max_rel_error: float
 
 

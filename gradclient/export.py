@@ -4,8 +4,11 @@
 `run_decompositions`, which breaks GPT-2-style views), with a dynamic batch dimension (dim 0 of every
 input, dim 1 of an RNN's state) so that one export serves every batch size. When the dynamic export fails
 (a model that specialises on its batch size), a static export is tried and `ExportedGraph.dynamic_batch`
-is False: that graph then takes only the example's batch size; when that fails on a data-dependent branch,
-`torch.export.draft_export` captures what the call ran for this batch (`capture` "specialised"). Inputs may
+is False: that graph then takes only the example's batch size; when that fails (a data-dependent branch,
+distributions validating their arguments, state assigned in forward), the ATen program the forward executes on
+this batch is recorded (trace.py, `capture` "trace"), specialised to this batch with the guards it read
+listed; a forward calling a custom autograd Function goes through `torch.export.draft_export` instead
+(`capture` "draft"), which keeps the Function's backward. Inputs may
 be nested tuples, lists and dicts of tensors (the graph takes their leaves in order). A model returning
 several tensors (a tuple, a Hugging Face ModelOutput) lists them all in `outputs`, their structure in
 `output_tree`; `loss="output"` finds the scalar among them (docs/training-code.md).
@@ -29,6 +32,7 @@ from gradsvc import wire
 from .errors import BadTensorError, UnsupportedModuleError
 from .functions import Capture
 from .graph import convert_program, reason
+from .trace import DATA_DEPENDENT, op_name, restore, snapshot, trace_graph
 from .graph import state_dict_path as _state_dict_path  # noqa: F401  (tests/client/test_export.py reads it here)
 from .tensors import is_tree, several_inputs
 
@@ -39,8 +43,10 @@ class ExportedGraph:
     weights: dict[str, torch.Tensor]  # every parameter and buffer the graph reads, by state_dict name
     dynamic_batch: bool = True  # False: the static fallback, valid for the example's batch size only
     frozen: list[str] = field(default_factory=list)  # parameters with requires_grad=False (options.freeze)
-    capture: str = "dynamic"  # how it was captured: "dynamic", "static" or "specialised" (_captured)
+    capture: str = "export"  # how it was captured: "export", "export_static", "draft" or "trace" (_captured)
     out_spec: object = None  # forward's output structure (a torch pytree TreeSpec), to rebuild result.outputs
+    traced: object = None  # capture "trace": the recording (trace.Traced), whose guards say when it may be reused
+    why_not_export: str | None = None  # capture "trace": torch.export's reason
 
 
 def example_inputs(inputs) -> tuple[tuple, dict]:
@@ -113,6 +119,9 @@ def _quiet() -> Iterator[None]:
     try:
         # A failed trace also prints its partial graph on sys.stderr, past logging.
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            # A tensor attribute assigned in forward (`self.stats = h.mean(0)`) is state the step writes, which an
+            # exported graph drops with this warning: an error here, so that the recording captures it.
+            warnings.filterwarnings("error", message=r"The tensor attribute .* was assigned during export")
             # nn.GRU/LSTM/RNN re-set their `_flat_weights` list in forward; export warns, yet lifts each weight
             # as the parameter it is.
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
@@ -123,10 +132,12 @@ def _quiet() -> Iterator[None]:
 
 
 def export_graph(module: nn.Module, example_args: tuple | torch.Tensor,
-                 example_kwargs: dict | None = None) -> ExportedGraph:
-    """`module` captured by torch.export and converted to the wire format; UnsupportedModuleError (with
-    torch's reason) when it cannot be. `example_args` are forward's positional inputs, `example_kwargs`
-    its keyword inputs (the request then names them); each a tensor or a nested tuple, list or dict of them."""
+                 example_kwargs: dict | None = None, recorded_because: str | None = None) -> ExportedGraph:
+    """`module` captured by torch.export and converted to the wire format, or recorded as its forward runs
+    (trace.py) when export cannot; UnsupportedModuleError when neither can. `example_args` are forward's
+    positional inputs, `example_kwargs` its keyword inputs (the request then names them); each a tensor or a
+    nested tuple, list or dict of them. `recorded_because`: export's reason from an earlier call of this
+    module structure, so that it is recorded straight away."""
     if not isinstance(module, nn.Module):
         raise UnsupportedModuleError(f"expected an nn.Module, got {type(module).__name__}")
     if isinstance(example_args, torch.Tensor):
@@ -137,24 +148,47 @@ def export_graph(module: nn.Module, example_args: tuple | torch.Tensor,
         raise UnsupportedModuleError("example inputs must be tensors, the first with a batch dimension (dim 0)")
     dims = batch_dims(xs)
     batched = [d == 0 for d in dims]
+    if recorded_because is not None:
+        return _traced(module, args, kwargs, batched, recorded_because)
     capture = Capture()
     with _quiet():
         ep, how = _captured(module, args, kwargs, xs, tree, dims, capture)
-    graph, weights = convert_program(ep, module, batched)
+    if how == "trace":
+        return _traced(module, args, kwargs, batched, ep)
+    try:
+        graph, weights = convert_program(ep, module, batched)
+    except UnsupportedModuleError as exc:  # what the exported graph cannot say, the recording may
+        if capture.calls or getattr(exc, "final", False):
+            raise
+        try:
+            return _traced(module, args, kwargs, batched, str(exc))
+        except UnsupportedModuleError:
+            raise exc from None
     graph.output_tree = output_tree(ep.call_spec.out_spec, len(graph.outputs))
     if capture.calls:
         used = {n.op.removeprefix("function.") for n in graph.nodes if n.op.startswith("function.")}
         graph.functions = {k: f for k, f in capture.functions().items() if k in used}
     params = dict(module.named_parameters(remove_duplicate=False))
     frozen = [i.target for i in graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
-    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=how == "dynamic", frozen=frozen, capture=how,
+    return ExportedGraph(graph=graph, weights=weights, dynamic_batch=how == "export", frozen=frozen, capture=how,
                          out_spec=ep.call_spec.out_spec)
 
 
+def _traced(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool], why: str) -> ExportedGraph:
+    """The recorded program of this batch (trace.py) as an ExportedGraph with capture "trace"."""
+    t = trace_graph(module, args, kwargs, batched)
+    t.graph.output_tree = output_tree(t.out_spec, len(t.graph.outputs))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    frozen = [i.target for i in t.graph.inputs if i.kind == "parameter" and not params[i.target].requires_grad]
+    return ExportedGraph(graph=t.graph, weights=t.weights, dynamic_batch=False, frozen=frozen, capture="trace",
+                         out_spec=t.out_spec, traced=t, why_not_export=why)
+
+
 def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims: list, capture: Capture):
-    """(the ExportedProgram, how): what torch offers, tried in turn. "dynamic": one graph for every batch size;
-    "static": for this batch size; "specialised": draft_export, which settles each data-dependent branch
-    (an `if` on a tensor's values, nn.TransformerEncoder's mask check) as this call's values took it."""
+    """(the ExportedProgram, how): what torch offers, tried in turn. "export": one graph for every batch size;
+    "export_static": for this batch size; "draft": draft_export, for a forward calling a custom autograd
+    Function only. When none can, (torch's first reason, "trace"): the caller records the program the forward
+    runs (trace.py), which settles each data-dependent branch on the real values."""
     # A batch of one would be specialised to the constant 1; the trace sees only shapes, so a batch of
     # one is traced as two (the example repeated) and the graph still takes any batch size.
     twice = xs[0].shape[0] == 1
@@ -163,27 +197,51 @@ def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims
     batch = torch.export.Dim("batch", min=1)
     d_args, d_kwargs = pytree.tree_unflatten([{d: batch} if d is not None else None for d in dims], tree)
     shapes = d_kwargs if kwargs else tuple(d_args)
-    attempts = [("dynamic", lambda: torch.export.export(module, t_args, kwargs=t_kwargs or None,
+    attempts = [("export", lambda: torch.export.export(module, t_args, kwargs=t_kwargs or None,
                                                         dynamic_shapes=shapes)),
-                ("static", lambda: torch.export.export(module, args, kwargs=kwargs or None)),
-                ("specialised", lambda: _without_checks(torch.export.draft_export(module, args,
+                ("export_static", lambda: torch.export.export(module, args, kwargs=kwargs or None)),
+                ("draft", lambda: _without_checks(torch.export.draft_export(module, args,
                                                                                  kwargs=kwargs or None)))]
     first = None
     for how, attempt in attempts:
+        if how == "draft" and not _has_functions(module, args, kwargs):
+            break  # the recording settles branches on the real values (draft_export's guesses can differ)
         try:
             with capture.active():
-                return attempt(), how
+                ep = attempt()
+            if _data_dependent(ep):
+                raise RuntimeError("draft_export left an op whose output's size depends on values")
+            return ep, how
         except UnsupportedModuleError:
             raise
         except Exception as exc:  # noqa: BLE001  (torch raises many kinds; the first one's reason is kept)
             first = first or exc
-    why = reason(first)
-    fix = ("A buffer written through `.data` (or a tensor attribute assigned in forward) cannot be captured: write "
-           "the buffer in place under `with torch.no_grad():` instead (`self.ema.mul_(d).add_(x)`)"
-           if "lifted_tensor" in why else "Move what export cannot trace out of forward (Python-side state, I/O, "
-           "non-tensor results), or send a module that wraps the traceable part")
-    raise UnsupportedModuleError(f"torch.export cannot capture {type(module).__name__} (tried a dynamic batch, "
-                                 f"this batch size, and draft_export specialised to this call): {why}. {fix}") from None
+    return reason(first), "trace"
+
+
+def _has_functions(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether forward calls a custom autograd Function (its backward travels with an exported graph only):
+    then draft_export captures a module with data-dependent branches; else the recording does (trace.py)."""
+    function = torch.autograd.function.Function
+    original, seen = function.__dict__["apply"], []
+
+    def apply(cls, *a, **kw):
+        if not cls.__module__.startswith("torch"):
+            seen.append(cls)
+        return original.__func__(cls, *a, **kw)
+
+    snap = snapshot(module)  # the probe's forward writes the module's state: put back after it
+    function.apply = classmethod(apply)
+    try:
+        copy = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        with torch.no_grad():
+            module(*copy[0], **copy[1])
+    except Exception:  # noqa: BLE001  (the recording will say what the forward raises)
+        return False
+    finally:
+        function.apply = original
+        restore(module, snap)
+    return bool(seen)
 
 
 def _without_checks(ep: "torch.export.ExportedProgram") -> "torch.export.ExportedProgram":
@@ -197,6 +255,21 @@ def _without_checks(ep: "torch.export.ExportedProgram") -> "torch.export.Exporte
     graph.eliminate_dead_code()
     ep.graph_module.recompile()
     return ep
+
+
+def _data_dependent(ep: "torch.export.ExportedProgram") -> bool:
+    """Whether the graph calls an op whose output's size depends on values (a boolean-mask index, nonzero):
+    its size is unbacked in an exported graph, so the recording, which knows it, captures the module instead."""
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if op_name(node.target) in DATA_DEPENDENT:
+            return True
+        if node.target is torch.ops.aten.index.Tensor and any(
+                isinstance(i, torch.fx.Node) and getattr(i.meta.get("val"), "dtype", None) in (torch.bool, torch.uint8)
+                for i in (node.args[1] if len(node.args) > 1 else ())):
+            return True
+    return False
 
 
 def output_tree(spec, count: int):

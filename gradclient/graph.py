@@ -112,6 +112,8 @@ class _Inputs:
         self.first_by_tensor[id(t)] = node.name
         self.weights[spec.target] = t.detach()
         entry.dtype, entry.shape = _dtype(t), list(t.shape)
+        if t.layout in (torch.sparse_coo, torch.sparse_csr):  # a sparse buffer travels as its parts
+            entry.layout = str(t.layout).removeprefix("torch.")
         if entry.kind == "parameter":
             self.param_dtypes.add(t.dtype)
         return True
@@ -151,6 +153,8 @@ def _outputs(ep: "torch.export.ExportedProgram", names: dict) -> tuple[list[dict
                 raise UnsupportedModuleError(f"the model returns a non-tensor value ({value!r}); return tensors only")
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             mutations[spec.target] = names[value]
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            continue  # `x.div_(255)` in forward: the graph computes with the new value; the service's copy takes it
         else:
             raise UnsupportedModuleError(f"the exported graph has an output of kind {spec.kind.name} ({spec.target}); "
                                          "the service takes user outputs and buffer updates only (a forward must "
@@ -181,7 +185,7 @@ def _refuse_input_writes(node: "_Call", kinds: dict[str, str], origin: dict) -> 
         written = arg.alias_info is not None and arg.alias_info.is_write
         if written and value.op == "placeholder":
             kind = kinds.get(value.name)  # the exported graph's own placeholders' kinds (_input_specs)
-            if kind in ("input", "parameter", "constant"):
+            if kind in ("parameter", "constant"):
                 raise UnsupportedModuleError(f"the model modifies its {kind} {value.name!r} in place ({target}); a "
                                              "forward must not modify its inputs or parameters: work on a copy")
 
@@ -244,11 +248,11 @@ class _Inliner:
         if node.target is torch.ops.higher_order.wrap_with_autocast:
             device, dtype, enabled, _, body, *operands = node.args
             if enabled:
-                raise UnsupportedModuleError(
+                raise _final(UnsupportedModuleError(
                     f"node {node.name!r}: forward runs a block under torch.autocast({device!r}, dtype={dtype}); the "
                     "service computes in the request's dtype (float32 or float64) and does not reproduce autocast's "
                     "mixed precision, so the gradients would differ. Remove the autocast block from forward (run "
-                    "the module under autocast only locally), or cast explicitly with .to(dtype)")
+                    "the module under autocast only locally), or cast explicitly with .to(dtype)"))
             detach = False
         else:
             enabled, body, *operands = node.args
@@ -288,6 +292,12 @@ class _Inliner:
             # A value passed through unchanged is the caller's own tensor (as in eager), not its detached copy.
             self.names[user] = self.names[passed[result]] if result in passed else self.names[result]
             self.skipped.add(user)
+
+
+def _final(exc: UnsupportedModuleError) -> UnsupportedModuleError:
+    """A refusal the recording would not lift (autocast: the service does not reproduce mixed precision)."""
+    exc.final = True
+    return exc
 
 
 def _is_region(node: "torch.fx.Node") -> bool:

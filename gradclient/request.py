@@ -91,8 +91,11 @@ class _Export(msgspec.Struct):
     graph: wire.GraphSpec
     names: list[str]  # its parameters' and buffers' state_dict names, in the graph's order
     ref: str | None = None  # the service's graph_ref, once an answer gave it
-    capture: str = "dynamic"  # how torch.export captured it (export.py's _captured)
+    capture: str = "export"  # how it was captured (export.py's _captured): export, export_static, draft, trace
     out_spec: Any = None  # forward's output structure (a torch pytree TreeSpec)
+    traced: Any = None  # capture "trace": the recording, whose guards decide whether the next call reuses it
+    specialised: Any = None  # what the graph is specialised to (GradientResult.specialised)
+    why_not_export: str | None = None  # capture "trace": torch.export's reason (the next capture skips export)
 
 
 class _Inline:
@@ -101,6 +104,27 @@ class _Inline:
     def __init__(self) -> None:
         self.left = INLINE_BYTES
         self.taken: set[int] = set()  # id() of the tensors in the body
+
+
+def _guards_hold(entry: _Export, model: Any, args: tuple, kwargs: dict) -> bool:
+    from torch.utils import _pytree as pytree
+
+    from .trace import check_guards
+
+    return check_guards(entry.traced, model, pytree.tree_leaves((args, kwargs)))
+
+
+def _specialised(exported: Any, args: tuple, kwargs: dict) -> dict | None:
+    """What a capture is specialised to: nothing for "export"; the inputs' shapes for "export_static" and
+    "draft" (draft also to the branches this call took); the trace's guards (shapes, values read, sizes)."""
+    from torch.utils import _pytree as pytree
+
+    if exported.traced is not None:
+        return exported.traced.guards.as_dict()
+    if exported.capture == "export":
+        return None
+    return {"inputs": [{"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
+                       for x in pytree.tree_leaves((args, kwargs))]}
 
 
 class RequestBuilder:
@@ -190,9 +214,10 @@ class RequestBuilder:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights; the export
         cache's key and whether the graph went by ref into `out`."""
+        from .trace import module_state
+
         key, entry = self._export(model, inputs)
-        state = {**dict(model.named_parameters(remove_duplicate=False)),
-                 **dict(model.named_buffers(remove_duplicate=False))}
+        state = module_state(model)  # parameters, buffers, and tensor attributes a recorded forward reads
         weights = {n: self._weight(state[n], out.uploads, inline) for n in entry.names}
         spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
         if entry.ref is not None:
@@ -216,13 +241,20 @@ class RequestBuilder:
         if entry is None:  # a model export could not make batch-dynamic is kept per batch size
             entry = self.exports.get((*key, rows))
             key = key if entry is None else (*key, rows)
+        because = None
+        if entry is not None and entry.traced is not None and not _guards_hold(entry, model, args, kwargs):
+            entry, because = None, entry.why_not_export  # its guards broken by this batch: recorded again
         if entry is None:
-            exported = export_graph(model, args, kwargs)  # UnsupportedModuleError with torch's reason
+            exported = export_graph(model, args, kwargs, because)  # UnsupportedModuleError with torch's reason
             entry = _Export(graph=exported.graph, names=list(exported.weights), capture=exported.capture,
-                            out_spec=exported.out_spec)
+                            out_spec=exported.out_spec, traced=exported.traced,
+                            specialised=_specialised(exported, args, kwargs), why_not_export=exported.why_not_export)
             key = key if exported.dynamic_batch else (*key, rows)
-            if exported.capture == "specialised":  # a graph of this call's branches: never reused for another
+            if exported.capture == "draft":  # a graph of this call's branches, without guards: never reused
                 key = (*key, rows, id(entry))
+            old = self.exports.get(key)
+            if old is not None and old.graph == entry.graph:
+                entry.ref = old.ref  # recorded again to the same program: the service holds it already
             if len(self.exports) >= _EXPORTS_KEPT:
                 self.exports.pop(next(iter(self.exports)))
             self.exports[key] = entry

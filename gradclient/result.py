@@ -94,9 +94,13 @@ class GradientResult:
     buffers: dict[str, Any] | None = None
     # options outputs=True: what forward returned (the same tuple, dict or ModelOutput), as tensors.
     outputs: Any = None
-    # How the module was captured: "dynamic" (one graph for any batch size), "static" (this batch size), or
-    # "specialised" (each data-dependent branch as this call took it; captured again on every call).
+    # How the module was captured: "export" (one graph for any batch size), "export_static" (this batch size),
+    # "draft" (each data-dependent branch as this call took it; captured again on every call) or "trace" (the
+    # ATen program the forward ran on this batch, reused while its guards hold): docs/training-code.md.
     capture: str | None = None
+    # What that capture is specialised to: None for "export"; the inputs' shapes and dtypes; for "trace" also
+    # the values Python read from tensors ("values") and the sizes of data-dependent outputs ("sizes").
+    specialised: dict[str, Any] | None = None
     diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
     clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
     curvature: Curvature | None = None  # curvature={"top": k, "trace": True, ...}
@@ -177,7 +181,7 @@ def written_back(out: Any, result: GradientResult) -> None:
     """After a graph model's call: how it was captured, its outputs in forward's own structure (tuples,
     ModelOutput), and the buffers its forward wrote copied into the module (as a local step leaves them)."""
     export = out.export
-    result.capture = export.capture
+    result.capture, result.specialised = export.capture, export.specialised
     if result.outputs is not None and export.out_spec is not None and export.graph.output_tree is not None:
         from torch.utils import _pytree as pytree
 
@@ -188,10 +192,10 @@ def written_back(out: Any, result: GradientResult) -> None:
     if result.buffers and out.module is not None:
         import torch
 
-        with torch.no_grad():
-            for name, value in result.buffers.items():
-                buf = out.module.get_buffer(name)
-                buf.copy_(torch.as_tensor(value).to(device=buf.device, dtype=buf.dtype))
+        from .trace import set_state
+
+        for name, value in result.buffers.items():  # buffers, and tensor attributes a recorded forward wrote
+            set_state(out.module, name, torch.as_tensor(value))
 
 
 def _pair(tree: Any, value: Any, found: dict[int, Any]) -> None:

@@ -313,15 +313,22 @@ def _validate_curvature(opts: Options, terms: list[LossTerm], size: int) -> None
 
 
 def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtype: torch.dtype,
-                    max_elements: int, owner: str) -> dict[str, torch.Tensor]:
+                    max_elements: int, owner: str, layouts: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The given weights as tensors, each checked against the state entry of its name: shape; parameters
-    cast to the model's dtype and finite; buffers cast to their own dtype."""
+    cast to the model's dtype and finite; buffers cast to their own dtype. `layouts`: the buffers a graph
+    declares sparse ("sparse_coo", "sparse_csr"), which arrive as their parts."""
+    from .graph import sparse
+
     out: dict[str, torch.Tensor] = {}
     small: list[tuple[str, torch.Tensor]] = []  # parameters checked together (the biases and norms of a model)
     for name, wire in given.items():
-        t = tensors.decode(dense_only(wire, f"weights[{name!r}]"), where=f"weights[{name!r}]",
-                           max_elements=max_elements,
-                           complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
+        layout = (layouts or {}).get(name)
+        if layout is not None:
+            t = sparse.decode(as_tensor_value(wire, f"weights[{name!r}]"), layout, f"weights[{name!r}]", max_elements)
+        else:
+            t = tensors.decode(dense_only(wire, f"weights[{name!r}]"), where=f"weights[{name!r}]",
+                               max_elements=max_elements,
+                               complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
         want = list(state[name].shape)
         if list(t.shape) != want:
             _validate_finite(small)  # an earlier weight's fault is named first, as it comes first

@@ -218,7 +218,12 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
                    max_elements: int) -> dict[str, torch.Tensor]:
     """Every parameter and buffer, by state_dict name, decoded and checked."""
     return decode_weights(_checked_names(request, template), template.state, template.parameters, dtype,
-                          max_elements, "the graph")
+                          max_elements, "the graph", _layouts(template))
+
+
+def _layouts(template: GraphTemplate) -> dict[str, str]:
+    """The buffers the graph declares sparse, by state_dict name."""
+    return {i.target: i.layout for i in template.spec.inputs if i.kind == "buffer" and i.layout is not None}
 
 
 def _checked_names(request: GradientRequest, template: GraphTemplate) -> dict:
@@ -353,7 +358,7 @@ class GraphSpecModel:
 
         def decode(names: list[str]) -> dict[str, torch.Tensor]:
             return decode_weights({n: given[n] for n in names}, template.state, template.parameters, dtype,
-                                  max_elements, "the graph")
+                                  max_elements, "the graph", _layouts(template))
 
         sizes = {n: t.numel() * t.element_size() for n, t in template.state.items()}
         copied = resident.load_grouped(held, stale, decode, identities, resident.staging_for(self.caches, device),

@@ -152,6 +152,9 @@ class Resident:
             for name, value in weights.items():
                 tensor = self.slots[name]
                 self.loaded.pop(name, None)  # not in place until the copy is done
+                if value.layout != torch.strided or tensor.layout != torch.strided:  # a sparse buffer: set, not copied
+                    self.model.load_state_dict({**self.model.state_dict(keep_vars=True), name: value})
+                    continue
                 if staging is not None and tensor.device.type == "cuda":
                     staging.copy(tensor, value)
                 else:

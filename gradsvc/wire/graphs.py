@@ -26,7 +26,8 @@ class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # A user input's batch dimension: 0, or null for an input without one (a graph's edge_index, a mask
     # shared by every example), which goes whole to every micro-batch, shard and per-example gradient.
     batch_dim: Literal[0] | None = 0
-    # A sparse user input: "sparse_coo" or "sparse_csr" (the request sends it in that layout); null: dense.
+    # A sparse user input or buffer: "sparse_coo" or "sparse_csr" (the request sends it, or its weight, in that
+    # layout: its parts); null: dense.
     layout: Literal["sparse_coo", "sparse_csr"] | None = None
 
 
@@ -46,6 +47,9 @@ class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):
     kwargs: dict[str, Any] = {}
     module: str = ""
     module_type: str = ""
+    # The output's size at capture, for an op whose output's shape depends on values (`nonzero`, a boolean-mask
+    # index) in a graph specialised to one batch: the shape check takes it, the run checks it.
+    shape: list[int] | None = None
 
 
 class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -119,17 +119,17 @@ def test_an_unknown_option_is_refused_before_sending():
     with Client("http://127.0.0.1:9", retries=0) as client:
         with pytest.raises(errors.BadOptionError, match="numchek"):
             client.gradients(spec(), X, Y, numchek="off")
-        with pytest.raises(errors.UnsupportedModuleError):  # neither a layer spec nor exportable
-            client.gradients(_LeavesTorch(), X, Y)
+        with pytest.raises(errors.UnsupportedModuleError):  # a forward that fails: no capture can take it
+            client.gradients(_Fails(), X, Y)
 
 
-class _LeavesTorch(nn.Module):
+class _Fails(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(6, 3)
 
     def forward(self, x):
-        return self.fc(torch.from_numpy(x.detach().numpy()))  # through numpy: no capture can follow it
+        raise ValueError("a bug in forward")
 
 
 class CountingTransport(httpx.HTTPTransport):

@@ -56,7 +56,7 @@ def test_control_flow_on_values_is_captured_as_this_call_ran_it(capfd):
     torch.manual_seed(0)
     model, x = DataDependent(), torch.randn(3, 4).abs()  # x.sum() > 0: the first branch
     eg = export_graph(model, (x,))
-    assert eg.capture == "specialised" and not eg.dynamic_batch
+    assert eg.capture == "trace" and not eg.dynamic_batch
     assert torch.allclose(run_graph(eg, x), model(x), atol=1e-6)
     assert capfd.readouterr().err == ""  # neither torch's logs nor the failed traces' graphs
 
@@ -70,12 +70,25 @@ class LeavesTorch(nn.Module):
         return self.fc(torch.from_numpy(x.detach().numpy() * 2))  # through numpy: no capture can follow it
 
 
-def test_unexportable_module_raises_unsupported_module_with_torchs_reason():
-    with pytest.raises(UnsupportedModuleError) as info:
-        export_graph(LeavesTorch(), (torch.randn(3, 4),))
-    message = str(info.value)
-    assert "torch.export cannot capture LeavesTorch" in message
-    assert "numpy" in message.lower()
+def test_a_forward_export_cannot_follow_is_recorded_as_it_ran_and_recorded_again_for_each_batch():
+    from gradclient.trace import check_guards
+
+    model, x = LeavesTorch(), torch.randn(3, 4)
+    eg = export_graph(model, (x,))
+    assert eg.capture == "trace" and "numpy" in eg.why_not_export.lower()
+    assert torch.allclose(run_graph(eg, x), model(x))
+    assert eg.traced.guards.constants  # the batch went through numpy: a constant, never reused for another batch
+    assert not check_guards(eg.traced, model, [x])
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the model's own error")
+
+
+def test_a_forward_that_fails_locally_is_refused_with_its_own_error():
+    with pytest.raises(UnsupportedModuleError, match="the model's own error"):
+        export_graph(Fails(), (torch.randn(3, 4),))
 
 
 def test_graph_is_plain_data_with_state_dict_targets_and_module_paths():
@@ -137,14 +150,17 @@ def test_lifted_tensor_constants_travel_as_wire_tensors():
         assert torch.allclose(run_graph(eg, x), model(x))
 
 
-def test_modules_with_non_tensor_outputs_or_input_mutation_are_refused():
+def test_a_forward_writing_its_input_computes_on_the_services_copy():
     class MutatesInput(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x.add_(1)
             return x * 2
 
-    with pytest.raises(UnsupportedModuleError, match="USER_INPUT_MUTATION|must not modify"):
-        export_graph(MutatesInput(), (torch.randn(2, 3),))
+    x = torch.randn(2, 3)
+    eg = export_graph(MutatesInput(), (x,))
+    kept = x.clone()
+    assert torch.equal(run_graph(eg, x), (kept + 1) * 2)
+    assert torch.equal(x, kept)  # the caller's batch as it was
 
 
 def test_what_export_gives_for_attention_transformer_encoder_dropout_and_train_mode_batch_norm():
@@ -218,8 +234,10 @@ class WritesThroughData(nn.Module):
 
 
 def test_a_buffer_written_through_data_is_refused_with_the_in_place_form_as_the_way_out():
+    model = WritesThroughData()
     with pytest.raises(UnsupportedModuleError, match=r"torch\.no_grad\(\)"):
-        export_graph(WritesThroughData(), (torch.randn(3, 4),))
+        export_graph(model, (torch.randn(3, 4),))
+    assert torch.equal(model.ema, torch.zeros(2))  # the module as it was
 
 
 class NestedOutputs(nn.Module):
@@ -237,3 +255,46 @@ def test_nested_inputs_flatten_in_order_and_the_output_tree_keeps_forwards_struc
     eg = export_graph(NestedOutputs(), (x, state))
     assert [i.name for i in eg.graph.inputs if i.kind == "input"] == ["x", "state_0", "state_1"]
     assert eg.graph.output_tree == {"logits": 0, "state": [1, 2], "loss": 3}
+
+
+class Recorded(nn.Module):
+    """What export cannot capture: a validating distribution, an `if` on a value, state assigned in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 3), nn.BatchNorm1d(3)
+        self.register_buffer("seen", torch.zeros(3))
+        self.last = torch.zeros(1)  # a plain attribute whose shape follows the batch: not carried
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x)
+        h = self.bn(z)
+        self.seen = h.detach().mean(0)
+        self.last = h.detach()
+        if (z - self.fc.bias).sum() > 0:  # linear in x: -x takes the other branch
+            h = 2 * h
+        return -torch.distributions.Normal(h, torch.ones_like(h), validate_args=True).log_prob(
+            torch.zeros_like(h)).mean()
+
+
+def test_a_recording_leaves_the_module_as_it_was_lists_its_guards_and_says_when_they_hold():
+    from gradclient.trace import check_guards
+
+    torch.manual_seed(0)
+    model, x = Recorded(), torch.randn(5, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eg = export_graph(model, (x,))
+    assert eg.capture == "trace"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats untouched
+    assert set(eg.graph.buffer_mutations) == {"seen", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    guards = eg.traced.guards.as_dict()
+    assert guards["inputs"] == [{"shape": [5, 4], "dtype": "float32"}] and len(guards["values"]) >= 2
+    assert torch.allclose(run_graph(eg, x), Recorded.forward(copy_of(model), x))
+    assert check_guards(eg.traced, model, [x]) and not check_guards(eg.traced, model, [torch.randn(6, 4)])
+    assert not check_guards(eg.traced, model, [-x])  # the other branch
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)

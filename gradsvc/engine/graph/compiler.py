@@ -27,6 +27,7 @@ from ..spec import Limits
 from .functions import MAX_FUNCTIONS, compile_function
 from .interpreter import GraphModel
 from .ops import ALLOWED_OPS_DOC, OPS, REFUSED_CORE, Op
+from .sized import sized_op
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, Step, bad_graph, where_node
 
 FORMAT_VERSION = 1
@@ -50,6 +51,7 @@ def _show(value: Any) -> str:
 # Ops that write these arguments in place in training mode (running statistics): they must be buffers.
 _STAT_WRITES = MappingProxyType({"aten.batch_norm.default": ("running_mean", "running_var"),
                                  "aten.native_batch_norm.default": ("running_mean", "running_var"),
+                                 "aten._batch_norm_with_update.default": ("running_mean", "running_var"),
                                  "aten._native_batch_norm_legit.default": ("running_mean", "running_var"),
                                  "aten.instance_norm.default": ("running_mean", "running_var")})
 
@@ -121,6 +123,7 @@ class _Program:
         self.index_bounds: dict[str, int] = {}
         self.steps: list[Step] = []
         self.step_of: dict[int, Step] = {}
+        self.written_inputs: set[int] = set()  # user inputs a node writes in place: the run writes a copy
         self.later = {n.name for n in spec.nodes}
         self.budget = [_MAX_VALUES]
 
@@ -166,6 +169,8 @@ class _Program:
             self.roots.append(self.roots[first.i] if op.aliases_input and first is not None else slot)
             if writes_buffer:  # an in-place op returns the buffer itself: `ema.mul_(d).add_(x)` writes it twice
                 self.roots[slot], self.input_kind[slot] = slot, "buffer"
+        if node.shape is not None:
+            op = sized_op(node, op)
         self.steps.append(Step(slot, node.name, op, tuple(args), kwargs, _module(node.module), node.module_type,
                                writes_buffer))
         self.step_of[slot] = self.steps[-1]
@@ -180,7 +185,11 @@ class _Program:
             if not isinstance(target, Ref):
                 raise bad_graph(f"{where_node(node)}: an in-place op needs a tensor to write, got {_show(target)}",
                            node=node.name, op=node.op)
-            writes_buffer = _check_write(node, target, self.roots, self.input_kind, "is written in place")
+            root = self.roots[target.i]
+            if self.input_kind.get(root) == "input":  # `x.div_(255)`: the run writes its own copy of the batch
+                self.written_inputs.add(root)
+            else:
+                writes_buffer = _check_write(node, target, self.roots, self.input_kind, "is written in place")
         training = bound.get("use_input_stats" if node.op == "aten.instance_norm.default" else "training")
         for arg in _STAT_WRITES.get(node.op, ()) if training is not False else ():
             if isinstance(bound.get(arg), Ref):
@@ -213,7 +222,7 @@ class _Program:
             mutations.append((target, slots[name]))
         return Compiled(inputs=self.inputs, steps=self.steps, outputs=outputs, mutations=mutations,
                         constants=self.constants, n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype],
-                        index_bounds=self.index_bounds)
+                        index_bounds=self.index_bounds, written_inputs=frozenset(self.written_inputs))
 
 
 def _check_state_input(where: str, inp: Any, targets: dict[str, str]) -> None:

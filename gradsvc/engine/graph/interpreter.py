@@ -17,6 +17,7 @@ from .. import tensors
 from ..errors import SpecError
 from .ops import drawn_in
 from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, bad_graph
+from .sparse import load_state
 
 
 # Stop-gradients: autograd's derivative holds their values fixed, so the numerical check does too (and every
@@ -87,6 +88,11 @@ class GraphModel(nn.Module):
                 self._holders.append((slot, inp.kind, owner, attr))
                 holder[inp.target] = (owner, attr)
         self._mutations = [(*holder[target], slot) for target, slot in compiled.mutations]
+        self._holder_of = holder
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """nn.Module.load_state_dict, a sparse buffer set as it is (sparse.load_state)."""
+        return load_state(super().load_state_dict, self._holder_of, state_dict, strict, assign)
 
     def _owner(self, target: str) -> tuple[nn.Module, str]:
         *path, attr = target.split(".")
@@ -210,6 +216,8 @@ class GraphModel(nn.Module):
             # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
             # check's copy), so that view_as_real of them meets parameters of the same dtype.
             env[slot] = _run_constant(x, self.run_dtype, self._graph.dtype) if x.is_complex() else x
+            if slot in self._graph.written_inputs:  # `x.div_(255)` in forward: on this run's copy, not the batch
+                env[slot] = env[slot].clone()
         return env
 
     def _execute(self, steps: list, env: list[Any], visit: Callable | None) -> None:

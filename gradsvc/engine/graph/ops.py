@@ -196,8 +196,81 @@ _CASTS = """_to_copy.default to.dtype to.dtype_layout to.device to.other type_as
 _SIZES = "sym_size.int sym_numel.default sym_stride.int"
 _ASSERTS = """_assert_tensor_metadata.default _assert_scalar.default sym_constrain_range_for_size.default
 _assert_async.msg sym_constrain_range.default"""
+# Ops whose output's size depends on values (a boolean mask): in a graph captured on one batch the node
+# carries the size it had (OpNode.shape, sized.py), which the shape check takes and the run checks.
+_DATA_DEPENDENT = """nonzero.default argwhere.default masked_select.default"""
 _LOSSES = """cross_entropy_loss.default nll_loss.default nll_loss_nd.default mse_loss.default
 binary_cross_entropy_with_logits.default binary_cross_entropy.default"""
+
+# Ops without a gradient that forward passes call (index builders, encodings, checks, comparisons): allowed in
+# forward; their outputs carry no gradient, as in eager.
+_FORWARD_ONLY = """_is_all_true.default _is_any_true.default one_hot.default bucketize.Tensor searchsorted.Tensor
+argsort.default argsort.stable sort.stable histc.default bincount.default count_nonzero.dim_IntList
+count_nonzero.default isin.Tensor_Tensor isin.Tensor_Scalar isneginf.default isposinf.default signbit.default
+logical_not_.default eq_.Tensor tril_indices.default triu_indices.default linspace.default logspace.default
+eye.default eye.m _unsafe_index.Tensor lift_fresh.default resolve_conj.default resolve_neg.default
+bitwise_left_shift.Tensor bitwise_right_shift.Tensor kthvalue.default mode.default median.default
+median.dim nanmedian.default cummax.default cummin.default"""
+# Ops outside the core opset that capture leaves in a graph for public modules and functions (below autograd:
+# what nn.functional calls run as), each with its derivative formula.
+_EMITTED = """nll_loss_forward.default nll_loss2d_forward.default smooth_l1_loss.default huber_loss.default
+soft_margin_loss.default multi_margin_loss.default multilabel_margin_loss_forward.default l1_loss.default
+kl_div.default poisson_nll_loss.default margin_ranking_loss.default hinge_embedding_loss.default
+triplet_margin_loss.default cosine_embedding_loss.default ctc_loss.IntList _ctc_loss.default
+native_dropout.default _softmax_backward_data.default _log_softmax_backward_data.default
+max_pool2d_with_indices.default max_pool3d_with_indices.default _native_batch_norm_legit_functional.default
+_to_copy.default _unsafe_view.default split_with_sizes.default index_put_.default index_fill.int_Scalar
+index_fill.int_Tensor index_fill_.int_Scalar index_copy.default index_reduce.default masked_scatter_.default
+scatter_.src scatter_.value scatter_add_.default put.default take.default addr.default addbmm.default
+xlogy.Tensor xlogy.Scalar_Other special_xlog1py.default special_entr.default special_erfcx.default
+special_ndtr.default special_ndtri.default special_log_ndtr.default special_i0e.default special_i1.default
+special_i1e.default i0.default lgamma.default digamma.default polygamma.default mvlgamma.default sinc.default
+logcumsumexp.default logaddexp2.default nextafter.default copysign.Tensor copysign.Scalar heaviside.default
+fmin.default fmax.default float_power.Tensor_Scalar float_power.Tensor_Tensor float_power.Scalar deg2rad.default
+rad2deg.default sigmoid_backward.default tanh_backward.default threshold.default threshold_backward.default
+_prelu_kernel.default hardshrink.default softshrink.default log_sigmoid_forward.default
+_weight_norm_interface.default linalg_vector_norm.default linalg_cross.default cross.default
+_linalg_det.default _linalg_slogdet.default _linalg_eigh.default _linalg_svd.default linalg_cholesky_ex.default
+linalg_inv_ex.default linalg_solve_ex.default _linalg_solve_ex.default triangular_solve.default
+linalg_solve_triangular.default cholesky_solve.default cholesky_inverse.default linalg_qr.default
+linalg_lu_factor_ex.default linalg_lu.default lu_unpack.default linalg_householder_product.default
+logdet.default trace.default kron.default cumsum_.default renorm.default dist.default _euclidean_dist.default
+native_channel_shuffle.default channel_shuffle.default im2col.default _upsample_nearest_exact1d.vec
+_upsample_nearest_exact2d.vec _upsample_nearest_exact3d.vec _upsample_bilinear2d_aa.vec
+_upsample_bicubic2d_aa.vec upsample_nearest1d.default upsample_nearest2d.default upsample_bilinear2d.default
+reflection_pad1d.default adaptive_max_pool3d.default fractional_max_pool2d.default
+fractional_max_pool3d.default max_unpool2d.default max_unpool3d.default avg_pool1d.default
+_adaptive_avg_pool3d.default native_layer_norm.default _fused_rms_norm.default
+_scaled_dot_product_flash_attention_for_cpu.default _scaled_dot_product_efficient_attention.default
+_embedding_bag_forward_only.default embedding_renorm_.default alias_copy.default view_copy.default
+expand_copy.default permute_copy.default t_copy.default transpose_copy.int unsqueeze_copy.default
+squeeze_copy.dim squeeze_copy.dims select_copy.int slice_copy.Tensor detach_copy.default diagonal_copy.default
+as_strided_scatter.default diagonal_scatter.default narrow_copy.default unfold_copy.default pdist.default
+cdist.default _cdist_forward.default std.correction var.correction
+nan_to_num_.default clamp_min_.default clamp_max_.default sub_.Scalar exp_.default log_.default sqrt_.default
+neg_.default abs_.default pow_.Scalar pow_.Tensor addcmul_.default addcdiv_.default lerp_.Scalar lerp_.Tensor
+tril_.default triu_.default index_add_.default masked_scatter_.default sigmoid.default square_.default
+rsqrt_.default reciprocal_.default floor_.default ceil_.default round_.default trunc_.default sign_.default
+fmod_.Scalar remainder_.Scalar hardsigmoid_.default mish_.default celu_.default selu_.default
+logit_.default erfinv_.default cos_.default sin_.default frac_.default sgn_.default atan2_.default
+_conj_physical.default _ctc_loss.Tensor _linalg_check_errors.default _safe_softmax.default _trilinear.default
+_unsafe_masked_index.default _unsafe_masked_index_put_accumulate.default _upsample_bilinear2d_aa.default
+_upsample_nearest_exact1d.default _upsample_nearest_exact2d.default _upsample_nearest_exact3d.default
+aminmax.default block_diag.default cholesky.default clamp_min_.Tensor clamp_max_.Tensor frexp.Tensor
+grid_sampler_3d.default ldexp.Tensor linalg_eig.default linalg_lstsq.default linalg_lu_solve.default
+linalg_matrix_exp.default linalg_pinv.atol_rtol_tensor nanmedian.dim nansum.default native_dropout_backward.default
+ormqr.default rot90.default segment_reduce.default split_with_sizes_copy.default squeeze_.dim squeeze_.dims
+squeeze_.default unsqueeze_.default transpose_.default squeeze_copy.default unbind_copy.int unsafe_split.Tensor
+unsafe_split_with_sizes.default upsample_bicubic2d.default upsample_linear1d.default upsample_trilinear3d.default
+upsample_nearest3d.default vdot.default _batch_norm_with_update.default fft_fft.default fft_ifft.default fft_rfft.default
+fft_irfft.default fft_fft2.default fft_ifft2.default fft_rfft2.default fft_irfft2.default fft_fftn.default fft_ifftn.default
+fft_rfftn.default fft_irfftn.default fft_hfft.default fft_ihfft.default fft_fftshift.default fft_ifftshift.default _sparse_mm.default bilinear.default pairwise_distance.default
+frobenius_norm.dim nuclear_norm.default linalg_norm.default linalg_norm.ord_str linalg_matrix_norm.default
+linalg_matrix_norm.str_ord nuclear_norm.dim
+stft.default istft.default embedding_bag.padding_idx embedding_bag.default
+linalg_det.default linalg_slogdet.default slogdet.default det.default logdet.default linalg_inv.default inverse.default
+linalg_solve.default linalg_cholesky.default linalg_eigh.default linalg_svd.default svd.default linalg_pinv.default
+linalg_matrix_power.default matrix_power.default trapezoid.x trapz.x cumulative_trapezoid.x cov.default corrcoef.default"""
 
 # Combine values along `dim`/`dims` (the batch-mixing check looks at that argument).
 _ALONG_DIM = frozenset("""sum.dim_IntList mean.dim amax.default amin.default max.dim min.dim argmax.default
@@ -215,8 +288,24 @@ REFUSED_CORE = MappingProxyType({
     "as_strided.default": "reads the input's memory through the strides it had at capture, which another "
                           "device's or kernel's layout does not reproduce; export emits it for no public module, "
                           "and a program that calls x.as_strided is rewritten with view/reshape/unfold",
-    "nonzero.default": "its output's shape depends on the values, so the shape and memory checks before the "
-                       "queue cannot bound it (torch's meta kernel refuses it too); mask with where/masked_fill",
+})
+
+
+# Ops the capture can emit that a graph may not call, and why (docs/graph-ops.md says the same): the core
+# refusals, then the rest. tests/support/emitted_ops.py counts every op op_db and module_db programs emit.
+_SPARSE_MADE = ("makes or reduces a sparse tensor inside the graph, whose number of stored values depends on the "
+                "values, so the shape and memory checks before the queue cannot bound it; sparse tensors may be "
+                "inputs, buffers and parameters (they travel as their indices and values), and torch.sparse.mm / "
+                "torch.spmm on them run")
+REFUSED = MappingProxyType({
+    **{f"aten.{k}": v for k, v in REFUSED_CORE.items()},
+    "aten.as_strided_copy.default": REFUSED_CORE["as_strided.default"],
+    "aten.rrelu_with_noise.default": "writes its `noise` argument, a tensor of its own, besides its result; the "
+                                     "allow-list checks writes to the first argument and to running statistics "
+                                     "only. F.rrelu in training mode calls it: use leaky_relu, or rrelu in eval mode",
+    "aten._to_sparse.default": _SPARSE_MADE,
+    "aten._sparse_mm_reduce_impl.default": _SPARSE_MADE,
+    "aten.sparse_sampled_addmm.default": _SPARSE_MADE,
 })
 
 
@@ -332,7 +421,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
     skipped = []
     groups = [_MATMUL, _CONV, _NORM, _ATTENTION, _ACTIVATIONS, _ELEMENTWISE, _REDUCTIONS, _INDEXING, _VIEWS,
               _LAYOUT, _COMPLEX, _POOLING, _BACKWARDS, _RECURRENT, _CELLS, _RANDOM, _DRAWS, _FACTORIES, _CASTS,
-              _SIZES, _ASSERTS, _LOSSES]
+              _SIZES, _ASSERTS, _LOSSES, _DATA_DEPENDENT, _FORWARD_ONLY, _EMITTED]
     reshapes = set(_VIEWS.split())
     asserts = set(_ASSERTS.split())
     recurrent = set(_RECURRENT.split())

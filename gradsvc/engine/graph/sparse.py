@@ -68,3 +68,19 @@ def on_meta(x: torch.Tensor) -> torch.Tensor:
     if x.layout != torch.strided:
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x.to("meta")
+
+
+def load_state(load, holders: dict, state_dict: dict, strict: bool, assign: bool):
+    """`load` (nn.Module.load_state_dict) of `state_dict`, except that a sparse buffer (a GCN's adjacency) is
+    set as it is: copy_ cannot write a sparse tensor into the dense placeholder the shape check ran with."""
+    held = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.layout != torch.strided}
+    if not held:
+        return load(state_dict, strict, assign)
+    for name, value in held.items():
+        owner, attr = holders[name]
+        owner._buffers[attr] = value.to(owner._buffers[attr].device)
+    out = load({k: v for k, v in state_dict.items() if k not in held}, False, assign)
+    missing = [k for k in out.missing_keys if k not in held]
+    if strict and (missing or out.unexpected_keys):
+        raise RuntimeError(f"load_state_dict: missing {missing}, unexpected {out.unexpected_keys}")
+    return out

@@ -1,0 +1,571 @@
+"""The ATen program a forward executes on one batch, recorded as it runs: the capture that does not give up.
+
+When torch.export cannot capture a module (a `torch.distributions` object validating its arguments, Python
+control flow on a tensor's value, a tensor attribute assigned in forward, a boolean mask's data-dependent
+shape), the forward is run once on a copy of this batch under a TorchDispatchMode that writes down every ATen
+call below autograd, the same ops autograd itself records (each has a derivative formula where it has a
+gradient). The graph is specialised: to the inputs' shapes and dtypes, to the values Python read out of
+tensors (`item()`, `bool()`, `if t.sum() > 0`: `aten._local_scalar_dense`), and to the sizes of outputs whose
+shape depends on values (`nonzero`, a boolean-mask index: the node carries the size it had, which the
+service's shape check takes and its run checks). Those are its `guards`; `check_guards` replays the program's
+prefix on a new batch to say whether they still hold, so the SDK reuses the graph (by its ref) only then.
+
+Ops that run with grad off (`torch.no_grad()`) are followed by a detach, so the service differentiates what
+eager differentiates. Buffers and tensor attributes the forward writes (in place, or by assignment,
+`self.stats = h.mean(0)`) are the graph's `buffer_mutations`; the module, its buffers, the RNG and the
+caller's inputs are left as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradsvc import wire
+
+from .errors import UnsupportedModuleError
+from .graph import _dtype, state_dict_path
+from .tensors import to_wire
+
+aten = torch.ops.aten
+# Ops whose output shape depends on the values of their inputs (the node records the size it had).
+DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.argwhere.default"})
+_SKIP = frozenset({"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default",
+                   "aten._assert_async.msg", "aten._assert_async.default", "aten.sym_size.int",
+                   "aten.sym_numel.default", "aten.sym_stride.int", "aten.sym_storage_offset.default"})
+
+
+def op_name(func: torch._ops.OpOverload) -> str:
+    return f"{func.namespace}.{func._schema.name.split('::', 1)[1]}.{func._overloadname}"
+
+
+def _bool_index(func, args) -> bool:
+    return func is aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                                             for i in (args[1] if len(args) > 1 else ()))
+
+
+@dataclass
+class Recorded:
+    """One recorded call: the op, its arguments with tensors as ("node", name) references."""
+
+    name: str
+    func: Any
+    args: tuple
+    kwargs: dict
+    module: str = ""
+    module_type: str = ""
+    shape: list[int] | None = None  # the size of a data-dependent output, as it was
+
+
+@dataclass
+class Guards:
+    """What a traced graph is specialised to: the inputs' shapes and dtypes, the values read from tensors by
+    Python (node -> value) and the sizes of data-dependent outputs (node -> shape)."""
+
+    inputs: list[tuple[list[int], str]] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, list[int]] = field(default_factory=dict)
+    # Tensors made outside torch's ops in forward (torch.tensor(...), numpy): the graph holds their values, so it
+    # is recorded again on every call (the SDK still reuses the service's copy when the recording is the same).
+    constants: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"inputs": [{"shape": s, "dtype": d} for s, d in self.inputs], "values": dict(self.values),
+                "sizes": dict(self.sizes), "constants": list(self.constants)}
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[int, str] = {}  # id(tensor) -> the node or input holding it
+        self.keep: list = []  # every tensor named, so that its id is not reused during the run
+        self.calls: list[Recorded] = []
+        self.constants: dict[str, torch.Tensor] = {}
+        self.guards = Guards()
+        self.reads: list[tuple[int, tuple]] = []  # (calls before it, (func, args, kwargs, value)): Python's reads
+        self.modules: list[tuple[str, str]] = [("", "")]
+        self.storages: dict[tuple, str] = {}  # a state tensor's or input's memory -> its name (`w.data` reads)
+        self.counts: dict[str, int] = {}
+        self.used: set[str] = set()
+
+    def name(self, t: torch.Tensor, name: str) -> None:
+        self.names[id(t)] = name
+        self.used.add(name)
+        self.keep.append(t)
+
+    def _fresh(self, base: str) -> str:
+        """A node name no other node or input has."""
+        n = self.counts.get(base, 0)
+        name = base if n == 0 else f"{base}_{n}"
+        while name in self.used:
+            n += 1
+            name = f"{base}_{n}"
+        self.counts[base] = n + 1
+        self.used.add(name)
+        return name
+
+    def _ref(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            key = self.names.get(id(a))
+            if key is None:
+                key = self._unknown(a)
+            return ("node", key)
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._ref(x) for x in a)
+        return a
+
+    def _unknown(self, a: torch.Tensor) -> str:
+        """A tensor no recorded call made: `w.data` of a known tensor (its detach), else a tensor made outside
+        torch's ops (`torch.tensor(...)`, numpy) in forward: a constant, which the graph is specialised to."""
+        known = self.storages.get((a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape), a.stride(),
+                                   a.dtype)) if a.layout == torch.strided else None
+        if known is not None:
+            d = Recorded(self._fresh(f"{known}_data"), aten.detach.default, (("node", known),), {}, *self.modules[-1])
+            self.calls.append(d)
+            self.name(a, d.name)
+            return d.name
+        key = self._fresh("c_constant")
+        self.constants[key] = a.detach().clone()
+        self.guards.constants.append(key)
+        self.name(a, key)
+        return key
+
+    def remember_storage(self, t: torch.Tensor, name: str) -> None:
+        if t.layout == torch.strided:
+            self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+                           t.dtype)] = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = op_name(func)
+        if name in _SKIP or not isinstance(func, torch._ops.OpOverload):
+            if name in ("aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"):
+                read = (func, self._ref(tuple(args)), {k: self._ref(v) for k, v in kwargs.items()},
+                        out if isinstance(out, (bool, int)) else float(out))
+                self.reads.append((len(self.calls), read))
+                self.guards.values[f"{name.split('.')[1]}({', '.join(_shown(a) for a in read[1])})"] = read[3]
+            return out
+        module, module_type = self.modules[-1]
+        rec = Recorded(self._fresh(func._schema.name.split("::", 1)[1].replace(".", "_")), func,
+                       self._ref(tuple(args)), {k: self._ref(v) for k, v in kwargs.items()}, module, module_type)
+        self.calls.append(rec)
+        if name in DATA_DEPENDENT or _bool_index(func, args):
+            rec.shape = list(out.shape)
+            self.guards.sizes[rec.name] = rec.shape
+        self._name_outputs(func, rec, out, args)
+        return out
+
+    def _name_outputs(self, func, rec: Recorded, out: Any, args: tuple) -> None:
+        detach = not torch.is_grad_enabled() and not (func._schema.arguments and func._schema.arguments[0].alias_info
+                                                     and func._schema.arguments[0].alias_info.is_write)
+        if isinstance(out, torch.Tensor):
+            self.name(out, self._detached(rec, out) if detach else rec.name)
+        elif isinstance(out, (tuple, list)):
+            for i, t in enumerate(out):
+                if isinstance(t, torch.Tensor):
+                    item = Recorded(self._fresh(f"{rec.name}_{i}"), operator.getitem, (("node", rec.name), i), {},
+                                    rec.module, rec.module_type)
+                    self.calls.append(item)
+                    self.name(t, self._detached(item, t) if detach else item.name)
+
+    def _detached(self, rec: Recorded, t: torch.Tensor) -> str:
+        if not t.is_floating_point() and not t.is_complex():
+            return rec.name
+        d = Recorded(self._fresh(f"{rec.name}_detached"), aten.detach.default, (("node", rec.name),), {},
+                     rec.module, rec.module_type)
+        self.calls.append(d)
+        return d.name
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the module holds, by its state_dict-style name: parameters, buffers (persistent or not)
+    and plain tensor attributes (`self.codebook = torch.randn(...)` in __init__)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for n, p in sub._parameters.items():
+            if p is not None:
+                out.setdefault(pre + n, p)
+        for n, b in sub._buffers.items():
+            if b is not None:
+                out.setdefault(pre + n, b)
+        for n, v in vars(sub).items():
+            if isinstance(v, torch.Tensor) and not n.startswith("_"):
+                out.setdefault(pre + n, v)
+    return out
+
+
+def _wire_name(target: str, params: set) -> str:
+    """A parameter's or buffer's name in the graph (names are [A-Za-z0-9_]), as export names them."""
+    return ("p_" if target in params else "b_") + re.sub(r"[^A-Za-z0-9_]", "_", target)
+
+
+def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return _state(module)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
+
+
+def set_state(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """A buffer or tensor attribute of `module` set to `value` (in place when the shape and dtype allow)."""
+    owner, attr = _owner(module, name)
+    held = getattr(owner, attr, None)
+    with torch.no_grad():
+        if isinstance(held, torch.Tensor) and held.shape == value.shape and held.layout == value.layout == torch.strided:
+            held.copy_(value.to(device=held.device, dtype=held.dtype))
+        elif attr in owner._buffers:
+            owner._buffers[attr] = value.to(held.device if held is not None else value.device)
+        else:
+            setattr(owner, attr, value)
+
+
+@dataclass
+class Traced:
+    graph: wire.GraphSpec
+    weights: dict[str, torch.Tensor]
+    guards: Guards
+    calls: list[Recorded]
+    out_spec: Any
+    state_kinds: dict[str, str]
+    reads: list = field(default_factory=list)  # _Recorder.reads: the values Python read, replayed by check_guards
+    constants: dict = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    """What a forward may change in a module, kept to be put back: its tensor attributes and buffers (the
+    objects, and the values of the non-parameters), and torch's RNG."""
+
+    attrs: dict
+    saved: dict
+    params: set
+    rng: torch.Tensor
+
+
+def snapshot(module: nn.Module) -> Snapshot:
+    state = _state(module)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return Snapshot(attrs={n: getattr(*_owner(module, n)) for n in state}, params=params,
+                    saved={n: (t, t.detach().clone()) for n, t in state.items() if n not in params},
+                    rng=torch.random.get_rng_state())
+
+
+def restore(module: nn.Module, snap: Snapshot) -> None:
+    """The module as `snap` found it: attributes and buffers (objects and values), and the RNG."""
+    for n, old in snap.attrs.items():
+        if n in snap.params:
+            continue
+        owner, attr = _owner(module, n)
+        if attr in owner._buffers:
+            owner._buffers[attr] = old
+        elif attr in vars(owner):
+            object.__setattr__(owner, attr, old)
+        with torch.no_grad():
+            back = snap.saved.get(n, (None, None))[1]
+            if back is not None and old.layout == torch.strided and (old.shape != back.shape or
+                                                                    not torch.equal(old, back)):
+                old.data = back
+    torch.random.set_rng_state(snap.rng)
+
+
+def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool]) -> Traced:
+    """The forward run once on a copy of this batch, its ATen calls recorded (module docstring)."""
+    state = _state(module)
+    snap = snapshot(module)
+    params, saved, attrs = snap.params, snap.saved, snap.attrs
+    xs, tree = pytree.tree_flatten((args, kwargs))
+    copies = [x.detach().clone() for x in xs]
+    rec = _Recorder()
+    versions = {n: t._version for n, t in state.items()}
+    hooks = _module_hooks(module, rec)
+    try:
+        for n, t in state.items():
+            if id(t) not in rec.names:  # a tied weight: its first name
+                rec.name(t, _wire_name(n, params))
+                rec.remember_storage(t, _wire_name(n, params))
+        for i, x in enumerate(copies):
+            rec.name(x, f"input_{i}")
+            rec.remember_storage(x, f"input_{i}")
+        rec.guards.inputs = [(list(x.shape), _dtype(x)) for x in copies]
+        c_args, c_kwargs = pytree.tree_unflatten(copies, tree)
+        with rec:
+            out = module(*c_args, **c_kwargs)
+        written = _written(module, state, attrs, versions, rec, saved)
+        outs, out_spec = pytree.tree_flatten(out)
+        _refuse_custom_functions(outs)
+        graph, weights, kinds = _to_graph(rec, state, params, copies, batched, outs, written)
+    except UnsupportedModuleError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (the forward's own error, as it would raise locally)
+        raise UnsupportedModuleError(f"the forward of {type(module).__name__} fails on this batch: "
+                                     f"{type(exc).__name__}: {str(exc)[:600]}") from None
+    finally:
+        for h in hooks:
+            h.remove()
+        restore(module, snap)
+    return Traced(graph=graph, weights=weights, guards=rec.guards, calls=rec.calls, out_spec=out_spec,
+                  state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants))
+
+
+def _refuse_custom_functions(outs: list) -> None:
+    """A custom autograd Function's backward is not in the recording (it runs below autograd's view); refused
+    rather than differentiated as its forward (export keeps it: functions.py)."""
+    seen, todo = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            raise UnsupportedModuleError(f"the forward calls the custom autograd Function "
+                                         f"{type(fn).__name__.removesuffix('Backward')}, and torch.export cannot "
+                                         "capture the module; its backward cannot travel in a recorded graph. Make "
+                                         "the rest of forward exportable, or write the Function's math with torch ops")
+        todo.extend(f for f, _ in fn.next_functions)
+
+
+def _module_hooks(module: nn.Module, rec: _Recorder) -> list:
+    hooks = []
+    for path, sub in module.named_modules():
+        if path == "":
+            continue
+
+        def pre(_m, _a, path=path, kind=type(sub).__name__):
+            rec.modules.append((state_dict_path(path), kind))
+
+        def post(_m, _a, _o):
+            if len(rec.modules) > 1:
+                rec.modules.pop()
+
+        hooks.append(sub.register_forward_pre_hook(pre))
+        hooks.append(sub.register_forward_hook(post))
+    return hooks
+
+
+def _written(module: nn.Module, state: dict, attrs: dict, versions: dict, rec: _Recorder,
+             saved: dict) -> dict[str, str]:
+    """State the forward wrote -> the node whose value it takes: written in place (its version moved), or an
+    attribute assigned a new tensor (`self.stats = h.mean(0)`)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    out = {}
+    for n, old in attrs.items():
+        now = getattr(*_owner(module, n))
+        if n in params:
+            if old._version != versions[n] or now is not old:
+                raise UnsupportedModuleError(f"the forward writes its parameter {n!r}; a forward must not modify "
+                                             "its parameters (the optimizer does)")
+            continue
+        if now is not old and isinstance(now, torch.Tensor):
+            key = rec.names.get(id(now))
+            if key is None:
+                continue
+            owner, attr = _owner(module, n)
+            if (now.shape != old.shape or now.dtype != old.dtype) and attr not in owner._buffers:
+                continue  # a plain attribute of another shape (`self.last_attn = attn`): not state a step carries
+            if now.shape != old.shape or now.dtype != old.dtype:
+                raise UnsupportedModuleError(f"the forward assigns {n!r} a {now.dtype} tensor of shape "
+                                             f"{list(now.shape)} where the buffer held {old.dtype} {list(old.shape)}; "
+                                             "a buffer written in forward keeps its shape and dtype")
+            out[n] = key
+        elif n in saved and old._version == versions[n] and old.layout == torch.strided and \
+                not torch.equal(old, saved[n][1]) and not _passed(rec, _wire_name(n, params)):
+            raise UnsupportedModuleError(f"the forward writes {n!r} through `.data`, which no capture can follow: "
+                                         "write the buffer in place under `with torch.no_grad():` instead "
+                                         "(`self.ema.mul_(d).add_(x)`), or assign it (`self.ema = ...`)")
+        elif old.layout == torch.strided and (old._version != versions[n] or not torch.equal(old, saved[n][1])):
+            # Written in place (batch norm's running statistics, `ema.mul_(d)`): its value after the forward.
+            wire_name = _wire_name(n, params)
+            after = Recorded(rec._fresh(f"{wire_name}_after"), aten.alias.default, (("node", wire_name),), {})
+            rec.calls.append(after)
+            out[n] = after.name
+    return out
+
+
+def _passed(rec: _Recorder, name: str) -> bool:
+    """Whether a recorded call took the tensor itself (batch norm's kernel writes its running statistics
+    without moving their version counter)."""
+    ref = ("node", name)
+    return any(ref in pytree.tree_leaves((c.args, c.kwargs), is_leaf=_is_ref) for c in rec.calls
+               if c.func not in (aten.detach.default, aten.alias.default))  # a read of `.data` writes nothing
+
+
+def _shown(a: Any) -> str:
+    return a[1] if _is_ref(a) else repr(a)
+
+
+def _wire_arg(a: Any) -> Any:
+    if isinstance(a, tuple) and len(a) == 2 and a[0] == "node":
+        return {"node": a[1]}
+    if isinstance(a, (list, tuple)):
+        return [_wire_arg(x) for x in a]
+    if isinstance(a, float) and not math.isfinite(a):
+        return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).removeprefix("torch.")}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise UnsupportedModuleError(f"an argument of type {type(a).__name__} ({a!r}) cannot travel in a graph")
+
+
+def _to_graph(rec: _Recorder, state: dict, params: set, xs: list, batched: list[bool], outs: list,
+              written: dict[str, str]) -> tuple[wire.GraphSpec, dict[str, torch.Tensor], dict[str, str]]:
+    used = {a[1] for c in rec.calls for a in pytree.tree_leaves((c.args, c.kwargs), is_leaf=_is_ref) if _is_ref(a)}
+    out_names = []
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            if o is None:
+                continue
+            raise UnsupportedModuleError(f"the model returns a non-tensor value ({o!r}); return tensors only")
+        key = rec.names.get(id(o))
+        if key is None:
+            raise UnsupportedModuleError("the model returns a tensor its forward did not compute")
+        out_names.append(key)
+        used.add(key)
+    used.update(_wire_name(n, params) for n in written)
+    inputs, weights, kinds, param_dtypes, seen = [], {}, {}, set(), set()
+    for n, t in state.items():
+        if _wire_name(n, params) not in used or id(t) in seen:
+            continue
+        seen.add(id(t))
+        kind = "parameter" if n in params else "buffer"
+        if kind == "parameter" and t.is_floating_point():
+            param_dtypes.add(t.dtype)
+        inputs.append(wire.GraphInput(name=_wire_name(n, params), kind=kind, target=n, dtype=_dtype(t),
+                                      shape=list(t.shape), layout=_layout(t)))
+        weights[n] = t.detach()
+        kinds[n] = kind
+    for i, x in enumerate(xs):
+        entry = wire.GraphInput(name=f"input_{i}", kind="input", dtype=_dtype(x), shape=list(x.shape),
+                                batch_dim=0 if batched[i] else None)
+        entry.layout = _layout(x)
+        inputs.append(entry)
+    constants = {}
+    for key, c in rec.constants.items():
+        w = to_wire(c.cpu().contiguous() if c.layout == torch.strided else c.cpu())
+        constants[key] = w if isinstance(w, wire.Tensor) else wire.Tensor(dtype=w.dtype, shape=w.shape, data=bytes(w.data))
+        inputs.append(wire.GraphInput(name=key, kind="constant", target=key, dtype=_dtype(c), shape=list(c.shape)))
+    nodes = [_node(c) for c in _live(rec.calls, set(out_names) | set(written.values()))]
+    floats = sorted({str(d).removeprefix("torch.") for d in param_dtypes})
+    if len(floats) > 1:
+        raise UnsupportedModuleError(f"the model mixes parameter dtypes {floats}; convert it to one dtype first")
+    dtype = floats[0] if floats else str(torch.get_default_dtype()).removeprefix("torch.")
+    graph = wire.GraphSpec(inputs=inputs, nodes=nodes, outputs=[{"node": k} for k in out_names], dtype=dtype,
+                           constants=constants, buffer_mutations=dict(written))
+    return graph, weights, kinds
+
+
+_EFFECTS = ("rand", "normal", "bernoulli", "uniform", "multinomial", "dropout", "randint", "randperm")
+
+
+def _live(calls: list[Recorded], wanted: set[str]) -> list[Recorded]:
+    """The calls the outputs and the state written need, those that write in place (through views, the values
+    they write may be read), and random draws (the seed's stream, as eager consumes it); autograd's own
+    detaches of saved outputs and other dead calls left out."""
+    keep, need = [], set(wanted)
+    for c in reversed(calls):
+        writes = isinstance(c.func, torch._ops.OpOverload) and any(
+            a.alias_info is not None and a.alias_info.is_write for a in c.func._schema.arguments)
+        random = isinstance(c.func, torch._ops.OpOverload) and any(e in c.func._schema.name for e in _EFFECTS)
+        if c.name in need or writes or random:
+            keep.append(c)
+            need.update(a[1] for a in pytree.tree_leaves((c.args, c.kwargs), is_leaf=_is_ref) if _is_ref(a))
+    return keep[::-1]
+
+
+def _layout(t: torch.Tensor) -> str | None:
+    if t.layout in (torch.sparse_coo, torch.sparse_csr):
+        return str(t.layout).removeprefix("torch.")
+    if t.layout != torch.strided:
+        raise UnsupportedModuleError(f"a {str(t.layout).removeprefix('torch.')} tensor cannot travel; use a dense, "
+                                     "sparse COO or sparse CSR one")
+    return None
+
+
+def _is_ref(a: Any) -> bool:
+    return isinstance(a, tuple) and len(a) == 2 and a[0] == "node"
+
+
+def _node(c: Recorded) -> wire.OpNode:
+    op = "operator.getitem" if c.func is operator.getitem else op_name(c.func)
+    node = wire.OpNode(name=c.name, op=op, args=[_wire_arg(a) for a in c.args],
+                       kwargs={k: _wire_arg(v) for k, v in c.kwargs.items()}, module=c.module, module_type=c.module_type)
+    if c.shape is not None:
+        node.shape = c.shape
+    return node
+
+
+def check_guards(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
+    """Whether the traced graph is this batch's program: the inputs' shapes and dtypes, then (when the graph read
+    values) its calls replayed on this batch up to the last read, under no_grad, each read compared."""
+    if len(xs) != len(traced.guards.inputs):
+        return False
+    for x, (shape, dtype) in zip(xs, traced.guards.inputs):
+        if list(x.shape) != shape or str(x.dtype).removeprefix("torch.") != dtype:
+            return False
+    if traced.guards.constants:
+        return False
+    if not traced.guards.values and not traced.guards.sizes:
+        return True
+    return _replay_holds(traced, module, xs)
+
+
+def _replay_holds(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
+    state = _state(module)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    env: dict[str, Any] = {_wire_name(n, params): t for n, t in state.items()}
+    env.update({f"input_{i}": x.detach().clone() for i, x in enumerate(xs)})
+    env.update(traced.constants)
+    sized = [i for i, c in enumerate(traced.calls) if c.shape is not None]
+    last = max([n for n, _ in traced.reads] + [i + 1 for i in sized] + [0])
+    saved = {n: t.detach().clone() for n, t in state.items()
+             if traced.state_kinds.get(n) == "buffer" and t.layout == torch.strided}
+    reads = list(traced.reads)
+
+    def val(a):
+        if _is_ref(a):
+            return env[a[1]]
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a
+
+    def reads_hold(before: int) -> bool:
+        while reads and reads[0][0] <= before:
+            _, (func, args, kwargs, value) = reads.pop(0)
+            got = func(*val(args), **{k: val(v) for k, v in kwargs.items()})
+            if (bool(got) != value) if isinstance(value, bool) else got != value:
+                return False
+        return True
+
+    try:
+        with torch.no_grad():
+            for i, c in enumerate(traced.calls[:last]):
+                if not reads_hold(i):
+                    return False
+                env[c.name] = c.func(*val(c.args), **{k: val(v) for k, v in c.kwargs.items()})
+                if c.shape is not None and list(env[c.name].shape) != c.shape:
+                    return False
+            return reads_hold(last)
+    except Exception:  # noqa: BLE001  (a replay that cannot run is a program that changed: capture again)
+        return False
+    finally:
+        with torch.no_grad():
+            for n, t in saved.items():
+                state[n].copy_(t)

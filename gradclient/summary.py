@@ -48,7 +48,7 @@ def summary(result: Any) -> str:
     lines.append(f"Parameters: {result.parameter_count:,} ({result.dtype}); loss {result.loss:.6g}; "
                  f"device {result.device}; micro-batches {result.micro_batches}")
     check = result.numcheck
-    if check is None:
+    if check is None or check.passed is None:
         lines.append("Numerical check: off (the gradients were not checked)")
     else:
         verdict = "passed" if check.passed else "FAILED"

@@ -235,24 +235,22 @@ def _from_numpy_bytes(t: Any, raw: memoryview | bytes) -> "np.ndarray":
     return a.reshape(t.shape)
 
 
-_DERIVING: set = set()
-
-
 @functools.cache
 def decode_type(tp: Any) -> Any:
     """The wire type `tp` with every `bytes` field decoded as a memoryview into the message buffer (the
     same Structs, derived, so gradsvc.wire stays the one definition)."""
+    return _derived(tp, frozenset())
+
+
+def _derived(tp: Any, within: frozenset) -> Any:
+    """`decode_type` of `tp` inside the Structs `within` (those being derived around it)."""
     if tp is bytes:
         return memoryview
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        if tp in _DERIVING:  # a Struct inside itself (a sparse Tensor's parts): kept, it holds no bytes field
+        if tp in within:  # a Struct inside itself (a sparse Tensor's parts): kept, it holds no bytes field
             return tp
-        _DERIVING.add(tp)
-        try:
-            fields = msgspec.structs.fields(tp)
-            new = [(f.name, decode_type(f.type)) for f in fields]
-        finally:
-            _DERIVING.discard(tp)
+        fields = msgspec.structs.fields(tp)
+        new = [(f.name, _derived(f.type, within | {tp})) for f in fields]
         if all(n[1] == f.type for n, f in zip(new, fields)):
             return tp
         spec = []
@@ -267,7 +265,7 @@ def decode_type(tp: Any) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is None or not args:
         return tp
-    new_args = tuple(decode_type(a) for a in args)
+    new_args = tuple(_derived(a, within) for a in args)
     if new_args == args:
         return tp
     if origin in (typing.Union, types.UnionType):

@@ -9,7 +9,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -72,12 +72,13 @@ class _RunCollector:
         self.limit, self.modules, self.idle_s = (settings.run_metrics_runs, settings.run_metrics_modules,
                                                  settings.run_metrics_idle_s)
 
-    def collect(self):
+    def collect(self, owner: str | None = None):
+        """The runs' families: every owner's runs, or `owner`'s alone."""
         run = {name: GaugeMetricFamily(name, doc, labels=["run", "owner"]) for name, doc in _RUN_GAUGES}
         per_module = {name: GaugeMetricFamily(name, doc, labels=["run", "owner", "module"])
                       for name, doc in _RUN_MODULE_GAUGES}
         try:
-            exported = self.runs.exported(self.limit, self.idle_s)
+            exported = self.runs.exported(self.limit, self.idle_s, owner)
         except Exception:  # Redis down: export nothing rather than fail the scrape
             exported = []
         for entry in exported:
@@ -87,7 +88,7 @@ class _RunCollector:
             run["gradsvc_run_step"].add_metric(labels, last.step)
             if last.noise_scale is not None:
                 run["gradsvc_run_noise_scale"].add_metric(labels, last.noise_scale)
-            if last.numcheck is not None and last.numcheck.mode != "off":
+            if last.numcheck is not None and last.numcheck.passed is not None:  # absent: the check did not run
                 run["gradsvc_run_check_passed"].add_metric(labels, float(last.numcheck.passed))
             for module in list(last.module_grad_norms)[:self.modules]:
                 per_module["gradsvc_run_module_gradient_norm"].add_metric([*labels, module],
@@ -110,6 +111,19 @@ class _ConnectionCollector:
         for reason, n in CLOSED.items():
             closed.add_metric([reason], n)
         yield closed
+
+
+class _RunsOf:
+    """The run collector's families for one owner (None: every owner's), as generate_latest reads a registry."""
+
+    def __init__(self, collector: _RunCollector, owner: str | None) -> None:
+        self.collector, self.owner = collector, owner
+
+    def collect(self):
+        return self.collector.collect(self.owner)
+
+
+EVERY_OWNER = "*"  # ApiMetrics.exposition: every owner's runs (a keyless deployment, or GRADSVC_RUN_METRICS_PUBLIC)
 
 
 class ApiMetrics:
@@ -140,8 +154,16 @@ class ApiMetrics:
             self.redis_refusals.labels(code)  # exported at 0 from the start, as Prometheus advises for known labels
         self.registry.register(_RedisCollector(reader))
         self.registry.register(_ConnectionCollector())
-        if runs is not None and settings is not None:
-            self.registry.register(_RunCollector(runs, settings))
+        # The runs' gauges are their owners' data: not in the registry, added per scrape by `exposition`.
+        self.run_collector = _RunCollector(runs, settings) if runs is not None and settings is not None else None
+
+    def exposition(self, runs_of: str | None) -> bytes:
+        """/metrics' text: every metric, and the runs' gauges of `runs_of` (an owner id; EVERY_OWNER; None: no
+        run's gauges)."""
+        text = generate_latest(self.registry)
+        if self.run_collector is not None and runs_of is not None:
+            text += generate_latest(_RunsOf(self.run_collector, None if runs_of == EVERY_OWNER else runs_of))
+        return text
 
     def middleware(self, app):
         """ASGI middleware: times each HTTP request, labelled by Litestar's route template. A request whose

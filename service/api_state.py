@@ -18,7 +18,7 @@ from gradsvc.wire import LayerInfo
 from .api_metrics import ApiMetrics
 from .auth import Auth
 from .job_reader import JobReader
-from .sessions import Sessions
+from .page_login import PageLogin
 from .submission import Submitter
 
 
@@ -31,7 +31,7 @@ class ApiState(State):
     submitter: Submitter
     reader: JobReader
     metrics: ApiMetrics
-    sessions: Sessions
+    page_login: PageLogin
     schema_doc: bytes  # GET /schema's answer, encoded once
     layers: list[LayerInfo]  # GET /layers's answer
     runs: RunStore  # training runs: GET/DELETE /runs, the run pages, the run gauges of /metrics

@@ -36,7 +36,7 @@ from .http_server import BodyBudget
 from .idempotency import DIGEST_THREADS, IdempotencyClaims
 from .job_reader import JobReader
 from .queues import JobRecord, Queues
-from .sessions import Sessions
+from .page_login import PageLogin
 from .submission import Submitter
 
 log = logging.getLogger("gradsvc.api")
@@ -82,15 +82,15 @@ def create_app(settings: Settings | None = None) -> Litestar:
     blobs = BlobStore(piece_redis, settings.queue_prefix, settings.tensor_ttl_s, settings.tensor_budget_bytes,
                       max_refs=settings.max_refs)
     engine = Engine(config_from_settings(settings))  # its caches serve every request of this app
-    sessions = Sessions(auth, queues.aredis, settings.queue_prefix, settings.login_failures_per_minute)
+    page_login = PageLogin(auth, queues.aredis, settings.queue_prefix, settings.login_failures_per_minute)
     runs = RunStore(queues.redis, settings.queue_prefix, RunBounds.from_settings(settings))
     metrics = ApiMetrics(reader, runs, settings)
     schema_doc = msgspec.json.encode(openapi.build(settings.max_wait_s, keys_required=auth.enabled,
                                                    metrics_require_key=settings.metrics_require_key))
     parts = {"settings": settings, "engine": engine, "auth": auth, "graphs": graphs, "blobs": blobs,
-             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics), "reader": reader,
+             "submitter": Submitter(engine, graphs, blobs, auth, enqueuer, reader, metrics, runs), "reader": reader,
              "metrics": metrics,
-             "sessions": sessions, "schema_doc": schema_doc, "runs": runs,
+             "page_login": page_login, "schema_doc": schema_doc, "runs": runs,
              "layers": [msgspec.convert(x, LayerInfo) for x in layer_catalogue()]}
 
     @asynccontextmanager
@@ -110,7 +110,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     app = Litestar(
         route_handlers=ROUTES,
-        dependencies={"owner": Provide(auth.owner, sync_to_thread=False), "viewer": Provide(sessions.owner)},
+        dependencies={"owner": Provide(auth.owner, sync_to_thread=False), "viewer": Provide(page_login.owner)},
         state=ApiState(parts),
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -11,7 +11,7 @@
 uvicorn internals overridden (uvicorn 0.55, httptools_impl.HttpToolsProtocol; tests/service/test_http_server.py
 pins them): data_received (the head is counted before the parser sees it), on_message_complete (the next
 request's head starts), pause_writing (a buffer past the high-water mark starts the stall watch),
-connection_lost (the watch ends). `gradsvc serve` passes the class to uvicorn.run(http=...).
+connection_lost (the watch ends). `serve` (what `gradsvc serve` runs) passes the class to uvicorn.run(http=...).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .exceptions import ServiceError
@@ -47,6 +48,7 @@ class BoundedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head: bytearray | None = bytearray()  # this request's head so far; None once it ended
         self._stall: asyncio.TimerHandle | None = None
+        self._progress = (0, 0.0)  # (bytes waiting, when they last went down) while the stall watch runs
 
     def data_received(self, data: bytes) -> None:
         head = self._head
@@ -83,18 +85,24 @@ class BoundedProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._watch(self.transport.get_write_buffer_size())
+            self._progress = (self.transport.get_write_buffer_size(), self.loop.time())
+            self._watch()
 
-    def _watch(self, waiting: int) -> None:
-        self._stall = self.loop.call_later(self.write_timeout_s, self._check_progress, waiting)
+    def _watch(self) -> None:
+        # Sampled four times a timeout: a reader that took a few pieces and then stopped is cut one timeout after
+        # its last read (judged once a timeout, a read early in the window bought it a second window).
+        self._stall = self.loop.call_later(self.write_timeout_s / 4, self._check_progress)
 
-    def _check_progress(self, was_waiting: int) -> None:
+    def _check_progress(self) -> None:
         self._stall = None
         waiting = self.transport.get_write_buffer_size()
         if waiting == 0:
             return
-        if waiting < was_waiting:  # slow but reading: watch on
-            self._watch(waiting)
+        now = self.loop.time()
+        if waiting < self._progress[0]:  # slow but reading: watch on
+            self._progress = (waiting, now)
+        if now - self._progress[1] < self.write_timeout_s:
+            self._watch()
             return
         CLOSED["stalled_reader"] += 1
         log.warning("closing the connection of %s: it read none of the %d bytes waiting for it in %.0f s "
@@ -106,6 +114,13 @@ class BoundedProtocol(HttpToolsProtocol):
             self._stall.cancel()
             self._stall = None
         super().connection_lost(exc)
+
+
+def serve(settings) -> None:
+    """`gradsvc serve`: the API (service.app's factory) under uvicorn with this protocol, until stopped."""
+    uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower(), access_log=False,
+                timeout_keep_alive=settings.keep_alive_s, http=protocol(settings))
 
 
 def protocol(settings) -> type[BoundedProtocol]:

@@ -17,7 +17,7 @@ from . import graph_svg, html, recent, run_svg
 from .exceptions import ServiceError
 from .api_state import ApiState
 from .run_routes import owned_steps
-from .sessions import SESSION_TTL_S, Sessions
+from .page_login import LOGIN_TTL_S, PageLogin
 
 # A running job's page reloads itself this often (a <meta> refresh: no script).
 REFRESH_S = 2
@@ -55,16 +55,16 @@ def _next_path(given: str | None) -> str:
 
 @get("/ui/login", include_in_schema=False)
 async def login_form(request: Request, state: ApiState) -> Response:
-    sessions = state.sessions
+    page_login = state.page_login
     nxt = _next_path(request.query_params.get("next"))
-    if not sessions.auth.enabled:
+    if not page_login.auth.enabled:
         return Redirect(_location(nxt), status_code=303)
-    return html.page("login.html", next=nxt, failed=False, ttl_h=SESSION_TTL_S // 3600, logged_in=False)
+    return html.page("login.html", next=nxt, failed=False, ttl_h=LOGIN_TTL_S // 3600, logged_in=False)
 
 
 @post("/ui/login", include_in_schema=False, status_code=303)
 async def login(request: Request, state: ApiState) -> Response:
-    sessions = state.sessions
+    page_login = state.page_login
     origin = request.headers.get("origin")
     if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
         # Another site's page posting the form (login CSRF: the browser would hold the attacker's session).
@@ -72,23 +72,23 @@ async def login(request: Request, state: ApiState) -> Response:
                            "log in from this service's own page, /ui/login", header="Origin")
     form = await request.form()
     nxt = _next_path(form.get("next"))
-    token = await sessions.login(str(form.get("key", "")), request.client.host if request.client else "")
+    token = await page_login.login(str(form.get("key", "")), request.client.host if request.client else "")
     if token is None:
-        return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=SESSION_TTL_S // 3600,
+        return html.page("login.html", status_code=401, next=nxt, failed=True, ttl_h=LOGIN_TTL_S // 3600,
                          logged_in=False)
-    return Redirect(_location(nxt), status_code=303, cookies=[Sessions.cookie(request, token)])
+    return Redirect(_location(nxt), status_code=303, cookies=[PageLogin.cookie(request, token)])
 
 
 @post("/ui/logout", include_in_schema=False, status_code=303)
 async def logout(request: Request, state: ApiState) -> Response:
-    sessions = state.sessions
-    await sessions.logout(request)
-    return Redirect("/ui/login", status_code=303, cookies=[Sessions.cookie(request, "", max_age=0)])
+    page_login = state.page_login
+    await page_login.logout(request)
+    return Redirect("/ui/login", status_code=303, cookies=[PageLogin.cookie(request, "", max_age=0)])
 
 
 @get("/ui/jobs", include_in_schema=False)
 async def job_list(request: Request, viewer: str | None, state: ApiState) -> Response:
-    reader, sessions = state.reader, state.sessions
+    reader, page_login = state.reader, state.page_login
     if viewer is None:
         return login_redirect(request)
     jobs = []
@@ -97,12 +97,12 @@ async def job_list(request: Request, viewer: str | None, state: ApiState) -> Res
             jobs.append(await reader.info(job_id, viewer, with_result=False))
         except ServiceError:  # expired since it was listed
             continue
-    return html.page("jobs.html", jobs=jobs, limit=recent.RECENT_JOBS, logged_in=sessions.auth.enabled)
+    return html.page("jobs.html", jobs=jobs, limit=recent.RECENT_JOBS, logged_in=page_login.auth.enabled)
 
 
 @get("/ui/jobs/{job_id:str}", include_in_schema=False)
 async def job_page(request: Request, viewer: str | None, state: ApiState, job_id: str) -> Response:
-    reader, sessions = state.reader, state.sessions
+    reader, page_login = state.reader, state.page_login
     if viewer is None:
         return login_redirect(request)
     try:
@@ -110,12 +110,12 @@ async def job_page(request: Request, viewer: str | None, state: ApiState, job_id
     except ServiceError as exc:
         if exc.code != "not_found":
             raise
-        return html.page("missing.html", status_code=404, message=exc.message, logged_in=sessions.auth.enabled)
+        return html.page("missing.html", status_code=404, message=exc.message, logged_in=page_login.auth.enabled)
     max_nodes = state.settings.page_graph_nodes
     run = await anyio.to_thread.run_sync(state.runs.job_run, job_id) if job.status == "finished" else None
     # Off the event loop: a result's page (its drawing, its tables) costs time that grows with the result.
     return await anyio.to_thread.run_sync(
-        lambda: html.page("job.html", logged_in=sessions.auth.enabled, **{**job_context(job, max_nodes), "run": run}))
+        lambda: html.page("job.html", logged_in=page_login.auth.enabled, **{**job_context(job, max_nodes), "run": run}))
 
 
 def job_context(job: JobInfo, max_graph_nodes: int = graph_svg.DEFAULT_MAX_NODES) -> dict:
@@ -169,7 +169,7 @@ async def run_list(request: Request, viewer: str | None, state: ApiState) -> Res
     if viewer is None:
         return login_redirect(request)
     runs = await anyio.to_thread.run_sync(state.runs.runs, viewer)
-    return html.page("runs.html", runs=runs, logged_in=state.sessions.auth.enabled)
+    return html.page("runs.html", runs=runs, logged_in=state.page_login.auth.enabled)
 
 
 @get("/ui/runs/{name:str}", include_in_schema=False)
@@ -180,26 +180,35 @@ async def run_page(request: Request, viewer: str | None, state: ApiState, name: 
         steps = await owned_steps(state, viewer, name)  # GET /runs/{name}'s rule: another key's run is unknown
     except ServiceError as exc:
         return html.page("missing.html", status_code=404, message=exc.message, what="run",
-                         logged_in=state.sessions.auth.enabled)
-    return html.page("run.html", logged_in=state.sessions.auth.enabled, **run_context(name, steps))
+                         logged_in=state.page_login.auth.enabled)
+    # Drawn in a thread: a long run of a deep model is hundreds of thousands of SVG elements, which on the event
+    # loop held every other client (the page's size is bounded too: GRADSVC_RUN_PAGE_CELLS).
+    cells = state.settings.run_page_cells
+    return await anyio.to_thread.run_sync(lambda: html.page("run.html", logged_in=state.page_login.auth.enabled,
+                                                            **run_context(name, steps, cells)))
 
 
-def run_context(name: str, kept) -> dict:
+def run_context(name: str, kept, max_cells: int = 100_000) -> dict:
     """What run.html shows: the run's steps and its plots (SVG made here, every name escaped by run_svg). A long
     run shows its last PLOT_STEPS steps (a page of 10,000 steps x 30 modules would be 300,000 heatmap cells);
-    the CSV has them all."""
+    each heatmap draws at most `max_cells` cells (GRADSVC_RUN_PAGE_CELLS): every k-th of those steps, the last
+    one always, and the first `max_cells` modules. The CSV has them all."""
     steps = kept[-PLOT_STEPS:]
     noise = [(s.step, s.noise_scale) for s in steps if s.noise_scale is not None]
+    modules = max((len(s.module_grad_norms) for s in steps), default=1) or 1
+    stride = max(1, -(-len(steps) * modules // max_cells))  # ceil
+    drawn = steps[::-1][::stride][::-1]
     plots = {
         "loss_svg": run_svg.curve("loss-plot", "loss", [(s.step, s.loss) for s in steps]),
         "norm_svg": run_svg.curve("norm-plot", "gradient norm", [(s.step, s.grad_norm) for s in steps]),
         "noise_svg": run_svg.curve("noise-plot", "noise scale", noise) if noise else "",
-        "norm_heatmap": run_svg.heatmap("norm-heatmap", "gradient norm per module", steps, "module_grad_norms"),
-        "ratio_heatmap": run_svg.heatmap("ratio-heatmap", "update ratio per module", steps, "update_ratio"),
+        "norm_heatmap": run_svg.heatmap("norm-heatmap", "gradient norm per module", drawn, "module_grad_norms",
+                                        max_cells),
+        "ratio_heatmap": run_svg.heatmap("ratio-heatmap", "update ratio per module", drawn, "update_ratio", max_cells),
         "verdict_svg": run_svg.verdicts("verdict-strip", steps),
     }
     return {"name": name, "steps": steps, "kept": len(kept), "table_steps": steps[-TABLE_STEPS:][::-1],
-            **{k: Markup(v) for k, v in plots.items()}}
+            "heatmap_stride": stride, **{k: Markup(v) for k, v in plots.items()}}
 
 
 @get("/ui/static/{name:str}", include_in_schema=False)

@@ -37,12 +37,17 @@ async def read_request(request: Request) -> tuple[bytes, str, GradientRequest]:
 
 # torch.manual_seed's range: a seed outside it is refused here, not by the worker after the queue.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Every seed a request carries (tests/service/test_submit.py walks the wire Structs against this list).
+SEED_FIELDS = ("model.seed", "options.hvp.seed", "options.curvature.seed")
 
 
 def check_seeds(req: GradientRequest) -> None:
+    """The one check of every seed field, for POST /gradients and POST /estimate alike."""
     seeds = {"model.seed": req.model.seed}
     if req.options.hvp is not None:
         seeds["options.hvp.seed"] = req.options.hvp.seed
+    if req.options.curvature is not None:
+        seeds["options.curvature.seed"] = req.options.curvature.seed
     for where, seed in seeds.items():
         if not SEED_MIN <= seed <= SEED_MAX:
             raise ServiceError("bad_option", f"{where} is {seed}, outside the 64 bits torch.manual_seed takes "

@@ -7,8 +7,9 @@ from __future__ import annotations
 import anyio.to_thread
 from litestar import Request, Response, get
 from litestar.response import Redirect
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from .api_metrics import EVERY_OWNER
 from .api_state import ApiState
 from .exceptions import ServiceError
 from .negotiation import respond
@@ -42,10 +43,20 @@ async def readyz(request: Request, state: ApiState) -> Response:  # a probe: no 
 
 @get("/metrics")
 async def metrics_route(request: Request, state: ApiState) -> Response:
-    if state.settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
-        state.auth.owner(request)
-    text = await anyio.to_thread.run_sync(generate_latest, state.metrics.registry)
+    settings, auth = state.settings, state.auth
+    if settings.metrics_require_key:  # open by default, as Prometheus scrapes expect
+        auth.owner(request)
+    text = await anyio.to_thread.run_sync(state.metrics.exposition, _runs_shown(request, state))
     return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+def _runs_shown(request: Request, state: ApiState) -> str | None:
+    """Whose runs a scrape sees: every run without API keys or with GRADSVC_RUN_METRICS_PUBLIC; else the runs of
+    the key it sends, and none without one (run names, losses and norms are the key holders' data)."""
+    if not state.auth.enabled or state.settings.run_metrics_public:
+        return EVERY_OWNER
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return state.auth.owner_of_key(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
 
 
 @get("/schema")

@@ -54,11 +54,14 @@ def _colour(value: float, lo: float, hi: float) -> str:
     return f"hsl(215, 80%, {int(92 - 62 * t)}%)"
 
 
-def heatmap(css_id: str, title: str, steps: list[RunStep], field: str) -> str:
-    """Modules (rows, in the model's order) x steps (columns): `field` is module_grad_norms or update_ratio."""
+def heatmap(css_id: str, title: str, steps: list[RunStep], field: str, max_rows: int | None = None) -> str:
+    """Modules (rows, in the model's order; the first `max_rows`) x steps (columns): `field` is
+    module_grad_norms or update_ratio."""
     rows: dict[str, None] = {}
     for s in steps:
         rows.update(dict.fromkeys(getattr(s, field) or ()))
+    if max_rows is not None and len(rows) > max_rows:
+        rows = dict.fromkeys(list(rows)[:max_rows])
     values = [v for s in steps for v in (getattr(s, field) or {}).values() if v > 0]
     if not rows or not values:
         return f'<p class="note" id="{css_id}">No {escape(title)} recorded.</p>'
@@ -92,7 +95,7 @@ def verdicts(css_id: str, steps: list[RunStep]) -> str:
              'role="img" aria-label="check verdicts"><text x="0" y="16">check per step</text>']
     for c, s in enumerate(steps):
         nc = s.numcheck
-        verdict = "off" if nc is None or nc.mode == "off" else ("passed" if nc.passed else "failed")
+        verdict = "off" if nc is None or nc.passed is None else ("passed" if nc.passed else "failed")
         detail = "not checked" if verdict == "off" else f"{nc.mode} {verdict}, max rel. error {nc.max_rel_error:.2e}"
         parts.append(f'<a href="/ui/jobs/{quote(s.job_id, safe="")}"><rect class="verdict {verdict}" '
                      f'x="{LABEL_W + c * cell_w:.1f}" y="4" width="{cell_w:.1f}" height="16">'

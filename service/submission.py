@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -15,10 +16,12 @@ import anyio.to_thread
 from gradsvc.broker import affinity
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
+from gradsvc.broker.connection import send_async
 from gradsvc.broker.graphs import GraphStore
+from gradsvc.broker.runs import RunStore
 from gradsvc.engine import Engine
 from gradsvc.engine.prepare import Prepared
-from gradsvc.wire import Estimate, GradientRequest, JobInfo
+from gradsvc.wire import ITEMSIZE, MAX_RUN_STEP, Estimate, GradientRequest, JobInfo
 
 from .api_metrics import ApiMetrics
 from .auth import Auth
@@ -72,6 +75,27 @@ class Submitter:
     enqueuer: Enqueuer
     reader: JobReader
     metrics: ApiMetrics
+    runs: RunStore | None = None  # None: run steps are not checked against the run's state before the queue
+
+    async def check_run(self, req: GradientRequest, owner: str) -> None:
+        """A run's step against the run as Redis holds it (one round trip): a step without a number after
+        MAX_RUN_STEP, and weights the run would keep past the owner's byte budget, are refused before the queue."""
+        run, bounds = req.run, self.runs.bounds
+        replies = await send_async(self.reader.aredis, self.runs.usage_commands(owner, run.name))
+        usage = self.runs.usage_of(replies, run.name)
+        if run.step is None and usage.last_step is not None and usage.last_step >= MAX_RUN_STEP:
+            raise ServiceError("bad_option", f"run {run.name!r} is at step {usage.last_step}, the largest step number "
+                               f"({MAX_RUN_STEP}), so the next one cannot be numbered; start a new run, or send "
+                               "run.step to replace a recorded step", option="run.step", run=run.name,
+                               last_step=usage.last_step)
+        size = sum(ITEMSIZE.get(t.dtype, 8) * math.prod(t.shape) for t in (req.model.weights or {}).values())
+        if 0 < size <= bounds.weights_max_bytes and usage.other_weights_bytes + size > bounds.weights_budget_bytes:
+            raise ServiceError("too_large", f"run {run.name!r} keeps a copy of its step's weights ({size} bytes) for "
+                               f"the next step's update ratio, and this API key's runs already keep "
+                               f"{usage.other_weights_bytes} bytes: together over GRADSVC_TENSOR_BUDGET_BYTES="
+                               f"{bounds.weights_budget_bytes}; delete runs you no longer need (DELETE /runs/{{name}})",
+                               run=run.name, bytes=size, used_bytes=usage.other_weights_bytes,
+                               setting="GRADSVC_TENSOR_BUDGET_BYTES", limit=bounds.weights_budget_bytes)
 
     async def submit(self, asked: Submission, received: Awaitable[tuple[bytes, str, GradientRequest]]) -> Outcome:
         """`received`: the body as it comes in (parsing.read_request: the bytes to queue, their format, the
@@ -86,6 +110,8 @@ class Submitter:
             if releasing is not None:
                 count, recycled = await releasing
                 self.metrics.results_released.inc(count)
+        if req.run is not None and self.runs is not None:
+            await self.check_run(req, owner)
         job = JobRequest(body, fmt, owner, req.options.device, key=asked.key, key_age_s=asked.key_age_s)
         job_id, created = await self._enqueue(req, job, recycled)
         encoding = req.options.encoding

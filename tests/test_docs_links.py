@@ -88,3 +88,41 @@ def test_every_path_a_page_names_exists(page):
     names = re.findall(r"`((?:[\w-]+/)+[\w.-]+\.(?:md|py|yml|yaml|json|toml|png))`", text)
     missing = [n for n in names if not (ROOT / n).exists()]
     assert not missing, missing
+
+
+PACKAGE_DIRS = ("gradsvc", "service", "workers", "gradclient")
+
+
+def _layout_sections() -> dict[str, str]:
+    """docs/architecture.md's Layout drawing, by the folder each paragraph starts with ("gradsvc/engine/": text)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    sections: dict[str, str] = {}
+    current = None
+    for line in block[:block.index("```")].splitlines():
+        head = re.match(r"^([\w.]+(?:/[\w.]+)*/)\s", line)
+        if head:
+            current = head.group(1)
+        if current:
+            sections[current] = sections.get(current, "") + line + "\n"
+    return {folder: body for folder, body in sections.items() if folder.split("/")[0] in PACKAGE_DIRS}
+
+
+def test_the_layout_drawing_names_every_module_where_it_lives_and_none_that_is_gone():
+    """Each module of the four packages is named in the paragraph of the deepest folder drawn above it (or by its
+    path), and every bare `name.py` a paragraph names is a module under that folder."""
+    sections = _layout_sections()
+    found: dict[str, set[str]] = {}
+    unnamed = []
+    for path in sorted(p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py") if p.name != "__init__.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        folder = max((f for f in sections if rel.startswith(f)), key=len)
+        found.setdefault(folder, set()).add(path.name)
+        bare = re.search(r"(?<![\w/.])" + re.escape(path.name) + r"(?!\w)", sections[folder])
+        if not bare and rel not in "".join(sections.values()):
+            unnamed.append(rel)
+    gone = sorted((folder, name) for folder, body in sections.items()
+                  for name in set(re.findall(r"(?<![\w/.])(\w+\.py)\b", body)) - found.get(folder, set()) - {"__init__.py"})
+    assert unnamed == [], "modules docs/architecture.md's Layout does not name: add a line for each"
+    assert gone == [], "modules the Layout names that are not there (moved or renamed?)"

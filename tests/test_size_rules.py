@@ -1,6 +1,6 @@
 """The size rules (docs/architecture.md, "Size rules"): in the project's modules (gradsvc, service, workers,
 gradclient) no function is over 60 lines or takes over 7 parameters (self and cls not counted, *args and
-**kwargs one each) and no class is over 250 lines. Read from the source (ast), as tests/test_imports.py
+**kwargs one each), no class is over 250 lines and no file over 600 (a wire module over 300: one resource each). Read from the source (ast), as tests/test_imports.py
 reads the imports.
 
 One list names what may break them, PUBLIC_CALLS, the one exception: the SDK's public calls whose keyword
@@ -22,6 +22,8 @@ PACKAGES = ("gradsvc", "service", "workers", "gradclient")
 MAX_FUNCTION_LINES = 60
 MAX_PARAMETERS = 7
 MAX_CLASS_LINES = 250
+MAX_FILE_LINES = 600
+MAX_WIRE_MODULE_LINES = 300
 
 PUBLIC_CALLS = frozenset({
     "gradclient/base.py::BaseClient.__init__",  # Client(...) and AsyncClient(...): the client's settings
@@ -105,6 +107,18 @@ def test_no_function_or_class_breaks_the_size_rules_outside_its_lists():
         f"<= {MAX_CLASS_LINES} lines; docs/architecture.md, 'Size rules'):\n" + "\n".join(new)
         + "\nsplit the function into named steps, or pass one object (a frozen dataclass) instead of many "
         "arguments")
+
+
+def test_no_file_is_over_600_lines_nor_a_wire_module_over_300():
+    over = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            limit = MAX_WIRE_MODULE_LINES if rel.startswith("gradsvc/wire/") else MAX_FILE_LINES
+            lines = len(path.read_text().splitlines())
+            if lines > limit:
+                over.append(f"  {rel}: {lines} lines (at most {limit})")
+    assert not over, "files over the size rules; split them by what they own:\n" + "\n".join(over)
 
 
 def test_the_public_calls_listed_are_there():

@@ -34,6 +34,7 @@ from gradsvc.broker.affinity import Mover
 from gradsvc.broker.connection import refusal
 from gradsvc.broker.job import GRADIENT_JOB, GradientJob
 from gradsvc.broker.record import JobMeta
+from gradsvc.runtime.malloc import MemoryKeeper
 
 from .jobs import WorkerContext, hand_over
 from .leasing import REDIS_ERRORS, Leases
@@ -73,6 +74,7 @@ class GradientWorker(SimpleWorker):
         self._starting = None  # prepare_execution's open pipeline, executed by prepare_job_execution
         self._started: SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet
         self._suspension_checked = float("-inf")
+        self.memory = MemoryKeeper()  # after warm-up (workers/main.py builds the worker after it)
 
     # --- leases (renewed by the heartbeat thread: workers/leasing.py) --------------------------------
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
@@ -208,6 +210,7 @@ class GradientWorker(SimpleWorker):
             if self._started is not None:  # the job ended without handle_execution_ended: drop the reply
                 self._started.drop()
                 self._started = None
+            self.memory.after_job()
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)

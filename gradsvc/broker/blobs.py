@@ -3,7 +3,7 @@ sha256 in a request's tensors (`{"dtype", "shape", "refs": [sha256, ...]}`), as 
 
 A piece is stored per owner (API key) under keys.blob_key with a TTL (GRADSVC_TENSOR_TTL_S) that each use
 refreshes, within a byte budget per owner (GRADSVC_TENSOR_BUDGET_BYTES: over it, the owner's least
-recently used pieces go). Every worker reads them from Redis, and keeps the pieces it used in a local
+recently used pieces go; the weights the owner's training runs keep count in it too, gradsvc/broker/runs.py). Every worker reads them from Redis, and keeps the pieces it used in a local
 LRU bounded by bytes (GRADSVC_TENSOR_CACHE_BYTES), so a frozen backbone stays on the worker between
 calls. A reference another owner sent, or one that expired or was evicted, is unknown: a 422
 `tensor_not_found` that the SDK answers by uploading the pieces again. No torch here, no Redis import:
@@ -149,7 +149,9 @@ class BlobStore:
         pipe.expire(index, self.ttl_s)
         pipe.expire(sizes, self.ttl_s)
         pipe.hvals(sizes)
-        total = sum(int(v) for v in pipe.execute()[-1])
+        pipe.hvals(keys.run_weights_sizes_key(self.prefix, owner))  # the owner's runs' kept weights count too
+        *_, pieces, runs = pipe.execute()
+        total = sum(int(v) for v in pieces) + sum(int(v) for v in runs)
         evicted = 0
         while total > self.budget_bytes:
             oldest = self.redis.zpopmin(index)

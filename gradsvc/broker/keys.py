@@ -153,8 +153,8 @@ def owner_jobs_key(prefix: str, owner: str) -> str:
     return f"{prefix}:jobs:{owner}"
 
 
-def session_key(prefix: str, token: str) -> str:
-    """A browser session (service/sessions.py) -> its owner. The cookie's token is hashed, so what the
+def page_login_key(prefix: str, token: str) -> str:
+    """A browser's login to the pages (service/page_login.py) -> its owner. The cookie's token is hashed, so what the
     browser holds never becomes part of a Redis key."""
     return f"{prefix}:session:{hashlib.sha256(token.encode()).hexdigest()}"
 
@@ -196,6 +196,12 @@ def run_key(prefix: str, owner: str, name: str, part: str) -> str:
     return f"{run_base(prefix, owner)}{hashlib.sha1(name.encode()).hexdigest()}:{part}"
 
 
+def run_weights_sizes_key(prefix: str, owner: str) -> str:
+    """The bytes of each of the owner's runs' kept weights (a hash by run name): what the owner's byte budget
+    (GRADSVC_TENSOR_BUDGET_BYTES) counts of its runs, beside its tensor pieces."""
+    return f"{prefix}:run-weights:{owner}"
+
+
 def run_exports_key(prefix: str) -> str:
     """Every owner's runs ("<owner> <name>") by the time of their last step: the API's /metrics exports the
     most recent of them."""
@@ -215,5 +221,5 @@ def write_probe_key(prefix: str) -> str:
 
 
 def login_failures_key(prefix: str, client: str, window: int) -> str:
-    """Failed /ui/login attempts from one client address in one minute (service/sessions.py throttles them)."""
+    """Failed /ui/login attempts from one client address in one minute (service/page_login.py throttles them)."""
     return f"{prefix}:login-failures:{client}:{window}"

@@ -237,7 +237,7 @@ def _per_example(run: Run) -> None:
         run.examples = per_sample_gradients(prep, run.params, run.seed, run.device, summed=opts.numcheck != "off")
     examples = run.examples
     run.diagnosed = diagnostics.run(prep, run.params, run.device, run.seed, run.computed,
-                                    examples and examples.gradients)
+                                    examples and examples.gradients, run.progress)
 
 
 def _numerical_check(run: Run) -> None:

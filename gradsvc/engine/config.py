@@ -43,6 +43,7 @@ class EngineConfig:
     max_timing_repeat: int = MAX_TIMING_REPEAT
     init_cache_bytes: int = 1 << 30
     resident_model_bytes: int = 1 << 30  # models a worker keeps on its device with their weights (resident.py); 0: none
+    max_krylov_bytes: int = 4 << 30  # options.curvature's Lanczos basis (diagnostics/lanczos.py: krylov_bytes)
 
 
 def config_from_settings(settings, device: torch.device | None = None) -> EngineConfig:
@@ -60,6 +61,7 @@ def config_from_settings(settings, device: torch.device | None = None) -> Engine
         numcheck_budget_min_s=settings.numcheck_budget_min_s,
         resident_model_bytes=settings.resident_model_bytes if settings.resident_model_bytes >= 0 else
         default_resident_bytes(device or torch.device("cpu"), settings.workers),
+        max_krylov_bytes=settings.max_krylov_bytes,
     )
 
 

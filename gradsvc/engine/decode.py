@@ -9,10 +9,12 @@ import msgspec
 import torch
 from torch import nn
 
-from gradsvc.wire import PER_EXAMPLE_DIAGNOSTICS, GradientRequest, LossSpec, Options, Tensor, is_tensor
+from gradsvc.wire import (PER_EXAMPLE_DIAGNOSTICS, CurvatureOptions, GradientRequest, LossSpec, Options, Tensor,
+                          is_tensor)
 
 from . import tensors
 from .config import EngineConfig
+from .diagnostics import lanczos
 from .errors import SpecError
 from .losses import OWN_LOSS, LossTerm, make_term, own_term, prepare_target
 from .prepared import Batch
@@ -238,7 +240,8 @@ def validate_hvp(opts: Options, model: nn.Module, frozen: set[str]) -> None:
                             f"{trainable[name]}", parameter=name)
 
 
-def validate_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, frozen: set[str]) -> None:
+def validate_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module, frozen: set[str],
+                         max_krylov_bytes: int | None = None) -> None:
     """options.diagnostics, clip and curvature against the model and the losses, before the queue."""
     def bad(msg: str, **detail) -> None:
         raise SpecError("bad_option", msg, **detail)
@@ -261,8 +264,30 @@ def validate_diagnostics(opts: Options, terms: list[LossTerm], model: nn.Module,
     if per_example_option(opts) and len({t.reduction for t in terms}) > 1:
         bad(f"{per_example_option(opts)}: the losses reduce differently, so an example's share of the gradient is "
             "not defined; give every loss the same reduction", option=asked[0])
+    if opts.clip is not None and opts.clip.noise_multiplier and not opts.clip.per_sample:
+        bad("options.clip.noise_multiplier adds the DP-SGD step's noise, which belongs to per-example clipping; "
+            "set options.clip.per_sample=true to clip each example and add the noise, or leave noise_multiplier "
+            "out for clip_grad_norm_'s global clipping", option="clip.noise_multiplier")
     if opts.curvature is not None:
         _validate_curvature(opts, terms, size)
+        if max_krylov_bytes is not None:
+            validate_krylov(opts.curvature, size, max_krylov_bytes)
+
+
+def validate_krylov(c: CurvatureOptions, size: int, max_bytes: int) -> None:
+    """The Lanczos basis the curvature options hold (float64 vectors of the parameter count, one per iteration)
+    against GRADSVC_MAX_KRYLOV_BYTES, before the queue."""
+    vectors = lanczos.krylov_vectors(c, size)
+    need = vectors * size * 8
+    if need <= max_bytes:
+        return
+    fits = max_bytes // (size * 8) - (1 + c.top if c.top else 2)  # the iterations' vectors beside the fixed ones
+    fix = (f"set options.curvature.iterations to at most {fits}" if fits >= 1 else
+           "no Lanczos run of this model fits; ask for the trace alone (top=0, trace=true)")
+    raise SpecError("too_large", f"options.curvature: the Lanczos basis holds {vectors} float64 vectors of the "
+                    f"{size} trainable parameters, {need} bytes, over GRADSVC_MAX_KRYLOV_BYTES={max_bytes}; {fix}, "
+                    "or raise GRADSVC_MAX_KRYLOV_BYTES", option="curvature.iterations",
+                    setting="GRADSVC_MAX_KRYLOV_BYTES", bytes=need, max_bytes=max_bytes, max_iterations=max(fits, 0))
 
 
 def _validate_curvature(opts: Options, terms: list[LossTerm], size: int) -> None:

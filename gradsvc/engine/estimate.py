@@ -10,6 +10,7 @@ import msgspec
 from gradsvc.wire import Estimate, GradientRequest
 
 from .config import EngineCaches, EngineConfig
+from .diagnostics.lanczos import krylov_bytes
 from .passes import chunks, forward, metered, trainable
 from .prepare import prepare
 from .prepared import GraphResolver, Prepared
@@ -52,4 +53,13 @@ def _estimate(prep: Prepared) -> Estimate:
     chunk = next(chunks(prep))
     with metered(prep.model, on=True) as meter:
         forward(prep, chunk, meter)
-    return Estimate(parameter_count=prep.parameter_count, memory=meter.report(None))
+    return Estimate(parameter_count=prep.parameter_count, memory=meter.report(None), krylov_bytes=_krylov_bytes(prep))
+
+
+def _krylov_bytes(prep: Prepared) -> int:
+    """What options.curvature's Lanczos basis holds (the bound the meta check applied: decode.validate_krylov)."""
+    c = prep.options.curvature
+    if c is None:
+        return 0
+    size = sum(p.numel() for n, p in prep.model.named_parameters() if n not in prep.frozen)
+    return krylov_bytes(c, size)

@@ -49,7 +49,7 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
     rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs))
     frozen = validate_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
     validate_hvp(opts, side.meta, frozen)
-    validate_diagnostics(opts, terms, side.meta, frozen)
+    validate_diagnostics(opts, terms, side.meta, frozen, config.max_krylov_bytes)
     side.validate_batch_statistics(opts, inputs)
     model, held = side.model(device, shape_only, scope)  # the weights decoded and checked (those not in place)
     if str(device) != "meta":

@@ -162,12 +162,13 @@ def _cosines(per_loss: dict[str, dict[str, Tensor | None]]) -> dict[str, float]:
 
 def worst_numcheck(results: list[GradientResult]) -> tuple[Numcheck | None, int | None]:
     """The shard whose check is worst (a failed one first, then the largest relative error), with `passed`
-    true only when every shard's passed."""
+    true only when every shard's passed, and null when a shard's did not run (numcheck off)."""
     checked = [(k, r.numcheck) for k, r in enumerate(results) if r.numcheck is not None]
     if not checked:
         return None, None
-    k, worst = max(checked, key=lambda kc: (not kc[1].passed, kc[1].max_rel_error))
-    return msgspec.structs.replace(worst, passed=all(c.passed for _, c in checked)), k
+    k, worst = max(checked, key=lambda kc: (kc[1].passed is False, kc[1].max_rel_error))
+    verdicts = [c.passed for _, c in checked]
+    return msgspec.structs.replace(worst, passed=None if None in verdicts else all(verdicts)), k
 
 
 def check_combined(result: GradientResult, references: list[dict[str, Tensor] | None], plan: ShardPlan) -> None:

@@ -8,8 +8,10 @@ environment only (docs/configuration.md).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from typing import Callable
 
 from gradsvc import __version__
 from .settings import Settings, SettingsError
@@ -24,6 +26,15 @@ _FLAGS = {
     "device": ("worker_device", str, "auto (a GPU when present), cpu or cuda (GRADSVC_WORKER_DEVICE)"),
     "redis-url": ("redis_url", str, "the Redis to queue on (GRADSVC_REDIS_URL; `up` starts an embedded one when "
                                     "neither is given)"),
+}
+# Each process's entry point, "module:function", called with the Settings (and the worker's index and burst).
+# The command starts what the layers above it define without importing them, as the API enqueues the job
+# functions by dotted path (gradsvc/broker/job.py): no import runs from gradsvc up to service/ or workers/, and
+# `gradsvc up` (launcher.py) starts each as `python -m gradsvc serve | worker`. tests/gradsvc/runtime/test_cli.py
+# pins each path to its function.
+ENTRY_POINTS = {
+    "serve": "service.http_server:serve",
+    "worker": "workers.main:run",
 }
 _COMMANDS = {
     "serve": ("run the HTTP API (uvicorn)", ["host", "port", "redis-url"]),
@@ -51,6 +62,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry_point(command: str) -> Callable[..., None]:
+    """The function ENTRY_POINTS names for `command`, imported now."""
+    module, _, function = ENTRY_POINTS[command].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
@@ -65,17 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if args.command == "serve":
-        import uvicorn
-
-        from service.http_server import protocol
-
-        uvicorn.run("service.app:app_factory", factory=True, host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(), access_log=False,
-                    timeout_keep_alive=settings.keep_alive_s, http=protocol(settings))
+        entry_point("serve")(settings)
     elif args.command == "worker":
-        from workers.main import run
-
-        run(settings, index=args.index, burst=args.burst)
+        entry_point("worker")(settings, index=args.index, burst=args.burst)
     else:
         from .launcher import Launcher
 

@@ -84,12 +84,15 @@ def wait_port(port: int, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
-def start_redis(port: int, pidfile: Path) -> subprocess.Popen:
+def start_redis(port: int, pidfile: Path, maxmemory_bytes: int = 0) -> subprocess.Popen:
+    """The embedded redis-server. With `maxmemory_bytes` (GRADSVC_EMBEDDED_REDIS_MAXMEMORY_BYTES) it refuses
+    writes past that size (noeviction: the API answers 503 redis_oom) rather than evict a job's records."""
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     kill_stale(pidfile)
+    memory = ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "noeviction"] if maxmemory_bytes else []
     proc = subprocess.Popen(
         [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--pidfile", str(pidfile.resolve()), "--daemonize", "no", "--loglevel", "warning"],
+         "--pidfile", str(pidfile.resolve()), "--daemonize", "no", "--loglevel", "warning", *memory],
         preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL)
     pidfile.write_text(str(proc.pid))
     wait_port(port)
@@ -153,7 +156,7 @@ class Launcher:
         env = dict(os.environ)
         if not self.redis_from_env and not self.settings.redis_sentinels:  # sentinels name the Redis
             port = free_port()
-            self.redis = start_redis(port, STATE_DIR / "redis.pid")
+            self.redis = start_redis(port, STATE_DIR / "redis.pid", self.settings.embedded_redis_maxmemory_bytes)
             env["GRADSVC_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
             log.info("embedded redis-server on 127.0.0.1:%d (pid %d)", port, self.redis.pid)
         else:
@@ -197,7 +200,7 @@ class Launcher:
         if self.redis is not None and self.redis.poll() is not None:
             log.error("embedded redis-server exited (%s); restarting it", self.redis.returncode)
             port = int(env["GRADSVC_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
-            self.redis = start_redis(port, STATE_DIR / "redis.pid")
+            self.redis = start_redis(port, STATE_DIR / "redis.pid", self.settings.embedded_redis_maxmemory_bytes)
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None:
                 # Back off when a child dies right after starting (a crash loop), not after a long run.

@@ -73,3 +73,38 @@ def cap_data(job_bytes: int) -> int | None:
         log.warning("cannot cap this process's memory (%s); GRADSVC_MAX_JOB_BYTES is checked before the queue only",
                     exc)
         return None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS), 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MemoryKeeper:
+    """Hands a job's freed memory back to the system after the job when it left the process more than
+    `slack_bytes` above its resting size (the size at its first look, after warm-up): glibc keeps freed heap
+    for reuse (up to TRIM_THRESHOLD_BYTES at the top, and anything below a block still in use), which is what
+    keep_large_buffers wants for ordinary jobs, but one large job (a curvature run's basis) would leave the worker
+    holding gigabytes for good. malloc_trim(0) returns every free page, wherever it lies in the heap."""
+
+    def __init__(self, slack_bytes: int = TRIM_THRESHOLD_BYTES) -> None:
+        self.slack_bytes = slack_bytes
+        self.resting_bytes = resident_bytes()
+        try:
+            self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to trim
+            self._trim = None
+
+    def after_job(self) -> bool:
+        """Whether it trimmed (the process was above its resting size plus the slack)."""
+        if self._trim is None or resident_bytes() <= self.resting_bytes + self.slack_bytes:
+            return False
+        self._trim(0)
+        return True

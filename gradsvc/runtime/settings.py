@@ -42,6 +42,11 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def default_krylov_bytes() -> int:
+    """GRADSVC_MAX_KRYLOV_BYTES's default: a quarter of this host's memory (4 GiB where it cannot be read)."""
+    return host_memory_bytes() // 4 or 4 << 30
+
+
 def default_job_bytes() -> int:
     """GRADSVC_MAX_JOB_BYTES's default: half this host's memory (16 GiB where it cannot be read)."""
     return host_memory_bytes() // 2 or 16 << 30
@@ -160,6 +165,22 @@ class Settings:
     run_metrics_runs: int = _at_least_zero(20, " (no run metrics)")
     run_metrics_modules: int = _at_least_zero(32)
     run_metrics_idle_s: int = _positive(900)
+    # With API keys set, /metrics shows a scrape the runs of the key it sends (none without one); true shows every
+    # key's runs to every scrape, as without keys (run names, losses and norms are the key holders' data).
+    run_metrics_public: bool = False
+    # A run's page draws at most this many cells in each module x step heatmap (every k-th step past it), and its
+    # CSV or JSON answers at most run_export_max_cells values (steps x columns; past it 422 too_large, `last=` asks
+    # for fewer steps): both are built off the event loop, and their size grows with steps x modules.
+    run_page_cells: int = _positive(100_000)
+    run_export_max_cells: int = _positive(4_000_000)
+    # options.curvature's Lanczos basis: float64 vectors of the parameter count, one per iteration, held by the
+    # worker until the run ends; a request whose iterations need more is refused before the queue (too_large).
+    max_krylov_bytes: int = field(default_factory=default_krylov_bytes,
+                                  metadata={"ok": lambda v: v > 0, "advice": "must be positive"})
+    # The embedded Redis of `gradsvc up` (none at GRADSVC_REDIS_URL): its maxmemory, under noeviction, so a full
+    # Redis refuses writes (503 redis_oom) rather than evict a job's records; 0 is no limit.
+    embedded_redis_maxmemory_bytes: int = field(default_factory=default_krylov_bytes,
+                                                metadata={"ok": lambda v: v >= 0, "advice": "must be >= 0 (0: no limit)"})
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

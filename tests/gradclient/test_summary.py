@@ -28,6 +28,12 @@ def test_print_shows_each_layer_with_shape_parameters_saved_bytes_and_share_then
     assert "Timings (ms): queue" in text
 
 
+def test_a_result_whose_check_did_not_run_says_off_not_failed(client):
+    result = client.gradients({"layers": SEED_A_LAYERS, "dtype": "float64"}, X, [0, 2], numcheck="off")
+    assert result.numcheck.mode == "off" and result.numcheck.passed is None
+    assert "Numerical check: off (the gradients were not checked)" in str(result) and "FAILED" not in str(result)
+
+
 @pytest.mark.slow  # tests/gradclient/test_examples.py runs the same example as a script (table and chart)
 def test_the_example_prints_the_table_and_saves_a_png(stack, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("summary_example", ROOT / "examples" / "summary.py")

@@ -102,12 +102,14 @@ def test_a_redis_short_of_its_replicas_answers_503_redis_unavailable(refusing):
 WRITE_TIMEOUT_S = 2
 MAX_REFS = 64
 MAX_BODIES = 4 << 20
+TENSOR_BUDGET = 8 << 20  # an API key's tensor pieces and its runs' kept weights
 
 
 @pytest.fixture(scope="module")
 def attacked() -> Stack:
     s = start_stack(workers=1, GRADSVC_API_KEYS=",".join(KEYS), GRADSVC_WRITE_TIMEOUT_S=str(WRITE_TIMEOUT_S),
-                    GRADSVC_MAX_REFS=str(MAX_REFS), GRADSVC_MAX_BODIES_BYTES=str(MAX_BODIES))
+                    GRADSVC_MAX_REFS=str(MAX_REFS), GRADSVC_MAX_BODIES_BYTES=str(MAX_BODIES),
+                    GRADSVC_TENSOR_BUDGET_BYTES=str(TENSOR_BUDGET))
     yield s
     s.stop()
 
@@ -395,3 +397,225 @@ def test_the_login_form_refuses_another_sites_origin_and_throttles_wrong_keys(at
             time.sleep(61 - time.time() % 60)
         statuses = [browser.post("/ui/login", data={"key": f"guess-{i}"}).status_code for i in range(12)]
     assert statuses[:10] == [401] * 10 and statuses[10:] == [429, 429], statuses
+
+
+# --- the newer surfaces: curvature and clipping options, runs, their pages and exports, /metrics ----------------
+
+def owner_of(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _wide_body(**options) -> dict:
+    """A Linear(2000, 1000) with 16 rows by base64: 2M parameters in a 130 kB body."""
+    import base64
+
+    return {"model": {"layers": [{"type": "Linear", "in_features": 2000, "out_features": 1000}], "dtype": "float32"},
+            "inputs": {"dtype": "float32", "shape": [16, 2000], "b64": base64.b64encode(b"\x00" * 4 * 32000).decode()},
+            "targets": [0] * 16, "loss": "cross_entropy", "options": {"numcheck": "off", **options}}
+
+
+def _newer_attacks(http: httpx.Client) -> list[tuple[str, int, str]]:
+    """One pass of the attacks on the newer surfaces: (attack, status, code) of each answer."""
+    out = []
+
+    def sent(name: str, r: httpx.Response) -> None:
+        out.append((name, r.status_code, r.json()["error"]["code"] if r.status_code >= 400 else ""))
+
+    seeded = small_body(curvature={"top": 1, "seed": 1 << 64})
+    sent("curvature seed", http.post("/gradients?wait=5", json=seeded))
+    sent("curvature seed estimate", http.post("/estimate", json=seeded))
+    krylov = _wide_body(curvature={"top": 1, "iterations": 10**9, "tolerance": 1e-300})
+    sent("krylov", http.post("/gradients?wait=5", json=krylov))
+    sent("krylov estimate", http.post("/estimate", json=krylov))
+    noisy = small_body(clip={"max_norm": 1000.0, "per_sample": True, "noise_multiplier": 100.0})
+    noisy["model"]["dtype"] = "float16"
+    noisy["run"] = {"name": "noisy"}
+    sent("dp overflow", http.post("/gradients?wait=30", json=noisy))
+    sent("noise without per_sample", http.post("/gradients?wait=5", json=small_body(
+        clip={"max_norm": 1.0, "noise_multiplier": 1.0})))
+    sent("run page", http.get("/ui/runs/big"))
+    sent("run csv", http.get("/runs/big?format=csv"))
+    sent("metrics", httpx.get(str(http.base_url) + "/metrics"))
+    return out
+
+
+NEWER_EXPECTED = {"curvature seed": (422, "bad_option"), "curvature seed estimate": (422, "bad_option"),
+                  "krylov": (422, "too_large"), "krylov estimate": (422, "too_large"),
+                  "dp overflow": (422, "non_finite"), "noise without per_sample": (422, "bad_option"),
+                  "run page": (200, ""), "run csv": (200, ""), "metrics": (200, "")}
+
+
+@pytest.fixture(scope="module")
+def big_run(attacked) -> int:
+    """A run of the attacker's key with 1,000 steps of a 256-module model, written straight into Redis."""
+    from gradsvc.broker.runs import RunStore
+    from gradsvc.wire import RunCheck, RunStep
+
+    r = attacked.redis_client()
+    store = RunStore(r, "gradsvc")
+    modules = {f"blocks.{i}.mlp": 1.0 + i for i in range(256)}
+    with r.pipeline(transaction=False) as pipe:
+        for i in range(1000):
+            store.record(pipe, owner_of(KEYS[0]), f"big-{i}", RunStep(
+                step=i, job_id=f"big-{i}", ended_at="t", loss=1.0 / (i + 1), grad_norm=2.0, module_grad_norms=modules,
+                update_ratio=dict.fromkeys(modules, 1e-3) if i else None, total_ms=1.0,
+                numcheck=RunCheck("off", False, 0.0)), "big", numbered=True)
+        pipe.execute()
+    r.close()
+    return 1000
+
+
+def test_curvature_and_clipping_attacks_are_coded_before_the_queue_or_as_failed_jobs(attacked, big_run):
+    with keyed(attacked, KEYS[0], timeout=120) as http:
+        answers = _newer_attacks(http)
+        assert http.get("/runs/noisy").status_code == 404  # the refused step recorded nothing
+        krylov = http.post("/gradients?wait=5", json=_wide_body(curvature={"top": 1, "iterations": 10**9}))
+    assert {name: (status, code) for name, status, code in answers} == NEWER_EXPECTED, answers
+    assert "GRADSVC_MAX_KRYLOV_BYTES" in krylov.json()["error"]["message"]
+
+
+def test_a_large_runs_page_and_csv_are_bounded_and_stall_no_other_client(attacked, big_run):
+    """4 page loads and a CSV of a 1,000-step, 256-module run at once; another key's /healthz and /layers stay
+    within a second (on the event loop they were held for ~10 s by a larger run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load_pages():
+        with keyed(attacked, KEYS[0], timeout=120) as http, ThreadPoolExecutor(5) as pool:
+            pages = [pool.submit(http.get, "/ui/runs/big") for _ in range(4)]
+            csv_answer = pool.submit(http.get, "/runs/big?format=csv")
+            return [p.result() for p in pages], csv_answer.result()
+
+    (pages, csv_answer), latencies = _latencies_meanwhile(attacked, load_pages)
+    assert all(p.status_code == 200 for p in pages) and csv_answer.status_code == 200
+    print(f"/healthz + /layers while 4 pages and a CSV load: max {max(latencies):.3f} s over {len(latencies)}; "
+          f"page {len(pages[0].content)} bytes, CSV {len(csv_answer.content)} bytes")
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    assert pages[0].text.count('<rect class="cell"') <= 2 * 100_000 and 'id="heatmap-stride"' in pages[0].text
+    assert csv_answer.headers["content-type"] == "text/csv; charset=utf-8"
+    assert csv_answer.text.count("\n") == big_run + 1
+    with keyed(attacked, KEYS[0], timeout=120) as http:
+        assert len(http.get("/runs/big?last=10").json()["steps"]) == 10
+
+
+def test_a_keyed_stacks_metrics_show_a_scrape_only_the_runs_of_its_key(attacked, big_run):
+    def runs_in(headers: dict) -> bool:
+        return "gradsvc_run_step{" in httpx.get(attacked.base_url + "/metrics", headers=headers).text
+
+    assert not runs_in({})
+    assert not runs_in({"Authorization": f"Bearer {KEYS[1]}"})
+    assert runs_in({"Authorization": f"Bearer {KEYS[0]}"})
+
+
+def test_run_weights_past_the_keys_byte_budget_are_a_422_naming_it(attacked):
+    """TENSOR_BUDGET is 8 MiB: one run of a 5.2 MB model keeps its weights, a second run's would go past it."""
+    import torch
+    from torch import nn
+
+    from gradclient import Client
+    from gradclient.errors import TooLargeError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1100, 1100), nn.Tanh(), nn.Linear(1100, 2))
+    x, y = torch.randn(4, 1100), torch.tensor([0, 1, 0, 1])
+    with Client(attacked.base_url, api_key=KEYS[1], timeout=120) as client:
+        try:
+            client.run("weights-a").gradients(model, x, y, numcheck="off")
+            with pytest.raises(TooLargeError, match="GRADSVC_TENSOR_BUDGET_BYTES"):
+                client.run("weights-b").gradients(model, x, y, numcheck="off")
+        finally:
+            for name in ("weights-a", "weights-b"):
+                httpx.delete(f"{attacked.base_url}/runs/{name}", headers={"Authorization": f"Bearer {KEYS[1]}"})
+
+
+def test_a_neural_ode_with_an_rk4_solver_gets_autograds_gradients_through_the_sdk(attacked):
+    import torch
+    from torch import nn
+
+    from gradclient import Client
+    from tests.support.models import NeuralODE
+
+    torch.manual_seed(0)
+    model = NeuralODE()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(5, 2, generator=g), torch.randn(5, 2, generator=g)
+    with Client(attacked.base_url, api_key=KEYS[1], timeout=180) as client:
+        result = client.gradients(model, x, y, loss="mse")
+    nn.functional.mse_loss(model(x), y).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(torch.as_tensor(result.gradients[name]), p.grad, rtol=1e-4, atol=1e-6), name
+    assert result.numcheck.passed
+
+
+def test_a_curvature_job_shows_its_progress_while_it_runs(attacked):
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 256, "out_features": 256}, {"type": "Tanh"},
+                                 {"type": "Linear", "in_features": 256, "out_features": 4}], "dtype": "float64"},
+            "inputs": [[0.01 * (i % 7)] * 256 for i in range(64)], "targets": [i % 4 for i in range(64)],
+            "options": {"numcheck": "off", "curvature": {"top": 0, "trace": True, "probes": 400}}}
+    seen = set()
+    with keyed(attacked, KEYS[1], timeout=120) as http:
+        job_id = http.post("/gradients?wait=0", json=body).json()["job_id"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            job = http.get(f"/jobs/{job_id}").json()
+            if job["progress"]:
+                seen.add(job["progress"]["phase"])
+            if job["status"] not in ("queued", "started"):
+                break
+            time.sleep(0.1)
+    assert "curvature" in seen, seen
+    assert job["status"] == "finished", job.get("error")
+
+
+# --- the soak, again: these attacks while another key trains a run ------------------------------------------
+
+@pytest.mark.parametrize("soak_s", [10, pytest.param(60, marks=pytest.mark.slow)])
+def test_the_newer_attacks_leave_another_keys_training_run_fast_and_each_step_once(attacked, big_run, soak_s):
+    import statistics
+    import threading
+
+    import torch
+    from torch import nn
+
+    from gradclient import Client
+
+    stop = threading.Event()
+    attacks: list[tuple[str, int, str]] = []
+
+    def attack() -> None:
+        with keyed(attacked, KEYS[0], timeout=120) as http:
+            while not stop.is_set():
+                attacks.extend(_newer_attacks(http))
+
+    name = f"soak-{soak_s}"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    job_ids, latencies = [], []
+    deadline = time.monotonic() + soak_s
+    try:
+        with Client(attacked.base_url, api_key=KEYS[1], timeout=120) as client:
+            run = client.run(name)
+            while time.monotonic() < deadline:
+                x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+                started = time.monotonic()
+                result = run.gradients(model, x, y, numcheck="off")
+                latencies.append(time.monotonic() - started)
+                result.set_grads(model)
+                opt.step()
+                job_ids.append(result.job_id)
+            steps = run.steps()
+    finally:
+        stop.set()
+        attacker.join()
+        httpx.delete(f"{attacked.base_url}/runs/{name}", headers={"Authorization": f"Bearer {KEYS[1]}"})
+    assert attacks and all((s, c) == NEWER_EXPECTED[n] for n, s, c in attacks), attacks
+    assert len(job_ids) >= 5 and len(set(job_ids)) == len(job_ids)
+    assert [s.step for s in steps] == list(range(len(job_ids)))  # none lost, none recorded twice
+    assert [s.job_id for s in steps] == job_ids
+    assert statistics.median(latencies) < 1.0 and max(latencies) < 5.0, sorted(latencies)[-5:]
+    print(f"{len(job_ids)} steps of the other key's run, latency median {statistics.median(latencies):.3f} s, "
+          f"max {max(latencies):.3f} s; {len(attacks)} attacks")

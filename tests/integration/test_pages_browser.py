@@ -225,6 +225,9 @@ def test_a_runs_page_draws_a_point_per_step_and_links_each_steps_job(browser, pa
         shutil.copy(shot, Path(__file__).resolve().parents[2] / os.environ["GRADSVC_RUN_SCREENSHOT"])
     assert _console_errors(browser) == []
     assert _foreign_requests(browser, base) == []
+    browser.get(f"{base}/ui/jobs/{run_steps[2]}")  # the step whose check was off: not checked, not failed
+    assert "Not checked" in browser.find_element(By.ID, "numcheck").text
+    assert not browser.find_elements(By.ID, "numcheck-verdict")
     browser.get(f"{base}/ui/jobs/{run_steps[-1]}")  # the job page links back to its run
     link = browser.find_element(By.CSS_SELECTOR, "#run-link a")
     assert link.text == name and link.get_attribute("href") == base + path

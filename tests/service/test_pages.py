@@ -58,6 +58,14 @@ def test_the_verdicts_say_why_and_the_bars_scale_to_the_largest_layer():
     assert "http-equiv=\"refresh\"" not in text
 
 
+def test_a_job_whose_check_did_not_run_says_not_checked_not_failed():
+    result = _result()
+    result.numcheck = Numcheck(mode="off", eps=0.0, dtype="float64", evaluations=0, max_abs_error=0.0,
+                               max_rel_error=0.0, passed=None, tolerance=0.0, per_parameter={})
+    text = _page(JobInfo(job_id="j", status="finished", result=result))
+    assert "Not checked" in text and 'id="numcheck-verdict"' not in text and "failed" not in text
+
+
 def test_the_diagnostics_draw_module_norms_eigenvalues_and_the_density_escaped():
     import msgspec
 

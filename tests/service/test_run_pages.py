@@ -38,3 +38,42 @@ def test_the_csv_has_a_row_a_step_and_a_column_a_module_whatever_its_name():
     assert rows[0]["update_ratio[0]"] == "" and float(rows[1][f"update_ratio[{EVIL}]"]) == 2e-3
     assert float(rows[2]["loss[task]"]) == 0.1 and rows[2]["numcheck_passed"] == "false"
     assert [float(r["loss"]) for r in rows] == [s.loss for s in steps()]
+
+
+def test_a_step_whose_check_did_not_run_reads_off_on_the_page_and_an_empty_cell_in_the_csv():
+    run = steps(2)
+    run[1].numcheck = RunCheck("off", None, 0.0)
+    page = html.page("run.html", logged_in=False, **run_context("exp", run)).content
+    assert page.count("verdict off") == 1 and "verdict failed" not in page and "off passed" not in page
+    rows = list(csv.DictReader(io.StringIO(steps_csv(run))))
+    assert [(r["numcheck_mode"], r["numcheck_passed"]) for r in rows] == [("exact", "true"), ("off", "")]
+
+
+def wide_steps(n: int, modules: int) -> list[RunStep]:
+    return [RunStep(step=i, job_id=f"job-{i}", ended_at="t", loss=1.0, grad_norm=1.0,
+                    module_grad_norms={f"m{j}": 1.0 + j for j in range(modules)},
+                    update_ratio={f"m{j}": 1e-3 for j in range(modules)} if i else None, total_ms=1.0)
+           for i in range(n)]
+
+
+def test_a_long_run_of_a_deep_model_draws_at_most_the_page_cells_in_each_heatmap_and_says_so():
+    """300 steps x 64 modules is 19,200 cells a heatmap; the page draws every k-th step within 2,000 cells, the
+    last step always, and the curves keep every step."""
+    kept = wide_steps(300, 64)
+    context = run_context("deep", kept, max_cells=2_000)
+    page = html.page("run.html", logged_in=False, **context).content
+    norm_cells = page.count('<rect class="cell"') - page.split('id="ratio-heatmap"')[1].count('<rect class="cell"')
+    assert 0 < norm_cells <= 2_000 and context["heatmap_stride"] == 10
+    assert "step 299: " in page.split('id="norm-heatmap"')[1] and 'id="heatmap-stride"' in page
+    assert page.count('class="point"') == 2 * 300
+    small = html.page("run.html", logged_in=False, **run_context("small", steps(), max_cells=2_000)).content
+    assert 'id="heatmap-stride"' not in small
+    assert run_context("wide", wide_steps(2, 5_000), max_cells=2_000)["norm_heatmap"].count('<rect class="cell"') \
+        <= 2_000
+
+
+def test_the_csv_leaves_the_error_of_a_check_that_did_not_run_empty_not_zero():
+    off = [RunStep(step=0, job_id="j", ended_at="t", loss=1.0, grad_norm=1.0, module_grad_norms={"0": 1.0},
+                   total_ms=1.0, numcheck=RunCheck("off", False, 0.0))]
+    row = next(csv.DictReader(io.StringIO(steps_csv(off))))
+    assert row["numcheck_mode"] == "off" and row["numcheck_max_rel_error"] == ""

@@ -55,19 +55,45 @@ def test_shards_outside_1_to_256_is_a_400_invalid_body_as_the_schema_declares(ap
     assert {"type": "integer", "minimum": 1, "maximum": 256} in declared and {"enum": ["auto"]} in declared
 
 
+@pytest.mark.parametrize("route", ["/gradients", "/estimate"])
 @pytest.mark.parametrize("where, seed", [("model.seed", 1 << 64), ("model.seed", -(1 << 63) - 1),
-                                         ("options.hvp.seed", 1 << 64)])
-def test_a_seed_outside_64_bits_is_a_422_bad_option_before_the_queue(api, where, seed):
+                                         ("options.hvp.seed", 1 << 64), ("options.curvature.seed", 1 << 64),
+                                         ("options.curvature.seed", 1 << 80),
+                                         ("options.curvature.seed", -(1 << 63) - 1)])
+def test_a_seed_outside_64_bits_is_a_422_bad_option_before_the_queue(api, route, where, seed):
     linear = [{"type": "Linear", "in_features": 6, "out_features": 3}]
     sent = body(layers=linear)
     if where == "model.seed":
         sent["model"]["seed"] = seed
-    else:
+    elif where == "options.hvp.seed":
         sent["options"]["hvp"] = {"vector": "random", "seed": seed}
-    r = api.post("/gradients", json=sent)
+    else:
+        sent["options"]["curvature"] = {"top": 1, "seed": seed}
+    r = api.post(route, json=sent)
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "bad_option" and error["detail"]["option"] == where and where in error["message"]
+    assert str(-(1 << 63)) in error["message"] and str((1 << 64) - 1) in error["message"]
+
+
+def test_every_seed_field_of_the_request_is_in_the_one_seed_validator():
+    """A seed field added to the wire later is found here, so it cannot reach the worker unchecked."""
+    import msgspec
+
+    from gradsvc.wire import GradientRequest
+    from service.parsing import SEED_FIELDS
+
+    def walk(tp, path):
+        for arg in getattr(tp, "__args__", ()) or ():
+            yield from walk(arg, path)
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            for f in msgspec.structs.fields(tp):
+                if f.name == "seed":
+                    yield f"{path}.seed".lstrip(".")
+                elif f.name in ("model", "options", "hvp", "curvature", "clip", "run"):
+                    yield from walk(f.type, f"{path}.{f.name}")
+
+    assert sorted(set(walk(GradientRequest, ""))) == sorted(SEED_FIELDS)
 
 
 def test_a_malformed_idempotency_key_is_a_400_naming_the_header_before_the_body_is_read(api):

@@ -288,3 +288,40 @@ def local_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: st
     value = {"cross_entropy": F.cross_entropy, "mse": F.mse_loss}[loss](out, y)
     params = {n: p for n, p in m.named_parameters() if p.requires_grad}
     return dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+
+
+class VectorField(nn.Module):
+    """dy/dt = f(t, y): a small MLP of the state (time-invariant, as many neural ODE examples write it)."""
+
+    def __init__(self, dim: int = 2, hidden: int = 32) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim))
+
+    def forward(self, t: float, y: torch.Tensor) -> torch.Tensor:
+        return self.net(y)
+
+
+class NeuralODE(nn.Module):
+    """A fixed-step RK4 integrator in plain torch over a VectorField, as public neural-ODE tutorials write it: the
+    trajectory goes into a preallocated tensor (torch.zeros, then ys[i + 1] = y: select and copy_ in the graph),
+    and the model reads the trajectory's mean."""
+
+    def __init__(self, dim: int = 2, steps: int = 20) -> None:
+        super().__init__()
+        self.field = VectorField(dim)
+        self.steps = steps
+
+    def forward(self, y0: torch.Tensor) -> torch.Tensor:
+        h = 1.0 / self.steps
+        ys = torch.zeros(self.steps + 1, *y0.shape, dtype=y0.dtype)
+        ys[0] = y0
+        y, t = y0, 0.0
+        for i in range(self.steps):
+            k1 = self.field(t, y)
+            k2 = self.field(t + h / 2, y + h / 2 * k1)
+            k3 = self.field(t + h / 2, y + h / 2 * k2)
+            k4 = self.field(t + h, y + h * k3)
+            y = y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+            t += h
+            ys[i + 1] = y
+        return ys.mean(0)

@@ -1,4 +1,4 @@
-"""A request's raw tensor bytes decode as views into its body (gradsvc/wire.py Tensor.data), not copies: a
+"""A request's raw tensor bytes decode as views into its body (gradsvc/wire/tensors.py Tensor.data), not copies: a
 worker's body mapped from its handoff file is read in place and unmapped on the reaper thread after the job,
 and what outlives a request (a graph's constants, kept with the parsed graph) is copied out of it first."""
 

@@ -14,7 +14,7 @@ from torch import nn
 from gradsvc.broker import keys
 from gradsvc.broker.runs import RunBounds, RunStore
 from gradsvc.engine import tensors
-from gradsvc.wire import GradientRequest, GradientResult, RunStep, Tensor, Timings
+from gradsvc.wire import GradientRequest, GradientResult, Numcheck, RunCheck, RunStep, Tensor, Timings
 from workers.run_steps import (TOKEN_SIZE, StepRecorder, gradient_norms, module_of, step_of, stored_weights,
                                update_ratios, weights_cache)
 
@@ -238,3 +238,11 @@ def test_a_worker_that_found_another_workers_step_reads_the_runs_next_weights_wh
     recorder = StepRecorder(r, "test", RunBounds(), "alice", "job-3", _request(_weights(3)), a)
     assert not recorder.probe
     recorder.abandon()
+
+
+def test_a_step_whose_check_did_not_run_records_no_verdict():
+    off = Numcheck(mode="off", eps=0.0, dtype="float64", evaluations=0, max_abs_error=0.0, max_rel_error=0.0,
+                   passed=None, tolerance=0.0, per_parameter={})
+    step, _ = step_of(_request({}), _result(numcheck=off), "job-0", None, RunBounds())
+    assert step.numcheck == RunCheck("off", None, 0.0)
+    assert msgspec.json.decode(msgspec.json.encode(step))["numcheck"]["passed"] is None

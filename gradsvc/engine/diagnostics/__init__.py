@@ -13,6 +13,8 @@ import torch
 
 from gradsvc.wire import PER_EXAMPLE_DIAGNOSTICS, ClipResult, Curvature, Diagnostics, GradientResult, Options
 
+from ..errors import ComputeError
+from ..tensors import all_finite
 from . import clip as clipping
 from . import norms as stats
 from .curvature import curvature
@@ -34,14 +36,22 @@ class Outcome:
         """The gradients the caller gets: clipped when clipping was asked for, in the returned dtype."""
         if self.clipped is None:
             return grads
-        return {n: self.clipped[n].to(g.dtype) for n, g in grads.items()}
+        out = {n: self.clipped[n].to(g.dtype) for n, g in grads.items()}
+        for name, g in out.items():
+            if not all_finite(g):
+                noise = f" (noise of std {self.clip.noise_std:g})" if self.clip.noise_std else ""
+                raise ComputeError("non_finite", f"the gradient of {name!r} after options.clip{noise} holds values "
+                                   f"{g.dtype} cannot hold (infinite or NaN); lower options.clip.noise_multiplier "
+                                   "or max_norm, or use a wider model.dtype", parameter=name,
+                                   dtype=str(g.dtype).removeprefix("torch."))
+        return out
 
     def into(self, result: GradientResult) -> GradientResult:
         return msgspec.structs.replace(result, diagnostics=self.diagnostics, clip=self.clip, curvature=self.curvature)
 
 
 def run(prep, params: dict[str, torch.Tensor], device: torch.device, seed: int, grads: dict[str, torch.Tensor],
-        per_example: dict[str, torch.Tensor] | None) -> Outcome:
+        per_example: dict[str, torch.Tensor] | None, progress=None) -> Outcome:
     """Every diagnostic the options ask for, from the batch's gradient `grads` (as computed, before any
     clipping) and the examples' own loss gradients `per_example` ({name: (batch, *shape)}, when needed)."""
     opts = prep.options
@@ -60,5 +70,5 @@ def run(prep, params: dict[str, torch.Tensor], device: torch.device, seed: int, 
     elif opts.clip is not None:
         out.clipped, out.clip = clipping.clip_global(grads, opts.clip.max_norm)
     if opts.curvature is not None:
-        out.curvature = curvature(prep, params, device, seed)
+        out.curvature = curvature(prep, params, device, seed, progress)
     return out

@@ -20,16 +20,10 @@ from ..errors import SpecError
 from ..passes import chunks, forward
 from ..prepared import Prepared
 from ..quantities import twice_differentiable
-from .lanczos import lanczos, quadrature, top_ritz
+from .lanczos import density_steps, lanczos, quadrature, top_ritz, top_steps
 
 # Hutchinson's probes when only the trace is asked for.
 DEFAULT_PROBES = 100
-# Lanczos steps per density probe (PyHessian's default is 100; 30 resolves the bulk and the outliers), and the
-# cap on the top eigenvalues' Lanczos run, which stops earlier once the tolerance is met.
-DEFAULT_DENSITY_STEPS = 30
-DEFAULT_TOP_STEPS = 100
-
-
 class Products:
     """M v for flat float64 vectors v over the trainable parameters, from one forward and backward kept
     for every product; `count` says how many were computed."""
@@ -39,6 +33,7 @@ class Products:
         self.shapes = [p.shape for p in params.values()]
         self.size = sum(p.numel() for p in params.values())
         self.count = 0
+        self.progress, self.total = None, 0  # the job's progress callback and the products it expects at most
         chunk = next(iter(chunks(_whole_batch(prep))))
         out, _, total = forward(prep, chunk)
         leaves = list(params.values())
@@ -54,6 +49,8 @@ class Products:
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         self.count += 1
+        if self.progress is not None:
+            self.progress("curvature", min(self.count, self.total), self.total)
         pieces = self._split(v)
         out = self._apply(pieces)
         # Lanczos keeps its basis on the CPU in float64: P x steps numbers, beside products that dominate
@@ -85,13 +82,15 @@ def _whole_batch(prep: Prepared) -> Prepared:
     return dataclasses.replace(prep, options=msgspec.structs.replace(prep.options, micro_batch=None))
 
 
-def curvature(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int) -> Curvature:
-    """What options.curvature asks for, on the whole batch, the model's buffers left as they were."""
+def curvature(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, seed: int,
+              progress=None) -> Curvature:
+    """What options.curvature asks for, on the whole batch, the model's buffers left as they were; `progress`
+    (phase, done, total) hears of each product."""
     opts = prep.options.curvature
     saved = {n: b.detach().clone() for n, b in prep.model.named_buffers()}
     try:
         with seeded(seed, device, is_random(prep.model)), twice_differentiable(True):
-            return _curvature(prep, params, opts)
+            return _curvature(prep, params, opts, progress)
     except RuntimeError as exc:
         if "not implemented" not in str(exc) and "does not require grad" not in str(exc):
             raise
@@ -104,13 +103,18 @@ def curvature(prep: Prepared, params: dict[str, torch.Tensor], device: torch.dev
                 b.copy_(saved[n])
 
 
-def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureOptions) -> Curvature:
+def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureOptions, progress=None) -> Curvature:
     products = Products(prep, params, opts.matrix)
+    size = products.size
+    if progress is not None:
+        probes = (opts.probes or DEFAULT_PROBES) if opts.trace or opts.density else 0
+        products.progress = progress
+        products.total = ((top_steps(opts, size) + opts.top if opts.top else 0)
+                          + probes * (density_steps(opts, size) if opts.density else 1))
     result = Curvature(matrix=opts.matrix)
     gen = torch.Generator().manual_seed(opts.seed)
-    size = products.size
     if opts.top:
-        steps = min(size, opts.iterations or max(DEFAULT_TOP_STEPS, 10 * opts.top))
+        steps = top_steps(opts, size)
         values, vectors, _ = top_ritz(products, size, opts.top, steps, opts.tolerance, gen)
         result.top_eigenvalues = values.tolist()
         result.residuals = [_residual(products, lam, v) for lam, v in zip(values.tolist(), vectors)]
@@ -119,6 +123,8 @@ def _curvature(prep: Prepared, params: dict[str, torch.Tensor], opts: CurvatureO
     if opts.trace or opts.density:
         _probe(products, opts, result)
     result.products = products.count
+    if progress is not None:  # Lanczos stopped early: done
+        progress("curvature", products.total, products.total)
     return result
 
 
@@ -154,7 +160,7 @@ def _probe(products: Products, opts: CurvatureOptions, result: Curvature) -> Non
     samples: list[float] = []
     nodes: list[float] = []
     weights: list[float] = []
-    steps = min(size, opts.iterations or DEFAULT_DENSITY_STEPS)
+    steps = density_steps(opts, size)
     for index in range(opts.first_probe, opts.first_probe + probes):
         z = probe_vector(opts.seed, index, size)  # (P,) of +-1
         if opts.density:

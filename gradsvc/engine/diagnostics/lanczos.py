@@ -34,27 +34,58 @@ class Tridiagonal:
 def lanczos(apply: Operator, start: torch.Tensor, steps: int,
             converged: Callable[[Tridiagonal], bool] | None = None) -> Tridiagonal:
     """Up to `steps` Lanczos steps from `start`, stopping early at an invariant subspace or when
-    `converged` says so (asked every step: the tridiagonal's eigenproblem is tiny beside a product)."""
-    q = start / start.norm()
-    basis = [q]
+    `converged` says so (asked every step: the tridiagonal's eigenproblem is tiny beside a product).
+    The basis is one (steps, P) buffer filled row by row (krylov_bytes counts it before the queue); each step
+    reads a view of its first rows, never a copy of the whole basis."""
+    basis = torch.empty(steps, start.numel(), dtype=torch.float64)  # (steps, P)
+    basis[0] = start / start.norm()
     alpha: list[float] = []
     beta: list[float] = []
     for j in range(steps):
         w = apply(basis[j])
         a = float(w @ basis[j])
         alpha.append(a)
-        stacked = torch.stack(basis)  # (j + 1, P)
-        w = w - stacked.T @ (stacked @ w)
-        w = w - stacked.T @ (stacked @ w)  # twice is enough (Kahan): the basis stays orthogonal to rounding
+        done = basis[:j + 1]  # (j + 1, P), a view
+        w -= done.T @ (done @ w)
+        w -= done.T @ (done @ w)  # twice is enough (Kahan): the basis stays orthogonal to rounding
         b = float(w.norm())
-        state = Tridiagonal(stacked, alpha, beta, b)
+        state = Tridiagonal(done, alpha, beta, b)
         if b <= 1e-12 * max(abs(x) for x in alpha) or j == steps - 1:
             return state
         if converged is not None and converged(state):
             return state
         beta.append(b)
-        basis.append(w / b)
-    return Tridiagonal(torch.stack(basis), alpha, beta, 0.0)
+        torch.div(w, b, out=basis[j + 1])
+    return Tridiagonal(basis, alpha, beta, 0.0)
+
+
+# Lanczos steps per density probe (PyHessian's default is 100; 30 resolves the bulk and the outliers), and the
+# cap on the top eigenvalues' Lanczos run, which stops earlier once the tolerance is met.
+DEFAULT_DENSITY_STEPS = 30
+DEFAULT_TOP_STEPS = 100
+
+
+def top_steps(c, size: int) -> int:
+    """Lanczos steps of options.curvature's top-eigenvalue run (`c` a CurvatureOptions) over `size` parameters."""
+    return min(size, c.iterations or max(DEFAULT_TOP_STEPS, 10 * c.top))
+
+
+def density_steps(c, size: int) -> int:
+    """Lanczos steps of each density probe's run."""
+    return min(size, c.iterations or DEFAULT_DENSITY_STEPS)
+
+
+def krylov_vectors(c, size: int) -> int:
+    """How many float64 vectors of the parameter count the curvature options hold at once: the top run's basis,
+    its residual vector and the k eigenvectors; or one density probe's basis, its probe and residual (the probes
+    run one after another). The trace alone holds none beyond a product's."""
+    top = top_steps(c, size) + 1 + c.top if c.top else 0
+    density = density_steps(c, size) + 2 if c.density else 0
+    return max(top, density)
+
+
+def krylov_bytes(c, size: int) -> int:
+    return krylov_vectors(c, size) * size * 8
 
 
 def top_ritz(apply: Operator, size: int, k: int, steps: int, tolerance: float,

@@ -110,10 +110,24 @@ def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
         return type(value)(_rounded(v, args, unit, gen) for v in value)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.numel():
         return value
+    if _aliases(value, args):
+        # A view (select, slice) or an in-place op's result (copy_, add_): a rounded copy would take its place,
+        # and the writes through it would miss the tensor it views (an ODE's trajectory filled as ys[i] = y would
+        # stay zeros); its values were rounded where they were computed.
+        return value
     read = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
     reduction = max(1.0, read / value.numel())
     noise = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
     return value * (1 + unit * math.sqrt(reduction) * noise.to(value.dtype))
+
+
+def _aliases(value: torch.Tensor, args: tuple) -> bool:
+    """Whether `value` shares its storage with a tensor among `args` (an op's view or in-place result)."""
+    if value.is_sparse or value.layout != torch.strided:
+        return False
+    storage = value.untyped_storage().data_ptr()
+    return any(isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_sparse
+               and a.untyped_storage().data_ptr() == storage for a in args)
 
 
 @contextlib.contextmanager

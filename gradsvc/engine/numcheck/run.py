@@ -85,7 +85,7 @@ def run(check_run: CheckRun) -> Numcheck:
 
 
 def unchecked(dtype: torch.dtype) -> Numcheck:
-    """What a result says when numcheck is "off": nothing was checked, so nothing passed, and no tolerance
-    applied (both 0.0; `dtype`'s returned tolerance would read as a check that ran)."""
+    """What a result says when numcheck is "off": nothing was checked, so `passed` is null (neither passed nor
+    failed), and no tolerance applied (both 0.0; `dtype`'s returned tolerance would read as a check that ran)."""
     return Numcheck(mode="off", eps=0.0, dtype="float64", evaluations=0, max_abs_error=0.0, max_rel_error=0.0,
-                    passed=False, tolerance=0.0, per_parameter={}, returned_tolerance=0.0)
+                    passed=None, tolerance=0.0, per_parameter={}, returned_tolerance=0.0)

@@ -155,3 +155,19 @@ def test_a_request_naming_more_refs_than_the_limit_is_refused_before_redis_is_as
     with pytest.raises(BlobError) as many:
         store.check("alice", request(Tensor(dtype="uint8", shape=[9], refs=refs)))
     assert many.value.code == "too_many_refs" and many.value.detail == {"count": 9, "limit": 8}
+
+
+def test_the_owners_runs_kept_weights_count_in_its_budget(redis_server):
+    """A run keeps its last step's weights (gradsvc/broker/runs.py); they count beside the owner's pieces, so a
+    piece that would take the owner over its budget evicts its least recently used pieces, as another piece would."""
+    from gradsvc.broker import keys
+
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushdb()
+    store = BlobStore(r, "test", ttl_s=60, budget_bytes=100)
+    r.hset(keys.run_weights_sizes_key("test", "alice"), "exp", 60)
+    first, second = b"a" * 30, b"b" * 30
+    assert store.put("alice", digest(first), first) == 0
+    assert store.put("alice", digest(second), second) == 1  # 60 + 30 + 30 > 100: the first goes
+    assert store.missing("alice", [digest(first), digest(second)]) == [digest(first)]
+    assert store.put("bob", digest(first), first) == 0  # another owner's runs are not alice's

@@ -4,11 +4,12 @@ gradsvc/broker/keys.py names."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gradsvc.broker import keys
 from gradsvc.broker.runs import RunBounds, RunStore
-from gradsvc.wire import RunStep
+from gradsvc.wire import RunCheck, RunStep
 
 
 @pytest.fixture()
@@ -95,3 +96,45 @@ def test_exports_are_the_most_recently_stepped_runs_within_the_idle_time(r):
     assert [(e.name, e.last.loss) for e in s.exported(2, 60)] == [("run-2", 2.0), ("run-1", 1.0)]
     r.zadd(keys.run_exports_key("test"), {"alice run-2": 1.0})  # stepped long ago: idle
     assert [e.name for e in s.exported(5, 60)] == ["run-1", "run-0"]
+
+
+def test_a_step_recorded_with_the_check_off_reads_back_with_no_verdict_even_one_stored_as_false(r):
+    s = store(r)
+    for n, passed in enumerate((None, False)):  # False: as steps were recorded before "off" said null
+        off = msgspec.structs.replace(step(n, f"job-{n}"), numcheck=RunCheck("off", passed, 0.0))
+        s.record(r, "alice", f"job-{n}", off, "exp", numbered=True)
+    assert [x.numcheck.passed for x in s.steps("alice", "exp")] == [None, None]
+
+
+def test_an_unnumbered_step_past_the_largest_step_number_is_not_recorded(r):
+    """The API refuses it before the queue (422); the script holds the bound too, for two steps racing there."""
+    from gradsvc.wire import MAX_RUN_STEP
+
+    s = store(r)
+    s.record(r, "alice", "job-top", step(MAX_RUN_STEP, "job-top"), "exp", numbered=True)
+    s.record(r, "alice", "job-next", step(0, "job-next"), "exp", numbered=False)
+    assert [x.step for x in s.steps("alice", "exp")] == [MAX_RUN_STEP]
+    assert s.job_run("job-next") is None
+    assert s.usage("alice", "exp").last_step == MAX_RUN_STEP
+
+
+def test_the_owners_run_weights_are_counted_per_run_and_dropped_with_their_runs(r):
+    s = store(r, max_runs=2)
+    s.record(r, "alice", "j0", step(0, "j0"), "a", numbered=True, weights=b"w" * 100)
+    s.record(r, "alice", "j1", step(0, "j1"), "b", numbered=True, weights=b"w" * 40)
+    s.record(r, "alice", "j2", step(1, "j2"), "a", numbered=True, weights=b"w" * 70)
+    assert s.weights_bytes("alice") == 110 and s.usage("alice", "a").other_weights_bytes == 40
+    s.record(r, "alice", "j3", step(0, "j3"), "c", numbered=True, weights=b"w" * 5)  # evicts run "b"
+    assert s.weights_bytes("alice") == 75
+    s.delete("alice", "a")
+    assert s.weights_bytes("alice") == 5 and s.weights_bytes("bob") == 0
+    s.record(r, "alice", "j4", step(1, "j4"), "c", numbered=True)  # no weights: none kept, none counted
+    assert s.weights_bytes("alice") == 0
+
+
+def test_weights_over_the_owners_budget_are_not_kept(r):
+    s = store(r, weights_budget_bytes=100)
+    s.record(r, "alice", "j0", step(0, "j0"), "a", numbered=True, weights=b"w" * 60)
+    s.record(r, "alice", "j1", step(0, "j1"), "b", numbered=True, weights=b"w" * 60)
+    assert s.weights_bytes("alice") == 60 and s.previous_weights("alice", "b") is None
+    assert [x.step for x in s.steps("alice", "b")] == [0]  # the step itself is recorded

@@ -413,3 +413,101 @@ def test_refuses_clipping_a_model_without_trainable_parameters():
 def test_refuses_diagnostics_across_shards():
     module, (x, y) = cnn(), cnn_batch()
     assert "shards=1" in refused(layer_request(module, x, y, diagnostics=["norms"], shards=2)).message
+
+
+# --- the Krylov basis's bound ----------------------------------------------------------------------------------
+
+WIDE_LAYERS = [{"type": "Linear", "in_features": 200, "out_features": 100}]
+
+
+def wide_request(**curvature) -> GradientRequest:
+    torch.manual_seed(0)
+    module = nn.Linear(200, 100).to(F64)
+    x, y = torch.randn(4, 200, dtype=F64), torch.randint(0, 100, (4,))
+    return layer_request(nn.Sequential(module), x, y, layers=WIDE_LAYERS, curvature=curvature)
+
+
+def test_a_lanczos_basis_over_max_krylov_bytes_is_a_422_too_large_naming_the_setting_before_the_queue():
+    """1e9 iterations of a 20,100-parameter model: a basis of up to P float64 vectors, 3.2 GB, refused on meta."""
+    from gradsvc.engine import estimate
+
+    req = wide_request(top=1, iterations=10**9, tolerance=1e-300)
+    config = EngineConfig(max_krylov_bytes=64 << 20)
+    with pytest.raises(SpecError) as info:
+        prepare(req, config, "meta")
+    err = info.value
+    assert err.code == "too_large" and "GRADSVC_MAX_KRYLOV_BYTES" in err.message
+    assert err.detail["setting"] == "GRADSVC_MAX_KRYLOV_BYTES" and err.detail["max_iterations"] < 20_100
+    fitting = wide_request(top=1, iterations=err.detail["max_iterations"])
+    counted = estimate(fitting, config).krylov_bytes
+    assert 0 < counted <= 64 << 20
+    assert estimate(wide_request(top=1, iterations=10), config).krylov_bytes == (10 + 2) * 20_100 * 8
+    with pytest.raises(SpecError):
+        estimate(req, config)
+
+
+def test_density_probes_count_one_basis_at_a_time():
+    from gradsvc.engine import estimate
+
+    got = estimate(wide_request(top=0, density=True, probes=5, iterations=30), EngineConfig()).krylov_bytes
+    assert got == (30 + 2) * 20_100 * 8
+    assert estimate(wide_request(top=0, trace=True, probes=5), EngineConfig()).krylov_bytes == 0
+
+
+def test_lanczos_fills_one_basis_and_does_not_restack_it_every_step(monkeypatch):
+    """The basis grows in place: a step reads a view of it, so m steps cost O(m P) copies, not O(m^2 P)."""
+    from gradsvc.engine.diagnostics import lanczos as module
+
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(module.torch, "stack", lambda *a, **k: stacked.append(1) or real_stack(*a, **k))
+    matrix = torch.randn(40, 40, dtype=F64, generator=torch.Generator().manual_seed(0))
+    matrix = matrix + matrix.T
+    state = module.lanczos(lambda v: matrix @ v, torch.ones(40, dtype=F64), 30)
+    assert len(stacked) == 0 and state.basis.shape == (30, 40)
+    q = state.basis
+    assert torch.allclose(q @ q.T, torch.eye(30, dtype=F64), atol=1e-10)
+    values = module.top_ritz(lambda v: matrix @ v, 40, 2, 40, 1e-12, torch.Generator().manual_seed(1))[0]
+    assert torch.allclose(values, torch.linalg.eigvalsh(matrix).flip(0)[:2], atol=1e-8)
+
+
+# --- clipping's noise past the dtype, and noise without per-example clipping --------------------------------
+
+@pytest.mark.parametrize("dtype, max_norm, noise", [(torch.float32, 1.0, 1e39), (torch.float16, 1000.0, 100.0)])
+def test_dp_noise_that_overflows_the_returned_dtype_fails_non_finite_not_a_null_gradient(dtype, max_norm, noise):
+    """docs/api.md: a gradient that is not finite is a 422 non_finite, after clipping and noise too."""
+    from gradsvc.engine import ComputeError
+
+    layers = [{"type": "Linear", "in_features": 3, "out_features": 2}]
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 2)).to(torch.float32)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    req = layer_request(module, x, y, layers=layers, clip={"max_norm": max_norm, "per_sample": True,
+                                                           "noise_multiplier": noise})
+    req = msgspec.structs.replace(req, model=msgspec.structs.replace(req.model,
+                                                                      dtype=str(dtype).removeprefix("torch.")))
+    with pytest.raises(ComputeError) as info:
+        compute(req, EngineConfig())
+    err = info.value
+    assert err.code == "non_finite" and "options.clip" in err.message and "noise_multiplier" in err.message
+    assert err.detail["parameter"] in ("0.weight", "0.bias")
+
+
+def test_noise_multiplier_without_per_sample_is_a_422_bad_option_saying_to_set_per_sample():
+    """Noise is part of the per-example DP-SGD step; on a global clip it would be ignored, and a caller who asked
+    for noise would get gradients with none."""
+    module, (x, y) = cnn(), cnn_batch()
+    err = refused(layer_request(module, x, y, clip={"max_norm": 1.0, "noise_multiplier": 1.0}))
+    assert err.detail["option"] == "clip.noise_multiplier" and "per_sample" in err.message
+    compute(layer_request(module, x, y, clip={"max_norm": 1.0, "noise_multiplier": 0.0}), EngineConfig())
+
+
+def test_a_curvature_job_reports_its_products_as_progress():
+    """GET /jobs/{id} shows {phase, done, total} while a job runs; curvature's products are most of such a job."""
+    module, (x, y) = cnn(), cnn_batch()
+    seen = []
+    compute(layer_request(module, x, y, curvature={"top": 2, "trace": True, "probes": 5}), EngineConfig(),
+            progress=lambda phase, done, total: seen.append((phase, done, total)))
+    curv = [(d, t) for p, d, t in seen if p == "curvature"]
+    assert len(curv) > 5 and all(0 <= d <= t for d, t in curv)
+    assert [d for d, _ in curv] == sorted(d for d, _ in curv) and curv[-1][0] == curv[-1][1]

@@ -173,3 +173,31 @@ def test_an_autocast_block_is_refused_saying_why_and_what_to_do():
     message = str(err.value)
     assert "torch.autocast('cpu', dtype=torch.bfloat16)" in message
     assert "mixed precision" in message and "Remove the autocast block" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_neural_ode_with_an_rk4_solver_writing_its_trajectory_in_place_matches_eager(dtype):
+    """Its trajectory is a preallocated tensor written through views (select, copy_): the numerical check's
+    rounding pass must keep a view a view, or the writes miss the trajectory and the loss has no gradient."""
+    import msgspec
+
+    from gradclient.tensors import from_wire, to_wire
+    from gradsvc.engine import EngineConfig, compute
+    from gradsvc.wire import GradientRequest
+
+    from tests.support.models import NeuralODE
+
+    torch.manual_seed(0)
+    model = NeuralODE().to(dtype)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(5, 2, generator=g, dtype=dtype), torch.randn(5, 2, generator=g, dtype=dtype)
+    eg = export_graph(model, (x,))
+    raw = {"model": {"graph": eg.graph, "dtype": str(dtype).removeprefix("torch."),
+                     "weights": {k: to_wire(v, "msgpack") for k, v in eg.weights.items()}},
+           "inputs": to_wire(x, "msgpack"), "targets": to_wire(y, "msgpack"), "loss": "mse",
+           "options": {"numcheck": "auto"}}
+    result = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=GradientRequest), EngineConfig())
+    nn.functional.mse_loss(model(x), y).backward()
+    got = {n: torch.as_tensor(from_wire(result.gradients[n])) for n, _ in model.named_parameters()}
+    assert_grads_close(got, {n: p.grad for n, p in model.named_parameters()}, 1e-5 if dtype == torch.float32 else 1e-10)
+    assert result.numcheck.passed, result.numcheck

@@ -178,3 +178,8 @@ def test_batch_statistics_dropout_and_too_many_shards_are_refused_with_bad_optio
     with pytest.raises(SpecError) as err:
         validate_shardable(prepare(mixed, EngineConfig(), "meta"), 2)
     assert err.value.code == "bad_option" and "one reduction" in err.value.message
+
+
+def test_shards_whose_check_was_off_reduce_to_a_check_that_did_not_run():
+    got = sharded(request("cross_entropy", numcheck="off"), 3)
+    assert got.numcheck is not None and got.numcheck.mode == "off" and got.numcheck.passed is None

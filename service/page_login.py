@@ -1,7 +1,7 @@
-"""Browser sessions for the HTML pages: the login form trades an API key for an HttpOnly cookie.
+"""The pages' login: the login form trades an API key for an HttpOnly cookie, which the HTML pages accept.
 
 The cookie holds a random token, never the key; Redis maps the token's hash to the owner id for
-SESSION_TTL_S. The cookie is SameSite=Strict, so no other site's page can make the browser send it, and
+LOGIN_TTL_S. The cookie is SameSite=Strict, so no other site's page can make the browser send it, and
 it is honoured only by the read-only pages (GET /ui/..., /docs, /schema), never by the API's POST routes.
 """
 
@@ -22,10 +22,12 @@ from .exceptions import ServiceError
 
 COOKIE = "gradsvc_session"
 # A working day: long enough to watch a few jobs, short enough that a forgotten browser loses access.
-SESSION_TTL_S = 8 * 3600
+LOGIN_TTL_S = 8 * 3600
 
 
-class Sessions:
+class PageLogin:
+    """A browser's login to the pages: its cookie's token, who it is, and the throttle on wrong keys."""
+
     def __init__(self, auth: Auth, aredis, prefix: str, failures_per_minute: int = 10) -> None:
         self.auth = auth
         self.aredis = aredis
@@ -33,7 +35,7 @@ class Sessions:
         self.failures_per_minute = failures_per_minute
 
     async def login(self, key: str, client: str = "") -> str | None:
-        """A new session's token for a configured key, None for any other. A client address with
+        """A new login's token for a configured key, None for any other. A client address with
         failures_per_minute wrong keys this minute is refused 429 until the minute ends: the form is no
         faster way to guess keys than the API."""
         now = time.time()
@@ -55,7 +57,7 @@ class Sessions:
                 pass  # counted best effort: a wrong key is refused all the same
             return None
         token = secrets.token_urlsafe(32)
-        await self.aredis.set(keys.session_key(self.prefix, token), owner, ex=SESSION_TTL_S)
+        await self.aredis.set(keys.page_login_key(self.prefix, token), owner, ex=LOGIN_TTL_S)
         return token
 
     async def _failures(self, key: str) -> int:
@@ -67,10 +69,10 @@ class Sessions:
     async def logout(self, request: Request) -> None:
         token = request.cookies.get(COOKIE)
         if token:
-            await self.aredis.delete(keys.session_key(self.prefix, token))
+            await self.aredis.delete(keys.page_login_key(self.prefix, token))
 
     async def owner(self, request: Request) -> str | None:
-        """Who a page request is: the Bearer key when it sends one (a 401 if it is wrong), else its session
+        """Who a page request is: the Bearer key when it sends one (a 401 if it is wrong), else its login
         cookie's owner, else anonymous when no keys are configured; None: the browser must log in."""
         if not self.auth.enabled:
             return ANONYMOUS
@@ -79,10 +81,10 @@ class Sessions:
         token = request.cookies.get(COOKIE)
         if not token:
             return None
-        owner = await self.aredis.get(keys.session_key(self.prefix, token))
+        owner = await self.aredis.get(keys.page_login_key(self.prefix, token))
         return owner.decode() if owner else None
 
     @staticmethod
-    def cookie(request: Request, token: str, max_age: int = SESSION_TTL_S) -> Cookie:
+    def cookie(request: Request, token: str, max_age: int = LOGIN_TTL_S) -> Cookie:
         return Cookie(key=COOKIE, value=token, max_age=max_age, path="/", httponly=True, samesite="strict",
                       secure=request.url.scheme == "https")

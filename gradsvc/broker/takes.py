@@ -3,7 +3,8 @@ queued behind it, in one Lua script, and runs them one after another without ask
 
     take        LPOP up to n ids from the queue the first job came from, RPUSHed onto the worker's taken list
                 (keys.taken_key) and the worker named in the takers set, all in one script: each id is in exactly
-                one of the two lists at any time
+                one of the two lists at any time. At most the worker's share of what is queued (the queue's length
+                over the workers listening on it), so one worker does not hold a burst while another is idle
     start       a taken job leaves the taken list (LREM) in the MULTI/EXEC that marks it started and puts it in
                 RQ's started registry (workers/worker.py prepare_job_execution): it is in exactly one of them
     give back   the ids still in a taken list are pushed back to the front of their queues (the job hash's
@@ -24,10 +25,13 @@ from __future__ import annotations
 
 from . import keys
 
-# KEYS: the queue's list, the taken list, the takers set. ARGV: the most ids to take, the worker's name.
+# KEYS: the queue's list, the taken list, the takers set, RQ's set of the queue's workers. ARGV: the most ids to take,
+# the worker's name. Takes at most its share of what is queued (the length over the workers listening, this one
+# counted), so that a burst is not held by one worker while another is idle.
 _TAKE = """
+local share = math.floor(redis.call('LLEN', KEYS[1]) / math.max(1, redis.call('SCARD', KEYS[4])))
 local ids = {}
-for _ = 1, tonumber(ARGV[1]) do
+for _ = 1, math.min(tonumber(ARGV[1]), share) do
   local id = redis.call('LPOP', KEYS[1])
   if not id then break end
   redis.call('RPUSH', KEYS[2], id)
@@ -95,11 +99,12 @@ class Takes:
         self._reap = redis.register_script(_REAP)
 
     def take(self, queue: str, n: int) -> list[str]:
-        """Up to `n` ids from the front of `queue` (a queue name), now on this worker's taken list."""
+        """Up to `n` ids from the front of `queue` (a queue name), at most its share of them (their number over the
+        workers that listen on it), now on this worker's taken list."""
         if n <= 0:
             return []
-        ids = self._take(keys=[keys.rq_queue_key(queue), self.key, keys.takers_key(self.prefix)],
-                         args=[n, self.name])
+        ids = self._take(keys=[keys.rq_queue_key(queue), self.key, keys.takers_key(self.prefix),
+                               keys.rq_queue_workers_key(queue)], args=[n, self.name])
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
     def give_back(self) -> int:

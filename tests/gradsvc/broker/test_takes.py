@@ -40,6 +40,16 @@ def test_a_take_moves_up_to_n_ids_from_the_front_and_gives_them_back_in_order(fl
     assert not redis.sismember(keys.takers_key(PREFIX), "w1")
 
 
+def test_a_take_is_at_most_the_workers_share_of_the_queue(flushed_redis):
+    redis = flushed_redis
+    ids = _fill(redis, 7)
+    for name in ("w1", "w2", "w3"):
+        redis.sadd(keys.rq_queue_workers_key("gradsvc"), keys.rq_worker_key(name))
+    assert Takes(redis, PREFIX, "w1").take("gradsvc", 8) == ids[:2]  # 7 queued, 3 workers: 2 each
+    assert Takes(redis, PREFIX, "w2").take("gradsvc", 8) == ids[2:3]  # 5 left: 1
+    assert Takes(redis, PREFIX, "w3").take("gradsvc", 1) == ids[3:4]  # 4 left: 1, as asked
+
+
 def test_reap_gives_back_only_the_gone_workers_takes_and_drops_deleted_jobs(flushed_redis):
     redis = flushed_redis
     ids = _fill(redis, 6)

@@ -41,14 +41,15 @@ if #ids > 0 then redis.call('SADD', KEYS[3], ARGV[2]) end
 return ids
 """
 
-# Pushes the taken list KEYS[1] back (used by both scripts below). ARGV[1]: RQ's job key prefix, ARGV[2]: its queue
-# key prefix; KEYS[2]: RQ's set of queues. A job whose hash is gone (deleted meanwhile) is dropped.
+# Pushes a taken list back (used by both scripts below): `jobs` is RQ's job key prefix, `queues` its queue key prefix,
+# `known` RQ's set of queues. Only a job still queued goes back: one deleted or canceled meanwhile (the API's cancel
+# removes a queued job from its queue, which a taken one is not in) is dropped.
 _GIVE_BACK_LIST = """
 local function give_back(taken, jobs, queues, known)
   local ids = redis.call('LRANGE', taken, 0, -1)
   for i = #ids, 1, -1 do
-    local origin = redis.call('HGET', jobs .. ids[i], 'origin')
-    if origin then
+    local origin, status = unpack(redis.call('HMGET', jobs .. ids[i], 'origin', 'status'))
+    if origin and status == 'queued' then
       redis.call('LPUSH', queues .. origin, ids[i])
       redis.call('SADD', known, queues .. origin)
     end

@@ -1,6 +1,6 @@
 """A worker that takes several jobs at once (GRADSVC_WORKER_TAKE), on a live stack (a private redis-server, the API
 over HTTP, real RQ workers): killed with SIGKILL while it holds a take, every job still ends exactly once (its running
-job worker_lost, the taken ones queued again and finished by another worker, none started twice)."""
+job worker_lost, the taken ones queued again and finished by another worker, none started twice; one canceled while taken never starts)."""
 
 from __future__ import annotations
 
@@ -54,14 +54,16 @@ def test_a_worker_killed_holding_a_take_loses_none_and_runs_none_twice(take_stac
         assert r.llen(taken_key) == 7, f"the worker did not take 7 jobs; logs in {s.logdir}"
         assert wait_status(http, blocker, ("started",))["status"] == "started"
         assert [http.get(f"/jobs/{j}").json()["status"] for j in small[:7]] == ["queued"] * 7  # taken: still queued
+        assert http.post(f"/jobs/{small[0]}/cancel").json()["status"] == "canceled"  # canceled while taken
         worker.send_signal(signal.SIGKILL)
         worker.wait(10)
         s.start_worker()
         ended = {j: wait_status(http, j, TERMINAL, 90) for j in [blocker, *small]}
     assert ended[blocker]["status"] == "failed" and ended[blocker]["error"]["code"] == "worker_lost"
-    assert [ended[j]["status"] for j in small] == ["finished"] * SMALL, {j: ended[j]["status"] for j in small}
+    assert [ended[j]["status"] for j in small] == ["canceled"] + ["finished"] * (SMALL - 1), \
+        {j: ended[j]["status"] for j in small}
     starts = _starts(s)
-    assert all(starts[j] == 1 for j in small), starts
+    assert starts[small[0]] == 0 and all(starts[j] == 1 for j in small[1:]), starts
     assert starts[blocker] == 1
 
 

@@ -1,6 +1,7 @@
 """Taking several jobs at once on a real Redis (gradsvc/broker/takes.py): a take moves ids from the queue's front to
 the worker's taken list atomically; a stopping worker, or any worker's heartbeat for a gone one, puts them back at
-the front of their queues in their order, exactly once, however many give back at once; a deleted job is dropped."""
+the front of their queues in their order, exactly once, however many give back at once; a deleted or canceled job
+is dropped."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def test_reap_gives_back_only_the_gone_workers_takes_and_drops_deleted_jobs(flus
     assert alive.take("gradsvc", 2) == ids[:2]
     assert gone.take("gradsvc", 3) == ids[2:5]
     redis.delete(GradientJob.key_for(ids[3]))  # deleted while taken
+    GradientJob.fetch(ids[4], connection=redis, serializer=MsgpackSerializer).cancel()  # canceled while taken
     assert alive.reap() == 3
-    assert _queue(redis).get_job_ids() == [ids[2], ids[4], ids[5]]
+    assert _queue(redis).get_job_ids() == [ids[2], ids[5]]
     assert [i.decode() for i in redis.lrange(keys.taken_key(PREFIX, "alive"), 0, -1)] == ids[:2]
     assert alive.reap() == 0  # once
 

@@ -12,6 +12,8 @@ from rq.job import JobStatus
 from gradsvc.broker import keys
 from gradsvc.broker.takes import Takes
 
+from .leasing import REDIS_ERRORS
+
 log = logging.getLogger("gradsvc.worker")
 
 
@@ -24,17 +26,35 @@ class Taking:
         self.takes = Takes(worker.connection, worker.prefix, worker.name) if worker.connection is not None else None
         self.pending: collections.deque = collections.deque()  # (job id, its Queue), in the order taken
         self.current: str | None = None  # the taken job being started: its start transaction removes it
+        self.owed = False  # Redis failed mid-take: what the taken list holds is given back once Redis answers
 
     def after_dequeue(self, queue) -> None:
         """Takes up to n - 1 more jobs from `queue`, the queue the dequeued job came from (never an own queue)."""
         if self.n <= 1 or self.takes is None or keys.own_queue_worker(self.worker.prefix, queue.name) is not None:
             return
-        for job_id in self.takes.take(queue.name, self.n - 1):
-            self.pending.append((job_id, queue))
+        try:
+            ids = self.takes.take(queue.name, self.n - 1)
+        except REDIS_ERRORS as exc:  # the script may have run, its reply lost: whatever it took goes back later
+            self.owed = True
+            log.warning("worker %s: a take failed (%s); the dequeued job runs alone", self.worker.name, exc)
+            return
+        self.pending.extend((job_id, queue) for job_id in ids)
 
     def next(self):
         """The next taken job still queued, as RQ's dequeue returns it ((job, queue)), or None when none is left.
         With this worker's own lease possibly lapsed, the rest is given back instead (gradsvc/broker/takes.py)."""
+        try:
+            if self.owed:
+                self.give_back("Redis failed during a take")
+                self.owed = False
+            return self._next()
+        except REDIS_ERRORS as exc:  # the rest stays on the taken list, given back once Redis answers
+            self.pending.clear()
+            self.current, self.owed = None, True
+            log.warning("worker %s: Redis failed while starting a taken job (%s)", self.worker.name, exc)
+            return None
+
+    def _next(self):
         worker = self.worker
         while self.pending:
             if not worker.leases.lease_fresh():

@@ -223,6 +223,9 @@ class GradientWorker(SimpleWorker):
         self.leases.stop()
         try:
             self.taking.give_back("the worker stops")
+        except REDIS_ERRORS as exc:  # its key expires with its lease; any heartbeat then gives them back
+            log.warning("worker %s: could not give back its taken jobs (%s)", self.name, exc)
+        try:
             super().teardown()
         except REDIS_ERRORS as exc:
             log.warning("worker %s: could not register its death, Redis unreachable or refusing writes (%s)", self.name, exc)

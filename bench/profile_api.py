@@ -9,6 +9,7 @@ Run: .venv/bin/python bench/profile_api.py [N]
 
 from __future__ import annotations
 
+import os
 import pstats
 import signal
 import subprocess
@@ -52,6 +53,7 @@ def main() -> None:
     finally:
         stack.stop()
     stats = pstats.Stats(prof)
+    os.unlink(prof)
     total = WARMUP + n
     print(f"\n{total} requests (the first {WARMUP} warm-up, included); ms per request\n")
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)

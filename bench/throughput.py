@@ -9,11 +9,16 @@ GRADSVC_WORKERS unset (each worker on all cores, as before that setting was hono
   via the API      C client threads, each POST /gradients?wait=30 one after another (sync wait):
                    N / wall time, HTTP, validation and the API's own Redis calls included.
 
-Run: .venv/bin/python bench/throughput.py
+`--take` (the worker's take, GRADSVC_WORKER_TAKE): the same tiny job (numcheck off) via the API at 1, 8 and 32
+clients (sync waits), 2 workers, with a take of 1 (each job dequeued alone) and of TAKE; the two stacks run
+alternately, ROUNDS times, so the machine's drift falls on both: jobs/s, p50 and p99 (ms) per round.
+
+Run: .venv/bin/python bench/throughput.py [--take]
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -22,13 +27,14 @@ import httpx
 import msgspec
 from redis import Redis
 
-from common import Stack, footer, header, seed_a_body, start_stack, table
+from common import Stack, concurrent_posts, footer, header, seed_a_body, start_stack, table
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from service.app import job_parts
 
 JOBS = 300
 CLIENTS = 4
+TAKE, ROUNDS, PER_CELL = 8, 2, 320
 
 
 def queue_to_result(stack: Stack, body: bytes, n: int) -> float:
@@ -91,5 +97,28 @@ def main() -> list[list]:
     return rows
 
 
+def take_mode() -> list[list]:
+    started = header(f"Throughput: tiny jobs via the API, a worker's take of 1 and {TAKE}", __doc__.split("`--take`")[1]
+                     .split("Run:")[0])
+    body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
+    rows = []
+    for rnd in range(ROUNDS):
+        for take in (1, TAKE):
+            stack = start_stack(workers=2, GRADSVC_WORKERS="2", GRADSVC_WORKER_TAKE=str(take))
+            try:
+                stack.wait_ready(2)
+                concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers())  # warm-up
+                for clients in (1, 8, 32):
+                    got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients),
+                                           stack.auth_headers())
+                    rows.append([rnd + 1, take, clients, got["rps"], got["p50"], got["p99"]])
+            finally:
+                stack.stop()
+    table(["round", "take", "clients", "jobs/s", "p50 ms", "p99 ms"], rows)
+    print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench")
+    footer(started)
+    return rows
+
+
 if __name__ == "__main__":
-    main()
+    take_mode() if "--take" in sys.argv else main()

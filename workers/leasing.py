@@ -49,6 +49,7 @@ class Leases:
         self.running: Running | None = None
         self.beating = threading.Event()
         self.mover: Mover | None = None  # set by the worker (its queue prefix)
+        self.beaten = time.monotonic()  # when the worker's key was last renewed (its own lease)
 
     def start(self) -> None:
         self.watchdog.listen_for_signals()
@@ -102,6 +103,7 @@ class Leases:
             if worker.device is not None:  # what the API sizes this device's limits by (gradsvc/broker/devices.py)
                 devices.publish(pipe, worker.prefix, worker.key, worker.device)
             _, _, listed, registered, *_ = pipe.execute()
+        self.beaten = time.monotonic()
         if not (listed and registered):  # the hash had expired, or Redis came back empty: register again
             self._register_again()
         self.reap_abandoned()
@@ -120,6 +122,15 @@ class Leases:
         for queue in self.worker.queues:
             # LeaseRegistry: from this heartbeat thread, a reaped shard must still fail its job.
             LeaseRegistry(queue=queue, job_class=queue.job_class, serializer=queue.serializer).cleanup()
+        taking = getattr(self.worker, "taking", None)
+        if taking is not None and taking.takes is not None:
+            given = taking.takes.reap()  # a gone worker's taken jobs, queued again
+            if given:
+                log.warning("worker %s: %d job(s) taken by a gone worker queued again", self.worker.name, given)
+
+    def lease_fresh(self) -> bool:
+        """Whether this worker's own key has at least a heartbeat of its lease left (gradsvc/broker/takes.py)."""
+        return time.monotonic() - self.beaten < self.lease_s - self.heartbeat_s
 
     def still_ours(self, running: Running) -> bool:
         status, worker = self.worker.connection.hmget(running.job.key, "status", "worker_name")

@@ -59,7 +59,8 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
              *keys.worker_queues(settings.queue_prefix, kind, ctx.handoff and ctx.handoff.domain)]
     queues = [Queue(q, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob) for q in names]
     worker = GradientWorker(queues, connection=connection, serializer=MsgpackSerializer, job_class=GradientJob,
-                            name=name, heartbeat_s=settings.worker_heartbeat_s, prefix=settings.queue_prefix,
+                            name=name, heartbeat_s=settings.worker_heartbeat_s, take=settings.worker_take,
+                            prefix=settings.queue_prefix,
                             context=ctx)
     worker.device = describe_device(ctx.device)
     return worker

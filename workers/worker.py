@@ -39,6 +39,7 @@ from gradsvc.runtime.malloc import MemoryKeeper
 
 from .jobs import WorkerContext, hand_over
 from .leasing import REDIS_ERRORS, Leases
+from .taking import Taking
 from .transaction import SentTransaction
 from .watchdog import Running, Watchdog
 
@@ -59,7 +60,7 @@ class GradientWorker(SimpleWorker):
     max_connection_wait_time = 3.0
 
     def __init__(self, *args, heartbeat_s: int = 2, prefix: str = "gradsvc", context: WorkerContext | None = None,
-                 **kwargs) -> None:
+                 take: int = 1, **kwargs) -> None:
         # worker_ttl sets the idle BLPOP to worker_ttl - 15 s; the heartbeat thread keeps the key alive.
         kwargs.setdefault("worker_ttl", 30)
         kwargs.setdefault("job_monitoring_interval", heartbeat_s)
@@ -77,6 +78,7 @@ class GradientWorker(SimpleWorker):
         self._started: SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet
         self._suspension_checked = float("-inf")
         self.memory = MemoryKeeper()  # after warm-up (workers/main.py builds the worker after it)
+        self.taking = Taking(self, take)  # the jobs taken with the one dequeued (workers/taking.py)
 
     # --- leases (renewed by the heartbeat thread: workers/leasing.py) --------------------------------
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
@@ -136,6 +138,7 @@ class GradientWorker(SimpleWorker):
             job.heartbeat(now(), ttl, pipeline=pipe)
             job.prepare_for_execution(self.name, pipeline=pipe)
             pipe.persist(job.key)
+            self.taking.on_start(pipe, job)  # a taken job leaves the taken list as it starts
             if remove_from_intermediate_queue:
                 pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
             # Sent now, its reply read when the job ends (handle_execution_ended): the job starts without
@@ -221,6 +224,10 @@ class GradientWorker(SimpleWorker):
     def teardown(self) -> None:
         self.leases.stop()
         try:
+            self.taking.give_back("the worker stops")
+        except REDIS_ERRORS as exc:  # its key expires with its lease; any heartbeat then gives them back
+            log.warning("worker %s: could not give back its taken jobs (%s)", self.name, exc)
+        try:
             if self.device is not None:
                 devices.withdraw(self.connection, self.prefix, self.key)
             super().teardown()
@@ -251,10 +258,20 @@ class GradientWorker(SimpleWorker):
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
         """RQ's dequeue, waiting out Redis refusing writes as RQ waits out a lost connection: a failover's
-        demotion cuts the blocked BLPOP (UNBLOCKED) and a full Redis refuses the writes around it (OOM)."""
+        demotion cuts the blocked BLPOP (UNBLOCKED) and a full Redis refuses the writes around it (OOM). A job
+        taken with an earlier one (workers/taking.py) comes first, without a dequeue; a dequeued job takes more."""
+        taken = self.taking.next()
+        if taken is not None:
+            job, queue = taken
+            job.redis_server_version = self.get_redis_server_version()
+            self.log.info("Worker %s: %s: %s (%s)", self.name, queue.name, job.description, job.id)  # as RQ's dequeue
+            return taken
         while True:
             try:
-                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+                if result is not None:
+                    self.taking.after_dequeue(result[1])
+                return result
             except ResponseError as exc:
                 if refusal(exc) is None:
                     raise

@@ -65,6 +65,18 @@ def affinity_fallback_key(prefix: str) -> str:
     return f"{prefix}:affinity:fallback"
 
 
+def taken_key(prefix: str, worker_name: str) -> str:
+    """The jobs a worker took from a queue beyond the one it runs, not started yet (a list of job ids,
+    gradsvc/broker/takes.py): a job leaves it in the transaction that starts it."""
+    return f"{prefix}:taken:{worker_name}"
+
+
+def takers_key(prefix: str) -> str:
+    """The workers that may hold taken jobs (a set of worker names): any worker's heartbeat puts a gone worker's
+    taken jobs back at the front of their queues."""
+    return f"{prefix}:takers"
+
+
 def rq_queue_key(queue: str) -> str:
     """RQ's list of a queue's job ids."""
     from rq import Queue

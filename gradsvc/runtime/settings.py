@@ -129,6 +129,8 @@ class Settings:
     worker_device: str = _one_of("auto", ("auto", "cpu", "cuda"), "use auto, cpu or cuda")
     # A job's lease is 3 heartbeats: a killed worker's job fails worker_lost within about 8 s.
     worker_heartbeat_s: int = _positive(2)
+    # A worker that dequeues a job from a shared queue takes up to this many queued there at once (gradsvc/broker/takes.py).
+    worker_take: int = _positive(1)
     # Affinity (gradsvc/broker/affinity.py): how long a job of a model a worker holds may wait in that worker's own
     # queue before another worker's heartbeat (every 0.5 s) moves it to the shared queue.
     affinity_wait_ms: int = _at_least_zero(250)

@@ -160,12 +160,13 @@ def _operate(call: Call, op: str) -> bytes:
     if again is not None:
         return again
     norms = rec.create.run is not None
-    if op == "forward_backward":
-        outcome = session.forward_backward(payload)
-    elif op == "optim_step":
-        outcome = session.optim_step(payload.lr, None, norms=norms)
-    else:
-        outcome = session.train_step(payload, norms=norms)
+    with session.math(payload.options.math_mode if isinstance(payload, SessionBatch) else None):
+        if op == "forward_backward":
+            outcome = session.forward_backward(payload)
+        elif op == "optim_step":
+            outcome = session.optim_step(payload.lr, None, norms=norms)
+        else:
+            outcome = session.train_step(payload, norms=norms)
     answer = _answer(call, session, outcome, payload.returns, resumed)
     if key is not None:
         session.remember(key)

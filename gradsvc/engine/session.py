@@ -26,7 +26,7 @@ from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, 
 
 from . import session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
-from .devices import sync
+from .devices import float32_math, math_mode_for, sync
 from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, SpecError
@@ -85,6 +85,12 @@ class TrainingSession:
         self.step, self.accumulated, self.seed = 0, 0, create.model.seed
         self.applied: dict[str, int] = {}  # idempotency key -> the step it was applied at (the latest APPLIED_KEYS)
         self.parameter_count = sum(p.numel() for p in model.parameters())
+
+    def math(self, asked: str | None = None):
+        """The float32 math an operation runs in, as a job's (devices.float32_math): the batch's options.math_mode,
+        else the worker's GRADSVC_FLOAT32_MATH; full float32 unless TF32 is asked for and the device has it, so a
+        session's steps equal local torch.optim steps in full float32 on a GPU too."""
+        return float32_math(math_mode_for(self.device, asked or self.config.float32_math), self.device)
 
     @property
     def state_bytes(self) -> int:

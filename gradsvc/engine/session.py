@@ -15,6 +15,7 @@ Random numbers: the pass of optimizer step s, accumulation a, draws its dropout 
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 from dataclasses import dataclass, field
 
 import msgspec
@@ -40,8 +41,8 @@ from .prepared import GraphResolver, Prepared
 
 # Options of POST /gradients a session step cannot honour as /gradients does (each would change the state
 # otherwise, or answers what /gradients answers): field -> its default, which a step must leave it at.
-_REFUSED = {"input_grad": False, "hvp": None, "graph": False, "per_sample": "off", "shards": 1, "timing_repeat": 1,
-            "batch_gradient": True, "curvature": None, "freeze": []}
+_REFUSED = MappingProxyType({"input_grad": False, "hvp": None, "graph": False, "per_sample": "off", "shards": 1,
+                             "timing_repeat": 1, "batch_gradient": True, "curvature": None, "freeze": []})
 # The idempotency keys a session remembers (in its checkpoint too): a retry comes within a few steps.
 APPLIED_KEYS = 256
 

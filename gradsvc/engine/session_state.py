@@ -12,6 +12,7 @@ max_exp_avg_sq, step), `grad/<parameter>`. Metadata: `format`, `step`, `accumula
 from __future__ import annotations
 
 import struct
+from types import MappingProxyType
 
 import msgspec
 import torch
@@ -23,12 +24,12 @@ from gradsvc.wire import OptimizerSpec
 from .errors import SpecError
 
 FORMAT = "gradsvc-session/1"
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-ARGUMENTS = {
+OPTIMIZERS = MappingProxyType({"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW})
+ARGUMENTS = MappingProxyType({
     "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize"),
     "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
     "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
-}
+})
 # The hyperparameters a checkpoint keeps (param_groups' entries other than `params`): what load_state_dict needs.
 _GROUP_SKIP = ("params",)
 

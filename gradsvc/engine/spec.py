@@ -156,7 +156,9 @@ def construct(cls: type[nn.Module], kwargs: dict[str, Any]) -> nn.Module:
 
 @functools.cache  # a constructor's signature, read once per class
 def _takes(cls: type, argument: str) -> bool:
-    return argument in inspect.signature(cls.__init__).parameters
+    """Whether cls's constructor takes `argument`: by name, or through **kwargs (RNN's, whose `bias` is a flag)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return argument in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:

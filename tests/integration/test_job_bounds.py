@@ -29,7 +29,10 @@ JOB_BYTES = 64 << 20
 BOUND_S = 15
 
 
-bounded = module_stack(2, GRADSVC_MAX_JOB_BYTES=str(JOB_BYTES), GRADSVC_WORKER_HEARTBEAT_S="1")
+# A worker's heap cap is its own, the job's and its resident models' budget: no models kept here, so past the
+# job's bytes is past the cap.
+bounded = module_stack(2, GRADSVC_MAX_JOB_BYTES=str(JOB_BYTES), GRADSVC_WORKER_HEARTBEAT_S="1",
+                       GRADSVC_RESIDENT_MODEL_BYTES="0")
 
 
 http, redis = client_fixtures("bounded")

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsvc.engine import Engine, EngineConfig, compute
-from gradsvc.engine.devices import float32_math, math_mode_for
+from gradsvc.engine.devices import backend_flags, float32_math, math_mode_for
 from gradsvc.engine.numcheck.reference import Reference
 from gradsvc.engine.numcheck.tolerances import TF32_EPS, returned_check, returned_tolerance
 from gradsvc.engine.tensors import decode
@@ -100,8 +100,9 @@ def test_float32_math_sets_each_flag_for_the_job_and_restores_the_process_s(mode
               matmul.allow_bf16_reduced_precision_reduction)
     # the process as CUDA leaves it: cuDNN in TF32, reduced-precision reductions on
     torch.set_float32_matmul_precision("high")
-    cudnn.allow_tf32 = matmul.allow_fp16_reduced_precision_reduction = True
-    matmul.allow_bf16_reduced_precision_reduction = True
+    with backend_flags():  # frozen where an earlier test imported torch.testing's common_utils
+        cudnn.allow_tf32 = matmul.allow_fp16_reduced_precision_reduction = True
+        matmul.allow_bf16_reduced_precision_reduction = True
     try:
         # the flags are the process's: a device object is all this needs, not a GPU
         with float32_math(mode, torch.device("cuda", 0)):
@@ -117,8 +118,9 @@ def test_float32_math_sets_each_flag_for_the_job_and_restores_the_process_s(mode
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before[0])
-        cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = before[1], before[2]
-        matmul.allow_bf16_reduced_precision_reduction = before[3]
+        with backend_flags():
+            cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = before[1], before[2]
+            matmul.allow_bf16_reduced_precision_reduction = before[3]
 
 
 def test_a_job_restores_the_process_s_math_when_it_fails():

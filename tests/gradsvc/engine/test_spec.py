@@ -236,3 +236,14 @@ def test_every_argument_of_the_layer_table_is_one_this_torch_takes_or_one_the_en
             continue
         lacking += [(kind, name) for name in layer.args if name not in params and name not in emulated]
     assert not lacking, f"arguments this torch ({torch.__version__}) does not take: {lacking}"
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+def test_a_recurrent_layer_without_bias_is_built_as_torch_builds_it(kind):
+    """A recurrent layer's constructor takes `bias` through **kwargs, and its `bias` attribute is a flag: the norm
+    layers' fallback for a constructor without the argument must not apply to it."""
+    model = build([{"type": kind, "input_size": 3, "hidden_size": 4, "bias": False}], limits=Limits())
+    torch.manual_seed(0)
+    local = getattr(nn, kind)(3, 4, bias=False)
+    assert model[0].bias is False
+    assert sorted(model.state_dict()) == sorted(f"0.{k}" for k in local.state_dict())

@@ -48,6 +48,9 @@ _JOB_FUNCTION = GRADIENT_JOB
 
 log = logging.getLogger("gradsvc.worker")
 SUSPENSION_CHECK_S = 1.0
+# How long a stopping worker waits for RQ's pubsub thread (its command channel) to end; a daemon, it ends with
+# the process if it has not ended by then (GradientWorker.unsubscribe).
+PUBSUB_STOP_S = 1.0
 
 
 class GradientWorker(SimpleWorker):
@@ -233,6 +236,21 @@ class GradientWorker(SimpleWorker):
             super().teardown()
         except REDIS_ERRORS as exc:
             log.warning("worker %s: could not register its death, Redis unreachable or refusing writes (%s)", self.name, exc)
+
+    def unsubscribe(self) -> None:
+        """RQ's, with its wait for the pubsub thread bounded as RQ means it to be. RQ unsubscribes, whose reply
+        wakes the thread from its blocking read, then stops the thread; but redis-py's stop() waits for it
+        without a bound, and a thread that read the reply before stop() cleared its flag sits out RQ's 60 s
+        wait for a subscription that never comes: the worker outlived its SIGTERM by up to a minute (more
+        often the busier its other threads keep the GIL). The thread now gets PUBSUB_STOP_S; the connection
+        is then closed under it (it waits on an Event, not on the socket) and it ends with the process."""
+        thread = self.pubsub_thread
+        if thread is None:
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub.unsubscribe()
+        thread.stop(timeout=PUBSUB_STOP_S)
+        self.pubsub.close()
 
     # --- Redis outages in the work loop --------------------------------------------------------------
     def check_for_suspension(self, burst: bool) -> None:

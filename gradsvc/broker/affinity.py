@@ -2,7 +2,8 @@
 
     the worker     after a job whose model it kept resident: record_holder(owner, model key -> its name, TTL)
     the API        route(): the holder's own queue when the holder is alive (its RQ key, the lease its heartbeat
-                   renews), else the queue the job would have gone to (its fallback); a job put in an own queue
+                   renews, without the `death` field RQ writes when a worker stops: RQ keeps a stopped worker's
+                   key 60 s), else the queue the job would have gone to (its fallback); a job put in an own queue
                    is tracked with its fallback and the time it may wait there until (GRADSVC_AFFINITY_WAIT_MS),
                    in the enqueue's transaction
     every worker   its heartbeat thread runs move_overdue(): a job still in an own queue past its wait (its worker
@@ -30,10 +31,13 @@ from . import keys
 _json = msgspec.json.Encoder(order="sorted")
 HOLDER_TTL_S = 3600  # how long a holder record lasts unless a job renews it
 
-# KEYS: the holder record. ARGV: RQ's worker key prefix. The holder's name when its worker key is there, else nil.
+# KEYS: the holder record. ARGV: RQ's worker key prefix. The holder's name when its worker is alive (worker_alive),
+# else nil.
 _ROUTE = """
 local name = redis.call('GET', KEYS[1])
-if name and redis.call('EXISTS', ARGV[1] .. name) == 1 then return name end
+if name and redis.call('EXISTS', ARGV[1] .. name) == 1 and redis.call('HEXISTS', ARGV[1] .. name, 'death') == 0 then
+  return name
+end
 return false
 """
 
@@ -64,7 +68,8 @@ for _, id in ipairs(redis.call('SRANDMEMBER', KEYS[2], limit)) do
   local origin = redis.call('HGET', jobs .. id, 'origin')
   if not origin or string.sub(origin, 1, #own) ~= own then
     candidates[#candidates + 1] = id
-  elseif redis.call('EXISTS', workers .. string.sub(origin, #own + 1)) == 0 then
+  elseif redis.call('EXISTS', workers .. string.sub(origin, #own + 1)) == 0 or
+      redis.call('HEXISTS', workers .. string.sub(origin, #own + 1), 'death') == 1 then
     candidates[#candidates + 1] = id
   elseif not redis.call('LPOS', queues .. origin, id) then
     candidates[#candidates + 1] = id
@@ -103,9 +108,13 @@ def model_key(request: GradientRequest, graph_ref: str | None = None) -> str:
 
 
 def worker_alive(redis, worker_name: str) -> bool:
-    """Whether the worker's RQ key is there: its heartbeat renews it for a lease (3 heartbeats); a worker dead or
-    cut off from Redis loses it within that."""
-    return bool(redis.exists(keys.rq_worker_key(worker_name)))
+    """Whether the worker's RQ key is there without a `death` field: its heartbeat renews it for a lease (3
+    heartbeats); a worker killed or cut off from Redis loses it within that, and a stopped one wrote its death
+    (RQ's register_death, which keeps the key 60 s more). One round trip."""
+    key = keys.rq_worker_key(worker_name)
+    with redis.pipeline(transaction=False) as pipe:
+        exists, dead = pipe.exists(key).hexists(key, "death").execute()
+    return bool(exists) and not dead
 
 
 def record_holder(redis, prefix: str, owner: str, model_key: str, worker_name: str, ttl_s: int) -> None:

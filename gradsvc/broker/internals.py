@@ -16,6 +16,7 @@ methods; each further one is listed with its reason):
     handle_job_success        the result is written in RQ's success transaction (GradientJob._handle_success)
     execute_job               the context handed to the job (workers/jobs.py), the Running record around it
     bootstrap, teardown       the heartbeat thread (workers/leasing.py) starts and stops with the worker
+    unsubscribe               the wait for RQ's pubsub thread is bounded (redis-py's stop() waits unbounded)
     check_for_suspension      checked once a second at most, not before every job
     run_maintenance_tasks     expired leases are reaped by the heartbeat thread instead
     dequeue_job_and_maintain_ttl
@@ -28,6 +29,8 @@ Private or undocumented names used:
     rq.job.Job._data                GradientJob stores the body uncompressed (to_dict)
     rq.job.Job._status              the worker sets the finished status its transaction wrote
     rq.worker.SimpleWorker._state   set_state keeps RQ's own field in step
+    rq.worker.SimpleWorker.pubsub, pubsub_thread, redis.client.PubSubWorkerThread.stop(timeout)
+                                    the worker's command channel, stopped with a bounded wait (unsubscribe)
     rq.worker_registration.WORKERS_BY_QUEUE_KEY, rq.results.Result.get_key
                                     key names the API reads (gradsvc/broker/keys.py)
     RQ's storage layout: a queue's list (Queue.redis_queue_namespace_prefix + name), a job hash's `origin`
@@ -62,6 +65,8 @@ RELIED_ON: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     ("rq.worker.SimpleWorker.execute_job", ("self", "job", "queue")),
     ("rq.worker.SimpleWorker.bootstrap", ("self", "logging_level", "date_format", "log_format")),
     ("rq.worker.SimpleWorker.teardown", ("self",)),
+    ("rq.worker.SimpleWorker.unsubscribe", ("self",)),
+    ("redis.client.PubSubWorkerThread.stop", ("self", "timeout")),
     ("rq.worker.SimpleWorker.check_for_suspension", ("self", "burst")),
     ("rq.worker.SimpleWorker.run_maintenance_tasks", ("self",)),
     ("rq.worker.SimpleWorker.dequeue_job_and_maintain_ttl", ("self", "timeout", "max_idle_time")),
@@ -82,6 +87,8 @@ INSTANCE_FIELDS: tuple[tuple[str, str], ...] = (
     ("rq.job.Job", "_data"),
     ("rq.job.Job", "_status"),
     ("rq.worker.SimpleWorker", "_state"),
+    ("rq.worker.SimpleWorker", "pubsub"),
+    ("rq.worker.SimpleWorker", "pubsub_thread"),
     ("redis.client.Pipeline", "command_stack"),
     ("redis.asyncio.connection.Connection", "_writer"),
 )

@@ -30,7 +30,14 @@ def _enqueue(redis, mover: affinity.Mover, own: str, fallback: str, job_id: str,
 
 
 def _alive(redis, name: str) -> None:
-    redis.set(keys.rq_worker_key(name), b"1", ex=30)
+    redis.hset(keys.rq_worker_key(name), "last_heartbeat", "now")  # RQ's worker key is a hash
+    redis.expire(keys.rq_worker_key(name), 30)
+
+
+def _stopped(redis, name: str) -> None:
+    """As RQ's register_death leaves a worker that stopped: its key kept 60 s, with its death."""
+    redis.hset(keys.rq_worker_key(name), "death", "now")
+    redis.expire(keys.rq_worker_key(name), 60)
 
 
 def test_route_goes_to_the_live_holders_own_queue_else_the_fallback(flushed_redis):
@@ -45,6 +52,9 @@ def test_route_goes_to_the_live_holders_own_queue_else_the_fallback(flushed_redi
     assert affinity.route(redis, PREFIX, "alice", key, "gradsvc") == keys.own_queue_name(PREFIX, "w1")
     assert affinity.route(redis, PREFIX, "bob", key, "gradsvc") == "gradsvc"  # another owner: not its model
     assert affinity.route(redis, PREFIX, "alice", None, "gradsvc") == "gradsvc"
+    _stopped(redis, "w1")  # stopped (SIGTERM): its key stays 60 s, but it is gone
+    assert not affinity.worker_alive(redis, "w1")
+    assert affinity.route(redis, PREFIX, "alice", key, "gradsvc") == "gradsvc"
 
 
 def test_model_key_names_structure_and_dtype_not_weights():
@@ -110,3 +120,15 @@ def test_a_pinned_job_stays_while_its_worker_lives_and_moves_when_it_is_gone(flu
     assert mover.move_overdue() == ["p1"]
     assert _queue(redis, "gradsvc-cuda").job_ids == ["p1"] and _queue(redis, own).job_ids == []
     assert mover.move_overdue() == []
+
+
+def test_a_pinned_job_of_a_stopped_worker_moves_though_rq_keeps_its_key(flushed_redis):
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    own = keys.own_queue_name(PREFIX, "holder")
+    _alive(redis, "holder")
+    _enqueue(redis, mover, own, "gradsvc-cpu", "p2", wait_s=0.0, pinned=True)
+    assert mover.move_overdue() == []
+    _stopped(redis, "holder")
+    assert mover.move_overdue() == ["p2"]
+    assert _queue(redis, "gradsvc-cpu").job_ids == ["p2"] and _queue(redis, own).job_ids == []

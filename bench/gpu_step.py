@@ -36,22 +36,11 @@ from torch import nn
 
 from common import footer, header, median, start_stack, table
 from gradclient import Client
+from tests.support.models import GPT2_23M, GPT2LM
 
 STEPS = 4
 BATCH, SEQ = 8, 128
-SMALL = {"vocab_size": 8192, "n_positions": 128, "n_embd": 512, "n_layer": 6, "n_head": 8, "bos_token_id": 0,
-         "eos_token_id": 0}
-
-
-class LM(nn.Module):
-    def __init__(self, **config) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        self.lm = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config))
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
+SMALL = GPT2_23M  # 23M parameters
 
 
 class Counting(httpx.HTTPTransport):
@@ -65,7 +54,7 @@ class Counting(httpx.HTTPTransport):
         return response
 
 
-def _trainable(model: LM, case: str) -> list[nn.Parameter]:
+def _trainable(model: GPT2LM, case: str) -> list[nn.Parameter]:
     last = model.lm.config.n_layer - 1
     for name, p in model.named_parameters():
         p.requires_grad_(case == "full" or name.startswith((f"lm.transformer.h.{last}.", "lm.transformer.ln_f.")))
@@ -77,7 +66,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _local(model: LM, ids, y, opt, device: torch.device) -> tuple[float, float]:
+def _local(model: GPT2LM, ids, y, opt, device: torch.device) -> tuple[float, float]:
     """(forward+backward s, the whole step s: with the optimizer's step when there is one)."""
     ids, y = ids.to(device), y.to(device)
     _sync(device)
@@ -94,7 +83,7 @@ def _local(model: LM, ids, y, opt, device: torch.device) -> tuple[float, float]:
     return fb, time.perf_counter() - t0
 
 
-def _service(client: Client, transport: Counting, model: LM, ids, y, opt) -> dict:
+def _service(client: Client, transport: Counting, model: GPT2LM, ids, y, opt) -> dict:
     before = transport.received
     t0 = time.perf_counter()
     result = client.gradients(model, ids, y, numcheck="off", memory=False)
@@ -112,7 +101,7 @@ def _service(client: Client, transport: Counting, model: LM, ids, y, opt) -> dic
 def run_case(client: Client, transport: Counting, config: dict, case: str, device: torch.device,
              batches: list, steps: int) -> list:
     torch.manual_seed(0)
-    model = LM(**config)
+    model = GPT2LM(**config)
     trainable = _trainable(model, case)
     local = copy.deepcopy(model).to(device)
     opt = None if case == "fixed" else torch.optim.SGD(trainable, lr=1e-3)

@@ -29,22 +29,10 @@ from torch import nn
 
 from common import footer, header, median, start_stack, table
 from gradclient import Client
+from tests.support.models import GPT2_23M, GPT2LM
 
 STEPS = 5
 SWEEP_BATCHES = 16
-
-
-class LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        self.lm = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                             eos_token_id=0))
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
 
 
 def _freeze_backbone(model: nn.Module) -> None:
@@ -95,7 +83,7 @@ def main() -> list[list]:
     try:
         with Client(stack.base_url, timeout=600) as client:
             for case in ("full step", "frozen backbone", "fixed-weights sweep"):
-                model = LM()
+                model = GPT2LM(**GPT2_23M)
                 if case == "frozen backbone":
                     _freeze_backbone(model)
                 local = copy.deepcopy(model)

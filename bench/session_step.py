@@ -29,21 +29,9 @@ from torch import nn
 
 from common import footer, header, median, start_stack, table
 from gradclient import Client
+from tests.support.models import GPT2_23M, GPT2LM
 
 STEPS = 12
-
-
-class LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        self.lm = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                             eos_token_id=0))
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
 
 
 class Counting(httpx.HTTPTransport):
@@ -81,7 +69,7 @@ def main(steps: int = STEPS) -> list[list]:
     batches = [(torch.randint(0, 8192, (8, 128), generator=g), torch.randint(0, 8192, (1024,), generator=g))
                for _ in range(steps + 1)]
     batch_bytes = sum(x.numel() * x.element_size() for x in batches[0])
-    model = LM()
+    model = GPT2LM(**GPT2_23M)
     local = copy.deepcopy(model)
     opt = torch.optim.AdamW(local.parameters(), lr=3e-4)
     stack = start_stack(workers=1)

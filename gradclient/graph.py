@@ -331,20 +331,24 @@ def _arg(a, node: "_Call", names: dict):
         return {"node": names[a]}
     if isinstance(a, (list, tuple)):
         return [_arg(x, node, names) for x in a]
+    return wire_constant(a, f"node {node.name!r} ({node.target})")
+
+
+def wire_constant(a, where: str):
+    """A non-tensor argument as the graph format carries it (export's and the recording's alike): a scalar as
+    itself; a non-finite float, a dtype, device, layout or memory format as a one-key object; anything else is
+    refused, `where` naming the call."""
     if isinstance(a, float) and not math.isfinite(a):
         return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
     if isinstance(a, _SCALAR_TYPES):
         return a
-    if isinstance(a, torch.dtype):
-        return {"dtype": str(a).removeprefix("torch.")}
     if isinstance(a, torch.device):
         return {"device": str(a)}
-    if isinstance(a, torch.layout):
-        return {"layout": str(a).removeprefix("torch.")}
-    if isinstance(a, torch.memory_format):
-        return {"memory_format": str(a).removeprefix("torch.")}
-    raise UnsupportedModuleError(f"node {node.name!r} ({node.target}) has an argument of type {type(a).__name__} "
-                                 f"({a!r}), which the graph format cannot carry")
+    for kind, key in ((torch.dtype, "dtype"), (torch.layout, "layout"), (torch.memory_format, "memory_format")):
+        if isinstance(a, kind):
+            return {key: str(a).removeprefix("torch.")}
+    raise UnsupportedModuleError(f"{where} has an argument of type {type(a).__name__} ({a!r}), which the graph "
+                                 "format cannot carry")
 
 
 def state_dict_path(path: str) -> str:

@@ -18,7 +18,6 @@ caller's inputs are left as they were.
 
 from __future__ import annotations
 
-import math
 import re
 import operator
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradsvc import wire
 
 from .errors import UnsupportedModuleError
-from .graph import _dtype, state_dict_path
+from .graph import _dtype, state_dict_path, wire_constant
 from .tensors import to_wire
 
 aten = torch.ops.aten
@@ -410,19 +409,7 @@ def _wire_arg(a: Any) -> Any:
         return {"node": a[1]}
     if isinstance(a, (list, tuple)):
         return [_wire_arg(x) for x in a]
-    if isinstance(a, float) and not math.isfinite(a):
-        return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
-    if isinstance(a, torch.dtype):
-        return {"dtype": str(a).removeprefix("torch.")}
-    if isinstance(a, torch.device):
-        return {"device": str(a)}
-    if isinstance(a, torch.layout):
-        return {"layout": str(a).removeprefix("torch.")}
-    if isinstance(a, torch.memory_format):
-        return {"memory_format": str(a).removeprefix("torch.")}
-    if a is None or isinstance(a, (bool, int, float, str)):
-        return a
-    raise UnsupportedModuleError(f"an argument of type {type(a).__name__} ({a!r}) cannot travel in a graph")
+    return wire_constant(a, "a recorded call")
 
 
 def _to_graph(rec: _Recorder, state: dict, params: set, xs: list, batched: list[bool], outs: list,

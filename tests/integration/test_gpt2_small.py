@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from gradclient import Client
 
+from ..support.models import GPT2LM
 from ..support.stack import start_stack
 
 # 208 s through the SDK on the shared 2-core machine (load 12; the suite is ~8.3 of its 10 minutes without it):
@@ -18,22 +18,9 @@ from ..support.stack import start_stack
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
-class GPT2Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        # the defaults: n_layer 12, n_embd 768, n_head 12, vocab 50257, n_positions 1024; dropout off for
-        # an exact comparison
-        self.lm = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)
-
-
 def test_gpt2_small_runs_once_through_the_sdk_with_the_default_limits():
     torch.manual_seed(0)
-    model = GPT2Small()
+    model = GPT2LM()  # transformers' defaults: GPT-2 small, 12 layers, width 768, 50,257 tokens
     count = sum(p.numel() for p in model.parameters())
     assert count > 124_000_000  # over the old 100M default, which refused it
     g = torch.Generator().manual_seed(0)

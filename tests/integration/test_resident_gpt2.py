@@ -11,19 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradclient import Client
+from tests.support.models import GPT2LM
 
 pytestmark = pytest.mark.timeout(900)
-
-
-class LM(nn.Module):
-    def __init__(self, **config) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        self.lm = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config))
-
-    def forward(self, ids):
-        return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
 
 
 def _thrice(client: Client, model: nn.Module, vocab: int) -> None:
@@ -46,13 +36,13 @@ def _thrice(client: Client, model: nn.Module, vocab: int) -> None:
 
 def test_a_small_gpt2_stepped_again_is_resident_with_nothing_copied(client):
     torch.manual_seed(0)
-    _thrice(client, LM(vocab_size=1024, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+    _thrice(client, GPT2LM(vocab_size=1024, n_positions=32, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
                       eos_token_id=0), 1024)
 
 
 @pytest.mark.slow
 def test_gpt2_small_stepped_again_is_resident_with_nothing_copied(client):
     torch.manual_seed(0)
-    model = LM()
+    model = GPT2LM()
     assert sum(p.numel() for p in model.parameters()) > 124_000_000
     _thrice(client, model, 50257)

@@ -159,20 +159,30 @@ class SmallTransformer(nn.Module):
         return self.head(h.mean(1) if self.pooled else h)  # (batch, classes) or (batch, seq, vocab)
 
 
-class EveryPositionGPT2(nn.Module):
-    """Hugging Face GPT-2 from a config, dropout off: every position's next-token logits, flattened to
-    (batch*seq, vocab), the standard causal LM loss."""
+# GPT-2 at 23M parameters (6 layers, width 512, vocabulary 8,192, 128 positions): the benches' and the sessions' model.
+GPT2_23M = {"vocab_size": 8192, "n_positions": 128, "n_embd": 512, "n_layer": 6, "n_head": 8, "bos_token_id": 0,
+            "eos_token_id": 0}
 
-    def __init__(self) -> None:
+
+class GPT2LM(nn.Module):
+    """Hugging Face GPT-2 from a config (`config`: GPT2Config's arguments; none: GPT-2 small, 124M), dropout off:
+    every position's next-token logits, flattened to (batch*seq, vocab), the standard causal LM loss."""
+
+    def __init__(self, **config) -> None:
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        self.lm = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                             eos_token_id=0))
+        self.lm = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, use_cache=False).logits.flatten(0, 1)  # (batch*seq, vocab)
+
+
+class EveryPositionGPT2(GPT2LM):
+    """The zoo's GPT-2: one layer of width 8 over 16 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
 
 
 class TinyViT(nn.Module):

@@ -198,8 +198,9 @@ def test_rejects_a_bad_run_name_or_step_with_400(bob_http, run):
 
 @pytest.fixture()
 def prometheus(runs_stack, tmp_path):
-    """A Prometheus on loopback scraping the stack's API (which exports the runs) every second."""
-    with running_prometheus(tmp_path, runs_stack.api_port, runs_stack.metrics_port) as base:
+    """A Prometheus on loopback scraping the stack's API (which exports the runs) every second with alice's key:
+    a keyed deployment shows a scrape the runs of the key it sends."""
+    with running_prometheus(tmp_path, runs_stack.api_port, runs_stack.metrics_port, api_key=KEYS[0]) as base:
         yield base
 
 

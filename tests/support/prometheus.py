@@ -21,12 +21,14 @@ needs_prometheus = pytest.mark.skipif(shutil.which("prometheus") is None or shut
                                       reason=NEEDS_PROMETHEUS)
 
 
-def prometheus_config(api_port: int, worker_port: int) -> str:
+def prometheus_config(api_port: int, worker_port: int, api_key: str | None = None) -> str:
+    # A keyed deployment shows a scrape the runs of the key it sends (docs/runs.md): the API job sends one.
+    auth = f"\n    authorization: {{type: Bearer, credentials: {api_key}}}" if api_key else ""
     return f"""global:
   scrape_interval: 1s
   evaluation_interval: 1s
 scrape_configs:
-  - job_name: gradsvc-api
+  - job_name: gradsvc-api{auth}
     static_configs: [{{targets: ["127.0.0.1:{api_port}"]}}]
   - job_name: gradsvc-worker
     static_configs: [{{targets: ["127.0.0.1:{worker_port}"]}}]
@@ -34,12 +36,13 @@ scrape_configs:
 
 
 @contextmanager
-def running_prometheus(tmp_path: Path, api_port: int, worker_port: int) -> Iterator[str]:
-    """A Prometheus scraping the API on `api_port` and the worker's metrics on `worker_port`, its data and log
-    under `tmp_path`; yields its base URL and stops it on exit."""
+def running_prometheus(tmp_path: Path, api_port: int, worker_port: int,
+                       api_key: str | None = None) -> Iterator[str]:
+    """A Prometheus scraping the API on `api_port` (with `api_key` as its Bearer key, when given) and the worker's
+    metrics on `worker_port`, its data and log under `tmp_path`; yields its base URL and stops it on exit."""
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(prometheus_config(api_port, worker_port))
+    config.write_text(prometheus_config(api_port, worker_port, api_key))
     with open(tmp_path / "prometheus.log", "wb") as log:
         proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                  f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],

@@ -478,7 +478,8 @@ def test_curvature_and_clipping_attacks_are_coded_before_the_queue_or_as_failed_
 
 def test_a_large_runs_page_and_csv_are_bounded_and_stall_no_other_client(attacked, big_run):
     """4 page loads and a CSV of a 1,000-step, 256-module run at once; another key's /healthz and /layers stay
-    within a second (on the event loop they were held for ~10 s by a larger run)."""
+    within 3 s (on the event loop they were held for ~10 s by a larger run; off it they take under 0.4 s on a quiet
+    machine, and once 1.3 s at load 10 on 2 cores)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def load_pages():
@@ -491,7 +492,7 @@ def test_a_large_runs_page_and_csv_are_bounded_and_stall_no_other_client(attacke
     assert all(p.status_code == 200 for p in pages) and csv_answer.status_code == 200
     print(f"/healthz + /layers while 4 pages and a CSV load: max {max(latencies):.3f} s over {len(latencies)}; "
           f"page {len(pages[0].content)} bytes, CSV {len(csv_answer.content)} bytes")
-    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    assert max(latencies) < 3.0, sorted(latencies)[-5:]
     assert pages[0].text.count('<rect class="cell"') <= 2 * 100_000 and 'id="heatmap-stride"' in pages[0].text
     assert csv_answer.headers["content-type"] == "text/csv; charset=utf-8"
     assert csv_answer.text.count("\n") == big_run + 1

@@ -124,9 +124,15 @@ def _each_schema(schema: Any):
 
 def _give_arrays_items(schema: dict[str, Any]) -> None:
     """An untyped list (nested tensor data, a graph node's arguments) says its items may be anything: generators
-    (openapi-python-client) refuse an array without `items`."""
+    (openapi-python-client) refuse an array without `items`. A tuple of one type (a session's Adam `betas`) is
+    that type's array of its length: openapi-python-client refuses msgspec's `items: false` after `prefixItems`."""
     for sub in _each_schema(schema):
-        if sub.get("type") == "array" and "items" not in sub and "prefixItems" not in sub:
+        if sub.get("type") != "array":
+            continue
+        prefix = sub.get("prefixItems")
+        if prefix and sub.get("items") is False and all(p == prefix[0] for p in prefix):
+            sub["items"] = sub.pop("prefixItems")[0]
+        elif "items" not in sub and prefix is None:
             sub["items"] = {}
 
 

@@ -172,3 +172,6 @@ def test_the_session_routes_are_declared_with_their_request_and_response_structs
     assert not batch.is_valid({"inputs": [[1.0]], "targets": [0], "return": ["everything"]})
     schemas = doc["components"]["schemas"]
     assert set(schemas["SessionStepResult"]["required"]) == set(schemas["SessionStepResult"]["properties"])
+    # a tuple of one type is an array of that type and length: openapi-python-client refuses `items: false`
+    betas = next(s for s in schemas["OptimizerSpec"]["properties"]["betas"]["anyOf"] if s.get("type") == "array")
+    assert betas["items"]["type"] == "number" and betas["minItems"] == betas["maxItems"] == 2

@@ -9,7 +9,8 @@ import msgspec
 
 from gradsvc import __version__, wire
 from gradsvc.wire import (MAX_RELEASED, RELEASE_HEADER, RUN_NAME_PATTERN, ErrorBody, Estimate, GradientRequest,
-                          GradientResult, JobAccepted, JobInfo, LayerInfo, RunInfo, RunSummary)
+                          GradientResult, JobAccepted, JobInfo, LayerInfo, RunInfo, RunSummary, SessionBatch,
+                          SessionCreate, SessionCreated, SessionInfo, SessionOptimStep, SessionStepResult)
 
 # Real answers of a stack to EXAMPLE_REQUEST and to a few wrong ones, shown by /docs and generated clients
 # (tests/service/test_openapi.py checks them against the schema and torch.autograd).
@@ -26,12 +27,15 @@ EXAMPLE_REQUEST = {
 # A queued job's id leads to its state and its cancel (clients and schemathesis's stateful phase follow these).
 _JOB_LINKS = {"getJob": {"operationId": "getJob", "parameters": {"job_id": "$response.body#/job_id"}},
               "cancelJob": {"operationId": "cancelJob", "parameters": {"job_id": "$response.body#/job_id"}}}
-_INPUTS = [GradientRequest]
-_OUTPUTS = [GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo, RunSummary, RunInfo]
+_INPUTS = [GradientRequest, SessionCreate, SessionBatch, SessionOptimStep]
+_OUTPUTS = [GradientResult, JobInfo, JobAccepted, ErrorBody, Estimate, LayerInfo, RunSummary, RunInfo, SessionCreated,
+            SessionStepResult, SessionInfo]
 TAGS = [{"name": "gradients", "description": "Submit a model and a batch; read gradients, the check, memory"},
         {"name": "jobs", "description": "A submitted job: its state and result, or its cancel"},
         {"name": "tensors", "description": "Large tensors uploaded once in pieces, then sent by reference"},
         {"name": "runs", "description": "Training runs: each finished step of a request's `run`, read back"},
+        {"name": "sessions", "description": "Training sessions: the weights and optimizer stay on a worker, each "
+                                            "step sends a batch (docs/sessions.md)"},
         {"name": "service", "description": "The layer table, the probes and the metrics"}]
 
 
@@ -53,7 +57,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 
 _STATUS_MEANING = {400: "malformed body, query or header", 401: "missing or unknown API key",
-                   404: "no such job for this API key", 409: "the job was canceled", 413: "over a size limit",
+                   404: "no such job for this API key", 409: "the job was canceled", 410: "gone for good",
+                   413: "over a size limit",
                    415: "neither JSON nor MessagePack", 422: "a valid body the model or the engine refuses",
                    429: "rate limited; see Retry-After", 503: "Redis unreachable, or no live worker",
                    504: "the job ran past GRADSVC_JOB_TIMEOUT_S", 507: "the device ran out of memory"}
@@ -71,6 +76,7 @@ def _declare_rules(schemas: dict[str, Any]) -> None:
                        "additionalProperties": True,
                        "description": "a layer: `type` from GET /layers, the other keys its constructor arguments"}
     _declare_targets(schemas["GradientRequest"])
+    _declare_targets(schemas["SessionBatch"])
 
 
 def _declare_base64(schemas: dict[str, Any]) -> None:
@@ -118,9 +124,15 @@ def _each_schema(schema: Any):
 
 def _give_arrays_items(schema: dict[str, Any]) -> None:
     """An untyped list (nested tensor data, a graph node's arguments) says its items may be anything: generators
-    (openapi-python-client) refuse an array without `items`."""
+    (openapi-python-client) refuse an array without `items`. A tuple of one type (a session's Adam `betas`) is
+    that type's array of its length: openapi-python-client refuses msgspec's `items: false` after `prefixItems`."""
     for sub in _each_schema(schema):
-        if sub.get("type") == "array" and "items" not in sub and "prefixItems" not in sub:
+        if sub.get("type") != "array":
+            continue
+        prefix = sub.get("prefixItems")
+        if prefix and sub.get("items") is False and all(p == prefix[0] for p in prefix):
+            sub["items"] = sub.pop("prefixItems")[0]
+        elif "items" not in sub and prefix is None:
             sub["items"] = {}
 
 
@@ -293,6 +305,62 @@ def _run_paths() -> dict[str, Any]:
     }
 
 
+_SESSION_LINKS = {op: {"operationId": op, "parameters": {"session_id": "$response.body#/session_id"}}
+                  for op in ("getSession", "postSessionStep", "getSessionWeights", "deleteSession")}
+
+
+def _session_paths() -> dict[str, Any]:
+    """POST /sessions and its session's routes (docs/sessions.md)."""
+    sid = {"name": "session_id", "in": "path", "required": True,
+           "schema": {"type": "string", "minLength": 1, "maxLength": 64}}
+    key = {"name": "Idempotency-Key", "in": "header", "required": False, "schema": _HEADERS[0]["schema"],
+           "description": "one random key per call: a retry under it is answered again, never applied twice"}
+    wait = {"name": "wait", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0},
+            "description": "seconds to wait for the worker (default GRADSVC_DEFAULT_WAIT_S, at most "
+                           "GRADSVC_MAX_WAIT_S)"}
+
+    def body(name: str) -> dict:
+        return {"required": True, "description": _MSGPACK_TOO, "content": _json(_ref(name))}
+
+    answer = {"200": {"description": "the session after the call", "content": _json(_ref("SessionStepResult"))},
+              "202": {"description": "still running after `wait`: send the call again with the same Idempotency-Key",
+                      "content": _json(_ref("JobAccepted"))},
+              **_errors(400, 401, 404, 409, 410, 413, 415, 422, 503, 504, 507)}
+    tensors = {"type": "object", "additionalProperties": _ref("Tensor")}
+    deleted = {"type": "object", "required": ["deleted"], "properties": {"deleted": {"type": "string"}}}
+
+    def operation(op: str, summary: str, name: str) -> dict:
+        return {"post": _operation("sessions", op, summary, answer, parameters=[sid, wait, key],
+                                   requestBody=body(name))}
+    return {
+        "/sessions": {"post": _operation(
+            "sessions", "postSession", "Create a training session: a model, an optimizer, optionally a run",
+            {"201": {"description": "created", "links": _SESSION_LINKS, "content": _json(_ref("SessionCreated")),
+                     "headers": {"Location": {"description": "the session", "schema": {"type": "string"}}}},
+             **_errors(400, 401, 413, 415, 422, 429, 503)},
+            parameters=[wait, key], requestBody=body("SessionCreate"))},
+        "/sessions/{session_id}": {
+            "get": _operation("sessions", "getSession", "Read where a session stands",
+                              {"200": {"description": "the session", "content": _json(_ref("SessionInfo"))},
+                               **_errors(401, 404, 503)}, parameters=[sid]),
+            "delete": _operation("sessions", "deleteSession", "Delete a session and its checkpoint",
+                                 {"200": {"description": "deleted", "content": _json(deleted)},
+                                  **_errors(401, 404, 503)}, parameters=[sid])},
+        "/sessions/{session_id}/step": operation(
+            "postSessionStep", "Forward, backward, clip and the optimizer step over one batch", "SessionBatch"),
+        "/sessions/{session_id}/forward_backward": operation(
+            "postSessionForwardBackward", "Forward and backward; the gradients wait for optim_step", "SessionBatch"),
+        "/sessions/{session_id}/optim_step": operation(
+            "postSessionOptimStep", "Clip and apply the accumulated gradients", "SessionOptimStep"),
+        "/sessions/{session_id}/weights": {"get": _operation(
+            "sessions", "getSessionWeights", "Read the weights and buffers (safetensors with Accept: "
+            "application/octet-stream)",
+            {"200": {"description": "the weights and buffers by name", "content": {
+                **_json(tensors), "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+             **_errors(401, 404, 410, 503)}, parameters=[sid])},
+    }
+
+
 def _service_paths() -> dict[str, Any]:
     alive = {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}
     ready = {"type": "object", "required": ["status", "workers"],
@@ -323,7 +391,7 @@ def build(max_wait_s: float, keys_required: bool = False, metrics_require_key: b
                  "description": "Gradients, a float64 finite-difference check, activation memory and timings."},
         "tags": TAGS,
         "paths": {**_gradient_paths(max_wait_s), **_job_paths(), **_tensor_paths(), **_run_paths(),
-                  **_service_paths()},
+                  **_session_paths(), **_service_paths()},
         "components": {"schemas": components()},
     }
     if keys_required:

@@ -5,6 +5,7 @@ Each fault is a coded 4xx."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import anyio.to_thread
 import msgspec
@@ -63,7 +64,7 @@ def _decode(body: bytes, fmt: str) -> tuple[GradientRequest, bytes]:
     try:
         return _decoders[fmt].decode(body), body
     except msgspec.ValidationError as exc:
-        fixed = _with_integral_floats(body, fmt, exc)
+        fixed = with_integral_floats(body, fmt, exc)
         if fixed is not None:
             return fixed
         message, detail = explain(exc, GradientRequest)
@@ -77,10 +78,10 @@ def _decode(body: bytes, fmt: str) -> tuple[GradientRequest, bytes]:
                            "GRADSVC_MAX_DEPTH levels (GET /layers lists Sequential and Residual)") from None
 
 
-def _with_integral_floats(body: bytes, fmt: str,
-                          exc: msgspec.ValidationError) -> tuple[GradientRequest, bytes] | None:
-    """The request and its re-encoded body when its only fault was integer fields written as 2.0 (valid JSON
-    Schema integers); runs only after the typed decode failed, so a well-formed body is decoded once."""
+def with_integral_floats(body: bytes, fmt: str, exc: msgspec.ValidationError,
+                         kind: type = GradientRequest) -> tuple[Any, bytes] | None:
+    """The request (a `kind`) and its re-encoded body when its only fault was integer fields written as 2.0 (valid
+    JSON Schema integers); runs only after the typed decode failed, so a well-formed body is decoded once."""
     codec = msgspec.json if fmt == "json" else msgspec.msgpack
     try:
         raw = codec.decode(body)
@@ -91,7 +92,7 @@ def _with_integral_floats(body: bytes, fmt: str,
         if raw is None:
             return None
         try:
-            return msgspec.convert(raw, GradientRequest), codec.encode(raw)
+            return msgspec.convert(raw, kind), codec.encode(raw)
         except msgspec.ValidationError as again:
             exc = again
     return None

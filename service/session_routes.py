@@ -5,7 +5,7 @@ to a response. Another key's session is a 404, as another key's job is."""
 from __future__ import annotations
 
 import msgspec
-from litestar import Request, Response, delete, get, post
+from litestar import Request, Response, delete, get, post, route
 
 from gradsvc.wire import JobAccepted, SessionBatch, SessionCreate, SessionOptimStep, SessionStepResult, Tensor
 
@@ -13,7 +13,7 @@ from .api_state import ApiState
 from .exceptions import ServiceError
 from .messages import explain
 from .negotiation import MSGPACK, Encoded, body_format, respond, tensors_for_json, tree_for_json, wants_msgpack
-from .parsing import idempotency_key, wait_s
+from .parsing import idempotency_key, wait_s, with_integral_floats
 
 SAFETENSORS = "application/octet-stream"
 _answers = msgspec.msgpack.Decoder(SessionStepResult)
@@ -21,7 +21,8 @@ _weights = msgspec.msgpack.Decoder(dict[str, Tensor])
 
 
 async def read_body(request: Request, kind: type):
-    """(the body's bytes, its format, the body decoded as `kind`); a fault is a coded 400."""
+    """(the body's bytes, its format, the body decoded as `kind`); a fault is a coded 400. Integer fields sent
+    as 2.0 (JSON Schema integers) are taken, and the body re-encoded with them as ints for the worker's decode."""
     fmt = body_format(request)
     body = await request.body()
     if not body:
@@ -29,6 +30,9 @@ async def read_body(request: Request, kind: type):
     try:
         return body, fmt, (msgspec.msgpack if fmt == "msgpack" else msgspec.json).decode(body, type=kind)
     except msgspec.ValidationError as exc:
+        fixed = with_integral_floats(body, fmt, exc, kind)  # integers written as 2.0: re-encoded for the worker
+        if fixed is not None:
+            return fixed[1], fmt, fixed[0]
         message, detail = explain(exc, kind)
         raise ServiceError("invalid_body", message, reason=str(exc), **detail) from None
     except msgspec.DecodeError as exc:
@@ -92,6 +96,12 @@ async def session_weights(request: Request, owner: str, state: ApiState, session
     return respond(request, tensors_for_json(_weights.decode(answer.data), "auto"))
 
 
+@route("/sessions/{session_id:str}", http_method=["OPTIONS"], include_in_schema=False)
+async def session_options() -> Response:
+    # Litestar's own OPTIONS answer for a path served by two handlers lists only the first one's methods.
+    return Response(None, status_code=204, headers={"Allow": "DELETE, GET, OPTIONS"})
+
+
 @get("/sessions/{session_id:str}")
 async def get_session(request: Request, owner: str, state: ApiState, session_id: str) -> Response:
     return respond(request, await state.training.info(owner, session_id))
@@ -103,5 +113,5 @@ async def delete_session(request: Request, owner: str, state: ApiState, session_
     return respond(request, {"deleted": session_id})
 
 
-ROUTES = [create_session, session_step, session_forward_backward, session_optim_step, session_weights, get_session,
-          delete_session]
+ROUTES = [create_session, session_step, session_forward_backward, session_optim_step, session_weights, session_options,
+          get_session, delete_session]

@@ -15,7 +15,8 @@ from gradsvc.broker import affinity, keys
 from gradsvc.broker.blobs import BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.record import JobMeta
-from gradsvc.broker.session_records import SESSION_JOB, SessionRecord, SessionRecords, job_answer_name, new_record
+from gradsvc.broker.session_records import (OVER_BUDGET, SESSION_JOB, TOO_MANY, SessionRecord, SessionRecords,
+                                            job_answer_name, new_record)
 from gradsvc.engine import Engine
 from gradsvc.engine.session import footprint
 from gradsvc.runtime.settings import Settings
@@ -116,27 +117,29 @@ class TrainingSessions:
 
     def _admit(self, owner: str, create: SessionCreate) -> str:
         """Checks the session before the queue (its model on meta, the owner's count and bytes) and writes its
-        record; answers its id."""
+        record, the count and bytes checked and the record written in one step (SessionRecords.admit: two
+        concurrent POST /sessions at the limit cannot both get in); answers its id."""
         s = self.settings
         self.blobs.check(owner, GradientRequest(model=create.model, inputs=[]))
         _, held = footprint(create, self.engine.config, self.engine.caches, self.graphs.resolver(owner))
-        live = self.records.live(owner)
-        if len(live) >= s.session_max_per_owner:
+        pieces = self.blobs.held_bytes(owner)
+        session_id = secrets.token_hex(16)
+        rec = new_record(owner, create)
+        rec.state_bytes = held
+        verdict, live, used = self.records.admit(owner, session_id, rec, s.session_max_per_owner,
+                                                 s.tensor_budget_bytes - pieces)
+        if verdict == TOO_MANY:
             raise ServiceError("too_many_sessions", f"this API key holds {len(live)} training sessions, the most "
                                f"GRADSVC_SESSION_MAX_PER_OWNER={s.session_max_per_owner} allows; delete one you no "
                                "longer use (DELETE /sessions/{id}) or wait for an idle one to expire "
                                f"(GRADSVC_SESSION_IDLE_TTL_S={s.session_idle_ttl_s})", limit=s.session_max_per_owner,
-                               sessions=sorted(live))
-        used = sum(r.state_bytes for r in live.values()) + self.blobs.held_bytes(owner)
-        if used + held > s.tensor_budget_bytes:
+                               sessions=live)
+        if verdict == OVER_BUDGET:
+            used += pieces
             raise ServiceError("too_many_sessions", f"this session would hold {held} bytes; with the {used} bytes this "
                                "API key's sessions and uploaded tensors hold, that is over GRADSVC_TENSOR_BUDGET_BYTES="
                                f"{s.tensor_budget_bytes}; delete a session, or train a smaller model (or fewer "
                                "parameters: options.freeze)", bytes=held, used=used, limit=s.tensor_budget_bytes)
-        session_id = secrets.token_hex(16)
-        rec = new_record(owner, create)
-        rec.state_bytes = held
-        self.records.put(session_id, rec)
         return session_id
 
     # --- operations ----------------------------------------------------------------------------------------

@@ -242,23 +242,39 @@ def _commit(call: Call, rec: SessionRecord, session: TrainingSession, answer: Se
 def _record_run_step(call: Call, rec: SessionRecord, session: TrainingSession, outcome: StepOutcome,
                      answer: SessionStepResult) -> None:
     """The optimizer step as a step of the session's run (GET /runs/{name}): its loss and gradient norms
-    (before clipping), written in the job's success transaction."""
+    (before clipping) and the update ratio of the update before it (the weights this step's gradient was taken at
+    against the previous step's, as a /gradients run records it), written in the job's success transaction."""
     s = call.ctx.settings
     modules = {}
     for name, sq in (outcome.extra.get("squares") or {}).items():
         modules[module_of(name)] = modules.get(module_of(name), 0.0) + sq
-    step = RunStep(step=session.step - 1, job_id=call.job.id, ended_at=datetime.now(timezone.utc).isoformat(), loss=float(outcome.loss or 0.0),
-                   grad_norm=float(outcome.grad_norm or 0.0), module_grad_norms={m: v ** 0.5 for m, v in modules.items()},
-                   total_ms=answer.timings.total_ms, losses=outcome.losses,
-                   clip=msgspec.to_builtins(outcome.clip) if outcome.clip is not None else None,
-                   numcheck=None if outcome.check is None or outcome.check.mode == "off" else
-                   RunCheck(outcome.check.mode, outcome.check.passed, outcome.check.max_rel_error))
+    check = outcome.check
+    step = RunStep(step=session.step - 1, job_id=call.job.id, ended_at=datetime.now(timezone.utc).isoformat(),
+                   loss=float(outcome.loss or 0.0), grad_norm=float(outcome.grad_norm or 0.0),
+                   module_grad_norms={m: v ** 0.5 for m, v in modules.items()},
+                   update_ratio=update_ratio(outcome.extra.get("update")), total_ms=answer.timings.total_ms,
+                   losses=outcome.losses, clip=msgspec.to_builtins(outcome.clip) if outcome.clip is not None else None,
+                   numcheck=None if check is None or check.mode == "off" else
+                   RunCheck(check.mode, check.passed, check.max_rel_error))
     store = RunStore(call.job.connection, s.queue_prefix, RunBounds.from_settings(s))
     owner, name, job_id = rec.owner, rec.create.run, call.job.id
 
     def write(client) -> None:
         store.record(client, owner, job_id, step, name, numbered=True)
     call.job.pending_step = write
+
+
+def update_ratio(update: dict[str, tuple[float, float]] | None) -> dict[str, float] | None:
+    """{module: |w_t - w_(t-1)| / |w_(t-1)|} of the update before this step (docs/runs.md), from its per-parameter
+    squares; None on the session's first step."""
+    if update is None:
+        return None
+    moved: dict[str, float] = {}
+    base: dict[str, float] = {}
+    for name, (m, b) in update.items():
+        module = module_of(name)
+        moved[module], base[module] = moved.get(module, 0.0) + m, base.get(module, 0.0) + b
+    return {m: (moved[m] / base[m]) ** 0.5 for m in moved if base[m] > 0}
 
 
 def _weights(call: Call) -> bytes:

@@ -264,8 +264,9 @@ def training_session_answer_key(prefix: str, session_id: str, idempotency_key: s
 
 
 def training_sessions_key(prefix: str, owner: str) -> str:
-    """The ids of one owner's sessions (a set; ids whose record expired are dropped when counted)."""
-    return f"{prefix}:tsessions:{owner}"
+    """One owner's sessions: a hash, session id -> the bytes its state holds (written with its record; ids whose
+    record expired are dropped when counted). POST /sessions counts and sums it atomically (session_records.py)."""
+    return f"{prefix}:tsessions-bytes:{owner}"
 
 
 def training_session_created_key(prefix: str, owner: str, idempotency_key: str) -> str:

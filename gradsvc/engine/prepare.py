@@ -78,7 +78,7 @@ def _checked(request: GradientRequest, config: EngineConfig, shape_only: bool, g
     """Every check of the request in prepare()'s order, but the model's weights (side.model's)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
     opts, max_elements = request.options, config.limits.max_elements
-    dtype = _model_dtype(request)
+    dtype = model_dtype(request)
     side = LayerSpecModel(request, config, caches, dtype) if request.model.layers is not None else \
         GraphSpecModel(request, config, caches, dtype, graphs)
     if opts.outputs and not isinstance(side, GraphSpecModel):
@@ -107,7 +107,7 @@ def release(prep: Prepared, caches: EngineCaches) -> None:
         resident.release(held, key, caches)
 
 
-def _model_dtype(request: GradientRequest) -> torch.dtype:
+def model_dtype(request: GradientRequest) -> torch.dtype:
     """model.dtype, a floating one; and exactly one of layers, graph or graph_ref."""
     dtype_name = request.model.dtype
     if dtype_name not in tensors.FLOAT_DTYPES:

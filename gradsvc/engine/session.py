@@ -34,7 +34,7 @@ from .errors import ComputeError, SpecError
 from .graph.interpreter import GraphModel
 from .numcheck import CheckInputs, numerical_check
 from .passes import run_pass
-from .prepare import prepare_held
+from .prepare import model_dtype, prepare_held
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel
 from .prepared import GraphResolver, Prepared
@@ -85,6 +85,9 @@ class TrainingSession:
         self.optimizer = session_state.make_optimizer(create.optimizer, list(self.params.values()))
         self.step, self.accumulated, self.seed = 0, 0, create.model.seed
         self.applied: dict[str, int] = {}  # idempotency key -> the step it was applied at (the latest APPLIED_KEYS)
+        # The last update's per-parameter (|w_t - w_(t-1)|^2, |w_(t-1)|^2), kept by optim_step(norms=True): the
+        # next run step's update_ratio, as a /gradients run's step t compares the weights it sent with step t-1's.
+        self.last_update: dict[str, tuple[float, float]] | None = None
         self.parameter_count = sum(p.numel() for p in model.parameters())
 
     def math(self, asked: str | None = None):
@@ -145,7 +148,8 @@ class TrainingSession:
     def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
                    norms: bool = False) -> StepOutcome:
         """The accumulated gradients clipped (as clip_grad_norm_), optimizer.step(), the gradients zeroed.
-        `norms`: each parameter's squared gradient norm before clipping, in extra["squares"] (a run's step)."""
+        `norms`: each parameter's squared gradient norm before clipping, in extra["squares"], and the update before
+        this one (last_update), in extra["update"] (a run's step: its update_ratio)."""
         if self.accumulated == 0:
             raise SpecError("nothing_accumulated", f"optim_step: no gradient waits for an update (step {self.step}); "
                             "call forward_backward with a batch first, or send the batch to /step")
@@ -169,12 +173,29 @@ class TrainingSession:
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        before = {n: p.detach().clone() for n, p in self.params.items()} if norms else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step, self.accumulated = self.step + 1, 0
+        previous = self.last_update
+        if before is not None:
+            self.last_update = self._update_squares(before)
         sync(self.device)
         return StepOutcome(grad_norm=float(total), lr=self.lr, clip=result, gradients=grads,
-                           optimizer_s=time.perf_counter() - started, extra={"squares": squares})
+                           optimizer_s=time.perf_counter() - started, extra={"squares": squares, "update": previous})
+
+    def _update_squares(self, before: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+        """Per parameter (frozen ones too, as a run's weights carry them): the squared norm of what the update
+        moved and of the weights before it, in float64."""
+        names = [n for n, _ in self.model.named_parameters()]
+        with torch.no_grad():
+            old = [before[n] if n in before else p.detach() for n, p in self.model.named_parameters()]
+            moved = [(p.detach().to(torch.float64) - w.to(torch.float64)).pow(2).sum() if n in before else
+                     torch.zeros((), dtype=torch.float64, device=w.device)
+                     for (n, p), w in zip(self.model.named_parameters(), old)]
+            base = [w.to(torch.float64).pow(2).sum() for w in old]
+            pairs = torch.stack([torch.stack(moved), torch.stack(base)], dim=1).tolist() if names else []
+        return {n: (m, b) for n, (m, b) in zip(names, pairs)}
 
     def train_step(self, batch: SessionBatch, *, norms: bool = False) -> StepOutcome:
         """forward_backward then optim_step (with whatever forward_backward had accumulated before); a failed
@@ -205,12 +226,16 @@ class TrainingSession:
         out, meta = session_state.export_state(self.model, self.optimizer, self.names,
                                                {"step": self.step, "accumulated": self.accumulated, "seed": self.seed})
         meta["applied"] = msgspec.json.encode(self.applied).decode()
+        if self.last_update is not None:
+            meta["last_update"] = msgspec.json.encode(self.last_update).decode()
         return out, meta
 
     def restore(self, tensors_: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         counters = session_state.import_state(self.model, self.optimizer, self.names, tensors_, meta)
         self.step, self.accumulated, self.seed = counters["step"], counters["accumulated"], counters["seed"]
         self.applied = msgspec.json.decode(meta.get("applied", "{}"), type=dict[str, int])
+        last = meta.get("last_update")
+        self.last_update = None if last is None else msgspec.json.decode(last, type=dict[str, tuple[float, float]])
 
     # --- helpers -----------------------------------------------------------------------------------------
 
@@ -277,10 +302,7 @@ def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCach
                         "leave per_sample out", option="options.clip")
     spec = msgspec.structs.replace(create.model, weights=None) if restoring else create.model
     request = GradientRequest(model=spec, inputs=[])
-    dtype = tensors.TORCH_DTYPES.get(spec.dtype)
-    if dtype is None or not dtype.is_floating_point:
-        raise SpecError("bad_option", f"model.dtype {spec.dtype!r} is not a floating-point dtype; use one of "
-                        f"{', '.join(tensors.FLOAT_DTYPES)}")
+    dtype = model_dtype(request)  # a floating dtype, and exactly one of layers, graph, graph_ref
     if spec.layers is not None:
         model = LayerSpecModel(request, config, caches, dtype).model(device, False)[0]
         graph = None
@@ -302,10 +324,7 @@ def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
                         "leave per_sample out", option="options.clip")
     session_state.optimizer_arguments(create.optimizer)
     request = GradientRequest(model=create.model, inputs=[])
-    dtype = tensors.TORCH_DTYPES.get(create.model.dtype)
-    if dtype is None or not dtype.is_floating_point:
-        raise SpecError("bad_option", f"model.dtype {create.model.dtype!r} is not a floating-point dtype; use one of "
-                        f"{', '.join(tensors.FLOAT_DTYPES)}")
+    dtype = model_dtype(request)  # a floating dtype, and exactly one of layers, graph, graph_ref
     side = LayerSpecModel(request, config, caches, dtype) if create.model.layers is not None else \
         GraphSpecModel(request, config, caches, dtype, graphs)
     meta = side.model("meta", False)[0]  # the weights decoded and checked

@@ -28,6 +28,9 @@ MAX_EXAMPLES = 30 if TEST_ALL else 15
 ST_RUN_EXAMPLES = 30 if TEST_ALL else 5
 OPERATIONS = ["POST /gradients", "POST /estimate", "GET /jobs/{job_id}", "POST /jobs/{job_id}/cancel", "GET /layers",
               "PUT /tensors/{ref}", "POST /tensors/missing", "GET /runs", "GET /runs/{name}", "DELETE /runs/{name}",
+              "POST /sessions", "GET /sessions/{session_id}", "DELETE /sessions/{session_id}",
+              "POST /sessions/{session_id}/step", "POST /sessions/{session_id}/forward_backward",
+              "POST /sessions/{session_id}/optim_step", "GET /sessions/{session_id}/weights",
               "GET /healthz", "GET /readyz", "GET /metrics"]
 
 
@@ -115,3 +118,31 @@ def test_real_results_jobs_and_estimates_match_the_schema(api_schema, schema_sta
         r = est.call(base_url=schema_stack.base_url, timeout=30)
         assert r.status_code == 200, r.text[:500]
         est.validate_response(r)
+
+
+def test_a_real_sessions_answers_match_the_schema(api_schema, schema_stack):
+    """A session created, stepped (the weights and gradients returned), accumulated, read and deleted: each answer
+    valid against its operation's schema."""
+    label = api_schema.find_operation_by_label
+    body = {"model": _valid_bodies()[0]["model"], "optimizer": {"type": "adamw", "lr": 0.01},
+            "options": {"clip": {"max_norm": 1.0}}, "run": "schema-session"}
+    created = label("POST /sessions").Case(body=body, query={"wait": 2}, media_type="application/json")
+    r = created.call(base_url=schema_stack.base_url, timeout=30)
+    assert r.status_code == 201, r.text[:500]
+    created.validate_response(r)
+    sid = {"session_id": r.json()["session_id"]}
+    batch = {k: _valid_bodies()[0][k] for k in ("inputs", "targets", "loss")}
+    calls = [("POST /sessions/{session_id}/step", {**batch, "return": ["gradients", "weights"],
+                                                   "options": {"diagnostics": ["norms"]}}),
+             ("POST /sessions/{session_id}/forward_backward", batch),
+             ("POST /sessions/{session_id}/optim_step", {"lr": 0.001}),
+             ("GET /sessions/{session_id}/weights", None), ("GET /sessions/{session_id}", None),
+             ("DELETE /sessions/{session_id}", None)]
+    for name, payload in calls:
+        kwargs = {"body": payload, "media_type": "application/json"} if payload is not None else {}
+        case = label(name).Case(path_parameters=sid, **kwargs)
+        r = case.call(base_url=schema_stack.base_url, timeout=30)
+        assert r.status_code == 200, (name, r.text[:500])
+        case.validate_response(r)
+    assert label("GET /sessions/{session_id}").Case(path_parameters=sid).call(
+        base_url=schema_stack.base_url, timeout=30).status_code == 404

@@ -1,14 +1,18 @@
 """Training sessions through the SDK, the API, Redis and two real workers: N session steps end on the weights of N
 local torch.optim steps (a BatchNorm MLP in float64, a graph model in float32); a worker killed with SIGKILL
 mid-run: the session comes back from its checkpoint on the other worker and, the lost steps sent again, ends on
-the same weights; a retried step is answered again, never applied twice; the count and byte limits; another
-key's session is a 404."""
+the same weights; a retried step is answered again, never applied twice; the count and byte limits, and
+concurrent creates at the count's limit; another key's session is a 404; the weights as safetensors (GET with
+Accept: application/octet-stream, s.save); a run session's recorded update ratios; the diagnostics a step
+answers or refuses."""
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import signal
+import threading
 
 import httpx
 import msgspec
@@ -23,7 +27,7 @@ from gradclient.tensors import to_wire
 from tests.support.stack import module_stack
 
 pytestmark = pytest.mark.timeout(600)
-KEYS = ("session-key-alice", "session-key-bob")
+KEYS = ("session-key-alice", "session-key-bob", "session-key-carol")
 sessions_stack = module_stack(workers=2, GRADSVC_API_KEYS=",".join(KEYS), GRADSVC_WORKER_HEARTBEAT_S="1",
                               GRADSVC_SESSION_MAX_PER_OWNER="3", GRADSVC_TENSOR_BUDGET_BYTES=str(4 << 20))
 
@@ -236,22 +240,149 @@ def test_the_session_page_shows_its_step_bytes_device_and_the_loss_curve_of_its_
     assert other.status_code == 404
 
 
-def test_an_async_session_steps_as_the_sync_one_does(sessions_stack):
+def test_an_async_session_steps_as_the_sync_one_does(sessions_stack, tmp_path):
     import anyio
+    from safetensors.torch import load_file
 
     from gradclient import AsyncClient
 
-    net, data = bn_net(), batches(2)
+    net, data = bn_net(), batches(3)
 
     async def train() -> nn.Module:
         async with AsyncClient(sessions_stack.base_url, api_key=KEYS[0], timeout=120) as client:
             async with client.session(net, "sgd", lr=0.1, momentum=0.9) as s:
-                for x, y in data:
-                    await s.step(x, y)
+                await s.step(*data[0])
+                await s.forward_backward(*data[1])
+                assert (await s.optim_step()).step == 2
+                await s.step(*data[2])
                 got = copy.deepcopy(net)
-                await s.pull(got)
-                assert (await s.info()).step == 2
+                await s.pull(got)  # the BatchNorm's running statistics too
+                await s.save(str(tmp_path / "async.safetensors"))
+                state = await s.state_dict()
+                assert (await s.info()).step == 3
+        assert state.keys() == got.state_dict().keys()
         return got
 
     got = anyio.run(train)
     assert_same(got, local_training(net, data, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)), 1e-12, 1e-12)
+    saved = load_file(str(tmp_path / "async.safetensors"))
+    assert all(torch.equal(saved[n], v) for n, v in got.state_dict().items())
+
+
+def test_concurrent_creates_at_the_count_limit_let_exactly_the_room_in(sessions_stack):
+    """Twelve POST /sessions at once over HTTP for a key with room for three: three 201, nine 429 (the count and the
+    record are one step in Redis), and the key then holds three."""
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 1}]},
+            "optimizer": {"type": "sgd"}}
+    start, answers = threading.Barrier(12), []
+
+    def create() -> None:
+        with httpx.Client(base_url=sessions_stack.base_url, timeout=120,
+                          headers={"Authorization": f"Bearer {KEYS[2]}"}) as http:
+            start.wait()
+            answers.append(http.post("/sessions", json=body))
+
+    threads = [threading.Thread(target=create) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [201] * 3 + [429] * 9, [r.text[:200] for r in answers]
+    refused = next(r.json()["error"] for r in answers if r.status_code == 429)
+    assert refused["code"] == "too_many_sessions" and "GRADSVC_SESSION_MAX_PER_OWNER=3" in refused["message"]
+    with httpx.Client(base_url=sessions_stack.base_url, headers={"Authorization": f"Bearer {KEYS[2]}"}) as http:
+        for r in answers:
+            if r.status_code == 201:
+                assert http.delete(f"/sessions/{r.json()['session_id']}").status_code == 200
+
+
+def test_the_weights_come_as_safetensors_under_octet_stream_and_save_writes_them(sessions_stack, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load, load_file
+
+    net, data = bn_net(), batches(3)
+    want = local_training(net, data, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    with client_for(sessions_stack) as client, client.session(net, "sgd", lr=0.1, momentum=0.9) as s:
+        for x, y in data:
+            s.step(x, y)
+        with httpx.Client(base_url=sessions_stack.base_url, headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+            r = http.get(f"/sessions/{s.session_id}/weights", headers={"Accept": "application/octet-stream"})
+        s.save(str(tmp_path / "session.safetensors"))
+        state = s.state_dict()
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/octet-stream")
+    got, saved = load(r.content), load_file(str(tmp_path / "session.safetensors"))
+    assert got.keys() == saved.keys() == want.state_dict().keys() == state.keys()  # buffers included
+    with safe_open(str(tmp_path / "session.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "3"
+    for name, value in want.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=name)
+        assert torch.equal(saved[name], got[name]) and torch.equal(state[name], got[name]), name
+    local = copy.deepcopy(net)
+    local.load_state_dict(saved)  # what s.save writes loads into the local module as it is
+
+
+def test_a_run_sessions_steps_record_the_update_ratio_as_a_gradients_run_does(sessions_stack):
+    """Step t records |w_t - w_(t-1)| / |w_(t-1)| per module (docs/runs.md), w_t the weights its gradient was
+    taken at: null on step 0, then the previous update's, equal to the local loop's to 1e-9."""
+    net, data = bn_net(), batches(4)
+    local = copy.deepcopy(net)
+    opt = torch.optim.Adam(local.parameters(), lr=1e-2)
+    weights = [{n: p.detach().clone() for n, p in local.named_parameters()}]
+    for x, y in data:
+        F.cross_entropy(local(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        weights.append({n: p.detach().clone() for n, p in local.named_parameters()})
+    with client_for(sessions_stack) as client, client.session(net, "adam", lr=1e-2, run="ratio-run") as s:
+        for x, y in data:
+            s.step(x, y)
+    with httpx.Client(base_url=sessions_stack.base_url, headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+        steps = http.get("/runs/ratio-run").json()["steps"]
+        http.delete("/runs/ratio-run")
+    assert [st["step"] for st in steps] == [0, 1, 2, 3] and steps[0]["update_ratio"] is None
+    for t in range(1, 4):
+        want = {}
+        for module in ("0", "1", "3"):
+            names = [n for n in weights[t] if n.rpartition(".")[0] == module]
+            moved = sum(float((weights[t][n] - weights[t - 1][n]).pow(2).sum()) for n in names)
+            base = sum(float(weights[t - 1][n].pow(2).sum()) for n in names)
+            want[module] = math.sqrt(moved / base)
+        assert steps[t]["update_ratio"].keys() == want.keys()
+        for module, ratio in want.items():
+            assert steps[t]["update_ratio"][module] == pytest.approx(ratio, rel=1e-9), (t, module)
+
+
+def test_a_step_answers_the_gradient_norms_and_refuses_the_per_example_diagnostics_with_a_coded_422(sessions_stack):
+    x, y = batches(1)[0]
+    with client_for(sessions_stack) as client, client.session(bn_net(), "sgd", lr=0.1) as s:
+        out = s.step(x, y, diagnostics=["norms"])
+        assert out.raw.diagnostics.norms.global_ == pytest.approx(out.grad_norm, rel=1e-12)
+        body = {"inputs": msgspec.to_builtins(to_wire(x, "json")), "targets": msgspec.to_builtins(to_wire(y, "json")),
+                "options": {"diagnostics": ["norms", "variance"]}}
+        with sessions_stack.http_client() as http:
+            r = http.post(f"/sessions/{s.session_id}/step", json=body,
+                          headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["code"] == "bad_option" and error["detail"]["option"] == "options.diagnostics"
+        assert "POST /gradients" in error["message"] and "GET /sessions/{id}/weights" in error["message"]
+        assert s.info().step == 1  # the refused step changed nothing
+
+
+def test_integers_sent_as_integral_floats_are_taken_and_options_lists_both_methods(sessions_stack):
+    """What schemathesis found once the routes were in GET /schema: `numcheck_samples: 4.0` (a JSON Schema
+    integer) was a 400, and OPTIONS /sessions/{id} left DELETE out of Allow."""
+    x, y = batches(1)[0]
+    with client_for(sessions_stack) as client, client.session(bn_net(), "sgd", lr=0.1) as s:
+        s.step(x, y)  # the SDK creates the session with its first batch
+        body = {"inputs": msgspec.to_builtins(to_wire(x, "json")), "targets": msgspec.to_builtins(to_wire(y, "json")),
+                "options": {"numcheck_samples": 4.0}}
+        with httpx.Client(base_url=sessions_stack.base_url, headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:
+            r = http.post(f"/sessions/{s.session_id}/step", json=body)
+            assert r.status_code == 200 and r.json()["step"] == 2, r.text
+            allow = http.options(f"/sessions/{s.session_id}").headers["allow"]
+            empty = http.post("/sessions", json={"model": {}, "optimizer": {"type": "sgd"}})
+    assert {m.strip() for m in allow.split(",")} == {"DELETE", "GET", "OPTIONS"}
+    assert empty.status_code == 422 and "exactly one of 'layers', 'graph' or 'graph_ref'" in empty.json()["error"][
+        "message"]

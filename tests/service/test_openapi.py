@@ -142,5 +142,36 @@ def test_the_post_headers_and_the_probes_bodies_are_declared():
 def test_the_cancel_is_a_post_on_its_own_route_and_no_delete_is_declared_for_jobs():
     doc = openapi.build(300)
     assert doc["paths"]["/jobs/{job_id}/cancel"]["post"]["operationId"] == "cancelJob"
-    # A run's DELETE deletes it (docs/runs.md); a job's cancel keeps the job readable, so it is no delete.
-    assert [p for p, methods in doc["paths"].items() if "delete" in methods] == ["/runs/{name}"]
+    # A run's and a session's DELETE delete them (docs/runs.md, docs/sessions.md); a job's cancel keeps the job
+    # readable, so it is no delete.
+    assert [p for p, methods in doc["paths"].items() if "delete" in methods] == ["/runs/{name}",
+                                                                               "/sessions/{session_id}"]
+
+
+def test_the_session_routes_are_declared_with_their_request_and_response_structs():
+    doc = openapi.build(300)
+    paths = doc["paths"]
+    create = paths["/sessions"]["post"]
+    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/SessionCreate")
+    assert create["responses"]["201"]["content"]["application/json"]["schema"]["$ref"].endswith("/SessionCreated")
+    assert create["responses"]["429"] and set(create["responses"]["201"]["links"]) >= {"getSession", "deleteSession"}
+    for op, body in (("step", "SessionBatch"), ("forward_backward", "SessionBatch"),
+                     ("optim_step", "SessionOptimStep")):
+        post = paths[f"/sessions/{{session_id}}/{op}"]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(f"/{body}"), op
+        assert post["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/SessionStepResult")
+        assert {"202", "404", "409", "422"} <= set(post["responses"]), op
+    assert paths["/sessions/{session_id}"]["get"]["responses"]["200"]["content"]["application/json"]["schema"][
+        "$ref"].endswith("/SessionInfo")
+    weights = paths["/sessions/{session_id}/weights"]["get"]["responses"]["200"]["content"]
+    assert set(weights) == {"application/json", "application/octet-stream"}
+    batch = jsonschema_rs.Draft202012Validator({"$ref": "#/components/schemas/SessionBatch",
+                                                "components": doc["components"]})
+    assert batch.is_valid({"inputs": [[1.0]], "targets": [0], "return": ["weights"], "lr": 0.1})
+    assert not batch.is_valid({"inputs": [[1.0]]})  # cross_entropy needs targets, as for POST /gradients
+    assert not batch.is_valid({"inputs": [[1.0]], "targets": [0], "return": ["everything"]})
+    schemas = doc["components"]["schemas"]
+    assert set(schemas["SessionStepResult"]["required"]) == set(schemas["SessionStepResult"]["properties"])
+    # a tuple of one type is an array of that type and length: openapi-python-client refuses `items: false`
+    betas = next(s for s in schemas["OptimizerSpec"]["properties"]["betas"]["anyOf"] if s.get("type") == "array")
+    assert betas["items"]["type"] == "number" and betas["minItems"] == betas["maxItems"] == 2

@@ -19,7 +19,7 @@ from gradsvc import wire
 from gradsvc.engine import session_state
 from gradsvc.engine.config import EngineCaches, EngineConfig
 from gradsvc.engine.errors import ComputeError, SpecError
-from gradsvc.engine.session import open_session
+from gradsvc.engine.session import footprint, open_session
 
 CPU = torch.device("cpu")
 OPTIMIZERS = [
@@ -193,6 +193,13 @@ def test_refuses_options_a_step_cannot_honour_and_arguments_the_optimizer_lacks(
         session_for(spec, "adam", {"momentum": 0.9})
     with pytest.raises(SpecError, match="refused the arguments"):
         session_for(spec, "sgd", {"nesterov": True})
+    config = EngineConfig()
+    for model in ({}, {"layers": LAYERS, "graph_ref": "0" * 64}):  # a 500 TypeError before, from POST /sessions
+        create = msgspec.convert({"model": model, "optimizer": {"type": "sgd"}}, wire.SessionCreate)
+        with pytest.raises(SpecError, match="exactly one of 'layers', 'graph' or 'graph_ref'"):
+            footprint(create, config, EngineCaches.for_config(config))
+        with pytest.raises(SpecError, match="exactly one of 'layers', 'graph' or 'graph_ref'"):
+            open_session(create, config, EngineCaches.for_config(config), CPU)
     session = session_for(spec, "sgd", {})
     x, y = batches(1, torch.float64)[0]
     with pytest.raises(SpecError, match="options.hvp"):
@@ -226,3 +233,33 @@ def test_a_step_answers_the_gradient_norms_asked_for_and_refuses_the_per_example
     assert out.grad_norm == pytest.approx(float(want), rel=1e-12)
     with pytest.raises(SpecError, match="no per-example"):
         session.train_step(batch(x, y, options={"diagnostics": ["variance"]}))
+
+
+def test_a_run_steps_update_is_the_one_before_it_and_survives_a_checkpoint():
+    """optim_step(norms=True) answers, in extra["update"], the squares of the update before it (none on the first
+    step), frozen parameters included with nothing moved: a run step's update_ratio, as a /gradients run's."""
+    local = local_bn_net(torch.float64)
+    spec = {"layers": LAYERS, "dtype": "float64", "weights": {k: to_wire(v) for k, v in local.state_dict().items()}}
+    session = session_for(spec, "adam", {"lr": 1e-2}, freeze=["0.bias"])
+    data = batches(3, torch.float64)
+    weights = [{n: p.detach().clone() for n, p in session.model.named_parameters()}]
+    updates = []
+    for x, y in data[:2]:
+        updates.append(session.train_step(batch(x, y), norms=True).extra["update"])
+        weights.append({n: p.detach().clone() for n, p in session.model.named_parameters()})
+    assert updates[0] is None
+    assert updates[1].keys() == weights[0].keys()
+    for name, (moved, base) in updates[1].items():
+        assert moved == pytest.approx(float((weights[1][name] - weights[0][name]).pow(2).sum()), rel=1e-12), name
+        assert base == pytest.approx(float(weights[0][name].pow(2).sum()), rel=1e-12), name
+    assert updates[1]["0.bias"][0] == 0.0 and updates[1]["0.bias"][1] > 0
+    config = EngineConfig()
+    create = msgspec.convert({"model": spec, "optimizer": {"type": "adam", "lr": 1e-2},
+                              "options": {"freeze": ["0.bias"]}}, wire.SessionCreate)
+    restored = open_session(create, config, EngineCaches.for_config(config), CPU, restoring=True)
+    restored.restore(*session_state.from_bytes(session_state.to_bytes(*session.state())))
+    third = restored.train_step(batch(*data[2]), norms=True).extra["update"]
+    for name, (moved, base) in third.items():
+        assert moved == pytest.approx(float((weights[2][name] - weights[1][name]).pow(2).sum()), rel=1e-12), name
+        assert base == pytest.approx(float(weights[1][name].pow(2).sum()), rel=1e-12), name
+    assert session_for(spec, "sgd", {"lr": 0.1}).train_step(batch(*data[0])).extra["update"] is None

@@ -1,0 +1,46 @@
+"""The sessions one worker holds (workers/session_host.py) against a real Redis: a worker full of sessions it still
+holds refuses one more with a coded workers_full (503) that says what to do; sessions whose record expired or moved
+to another worker make room."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gradsvc import wire
+from gradsvc.broker import keys
+from gradsvc.broker.session_records import SessionRecords, new_record
+from gradsvc.engine import ComputeError
+from workers.session_host import SessionHost
+
+CREATE = msgspec.convert({"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 1}]},
+                          "optimizer": {"type": "sgd"}}, wire.SessionCreate)
+
+
+def _hold(host: SessionHost, records: SessionRecords, session_id: str, holder: str) -> None:
+    rec = new_record("alice", CREATE)
+    rec.holder = holder
+    records.put(session_id, rec)
+    host.sessions[session_id] = object()  # room_for reads the records alone
+
+
+def test_a_full_worker_refuses_one_more_session_until_one_expires_or_moves(flushed_redis):
+    records = SessionRecords(flushed_redis, "t", ttl_s=60, worker="w1")
+    host = SessionHost(max_sessions=2)
+    _hold(host, records, "a", "w1")
+    _hold(host, records, "b", "w1")
+    host.room_for("a", records)  # one it holds already needs no room
+    with pytest.raises(ComputeError) as err:
+        host.room_for("c", records)
+    assert err.value.code == "workers_full" and wire.ERROR_CODES["workers_full"].status == 503
+    assert "GRADSVC_SESSION_MAX_PER_WORKER=2" in err.value.message and "DELETE /sessions/{id}" in err.value.message
+    assert set(host.sessions) == {"a", "b"}
+    moved = records.get("b")
+    moved.holder = "w2"  # another worker took it over (this one was thought gone)
+    records.put("b", moved)
+    host.room_for("c", records)
+    assert set(host.sessions) == {"a"}
+    _hold(host, records, "c", "w1")
+    flushed_redis.delete(keys.training_session_key("t", "a"))  # expired (GRADSVC_SESSION_IDLE_TTL_S)
+    host.room_for("d", records)
+    assert set(host.sessions) == {"c"}

@@ -271,8 +271,9 @@ class Exchange:
                     await self._open()
                     return await self._replies(count)
         except TimeoutError:
-            conn = self._conn
-            raise RedisTimeoutError(f"Timeout talking to Redis at {conn.host}:{conn.port}") from None
+            conn = self._conn  # None when the retry's connection was still being made
+            where = f" at {conn.host}:{conn.port}" if conn is not None else ""
+            raise RedisTimeoutError(f"Timeout talking to Redis{where}") from None
 
     async def _replies(self, count: int) -> list:
         conn, out = self._conn, []

@@ -13,7 +13,11 @@ GRADSVC_WORKERS unset (each worker on all cores, as before that setting was hono
 clients (sync waits), 2 workers, with a take of 1 (each job dequeued alone) and of TAKE; the two stacks run
 alternately, ROUNDS times, so the machine's drift falls on both: jobs/s, p50 and p99 (ms) per round.
 
-Run: .venv/bin/python bench/throughput.py [--take]
+`--against DIR`: the same three cells, 2 workers, take 1, for a stack run from this checkout and one run from
+DIR's (another commit's checkout: `git worktree add DIR COMMIT`), alternately, ROUNDS times: the API's own
+changes measured against the machine's drift.
+
+Run: .venv/bin/python bench/throughput.py [--take | --against DIR]
 """
 
 from __future__ import annotations
@@ -21,16 +25,27 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 
 import common  # noqa: F401  (puts the repo on sys.path)
 import httpx
 import msgspec
+from common import (
+    ROOT,
+    Stack,
+    concurrent_posts,
+    footer,
+    header,
+    seed_a_body,
+    start_stack,
+    table,
+)
 from redis import Redis
 
-from common import Stack, concurrent_posts, footer, header, seed_a_body, start_stack, table
 from gradsvc.broker import keys
 from gradsvc.runtime.settings import Settings
 from service.app import job_parts
+from tests.support import stack as stack_module
 
 JOBS = 300
 CLIENTS = 4
@@ -120,5 +135,47 @@ def take_mode() -> list[list]:
     return rows
 
 
+def three_cells(body: bytes, **env: str) -> list[list]:
+    """jobs/s, p50 and p99 (ms) at 1, 8 and 32 clients on a fresh stack of 2 workers."""
+    stack = start_stack(workers=2, GRADSVC_WORKERS="2", **env)
+    try:
+        stack.wait_ready(2)
+        concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers())  # warm-up
+        out = []
+        for clients in (1, 8, 32):
+            got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients), stack.auth_headers())
+            out.append([clients, got["rps"], got["p50"], got["p99"], _load1()])
+        return out
+    finally:
+        stack.stop()
+
+
+def against_mode(against: Path) -> list[list]:
+    started = header(f"Throughput: tiny jobs via the API, this checkout against {against}",
+                     "`--against DIR`" + __doc__.split("`--against DIR`")[1].split("Run:")[0])
+    body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
+    rows = []
+    for rnd in range(ROUNDS):
+        for label, root in (("this", ROOT), ("against", against)):
+            stack_module.ROOT = root  # the stack's processes run from that checkout
+            try:
+                rows += [[rnd + 1, label, *cell] for cell in three_cells(body)]
+            finally:
+                stack_module.ROOT = ROOT
+    table(["round", "checkout", "clients", "jobs/s", "p50 ms", "p99 ms", "load (1 min)"], rows)
+    print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench")
+    footer(started)
+    return rows
+
+
+
+def _load1() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
 if __name__ == "__main__":
-    take_mode() if "--take" in sys.argv else main()
+    if "--against" in sys.argv:
+        against_mode(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
+    else:
+        take_mode() if "--take" in sys.argv else main()

@@ -130,6 +130,7 @@ class ApiMetrics:
     def __init__(self, reader: "JobReader", runs: "RunStore | None" = None,
                  settings: "Settings | None" = None) -> None:
         self.registry = CollectorRegistry()
+        self._series: dict[tuple[str, str, int], tuple] = {}  # _children's
         self.requests = Counter("gradsvc_http_requests_total", "HTTP requests by route template and status.",
                                 ["method", "route", "status"], registry=self.registry)
         self.latency = Histogram("gradsvc_http_request_duration_seconds", "HTTP request latency by route template.",
@@ -164,6 +165,15 @@ class ApiMetrics:
         if self.run_collector is not None and runs_of is not None:
             text += generate_latest(_RunsOf(self.run_collector, None if runs_of == EVERY_OWNER else runs_of))
         return text
+
+    def _children(self, method: str, route: str, status: int) -> tuple:
+        """The request counter's and the latency histogram's series of a request: looked up once per label
+        set (prometheus_client's labels() checks and locks on every call)."""
+        got = self._series.get((method, route, status))
+        if got is None:
+            got = self._series[method, route, status] = (self.requests.labels(method, route, str(status)),
+                                                         self.latency.labels(method, route))
+        return got
 
     def middleware(self, app):
         """ASGI middleware: times each HTTP request, labelled by Litestar's route template. A request whose
@@ -211,7 +221,8 @@ class ApiMetrics:
                     watcher.cancel()
                 route = scope.get("path_template") or "unmatched"
                 status = CLIENT_CLOSED if state["gone"] else state["status"]
-                self.requests.labels(scope["method"], route, str(status)).inc()
-                self.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+                counted, timed = self._children(scope["method"], route, status)
+                counted.inc()
+                timed.observe(time.perf_counter() - start)
 
         return wrapped

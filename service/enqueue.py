@@ -25,11 +25,13 @@ from gradsvc.wire import GradientRequest, Options
 from . import fan_out, recent
 from .exceptions import ServiceError
 from .idempotency import IdempotencyClaims, body_digest, claim_value, still_pending
+from .job_write import JobTemplate
 from .queues import JobRecord, Queues
 
 log = logging.getLogger("gradsvc.api")
 # With Sentinel, how long an enqueue waits for a replica to acknowledge the job (then it goes on, logged).
 REPLICA_WAIT_S = 0.5
+_UNMADE = object()  # Enqueuer._template before its first job
 
 
 @dataclass(eq=False)
@@ -75,6 +77,7 @@ class Enqueuer:
     min_shard_rows: int
     digests: Executor | None = None  # the threads a large body's digest runs on (create_app's); None: inline
     _warned_at: float = float("-inf")  # when _replica_acked last logged (time.monotonic())
+    _template: JobTemplate | None | object = _UNMADE  # plain_commands' (made at its first job)
 
     def start(self, body: bytes, options: Options, idempotency_key: str | None, recycled: bool = False) -> Early | None:
         """The enqueue's slow parts begun on threads, for a body large enough to hand off: writing its file
@@ -245,20 +248,35 @@ class Enqueuer:
         fan_out.enqueue(queue, self.queues.handoff if via_handoff else None, cut, self.record, job.owner, job_id)
 
     async def enqueue_async(self, job: JobRequest) -> str:
-        """enqueue_job() of a plain job to the shared queue, over the async connection: RQ writes the job into a
-        pipeline that is never executed, and its commands go to Redis in one MULTI/EXEC from the event loop
-        (`send_async`: their replies are not needed, only their errors)."""
+        """enqueue_job() of a plain job to the shared queue, over the async connection: the job's commands
+        (plain_commands) go to Redis in one MULTI/EXEC from the event loop (`send_async`: their replies are not
+        needed, only their errors)."""
         queues = self.queues
-        job_id = queues.epochs.current and queues.epochs.new_job_id()
-        if not job_id:
-            job_id = await anyio.to_thread.run_sync(queues.epochs.new_job_id)
-        recorder = queues.redis.pipeline()
-        self._enqueue_plain(recorder, queues.shared["auto"], job.body, job, job_id)
-        commands, recorder.command_stack = recorder.command_stack, []
-        await send_async(queues.aredis, [args for args, _ in commands], transaction=True)
+        job_id = await self.new_job_id()
+        await send_async(queues.aredis, self.plain_commands(job, job_id), transaction=True)
         if queues.replicated:
             self._replica_acked(await self._wait_for_replica(queues.aredis.pipeline(transaction=False)).execute())
         return job_id
+
+    async def new_job_id(self) -> str:
+        epochs = self.queues.epochs
+        job_id = epochs.current and epochs.new_job_id()
+        return job_id or await anyio.to_thread.run_sync(epochs.new_job_id)
+
+    def plain_commands(self, job: JobRequest, job_id: str) -> list[tuple]:
+        """What enqueue_async sends, as a transaction's commands: RQ's record of a plain job on the shared queue
+        (service/job_write.py's template, else RQ's own enqueue into a pipeline never executed) and the owner's
+        recent-jobs index."""
+        queue, record = self.queues.shared["auto"], self.record
+        if self._template is _UNMADE:
+            self._template = JobTemplate.of(queue, record.timeout_s, record.result_ttl_s, record.failure_ttl_s)
+        if self._template is None or job.fallback is not None or job.pinned:
+            recorder = self.queues.redis.pipeline()
+            self._enqueue_plain(recorder, queue, job.body, job, job_id)
+            commands, recorder.command_stack = recorder.command_stack, []
+            return [args for args, _ in commands]
+        return [*self._template.commands(job_id, job.body, job.fmt, job.owner),
+                *recent.commands(record.prefix, job.owner, job_id, record.index_ttl_s)]
 
     def _enqueue_plain(self, pipe, queue: Queue, arg: bytes | str, job: JobRequest, job_id: str) -> None:
         """RQ's enqueue of one gradient job (its argument: the body, or its handoff ref) into `pipe`."""

@@ -62,6 +62,19 @@ class _Record(NamedTuple):
     result_head: bytes
 
 
+def slice_commands(prefix: str, job_id: str, block_s: float) -> list[tuple]:
+    """A slice of JobReader.wait: one XREAD of the job's results stream, blocking up to block_s, and its result's
+    GET, which Redis runs as soon as the XREAD returns (a finished job costs one round trip, not two)."""
+    return [("XREAD", "COUNT", 1, "BLOCK", max(1, int(block_s * 1000)), "STREAMS", keys.rq_results_stream(job_id),
+             "0-0"), ("GET", keys.result_key(prefix, job_id))]
+
+
+def unavailable(job_id: str, exc: BaseException) -> ServiceError:
+    return ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job {job_id} "
+                        f"({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
+                        headers={"Retry-After": "2"}, job_id=job_id)
+
+
 def _iso(raw: bytes | None) -> str | None:
     return raw.decode() if raw else None
 
@@ -88,7 +101,12 @@ class JobReader:
         wait does (so an open wait answers worker_lost within the lease, not only when it runs out)."""
         if timeout_s <= 0:
             return False, None
-        deadline = anyio.current_time() + timeout_s
+        return await self.wait_until(job_id, anyio.current_time() + timeout_s)
+
+    async def wait_until(self, job_id: str, deadline: float, reap_first: bool = False) -> tuple[bool, bytes | None]:
+        """wait()'s slices up to `deadline` (anyio.current_time()'s); `reap_first`: a slice came before."""
+        if reap_first:
+            await self._reap_if_lapsed(job_id)
         while True:
             left = max(deadline - anyio.current_time(), 0.001)
             ended, raw = await self._wait_slice(job_id, min(left, LEASE_CHECK_S), left)
@@ -111,14 +129,9 @@ class JobReader:
         one Redis timeout: past that Redis is taken for hung."""
         try:
             with anyio.fail_after(left_s + self.redis_timeout_s):
-                got, raw = await send_async(self.ablocking, [
-                    ("XREAD", "COUNT", 1, "BLOCK", max(1, int(block_s * 1000)), "STREAMS",
-                     keys.rq_results_stream(job_id), "0-0"),
-                    ("GET", keys.result_key(self.prefix, job_id))])
+                got, raw = await send_async(self.ablocking, slice_commands(self.prefix, job_id, block_s))
         except (RedisConnectionError, RedisTimeoutError, TimeoutError) as exc:
-            raise ServiceError("queue_unavailable", f"the job queue (Redis) stopped answering while waiting for job "
-                               f"{job_id} ({type(exc).__name__}); poll GET /jobs/{job_id} once it is back",
-                               headers={"Retry-After": "2"}, job_id=job_id) from None
+            raise unavailable(job_id, exc) from None
         return bool(got), await self.load_result(raw, job_id) if got else None
 
     async def load_result(self, raw: bytes | None, job_id: str) -> bytes | None:

@@ -13,27 +13,47 @@ from dataclasses import dataclass
 
 import anyio.to_thread
 import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gradsvc.broker import affinity
 from gradsvc.broker import blobs as tensor_refs
 from gradsvc.broker.blobs import BlobStore
-from gradsvc.broker.connection import send_async
+from gradsvc.broker.connection import Exchange, send_async
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.runs import RunStore
 from gradsvc.engine import Engine
 from gradsvc.engine.prepare import Prepared
-from gradsvc.wire import ITEMSIZE, MAX_RUN_STEP, Estimate, EstimateLimits, GradientRequest, JobInfo
+from gradsvc.wire import (
+    ITEMSIZE,
+    MAX_RUN_STEP,
+    Estimate,
+    EstimateLimits,
+    GradientRequest,
+    JobInfo,
+)
 
 from .api_metrics import ApiMetrics
 from .auth import Auth
 from .device_limits import DeviceLimits
 from .enqueue import Enqueuer, JobRequest
 from .exceptions import ServiceError
-from .job_reader import JobReader
+from .job_reader import LEASE_CHECK_S, JobReader, slice_commands, unavailable
 
 # A body this small with a layer spec is validated on the event loop (a spec seen before: ~0.1 ms; a new
 # one: a few ms, once), sparing the thread hop (bench/summary.py's small job).
 _EVENT_LOOP_BODY_BYTES = 16 << 10
+
+
+def _raise_refused(replies: list) -> None:
+    """A transaction's first error, as send_async raises it: a command Redis refused (EXEC then aborts), else
+    one that failed inside EXEC."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    for reply in replies[-1] or ():
+        if isinstance(reply, Exception):
+            raise reply
 
 
 def small_layer_spec(req: GradientRequest, body: bytes) -> bool:
@@ -116,26 +136,56 @@ class Submitter:
         if req.run is not None and self.runs is not None:
             await self.check_run(req, owner)
         job = JobRequest(body, fmt, owner, req.options.device, key=asked.key, key_age_s=asked.key_age_s)
-        job_id, created = await self._enqueue(req, job, recycled)
+        job_id, created, waited = await self._enqueue(req, job, recycled, asked.wait_s)
         encoding = req.options.encoding
         if created:
             self.metrics.jobs_submitted.inc()
             if asked.wait_s == 0:  # plain async: the job as it is now, even one a worker has finished already
                 return Outcome(job_id, created, encoding, info=await reader.info(job_id, owner, with_result=False),
                                accepted=True)
-        ended, raw = await reader.wait(job_id, asked.wait_s)
+        ended, raw = waited if waited is not None else await reader.wait(job_id, asked.wait_s)
         if ended and raw is not None:
             return Outcome(job_id, created, encoding, stored=raw)
         # Failed, or still running: the answer is what GET /jobs/{id} says now (it may have ended meanwhile).
         return Outcome(job_id, created, encoding, info=await reader.info(job_id, owner))
 
-    async def _enqueue(self, req: GradientRequest, job: JobRequest, recycled: bool) -> tuple[str, bool]:
+    async def _enqueue(self, req: GradientRequest, job: JobRequest, recycled: bool,
+                       wait_s: float) -> tuple[str, bool, tuple[bool, bytes | None] | None]:
+        """(job id, whether it was enqueued now, and, when the enqueue waited for the job too, what the wait
+        came to: JobReader.wait's answer)."""
         prep = self.prepare_inline(req, job.body, job.key)
         if self.on_event_loop(prep):
             # A small layer-spec request that needs nothing else of Redis: checked on the event loop (a
-            # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop.
-            return await self.enqueuer.enqueue_async(job), True
-        return await anyio.to_thread.run_sync(self.enqueue, req, job, prep, recycled)
+            # spec seen before costs ~0.1 ms) and enqueued over the async connection, with no thread hop;
+            # with a wait, the enqueue and the wait's first read go to Redis together.
+            if wait_s > 0 and not self.enqueuer.queues.replicated:  # with Sentinel a replica acknowledges it first
+                job_id = await self.enqueuer.new_job_id()
+                return job_id, True, await self._enqueue_and_wait(job, job_id, wait_s)
+            return await self.enqueuer.enqueue_async(job), True, None
+        return *await anyio.to_thread.run_sync(self.enqueue, req, job, prep, recycled), None
+
+    async def _enqueue_and_wait(self, job: JobRequest, job_id: str, wait_s: float) -> tuple[bool, bytes | None]:
+        """The job's enqueue (Enqueuer.plain_commands, in MULTI/EXEC) and the first slice of JobReader.wait's
+        (its XREAD and GET) written together on one blocking connection: Redis answers the transaction at once
+        and the XREAD when the job ends, so a small job costs the API one write and one connection, not two.
+        The transaction's error is raised as send_async raises it (the job was not enqueued); what follows is
+        JobReader.wait's. wait_s > 0."""
+        reader = self.reader
+        deadline = anyio.current_time() + wait_s
+        transaction = self.enqueuer.plain_commands(job, job_id)
+        first = slice_commands(reader.prefix, job_id, min(wait_s, LEASE_CHECK_S))
+        commands = [("MULTI",), *transaction, ("EXEC",), *first]
+        async with Exchange(reader.ablocking, commands) as exchange:
+            _raise_refused(await exchange.read(len(transaction) + 2, reader.redis_timeout_s))
+            try:
+                got, raw = await exchange.read(2, wait_s + reader.redis_timeout_s)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                raise unavailable(job_id, exc) from None
+        if got:
+            return True, await reader.load_result(raw, job_id)
+        if wait_s <= LEASE_CHECK_S:
+            return False, None
+        return await reader.wait_until(job_id, deadline, reap_first=True)
 
     def prepare_inline(self, req: GradientRequest, body: bytes, key: str | None) -> Prepared | None:
         """The request validated on the event loop, when it can be checked and enqueued without a thread: a

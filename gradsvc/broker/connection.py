@@ -9,7 +9,7 @@ import asyncio
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 from urllib.parse import unquote, urlparse
 
 import redis.asyncio as aioredis
@@ -26,6 +26,9 @@ from gradsvc.runtime.settings import Settings
 
 if HIREDIS_AVAILABLE:
     import hiredis
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA
+else:
+    NOT_ENOUGH_DATA = object()
 
 
 # Redis answering but refusing writes: at maxmemory (OOM), a replica (READONLY: a failover demoted it), a
@@ -212,3 +215,90 @@ async def _write(conn, packed: list) -> None:
     except OSError as exc:
         await conn.disconnect(nowait=True)
         raise RedisConnectionError(f"Error while writing to Redis at {conn.host}:{conn.port}: {exc}") from exc
+
+
+class Exchange:
+    """`commands` written at once on one of `client`'s pooled connections, their replies then read in parts
+    (`read`), each part under a timeout of its own, where send_async reads them all under one: the API's
+    enqueue transaction and the blocking read of the job's end, written together, are answered at once and
+    when the job ends. Replies are taken straight off the connection's hiredis reader (redis-py's
+    read_response per reply costs several times more); an error reply comes back as its exception, as
+    send_async's plain pipeline hands it over before raising it. A connection error before any reply is read
+    is retried once on a fresh connection (every command written again), as send_async retries one. Used as
+    `async with`: a connection left with replies unread (an error, a timeout, a cancelled request) is
+    dropped, never pooled."""
+
+    def __init__(self, client: aioredis.Redis, commands: Sequence[tuple]) -> None:
+        self._pool = client.connection_pool
+        self._packed = [chunk for command in commands for chunk in _PACKER.pack(*command)]
+        self._count, self._done, self._retried = len(commands), 0, False
+        self._conn = None
+
+    async def __aenter__(self) -> Self:
+        await self._open()
+        return self
+
+    async def __aexit__(self, kind, exc, tb) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if kind is not None or self._done < self._count:
+                await conn.disconnect()
+        finally:
+            await self._pool.release(conn)
+
+    async def _open(self) -> None:
+        conn = await self._pool.get_connection()
+        try:
+            await _write(conn, self._packed)
+        except BaseException:
+            await self._pool.release(conn)
+            raise
+        self._conn = conn
+
+    async def read(self, count: int, timeout_s: float) -> list:
+        """The next `count` replies, within timeout_s (past it: redis's TimeoutError, as send_async raises)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                try:
+                    return await self._replies(count)
+                except RedisConnectionError:
+                    if self._done or self._retried:
+                        raise
+                    self._retried = True  # a pooled connection a Redis restart left dead: once more, anew
+                    await self.__aexit__(RedisConnectionError, None, None)
+                    await self._open()
+                    return await self._replies(count)
+        except TimeoutError:
+            conn = self._conn  # None when the retry's connection was still being made
+            where = f" at {conn.host}:{conn.port}" if conn is not None else ""
+            raise RedisTimeoutError(f"Timeout talking to Redis{where}") from None
+
+    async def _replies(self, count: int) -> list:
+        conn, out = self._conn, []
+        parser = conn._parser
+        reader = getattr(parser, "_reader", None)
+        if reader is None or not hasattr(parser, "read_from_socket"):  # redis-py's own parser: its way
+            for _ in range(count):
+                try:
+                    out.append(await conn.read_response(timeout=math.inf))
+                except ResponseError as exc:
+                    out.append(exc)
+                self._done += 1
+            return out
+        try:
+            while len(out) < count:
+                reply = reader.gets()
+                if reply is NOT_ENOUGH_DATA:
+                    await parser.read_from_socket()
+                    continue
+                out.append(reply)
+                self._done += 1
+        except OSError as exc:  # a reset: as redis-py's read_response reports it
+            await conn.disconnect(nowait=True)
+            raise RedisConnectionError(f"Error while reading from Redis at {conn.host}:{conn.port}: {exc}") from exc
+        except RedisConnectionError:
+            await conn.disconnect(nowait=True)
+            raise
+        return out

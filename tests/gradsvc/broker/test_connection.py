@@ -2,7 +2,9 @@
 what redis-py's own packers write, byte for byte, sends a large value without copying it, refuses what
 redis-py refuses; a real Redis (a private redis-server) reads back what it was sent. send_async answers as
 Redis does, raises its errors, retries a dead pooled connection once, times out and drops a connection left
-mid-reply. The serializer is what RQ takes."""
+mid-reply. Exchange writes commands at once and reads their replies in parts, each part under its own
+timeout, with the same retry and the same care not to pool a connection left mid-reply. The serializer is what
+RQ takes."""
 
 from __future__ import annotations
 
@@ -241,3 +243,101 @@ def test_each_way_redis_refuses_writes_is_told_apart_and_other_errors_are_not_re
     assert refusal(ResponseError("MISCONF Redis is configured to save RDB snapshots, but ...")) == "redis_unavailable"
     assert refusal(ResponseError("UNBLOCKED force unblock from blocking operation")) == "redis_unavailable"
     assert refusal(ConnectionError("down")) is None
+
+
+# --- Exchange: a transaction and a blocking read written together, read in two parts -----------------------
+
+def test_an_exchange_reads_a_transaction_at_once_and_a_blocking_read_when_it_is_answered(redis_server):
+    import asyncio
+
+    from redis.exceptions import ResponseError
+
+    from gradsvc.broker.connection import Exchange
+
+    async def go():
+        r, other = _async_client(redis_server.url), _async_client(redis_server.url)
+        try:
+            await r.flushdb()
+            await r.set("str", "text")
+            commands = [("MULTI",), ("SET", "a", b"xy"), ("INCR", "str"), ("EXEC",),
+                        ("XREAD", "COUNT", 1, "BLOCK", 2000, "STREAMS", "s", "0-0"), ("GET", "a")]
+            async with Exchange(r, commands) as exchange:
+                multi, queued, _, replies = await exchange.read(4, 1.0)  # before the stream has an entry
+                assert multi == b"OK" and queued == b"QUEUED"
+                assert replies[0] == b"OK" and isinstance(replies[1], ResponseError)  # failed inside EXEC: handed over
+                await asyncio.sleep(0.05)
+                await other.xadd("s", {"k": "v"})
+                got, raw = await exchange.read(2, 2.0)
+            entries = got[b"s"] if isinstance(got, dict) else dict(got)[b"s"]  # RESP3's map, RESP2's pairs
+            assert entries[0][1] == [b"k", b"v"] and raw == b"xy"
+            assert len(r.connection_pool._available_connections) == 1  # read to its end: pooled
+            assert await send_async_get(r, "a") == b"xy"
+        finally:
+            await r.flushdb()
+            await r.aclose()
+            await other.aclose()
+
+    _run(go())
+
+
+async def send_async_get(r, key):
+    from gradsvc.broker.connection import send_async
+
+    return (await send_async(r, [("GET", key)]))[0]
+
+
+def test_an_exchange_left_mid_reply_drops_its_connection_and_times_out_as_redis_py_does(redis_server):
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from gradsvc.broker.connection import Exchange
+
+    async def go():
+        r = _async_client(redis_server.url)
+        try:
+            async with Exchange(r, [("PING",), ("BLPOP", "never", 2)]) as exchange:
+                assert await exchange.read(1, 1.0) == [b"PONG"]
+            # the BLPOP was never read: its connection is not pooled with a reply still to come
+            assert all(not c.is_connected for c in r.connection_pool._available_connections)
+            with pytest.raises(RedisTimeoutError):
+                async with Exchange(r, [("BLPOP", "never", 2)]) as exchange:
+                    await exchange.read(1, 0.2)
+            assert all(not c.is_connected for c in r.connection_pool._available_connections)
+            assert await send_async_get(r, "none") is None
+        finally:
+            await r.aclose()
+
+    _run(go())
+
+
+def test_an_exchange_retries_once_on_a_connection_a_restart_left_dead():
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from gradsvc.broker.connection import Exchange
+    from tests.support.stack import RedisServer, free_port
+
+    port = free_port()
+    server = RedisServer(port).start()
+
+    async def go():
+        r = _async_client(server.url, timeout_s=2)
+        try:
+            assert await send_async_get(r, "k") is None  # a connection in the pool
+            server.stop()
+            RedisServer(port, proc=None).start()  # another server on the same port: the pooled connection is dead
+            async with Exchange(r, [("SET", "k", "w"), ("GET", "k")]) as exchange:
+                assert await exchange.read(2, 2.0) == [b"OK", b"w"]
+        finally:
+            await r.aclose()
+        dead = _async_client("redis://127.0.0.1:1/0", timeout_s=1)
+        try:
+            with pytest.raises(RedisConnectionError):
+                async with Exchange(dead, [("GET", "k")]) as exchange:
+                    await exchange.read(1, 1.0)
+        finally:
+            await dead.aclose()
+
+    try:
+        _run(go())
+    finally:
+        import subprocess
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True, check=False)

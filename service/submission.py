@@ -138,11 +138,11 @@ class Submitter:
         job = JobRequest(body, fmt, owner, req.options.device, key=asked.key, key_age_s=asked.key_age_s)
         job_id, created, waited = await self._enqueue(req, job, recycled, asked.wait_s)
         encoding = req.options.encoding
-        if created:
+        if created and waited is None:  # _enqueue_and_wait counts its job when Redis has taken it
             self.metrics.jobs_submitted.inc()
-            if asked.wait_s == 0:  # plain async: the job as it is now, even one a worker has finished already
-                return Outcome(job_id, created, encoding, info=await reader.info(job_id, owner, with_result=False),
-                               accepted=True)
+        if created and asked.wait_s == 0:  # plain async: the job as it is now, even one a worker has finished already
+            return Outcome(job_id, created, encoding, info=await reader.info(job_id, owner, with_result=False),
+                           accepted=True)
         ended, raw = waited if waited is not None else await reader.wait(job_id, asked.wait_s)
         if ended and raw is not None:
             return Outcome(job_id, created, encoding, stored=raw)
@@ -177,6 +177,7 @@ class Submitter:
         commands = [("MULTI",), *transaction, ("EXEC",), *first]
         async with Exchange(reader.ablocking, commands) as exchange:
             _raise_refused(await exchange.read(len(transaction) + 2, reader.redis_timeout_s))
+            self.metrics.jobs_submitted.inc()  # enqueued: counted even if the wait then fails
             try:
                 got, raw = await exchange.read(2, wait_s + reader.redis_timeout_s)
             except (RedisConnectionError, RedisTimeoutError) as exc:

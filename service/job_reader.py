@@ -14,7 +14,7 @@ import anyio.to_thread
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq import Worker
+from rq import Queue, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import utcparse
@@ -325,15 +325,28 @@ class JobReader:
         return Worker.all(connection=self.redis)
 
     def queue_depths(self) -> dict[str, int]:
-        """Jobs waiting per queue; a handoff domain's queue counts with the queue it stands in for."""
-        shared, domain = self.queues.shared, self.queues.domain
-        pipe = self.redis.pipeline(transaction=False)
-        for d, q in shared.items():
-            pipe.llen(q.key)
-            if d in domain:
-                pipe.llen(domain[d].key)
-        counts = iter(pipe.execute())
-        return {q.name: next(counts) + (next(counts) if d in domain else 0) for d, q in shared.items()}
+        return queue_depths(self.redis, self.queues)
+
+
+def queue_depths(redis, queues: Queues) -> dict[str, int]:
+    """Jobs waiting per queue; a handoff domain's queue counts with the queue it stands in for, and every worker's
+    own queue (affinity: gradsvc/broker/affinity.py) with the others under `<prefix>-own`. Two round trips: the
+    queues RQ knows, then their lengths."""
+    shared, domain, prefix = queues.shared, queues.domain, queues.prefix
+    own_head = keys.rq_queue_key(keys.own_queue_name(prefix, ""))
+    own = sorted(k for k in (m.decode() if isinstance(m, bytes) else m
+                             for m in redis.smembers(Queue.redis_queues_keys)) if k.startswith(own_head))
+    pipe = redis.pipeline(transaction=False)
+    for d, q in shared.items():
+        pipe.llen(q.key)
+        if d in domain:
+            pipe.llen(domain[d].key)
+    for key in own:
+        pipe.llen(key)
+    counts = iter(pipe.execute())
+    depths = {q.name: next(counts) + (next(counts) if d in domain else 0) for d, q in shared.items()}
+    depths[keys.own_queue_name(prefix, "").rstrip(":")] = sum(counts)
+    return depths
 
 
 async def _shard_progress(aredis, shard_ids: list[str]) -> tuple[int, bool, list[tuple[str, bytes | None]],

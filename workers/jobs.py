@@ -20,6 +20,7 @@ import msgspec
 import torch
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import get_current_job
 from rq.job import Job
@@ -121,14 +122,30 @@ class WorkerContext:
         if self.handoff is not None and self.spare is None:
             self.spare = handoff_files.Spare(self.handoff)
 
+    def refresh_graphs(self) -> None:
+        """The graph TTL refreshes the job's graph_ref look-ups left due (GraphStore, deferred), sent on the
+        reaper thread after the job: no round trip on the job's path (the worker calls it after each job)."""
+        if self.graphs.pending():
+            self.reaper.submit(_refresh_graphs, self.graphs)
+
     def close(self) -> None:
         """The worker's exit: its spare result file deleted (a prepare still running on the reaper then keeps
-        none: Spare.drop), the reaper's work done and its thread ended, the handoff's writer threads too."""
+        none: Spare.drop), the graph refreshes due sent, the reaper's work done and its thread ended, the
+        handoff's writer threads too."""
         if self.spare is not None:
             self.spare.drop()
+        self.refresh_graphs()
         self.reaper.shutdown(wait=True)
         if self.handoff is not None:
             self.handoff.close()
+
+
+def _refresh_graphs(graphs: GraphStore) -> None:
+    try:
+        graphs.refresh_due()
+    except RedisError as exc:  # kept due: the next job's refresh sends them again
+        log.warning("graph TTL refresh failed, Redis unreachable or refusing writes (%s); retried after the next "
+                    "job", exc)
 
 
 def _owner(job: Job) -> str:
@@ -181,7 +198,7 @@ def make_context(settings: Settings, connection: Redis) -> WorkerContext:
     handoff_files.bind(connection, handoff)  # for RQ's failure callbacks (gradsvc.broker.fanin.shard_failed)
     s = settings
     return WorkerContext(settings=settings, engine=Engine(config_from_settings(settings, device)), device=device,
-                         metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s),
+                         metrics=WorkerMetrics(), graphs=GraphStore(connection, s.queue_prefix, s.graph_ttl_s, deferred=True),
                          pieces=BlobStore(connection, s.queue_prefix, s.tensor_ttl_s, s.tensor_budget_bytes,
                                           cache_bytes=s.tensor_cache_bytes),
                          handoff=handoff, sessions=SessionHost(s.session_max_per_worker))

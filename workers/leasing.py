@@ -19,7 +19,7 @@ from rq.job import Job, JobStatus
 from rq.utils import now, utcformat
 from rq.worker import SimpleWorker
 
-from gradsvc.broker import devices
+from gradsvc.broker import devices, keys
 from gradsvc.broker import handoff as handoff_files
 from gradsvc.broker.affinity import Mover
 from gradsvc.broker.connection import REFUSAL_ERRORS
@@ -74,6 +74,7 @@ class Leases:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_s
                     self.beat()
+                    self.sweep_gone()
             except REDIS_ERRORS as exc:
                 if (running := self.running) is not None:
                     running.lease_failed = True
@@ -107,6 +108,14 @@ class Leases:
         if not (listed and registered):  # the hash had expired, or Redis came back empty: register again
             self._register_again()
         self.reap_abandoned()
+
+    def sweep_gone(self) -> None:
+        """A gone worker's own queue emptied into the shared queues and forgotten (gradsvc/broker/affinity.py)."""
+        if self.mover is None:
+            return
+        moved = self.mover.sweep_gone(keys.queue_name(self.worker.prefix, "auto"))
+        if moved:
+            log.warning("worker %s: moved %d job(s) out of a gone worker's own queue", self.worker.name, moved)
 
     def _register_again(self) -> None:
         worker = self.worker

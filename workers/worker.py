@@ -219,6 +219,8 @@ class GradientWorker(SimpleWorker):
                 self._started.drop()
                 self._started = None
             self.memory.after_job()
+            if self.context is not None:
+                self.context.refresh_graphs()  # the job's graph TTL refreshes, on the reaper thread
 
     def bootstrap(self, *args, **kwargs) -> None:
         super().bootstrap(*args, **kwargs)

@@ -7,7 +7,9 @@
                    is tracked with its fallback and the time it may wait there until (GRADSVC_AFFINITY_WAIT_MS),
                    in the enqueue's transaction
     every worker   its heartbeat thread runs move_overdue(): a job still in an own queue past its wait (its worker
-                   busy or gone), or a pinned job whose worker is gone, is moved to the front of its fallback queue
+                   busy or gone), or a pinned job whose worker is gone, is moved to the front of its fallback queue;
+                   and at each heartbeat sweep_gone(): a gone worker's own queue is emptied the same way at once,
+                   and its name removed from RQ's set of queues
 
 A move is one Lua script: LREM from the own queue, and only when that removed it, the job's `origin` set to the
 fallback and its id pushed there. A worker's dequeue (BLPOP/LMOVE) and a move are both atomic in Redis, so a job
@@ -93,6 +95,42 @@ end
 return moved
 """
 
+# KEYS: the waiting set, the pinned set, the fallback hash, RQ's set of queues. ARGV: RQ's job key prefix, queue key
+# prefix and worker key prefix, the own queues' prefix, the queue a job goes to when it has no fallback recorded.
+# Every own queue in RQ's set whose worker is gone (no key, or its `death` written): its jobs, in their order, to the
+# front of their fallback queues (a job whose record expired is dropped), the list deleted and its name removed from
+# the set. Returns how many jobs moved.
+_SWEEP = """
+redis.replicate_commands()
+local jobs, queues, workers, own, default = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local head = queues .. own
+local moved = 0
+for _, qkey in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  if string.sub(qkey, 1, #head) == head then
+    local worker = workers .. string.sub(qkey, #head + 1)
+    if redis.call('EXISTS', worker) == 0 or redis.call('HEXISTS', worker, 'death') == 1 then
+      local ids = redis.call('LRANGE', qkey, 0, -1)
+      for i = #ids, 1, -1 do
+        local id = ids[i]
+        local fallback = redis.call('HGET', KEYS[3], id) or default
+        redis.call('ZREM', KEYS[1], id)
+        redis.call('SREM', KEYS[2], id)
+        redis.call('HDEL', KEYS[3], id)
+        if redis.call('EXISTS', jobs .. id) == 1 then
+          redis.call('HSET', jobs .. id, 'origin', fallback)
+          redis.call('LPUSH', queues .. fallback, id)
+          redis.call('SADD', KEYS[4], queues .. fallback)
+          moved = moved + 1
+        end
+      end
+      redis.call('DEL', qkey)
+      redis.call('SREM', KEYS[4], qkey)
+    end
+  end
+end
+return moved
+"""
+
 MOVE_BATCH = 256  # the most jobs one move_overdue call looks at (each call holds Redis a few us a job)
 
 
@@ -151,6 +189,7 @@ class Mover:
         self.redis, self.prefix = redis, prefix
         self._track = redis.register_script(_TRACK)
         self._move = redis.register_script(_MOVE)
+        self._sweep = redis.register_script(_SWEEP)
 
     def track(self, pipe, job_id: str, fallback: str, wait_s: float, pinned: bool = False) -> None:
         """Adds to `pipe` (the enqueue's transaction) the record of a job put in an own queue: the queue it moves
@@ -172,3 +211,18 @@ class Mover:
                            args=[Job.redis_job_namespace_prefix, Queue.redis_queue_namespace_prefix,
                                  Worker.redis_worker_namespace_prefix, keys.own_queue_name(p, ""), MOVE_BATCH])
         return [m.decode() if isinstance(m, bytes) else m for m in moved]
+
+    def sweep_gone(self, default: str) -> int:
+        """Empties the own queue of every worker that is gone (killed: its key lapsed with its lease; stopped: its
+        `death` written), whatever its jobs' waits: each job to the front of its fallback queue (`default`, the
+        shared queue, for one with none recorded), and the queue's name out of RQ's set of queues (which lists it
+        in Queue.all() and the API's queue depths); how many jobs moved."""
+        from rq import Queue
+        from rq.job import Job
+        from rq.worker import Worker
+
+        p = self.prefix
+        return int(self._sweep(keys=[keys.affinity_waiting_key(p), keys.affinity_pinned_key(p),
+                                     keys.affinity_fallback_key(p), Queue.redis_queues_keys],
+                               args=[Job.redis_job_namespace_prefix, Queue.redis_queue_namespace_prefix,
+                                     Worker.redis_worker_namespace_prefix, keys.own_queue_name(p, ""), default]))

@@ -191,6 +191,8 @@ def _output_shapes(template: GraphTemplate, dtype: torch.dtype, inputs: Batch) -
 def _check_differentiable(template: GraphTemplate, out_dtype: torch.dtype, requires_grad: bool) -> None:
     """The loss differentiates the first output: one of integers (argmax, a comparison) or one cut off from
     every parameter (aten.detach last, a no_grad region) has no gradient; else the worker's backward fails."""
+    if out_dtype.is_floating_point and requires_grad:
+        return  # (the node that made it is looked for only to name it in an error)
     last = _output_producer(template)
     where = f" (made by node {last.name!r}, {last.op.name}{f' in module {last.module!r}' if last.module else ''})" \
         if last is not None else ""
@@ -255,8 +257,8 @@ class GraphSpecModel:
         self.template = template = _graph_template(caches, ref, spec, dtype, config)
         self.meta = template.model
         self.top_layers = 1
-        self.parameter_names = [n for n in template.state if n in template.parameters]
-        self.parameter_count = sum(template.state[n].numel() for n in self.parameter_names)
+        self.parameter_names = template.parameter_names
+        self.parameter_count = template.parameter_count
         self.flow: tuple | None = None  # the batch flow, found on meta the first time a check needs it
         self.prepared: str | None = None  # after model() on a device: "resident" or "built", and the bytes copied
         self.copied_bytes = 0
@@ -360,9 +362,8 @@ class GraphSpecModel:
             return decode_weights({n: given[n] for n in names}, template.state, template.parameters, dtype,
                                   max_elements, "the graph", _layouts(template))
 
-        sizes = {n: t.numel() * t.element_size() for n, t in template.state.items()}
         copied = resident.load_grouped(held, stale, decode, identities, resident.staging_for(self.caches, device),
-                                       sizes)
+                                       template.sizes)
         self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied + adopted
         return held.model, ((key, held) if keep else None)
 

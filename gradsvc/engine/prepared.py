@@ -12,6 +12,7 @@ slice), two views of one batch, and so on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -123,6 +124,20 @@ class GraphTemplate:
     def key(self) -> tuple:
         """What the caches of this graph's runs (shapes, batch flow, resident models) are keyed by."""
         return (self.ref, self.first_output)
+
+    # What every prepare of the graph asks, worked out once (the template never changes).
+    @cached_property
+    def parameter_names(self) -> list[str]:
+        return [n for n in self.state if n in self.parameters]
+
+    @cached_property
+    def parameter_count(self) -> int:
+        return sum(self.state[n].numel() for n in self.parameter_names)
+
+    @cached_property
+    def sizes(self) -> dict[str, int]:
+        """state_dict name -> bytes."""
+        return {n: t.numel() * t.element_size() for n, t in self.state.items()}
 
 
 

@@ -134,7 +134,8 @@ def test_api_latency_histogram_has_cumulative_buckets_by_method_and_route(scrape
 
 def test_api_reads_queue_depth_per_queue_and_workers_by_state_from_redis(scraped):
     found = scraped["api"]
-    assert {s.labels["queue"] for s in found["gradsvc_queue_depth"]} == {"gradsvc", "gradsvc-cpu", "gradsvc-cuda"}
+    assert {s.labels["queue"] for s in found["gradsvc_queue_depth"]} == {"gradsvc", "gradsvc-cpu", "gradsvc-cuda",
+                                                                         "gradsvc-own"}
     assert all(s.value >= 0 and s.value == int(s.value) for s in found["gradsvc_queue_depth"])
     states = {s.labels["state"]: s.value for s in found["gradsvc_workers"]}
     assert set(states) == {"idle", "busy", "suspended"}
@@ -220,7 +221,7 @@ def test_prometheus_scrapes_the_stack_and_answers_a_phase_duration_quantile(prom
     low, high = (PHASE_BUCKETS[i - 1] if i else 0.0), PHASE_BUCKETS[i]
     assert low <= quantile <= high, (quantile, total_s)
     depth = instant(prometheus, "gradsvc_queue_depth")
-    assert {x["metric"]["queue"] for x in depth} == {"gradsvc", "gradsvc-cpu", "gradsvc-cuda"}
+    assert {x["metric"]["queue"] for x in depth} == {"gradsvc", "gradsvc-cpu", "gradsvc-cuda", "gradsvc-own"}
 
 
 @needs_prometheus

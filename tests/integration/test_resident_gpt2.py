@@ -1,9 +1,12 @@
-"""GPT-2 (built from a transformers config: nothing downloaded) stepped three times through the SDK against a live
-stack with unchanged weights: the model is resident on the worker from the second step, the third copies no byte into
-it, and it answers the first step's gradients bit for bit, which equal the same step run locally. A 0.4M-parameter GPT-2 in the default
-run; GPT-2 small (124M) marked slow."""
+"""GPT-2 (built from a transformers config: nothing downloaded) stepped five times through the SDK against a live
+stack with unchanged weights: the model is resident on the worker from the second step, the third and later steps
+copy no byte into it and prepare it in under 2 ms (their median), and it answers the first step's gradients bit for
+bit, which equal the same step run locally. A 0.4M-parameter GPT-2 in the default run; GPT-2 small (124M) marked
+slow."""
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -14,12 +17,17 @@ from gradclient import Client
 from tests.support.models import GPT2LM
 
 pytestmark = pytest.mark.timeout(900)
+PREPARE_MS = 2.0  # issue 51's bound for GPT-2 small on a CPU
 
 
 def _thrice(client: Client, model: nn.Module, vocab: int) -> None:
     g = torch.Generator().manual_seed(0)
     ids, y = torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (32,), generator=g)
-    first, second, again = (client.gradients(model, ids, y, numcheck="off", memory=False) for _ in range(3))
+    first, second, again, *more = (client.gradients(model, ids, y, numcheck="off", memory=False) for _ in range(5))
+    # A resident step's prepare checks the weights' identities and the batch, and waits for nothing: no Redis round
+    # trip (the graph's TTL is refreshed after the job). The median of three: a loaded host preempts a few.
+    assert statistics.median(r.timings.prepare_ms for r in (again, *more)) < PREPARE_MS
+    assert all((r.prepared, r.copied_bytes) == ("resident", 0) for r in more)
     # The SDK sends a trainable weight in the body the first time (up to 128 MiB), by reference once it comes back
     # unchanged: the worker copies such a weight in again on the second step (known by its bytes the first time, by
     # its refs the second), and nothing on the third.

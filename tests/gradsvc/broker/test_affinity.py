@@ -132,3 +132,37 @@ def test_a_pinned_job_of_a_stopped_worker_moves_though_rq_keeps_its_key(flushed_
     _stopped(redis, "holder")
     assert mover.move_overdue() == ["p2"]
     assert _queue(redis, "gradsvc-cpu").job_ids == ["p2"] and _queue(redis, own).job_ids == []
+
+
+def test_a_gone_workers_own_queue_is_emptied_in_order_at_once_and_forgotten(flushed_redis):
+    """Whatever its jobs' waits: killed (its key lapsed) or stopped (its death written), a worker's own queue goes
+    to the front of the jobs' fallbacks in its order, and its name out of RQ's set of queues; a live worker's
+    stays."""
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    for name in ("killed", "stopped", "alive"):
+        _alive(redis, name)
+    killed, stopped, alive = (keys.own_queue_name(PREFIX, n) for n in ("killed", "stopped", "alive"))
+    _queue(redis, "gradsvc").enqueue("builtins.print", "y", job_id="already-there")
+    for job_id in ("k1", "k2"):
+        _enqueue(redis, mover, killed, "gradsvc", job_id, wait_s=3600)
+    _enqueue(redis, mover, killed, "gradsvc-cpu", "k3", wait_s=0.0, pinned=True)
+    _enqueue(redis, mover, stopped, "gradsvc-cuda", "s1", wait_s=3600)
+    _enqueue(redis, mover, alive, "gradsvc", "a1", wait_s=3600)
+    _queue(redis, killed).enqueue("builtins.print", "z", job_id="untracked")  # none recorded: to the default
+    _queue(redis, killed).enqueue("builtins.print", "z", job_id="expired")
+    redis.delete(Job.key_for("expired"))  # its record expired: dropped
+    assert mover.sweep_gone("gradsvc") == 0 and mover.move_overdue() == []  # every holder alive, nothing due
+    redis.delete(keys.rq_worker_key("killed"))
+    _stopped(redis, "stopped")
+    assert mover.sweep_gone("gradsvc") == 5
+    assert _queue(redis, "gradsvc").job_ids == ["k1", "k2", "untracked", "already-there"]
+    assert _queue(redis, "gradsvc-cpu").job_ids == ["k3"] and _queue(redis, "gradsvc-cuda").job_ids == ["s1"]
+    assert Job.fetch("k1", connection=redis, serializer=MsgpackSerializer).origin == "gradsvc"
+    assert Job.fetch("s1", connection=redis, serializer=MsgpackSerializer).origin == "gradsvc-cuda"
+    names = {q.name for q in Queue.all(connection=redis)}
+    assert killed not in names and stopped not in names and alive in names
+    assert not redis.exists(keys.rq_queue_key(killed)) and _queue(redis, alive).job_ids == ["a1"]
+    assert set(map(bytes.decode, redis.hkeys(keys.affinity_fallback_key(PREFIX)))) == {"a1"}
+    assert redis.scard(keys.affinity_pinned_key(PREFIX)) == 0
+    assert mover.sweep_gone("gradsvc") == 0 and mover.move_overdue() == []

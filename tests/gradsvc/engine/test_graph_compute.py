@@ -8,6 +8,7 @@ import threading
 import fakeredis
 import msgspec
 import pytest
+import redis.exceptions as redis_errors
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -214,6 +215,44 @@ def test_the_graph_store_keeps_graphs_by_ref_with_a_refreshed_ttl(stored):
     assert store.get("alice", ref) is graph and redis.get(key) == data  # still held here: stored again
     redis.set(keys.graph_key("t", "alice", "0" * 64), data)  # bytes that do not hash to their key are not a graph
     assert GraphStore(redis, "t", ttl_s=100).get("alice", "0" * 64) is None
+
+
+def test_a_deferred_store_refreshes_a_held_graph_after_the_job_and_stores_a_lost_one_again(stored):
+    """A worker's store (deferred): an LRU hit costs no round trip; refresh_due() (the reaper's, after the job)
+    refreshes it to the TTL plus refresh_s, at most once per refresh_s, and stores a key that was lost again."""
+    redis, _, graph, data, ref = stored
+    key = keys.graph_key("t", "alice", ref)
+    store = GraphStore(redis, "t", ttl_s=100, deferred=True)
+    assert store.get("alice", ref) == graph and 100 < redis.ttl(key) <= 110  # a miss: read and refreshed at once
+    assert not store.pending()
+    hit = store.get("alice", ref)
+    assert hit is store.get("alice", ref) and not store.pending()  # refreshed less than refresh_s ago: none due
+    store.refreshed.clear()
+    redis.expire(key, 5)
+    assert store.get("alice", ref) is hit and redis.ttl(key) <= 5 and store.pending()  # nothing sent yet
+    assert store.refresh_due() == 1 and 100 < redis.ttl(key) <= 110 and not store.pending()
+    store.refreshed.clear()
+    redis.delete(key)
+    assert store.get("alice", ref) is hit and store.refresh_due() == 1 and redis.get(key) == data
+    assert store.refresh_due() == 0
+    redis.delete(key)  # gone, and not held by a fresh process: unknown, as before
+    assert GraphStore(redis, "t", ttl_s=100, deferred=True).get("alice", ref) is None
+
+
+def test_a_deferred_refresh_that_fails_stays_due(stored):
+    redis, _, graph, _, ref = stored
+    store = GraphStore(redis, "t", ttl_s=100, deferred=True)
+    store.get("alice", ref)
+    store.refreshed.clear()
+    store.get("alice", ref)
+    down = fakeredis.FakeServer()
+    down.connected = False  # Redis down
+    store.redis = fakeredis.FakeRedis(server=down)
+    with pytest.raises(redis_errors.ConnectionError):
+        store.refresh_due()
+    assert store.pending()
+    store.redis = redis
+    assert store.refresh_due() == 1
 
 
 def test_a_graph_ref_is_unknown_to_another_owner_in_redis_and_in_the_lru(stored):

@@ -105,6 +105,22 @@ def test_a_weight_sent_inline_stays_in_place_only_as_the_same_bytes():
     assert "0.weight" in held(engine).stale({**changed.model.weights, "0.weight": listed})
 
 
+def test_inline_bytes_that_are_a_view_of_the_requests_buffer_are_kept_as_a_copy():
+    """A worker's request may hold views of a buffer it reuses for the next body: what the model keeps as a weight's
+    identity is a copy, so the buffer's next bytes neither match nor change it."""
+    engine, net, (x, y) = Engine(), bn_net().eval(), batch()
+    req = request(net, x, y, inline=("0.weight",))
+    raw = bytes(req.model.weights["0.weight"].data)
+    buffer = bytearray(raw)
+    viewed = msgspec.structs.replace(req.model.weights["0.weight"], data=memoryview(buffer))
+    engine.compute(msgspec.structs.replace(req, model=msgspec.structs.replace(
+        req.model, weights={**req.model.weights, "0.weight": viewed})), device=CPU)
+    buffer[:4] = b"\xff\xff\xff\x7f"  # the buffer reused: a NaN where the first weight was
+    assert "0.weight" not in held(engine).stale(req.model.weights)  # the bytes loaded, as bytes
+    assert "0.weight" in held(engine).stale({**req.model.weights, "0.weight": viewed})
+    assert isinstance(held(engine).loaded["0.weight"][0][3], bytes)
+
+
 def test_a_training_loop_of_changing_weights_matches_a_fresh_engine_at_every_step():
     engine, net = Engine(), bn_net()
     opt = torch.optim.SGD(net[3].parameters(), lr=0.5)  # the last layer trains, the rest stays: a frozen backbone

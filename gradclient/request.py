@@ -331,15 +331,15 @@ def is_module(model: Any) -> bool:
 
 
 def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
-    """What an export depends on: the module's class and configuration, its tensors' names, shapes and
-    dtypes, train/eval mode, its modules' forward hooks (export traces them), and each input's name, dtype
+    """What an export depends on: the module's class and configuration, its tensors' names, shapes,
+    dtypes and layouts, train/eval mode, its modules' forward hooks (export traces them), and each input's name, dtype
     and shape (past the batch dimension for the batched ones: export makes it dynamic). Not the weights'
     values: those go with every request."""
     from torch.utils import _pytree as pytree
 
     from .export import batched_inputs
 
-    tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
+    tensors = tuple((n, tuple(t.shape), str(t.dtype), str(t.layout)) for n, t in
                     [*model.named_parameters(), *model.named_buffers()])
     modes = tuple(m.training for m in model.modules())
     xs, tree = pytree.tree_flatten((args, kwargs))

@@ -26,8 +26,8 @@ class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # A user input's batch dimension: 0, or null for an input without one (a graph's edge_index, a mask
     # shared by every example), which goes whole to every micro-batch, shard and per-example gradient.
     batch_dim: Literal[0] | None = 0
-    # A sparse user input or buffer: "sparse_coo" or "sparse_csr" (the request sends it, or its weight, in that
-    # layout: its parts); null: dense.
+    # A sparse user input, buffer or parameter: "sparse_coo" or "sparse_csr" (the request sends it, or its weight,
+    # in that layout: its parts; a sparse parameter's gradient comes back so); null: dense.
     layout: Literal["sparse_coo", "sparse_csr"] | None = None
 
 

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradclient.errors import BadOptionError
+
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
 
@@ -107,10 +109,14 @@ class NTXent(nn.Module):
         return (torch.logsumexp(negatives, 1) - positives).mean()
 
 
-def test_a_contrastive_loss_indexing_with_a_mask_built_in_init(client):
+def test_a_contrastive_loss_indexing_with_a_mask_built_in_init(client, http):
     torch.manual_seed(0)
     result, _, _ = same_both_ways(client, NTXent, torch.randn(4, 5), torch.randn(4, 5))
     assert result.capture == "trace" and result.specialised["sizes"]
+    # The service says it too: the graph carries its capture and guards, the result echoes them.
+    answer = http.get(f"/jobs/{result.job_id}").json()["result"]
+    assert answer["capture"] == "trace" and answer["specialised"]["sizes"] == result.specialised["sizes"]
+    assert answer["specialised"]["inputs"] == [{"shape": [4, 5], "dtype": "float32"}] * 2
 
 
 class HardExampleLoss(nn.Module):
@@ -315,6 +321,8 @@ def test_sparse_and_complex_parameters_and_an_sgd_loop_on_them(client, layout):
     checked = client.gradients(there, (x, y), loss="output", numcheck="auto")
     # Finite differences step dense real elements: nothing is checked, and the result says so.
     assert checked.numcheck.passed is None and "'adj'" in checked.numcheck.reason, checked.numcheck.reason
+    with pytest.raises(BadOptionError, match="parameter 'adj' is sparse"):  # clipping takes dense gradients
+        client.gradients(there, (x, y), loss="output", numcheck="off", clip={"max_norm": 1.0})
     torch.manual_seed(10)
     here = LearnedGraphNet(layout)
     torch.manual_seed(10)

@@ -144,3 +144,22 @@ def test_the_cancel_is_a_post_on_its_own_route_and_no_delete_is_declared_for_job
     assert doc["paths"]["/jobs/{job_id}/cancel"]["post"]["operationId"] == "cancelJob"
     # A run's DELETE deletes it (docs/runs.md); a job's cancel keeps the job readable, so it is no delete.
     assert [p for p, methods in doc["paths"].items() if "delete" in methods] == ["/runs/{name}"]
+
+
+def test_a_graph_and_its_result_say_how_it_was_captured_and_its_guards():
+    schemas = openapi.build(300)["components"]["schemas"]
+    for struct in ("GraphSpec", "GradientResult"):
+        props = schemas[struct]["properties"]
+        assert "capture" in props and "specialised" in props, struct
+        assert {"export", "export_static", "draft", "trace"} <= set(openapi_enum(props["capture"]))
+    assert set(schemas["Specialised"]["properties"]) == {"inputs", "values", "sizes", "constants"}
+
+
+def openapi_enum(schema: dict) -> list:
+    """The enum values a (nullable) string schema lists, wherever the generator put them."""
+    found = []
+    for part in [schema, *schema.get("anyOf", []), *schema.get("oneOf", [])]:
+        found += part.get("enum", [])
+        if "$ref" in part:
+            found.append(part["$ref"])
+    return found

@@ -342,6 +342,25 @@ def test_sparse_and_complex_parameters_and_an_sgd_loop_on_them(client, layout):
         assert a.layout == b.layout and torch.allclose(b.to_dense(), a.to_dense(), atol=1e-5), name
 
 
+class GatedGraphNet(LearnedGraphNet):
+    """The same, its hidden layer squashed only when its activations are large (an `if` on a value): recorded."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = torch.fft.irfft(torch.fft.rfft(x, dim=1) * self.filter, n=x.shape[1], dim=1)
+        h = torch.sparse.mm(self.adj, self.l1(x))
+        if h.abs().mean() > 0.1:
+            h = torch.tanh(h)
+        return F.cross_entropy(torch.sparse.mm(self.adj, self.l2(h)), y)
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+def test_sparse_and_complex_parameters_in_a_recorded_forward(client, layout):
+    torch.manual_seed(11)
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    result, _, _ = same_both_ways(client, lambda: GatedGraphNet(layout), x, y)
+    assert result.capture == "trace" and result.gradients["adj"].layout == layout
+
+
 def test_a_forward_that_divides_its_input_in_place(client):
     torch.manual_seed(7)
     x, target = torch.randint(0, 256, (2, 3, 6, 6)).float(), torch.rand(2, 4, 6, 6)

@@ -1,4 +1,5 @@
-"""Sparse graph inputs (a GCN's adjacency for `torch.spmm(adj, x)`): the wire's COO (indices, values) and CSR
+"""Sparse graph inputs, buffers and parameters (a GCN's adjacency for `torch.spmm(adj, x)`, edge weights learned on
+a fixed pattern): the wire's COO (indices, values) and CSR
 (crow_indices, col_indices, values) parts decoded and checked into a torch sparse tensor, and the dense meta
 stand-in the shape checks run on (meta kernels do not take sparse tensors)."""
 

@@ -124,7 +124,7 @@ def _specialised(exported: Any, args: tuple, kwargs: dict) -> dict | None:
     if exported.capture == "export":
         return None
     return {"inputs": [{"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")}
-                       for x in pytree.tree_leaves((args, kwargs))]}
+                       for x in pytree.tree_leaves((args, kwargs))], "values": {}, "sizes": {}, "constants": []}
 
 
 class RequestBuilder:
@@ -246,9 +246,13 @@ class RequestBuilder:
             entry, because = None, entry.why_not_export  # its guards broken by this batch: recorded again
         if entry is None:
             exported = export_graph(model, args, kwargs, because)  # UnsupportedModuleError with torch's reason
+            specialised = _specialised(exported, args, kwargs)
+            # The graph says how it was captured and its guards: the service echoes them in the result.
+            exported.graph.capture = exported.capture
+            exported.graph.specialised = None if specialised is None else msgspec.convert(specialised, wire.Specialised)
             entry = _Export(graph=exported.graph, names=list(exported.weights), capture=exported.capture,
-                            out_spec=exported.out_spec, traced=exported.traced,
-                            specialised=_specialised(exported, args, kwargs), why_not_export=exported.why_not_export)
+                            out_spec=exported.out_spec, traced=exported.traced, specialised=specialised,
+                            why_not_export=exported.why_not_export)
             key = key if exported.dynamic_batch else (*key, rows)
             if exported.capture == "draft":  # a graph of this call's branches, without guards: never reused
                 key = (*key, rows, id(entry))
@@ -331,15 +335,15 @@ def is_module(model: Any) -> bool:
 
 
 def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
-    """What an export depends on: the module's class and configuration, its tensors' names, shapes and
-    dtypes, train/eval mode, its modules' forward hooks (export traces them), and each input's name, dtype
+    """What an export depends on: the module's class and configuration, its tensors' names, shapes,
+    dtypes and layouts, train/eval mode, its modules' forward hooks (export traces them), and each input's name, dtype
     and shape (past the batch dimension for the batched ones: export makes it dynamic). Not the weights'
     values: those go with every request."""
     from torch.utils import _pytree as pytree
 
     from .export import batched_inputs
 
-    tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in
+    tensors = tuple((n, tuple(t.shape), str(t.dtype), str(t.layout)) for n, t in
                     [*model.named_parameters(), *model.named_buffers()])
     modes = tuple(m.training for m in model.modules())
     xs, tree = pytree.tree_flatten((args, kwargs))

@@ -96,10 +96,12 @@ class GradientResult:
     outputs: Any = None
     # How the module was captured: "export" (one graph for any batch size), "export_static" (this batch size),
     # "draft" (each data-dependent branch as this call took it; captured again on every call) or "trace" (the
-    # ATen program the forward ran on this batch, reused while its guards hold): docs/training-code.md.
+    # ATen program the forward ran on this batch, reused while its guards hold): docs/training-code.md. The
+    # service's answer, which echoes the graph's (wire GraphSpec.capture); None for a layer spec.
     capture: str | None = None
-    # What that capture is specialised to: None for "export"; the inputs' shapes and dtypes; for "trace" also
-    # the values Python read from tensors ("values") and the sizes of data-dependent outputs ("sizes").
+    # What that capture is specialised to, its guards: None for "export"; the inputs' shapes and dtypes
+    # ("inputs"); for "trace" also the values Python read from tensors ("values"), the sizes of data-dependent
+    # outputs ("sizes") and the constants made in forward ("constants"): wire Specialised, as a dict.
     specialised: dict[str, Any] | None = None
     diagnostics: Diagnostics | None = None  # diagnostics=["norms", "variance", "second_moment", "noise_scale"]
     clip: ClipResult | None = None  # clip={"max_norm": C, ...}: .total_norm and .scale, or .clipped of .examples
@@ -157,11 +159,20 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
-        buffers=tensors(raw.buffers), outputs=_tree(raw.outputs),
+        buffers=tensors(raw.buffers), outputs=_tree(raw.outputs), capture=getattr(raw, "capture", None),
+        specialised=_specialised(getattr(raw, "specialised", None)),
         diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
         curvature=_curvature(raw.curvature, tensors), math_mode=raw.math_mode,
         prepared=raw.prepared, copied_bytes=raw.copied_bytes,
     )
+
+
+def _specialised(s: Any) -> dict[str, Any] | None:
+    """The wire's Specialised (a capture's guards) as the dict `result.specialised` is, every key present."""
+    if s is None:
+        return None
+    return {"inputs": [{"shape": list(i.shape), "dtype": i.dtype} for i in s.inputs], "values": dict(s.values),
+            "sizes": {k: list(v) for k, v in s.sizes.items()}, "constants": list(s.constants)}
 
 
 def _tree(value: Any) -> Any:
@@ -181,7 +192,8 @@ def written_back(out: Any, result: GradientResult) -> None:
     """After a graph model's call: how it was captured, its outputs in forward's own structure (tuples,
     ModelOutput), and the buffers its forward wrote copied into the module (as a local step leaves them)."""
     export = out.export
-    result.capture, result.specialised = export.capture, export.specialised
+    if result.capture is None:  # a service that does not echo the graph's capture: the SDK's own record
+        result.capture, result.specialised = export.capture, export.specialised
     if result.outputs is not None and export.out_spec is not None and export.graph.output_tree is not None:
         from torch.utils import _pytree as pytree
 

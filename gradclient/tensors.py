@@ -168,12 +168,26 @@ def from_wire(t: Any) -> Any:
     (numpy array without torch). None stays None."""
     if t is None:
         return None
+    if getattr(t, "layout", None) is not None:
+        return _sparse_from_wire(t)
     raw = wire.raw_data(t)
     if t.b64 is not None:
         raw = memoryview(bytearray(base64.b64decode(t.b64)))
     if raw is None:
         return _from_list(t)
     return _from_torch_bytes(t, raw) if torch is not None else _from_numpy_bytes(t, raw)
+
+
+def _sparse_from_wire(t: Any) -> Any:
+    """A sparse wire tensor (a sparse parameter's gradient) as the torch sparse tensor of its layout."""
+    if torch is None:
+        raise BadTensorError(f"a {t.layout} tensor needs torch to read it")
+    shape, values = list(t.shape), from_wire(t.values)
+    if t.layout == "sparse_coo":
+        return torch.sparse_coo_tensor(from_wire(t.indices), values, shape).coalesce()
+    if t.layout == "sparse_csr":
+        return torch.sparse_csr_tensor(from_wire(t.crow_indices), from_wire(t.col_indices), values, shape)
+    raise BadTensorError(f"a tensor of layout {t.layout!r}: this SDK reads sparse_coo and sparse_csr")
 
 
 def _from_list(t: Any) -> Any:

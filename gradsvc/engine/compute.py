@@ -308,6 +308,8 @@ def encode_result(run: Run, timings: Timings) -> GradientResult:
         outputs=_outputs(prep, final),
         prepared=prep.prepared,
         copied_bytes=prep.copied_bytes if prep.prepared is not None else None,
+        capture=prep.graph.spec.capture if prep.graph is not None else None,
+        specialised=prep.graph.spec.specialised if prep.graph is not None else None,
     )
 
 

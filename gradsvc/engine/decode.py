@@ -335,10 +335,10 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
             raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, {owner} needs {want}",
                             parameter=name, shape=list(t.shape), expected=want)
         if name in parameters:
-            t = t.to(dtype)
+            t = t.to(state[name].dtype if t.is_complex() else dtype)  # a complex parameter stays complex
             if t.is_meta:
                 pass
-            elif t.numel() <= _SMALL_WEIGHT:
+            elif t.numel() <= _SMALL_WEIGHT and t.layout == torch.strided and not t.is_complex():
                 small.append((name, t))
             elif not tensors.all_finite(t):
                 _validate_finite(small)

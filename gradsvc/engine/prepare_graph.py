@@ -224,8 +224,9 @@ def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: tor
 
 
 def _layouts(template: GraphTemplate) -> dict[str, str]:
-    """The buffers the graph declares sparse, by state_dict name."""
-    return {i.target: i.layout for i in template.spec.inputs if i.kind == "buffer" and i.layout is not None}
+    """The parameters and buffers the graph declares sparse, by state_dict name."""
+    return {i.target: i.layout for i in template.spec.inputs
+            if i.kind in ("parameter", "buffer") and i.layout is not None}
 
 
 def _checked_names(request: GradientRequest, template: GraphTemplate) -> dict:
@@ -298,6 +299,7 @@ class GraphSpecModel:
 
     def validate_splits(self, opts: Options, inputs: Batch) -> None:
         """Options that cannot mean for this graph what they mean for a layer spec, refused before the queue."""
+        validate_sparse_parameters(self.template, opts, inputs.rows)
         if opts.checkpoint_segments is not None:
             raise SpecError("bad_option", "options.checkpoint_segments splits a layer spec's top-level layers; a "
                             "graph model has none, so it cannot apply. Remove it (or checkpoint inside the module "
@@ -366,6 +368,27 @@ class GraphSpecModel:
                                        template.sizes)
         self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied + adopted
         return held.model, ((key, held) if keep else None)
+
+
+def validate_sparse_parameters(template: GraphTemplate, opts: Options, rows: int) -> None:
+    """A sparse trainable parameter's gradient is the batch's, returned sparse as torch computes it; the options
+    that combine or transform gradients (parts of the batch added up, per-example gradients, norms, clipping,
+    second derivatives) take dense ones, so they are refused naming the parameter."""
+    frozen = set(opts.freeze)
+    sparse = [i.target for i in template.spec.inputs if i.kind == "parameter" and i.layout is not None
+              and i.target not in frozen]
+    if not sparse:
+        return
+    asked = [name for name, on in (
+        ("options.micro_batch", opts.micro_batch is not None and opts.micro_batch < rows),
+        ("options.shards", opts.shards != 1), ("options.per_sample", opts.per_sample != "off"),
+        ("options.batch_gradient", not opts.batch_gradient), ("options.diagnostics", bool(opts.diagnostics)),
+        ("options.clip", opts.clip is not None), ("options.hvp", opts.hvp is not None),
+        ("options.curvature", opts.curvature is not None)) if on]
+    if asked:
+        raise SpecError("bad_option", f"{asked[0]}: parameter {sparse[0]!r} is sparse, and {asked[0]} works on dense "
+                        "gradients; leave it out, freeze the parameter (options.freeze), or make it dense",
+                        option=asked[0].removeprefix("options."), parameter=sparse[0])
 
 
 def validate_graph_split(template: GraphTemplate, mixing: list, option: str, *, across_jobs: bool = False) -> None:

@@ -250,6 +250,8 @@ def reduce_results(results: list[GradientResult], plan: ShardPlan, *, reduce_ms:
         memory=_memory(results),
         checkpoint=first.checkpoint,
         graph_ref=first.graph_ref,
+        capture=first.capture,
+        specialised=first.specialised,
         curvature=_curvature(results, plan),
         shards=info,
         math_mode="tf32" if any(r.math_mode == "tf32" for r in results) else "ieee",  # the least precise

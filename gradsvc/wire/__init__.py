@@ -4,7 +4,7 @@ No torch here: the SDK imports this package without PyTorch installed. One modul
 re-exported here (`from gradsvc.wire import GradientRequest`):
 
     tensors      a tensor on the wire (Tensor, DTYPES, ITEMSIZE) and its helpers
-    graphs       an exported graph as plain data (GraphSpec, GraphInput, OpNode, FunctionSpec)
+    graphs       an exported graph as plain data (GraphSpec, GraphInput, OpNode, FunctionSpec, Specialised)
     request      POST /gradients' body (GradientRequest, ModelSpec, LossSpec, Options and its parts)
     result       a job's answer (GradientResult, Numcheck, Memory, Timings, ShardsInfo)
     diagnostics  options.diagnostics, clip and curvature in a result (Diagnostics, ClipResult, Curvature)
@@ -22,7 +22,8 @@ from gradsvc.wire.diagnostics import (DIAGNOSTICS, PER_EXAMPLE_DIAGNOSTICS, Clip
                                       Diagnostics, NoiseScale, Norms)
 from gradsvc.wire.errors import ERROR_CODES, ErrorBody, ErrorCode, ErrorInfo
 from gradsvc.wire.estimates import Estimate, EstimateLimits
-from gradsvc.wire.graphs import FunctionSpec, GraphInput, GraphSpec, OpNode
+from gradsvc.wire.graphs import (Capture, CapturedInput, FunctionSpec, GraphInput, GraphSpec, OpNode,
+                                 Specialised)
 from gradsvc.wire.jobs import JOB_STATUSES, MAX_RELEASED, RELEASE_HEADER, JobAccepted, JobInfo, Progress
 from gradsvc.wire.layers import LayerArgument, LayerInfo
 from gradsvc.wire.request import (MAX_SHARDS, MAX_TIMING_REPEAT, ClipOptions, CurvatureOptions, GradientRequest,
@@ -38,7 +39,8 @@ from gradsvc.wire.tensors import (COMPLEX_DTYPES, DTYPES, ITEMSIZE, Tensor, Tens
                                   raw_data)
 
 __all__ = [
-    "AtLeastOne", "COMPLEX_DTYPES", "ClipOptions", "ClipResult", "Curvature", "CurvatureOptions", "DIAGNOSTICS",
+    "AtLeastOne", "COMPLEX_DTYPES", "Capture", "CapturedInput", "ClipOptions", "ClipResult", "Curvature",
+    "CurvatureOptions", "DIAGNOSTICS",
     "DTYPES", "Density", "Diagnostics", "ERROR_CODES", "ErrorBody", "ErrorCode", "ErrorInfo", "Estimate",
     "EstimateLimits",
     "FunctionSpec", "GradientRequest", "GradientResult", "GraphInput", "GraphNode", "GraphSpec", "HvpOptions",
@@ -49,5 +51,6 @@ __all__ = [
     "RUN_NAME_PATTERN", "RunCheck", "RunInfo", "RunName", "RunRef", "RunStep", "RunSummary", "SESSION_RETURNS",
     "IdempotencyKeyField", "OptimizerSpec", "SessionBatch", "SessionCreate", "SessionCreated", "SessionId",
     "SessionInfo", "SessionOptimStep", "SessionOptions", "SessionStepResult", "SessionTimings", "ShardsInfo",
+    "Specialised",
     "Tensor", "TensorLike", "Timings", "is_tensor", "owned", "raw_data",
 ]

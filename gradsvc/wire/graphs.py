@@ -26,8 +26,8 @@ class GraphInput(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # A user input's batch dimension: 0, or null for an input without one (a graph's edge_index, a mask
     # shared by every example), which goes whole to every micro-batch, shard and per-example gradient.
     batch_dim: Literal[0] | None = 0
-    # A sparse user input or buffer: "sparse_coo" or "sparse_csr" (the request sends it, or its weight, in that
-    # layout: its parts); null: dense.
+    # A sparse user input, buffer or parameter: "sparse_coo" or "sparse_csr" (the request sends it, or its weight,
+    # in that layout: its parts; a sparse parameter's gradient comes back so); null: dense.
     layout: Literal["sparse_coo", "sparse_csr"] | None = None
 
 
@@ -52,11 +52,36 @@ class OpNode(Struct, forbid_unknown_fields=True, omit_defaults=True):
     shape: list[int] | None = None
 
 
+Capture = Literal["export", "export_static", "draft", "trace"]
+
+
+class CapturedInput(Struct, forbid_unknown_fields=True):
+    """A user input's shape and dtype as the capture saw them (a guard of a specialised capture)."""
+
+    shape: list[int]
+    dtype: str
+
+
+class Specialised(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a captured graph is specialised to: its guards, which the capturing client checks before it reuses
+    the graph (by `graph_ref`) and records again when one does not hold. `inputs`: each user input's shape and
+    dtype ("export_static", "draft", "trace"); "trace" only: `values`, each value Python read out of a tensor
+    (`bool()`, `item()`, an `if` on a tensor, the argument checks of `torch.distributions`), by the read and the
+    node it read ("is_nonzero(gt)": true); `sizes`, the size each data-dependent output had (`nonzero`, a
+    boolean-mask index), by node; `constants`, tensors made outside torch's ops in forward whose values the graph
+    holds (recorded again on every call)."""
+
+    inputs: list[CapturedInput] = []
+    values: dict[str, bool | int | float | None] = {}
+    sizes: dict[str, list[int]] = {}
+    constants: list[str] = []
+
+
 class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A model captured by `torch.export` as plain data (format version 1). `outputs` are the user
-    outputs (arguments as in OpNode.args; the loss applies to the first); `buffer_mutations` maps a
-    buffer's state_dict name to the node whose value the buffer takes after the forward pass (batch
-    norm's running statistics); `dtype` is the floating dtype the graph was captured in."""
+    """A model captured by `torch.export`, or recorded as its forward ran, as plain data (format version 1).
+    `outputs` are the user outputs (arguments as in OpNode.args; the loss applies to the first);
+    `buffer_mutations` maps a buffer's state_dict name to the node whose value the buffer takes after the
+    forward pass (batch norm's running statistics); `dtype` is the floating dtype the graph was captured in."""
 
     inputs: list[GraphInput]
     nodes: list[OpNode]
@@ -71,6 +96,12 @@ class GraphSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
     output_tree: Any = None
     # Custom autograd Functions the nodes call (op "function.<key>"), by key.
     functions: dict[str, FunctionSpec] = {}
+    # How the client captured the module: "export" (torch.export with a dynamic batch: any batch size),
+    # "export_static" (torch.export at this batch size), "draft" (draft_export: this call's branches), "trace" (the
+    # ATen program the forward ran on this batch, recorded as it ran); null: not said (a graph written by hand).
+    # `specialised`: its guards (null for "export"). The service echoes both in the result and checks neither.
+    capture: Capture | None = None
+    specialised: Specialised | None = None
 
 
 class FunctionSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):

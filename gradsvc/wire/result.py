@@ -7,6 +7,7 @@ from typing import Any
 from msgspec import Struct
 
 from gradsvc.wire.diagnostics import ClipResult, Curvature, Diagnostics
+from gradsvc.wire.graphs import Capture, Specialised
 from gradsvc.wire.tensors import Tensor
 
 
@@ -191,3 +192,8 @@ class GradientResult(Struct, omit_defaults=False):
     # no model (a reduce job). `copied_bytes`: the bytes copied into the model's tensors on its device for this job.
     prepared: str | None = None
     copied_bytes: int | None = None
+    # Graph models: how the module was captured ("export", "export_static", "draft", "trace") and what that capture
+    # is specialised to, its guards (inputs' shapes, values read from tensors, data-dependent sizes), as the graph
+    # says (GraphSpec.capture and .specialised); null for a layer spec or a graph that does not say.
+    capture: Capture | None = None
+    specialised: Specialised | None = None

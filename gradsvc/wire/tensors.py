@@ -29,7 +29,7 @@ class Tensor(Struct, omit_defaults=True):
     data: list | memoryview | None = None  # bytes too, as given to the constructor
     b64: str | None = None
     refs: list[str] | None = None
-    # A sparse tensor (a graph input only): `layout` "sparse_coo" with `indices` (int64, (len(shape), nnz)) and
+    # A sparse tensor (a graph's sparse input or weight, a sparse parameter's gradient): `layout` "sparse_coo" with `indices` (int64, (len(shape), nnz)) and
     # `values` ((nnz,), of `dtype`), or "sparse_csr" with `crow_indices` ((rows + 1,)), `col_indices` ((nnz,))
     # and `values`; `shape` is the dense shape and the tensor itself carries no data.
     layout: str | None = None

@@ -2,8 +2,8 @@
 a real worker: what torch.export alone cannot capture (distributions validating their arguments, control flow
 on a tensor's value, attribute tensors assigned in forward, a boolean mask's data-dependent shape) goes as the
 program the forward ran (capture "trace"); ops without a gradient and ops outside the core opset in forward;
-a sparse buffer; a forward that writes its input. Every gradient equals local autograd; two optimizer loops end
-on the local loop's weights and buffers."""
+a sparse buffer; sparse (COO, CSR) and complex parameters; a forward that writes its input. Every gradient
+equals local autograd; three optimizer loops end on the local loop's weights and buffers."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from gradclient.errors import BadOptionError
 
 pytestmark = pytest.mark.timeout(600)
 TOL = 1e-4
@@ -34,8 +36,10 @@ def assert_same(result, loss: float, want: dict[str, torch.Tensor]) -> None:
     got = {n: g for n, g in result.gradients.items() if g is not None}
     assert set(want) <= set(got), sorted(set(want) - set(got))
     for name, g in want.items():
+        assert got[name].layout == g.layout, (name, got[name].layout, g.layout)  # a sparse gradient comes sparse
+        g = g.to_dense()
         scale = max(float(g.abs().max()), 1e-30)
-        err = float((torch.as_tensor(got[name]).to(g.dtype) - g).abs().max())
+        err = float((torch.as_tensor(got[name]).to_dense().to(g.dtype) - g).abs().max())
         assert err <= TOL * scale, f"{name}: max error {err:.3g} against scale {scale:.3g}"
 
 
@@ -105,10 +109,14 @@ class NTXent(nn.Module):
         return (torch.logsumexp(negatives, 1) - positives).mean()
 
 
-def test_a_contrastive_loss_indexing_with_a_mask_built_in_init(client):
+def test_a_contrastive_loss_indexing_with_a_mask_built_in_init(client, http):
     torch.manual_seed(0)
     result, _, _ = same_both_ways(client, NTXent, torch.randn(4, 5), torch.randn(4, 5))
     assert result.capture == "trace" and result.specialised["sizes"]
+    # The service says it too: the graph carries its capture and guards, the result echoes them.
+    answer = http.get(f"/jobs/{result.job_id}").json()["result"]
+    assert answer["capture"] == "trace" and answer["specialised"]["sizes"] == result.specialised["sizes"]
+    assert answer["specialised"]["inputs"] == [{"shape": [4, 5], "dtype": "float32"}] * 2
 
 
 class HardExampleLoss(nn.Module):
@@ -284,6 +292,73 @@ class TransformerNet(nn.Module):
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         x = x.div_(255)
         return F.mse_loss(torch.relu(self.norm(self.conv(self.pad(x)))), target)
+
+
+class LearnedGraphNet(nn.Module):
+    """A graph network that learns its edges' weights: a sparse parameter with the edges' pattern (COO or CSR:
+    its gradient is sparse, on the same pattern), and a learned complex spectral filter on the node features."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        edges = torch.tensor([[0, 1, 1, 2, 2, 3, 3, 4, 4, 0], [1, 0, 2, 1, 3, 2, 4, 3, 0, 4]])
+        adj = torch.sparse_coo_tensor(edges, torch.rand(10) + 0.5, (5, 5)).coalesce()
+        self.adj = nn.Parameter(adj if layout == torch.sparse_coo else adj.to_sparse_csr())
+        self.filter = nn.Parameter(torch.polar(torch.ones(3), torch.linspace(0, 1, 3)))
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = torch.fft.irfft(torch.fft.rfft(x, dim=1) * self.filter, n=x.shape[1], dim=1)
+        h = torch.tanh(torch.sparse.mm(self.adj, self.l1(x)))
+        return F.cross_entropy(torch.sparse.mm(self.adj, self.l2(h)), y)
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+def test_sparse_and_complex_parameters_and_an_sgd_loop_on_them(client, layout):
+    torch.manual_seed(9)
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    result, _, there = same_both_ways(client, lambda: LearnedGraphNet(layout), x, y)
+    assert result.gradients["filter"].is_complex()
+    checked = client.gradients(there, (x, y), loss="output", numcheck="auto")
+    # Finite differences step dense real elements: nothing is checked, and the result says so.
+    assert checked.numcheck.passed is None and "'adj'" in checked.numcheck.reason, checked.numcheck.reason
+    with pytest.raises(BadOptionError, match="parameter 'adj' is sparse"):  # clipping takes dense gradients
+        client.gradients(there, (x, y), loss="output", numcheck="off", clip={"max_norm": 1.0})
+    torch.manual_seed(10)
+    here = LearnedGraphNet(layout)
+    torch.manual_seed(10)
+    there = LearnedGraphNet(layout)  # the same weights (a sparse CSR parameter cannot be deep-copied)
+    opt_here, opt_there = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (here, there))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=gen)
+        opt_here.zero_grad()
+        here(x, y).backward()
+        opt_here.step()
+        result = send(client, there, x, y)
+        opt_there.zero_grad()
+        result.set_grads(there)
+        opt_there.step()
+    for (name, a), (_, b) in zip(here.named_parameters(), there.named_parameters()):
+        assert a.layout == b.layout and torch.allclose(b.to_dense(), a.to_dense(), atol=1e-5), name
+
+
+class GatedGraphNet(LearnedGraphNet):
+    """The same, its hidden layer squashed only when its activations are large (an `if` on a value): recorded."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = torch.fft.irfft(torch.fft.rfft(x, dim=1) * self.filter, n=x.shape[1], dim=1)
+        h = torch.sparse.mm(self.adj, self.l1(x))
+        if h.abs().mean() > 0.1:
+            h = torch.tanh(h)
+        return F.cross_entropy(torch.sparse.mm(self.adj, self.l2(h)), y)
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+def test_sparse_and_complex_parameters_in_a_recorded_forward(client, layout):
+    torch.manual_seed(11)
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    result, _, _ = same_both_ways(client, lambda: GatedGraphNet(layout), x, y)
+    assert result.capture == "trace" and result.gradients["adj"].layout == layout
 
 
 def test_a_forward_that_divides_its_input_in_place(client):

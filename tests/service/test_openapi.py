@@ -175,3 +175,22 @@ def test_the_session_routes_are_declared_with_their_request_and_response_structs
     # a tuple of one type is an array of that type and length: openapi-python-client refuses `items: false`
     betas = next(s for s in schemas["OptimizerSpec"]["properties"]["betas"]["anyOf"] if s.get("type") == "array")
     assert betas["items"]["type"] == "number" and betas["minItems"] == betas["maxItems"] == 2
+
+
+def test_a_graph_and_its_result_say_how_it_was_captured_and_its_guards():
+    schemas = openapi.build(300)["components"]["schemas"]
+    for struct in ("GraphSpec", "GradientResult"):
+        props = schemas[struct]["properties"]
+        assert "capture" in props and "specialised" in props, struct
+        assert {"export", "export_static", "draft", "trace"} <= set(openapi_enum(props["capture"]))
+    assert set(schemas["Specialised"]["properties"]) == {"inputs", "values", "sizes", "constants"}
+
+
+def openapi_enum(schema: dict) -> list:
+    """The enum values a (nullable) string schema lists, wherever the generator put them."""
+    found = []
+    for part in [schema, *schema.get("anyOf", []), *schema.get("oneOf", [])]:
+        found += part.get("enum", [])
+        if "$ref" in part:
+            found.append(part["$ref"])
+    return found

@@ -8,7 +8,7 @@ spans files:
     interpreter.py  GraphModel: the compiled graph as an nn.Module whose forward runs the steps
     meta_check.py   a graph's shapes and sizes on the meta device, the dense kernels' workspace counted too
     batch_flow.py   which nodes mix a batch (micro-batches, per-sample gradients and shards need none)
-    sparse.py       sparse inputs (COO, CSR) decoded and checked, and their dense meta stand-ins
+    sparse.py       sparse inputs and weights (COO, CSR) decoded and checked, and their dense meta stand-ins
 
 The prepare side of a graph request (GraphSpecModel) is prepare_graph.py, beside prepare_layers.py.
 """

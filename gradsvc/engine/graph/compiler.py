@@ -233,8 +233,9 @@ def _check_state_input(where: str, inp: Any, targets: dict[str, str]) -> None:
         raise bad_graph(f"{where}: a {inp.kind} needs 'dtype' (one of {', '.join(tensors.TORCH_DTYPES)}) and "
                    f"'shape' (at most 8 sizes >= 0), got dtype={inp.dtype!r} shape={inp.shape!r}",
                    input=inp.name)
-    if inp.kind == "parameter" and not DTYPES[inp.dtype].is_floating_point:
-        raise bad_graph(f"{where}: parameter {inp.target!r} has dtype {inp.dtype}; parameters are floating-point",
+    if inp.kind == "parameter" and not (DTYPES[inp.dtype].is_floating_point or DTYPES[inp.dtype].is_complex):
+        raise bad_graph(f"{where}: parameter {inp.target!r} has dtype {inp.dtype}; parameters are floating-point "
+                        "or complex",
                    input=inp.name)
 
 

@@ -264,7 +264,7 @@ squeeze_.default unsqueeze_.default transpose_.default squeeze_copy.default unbi
 unsafe_split_with_sizes.default upsample_bicubic2d.default upsample_linear1d.default upsample_trilinear3d.default
 upsample_nearest3d.default vdot.default _batch_norm_with_update.default fft_fft.default fft_ifft.default fft_rfft.default
 fft_irfft.default fft_fft2.default fft_ifft2.default fft_rfft2.default fft_irfft2.default fft_fftn.default fft_ifftn.default
-fft_rfftn.default fft_irfftn.default fft_hfft.default fft_ihfft.default fft_fftshift.default fft_ifftshift.default _sparse_mm.default bilinear.default pairwise_distance.default
+fft_rfftn.default fft_irfftn.default fft_hfft.default fft_ihfft.default fft_fftshift.default fft_ifftshift.default _sparse_mm.default _sparse_addmm.default bilinear.default pairwise_distance.default
 frobenius_norm.dim nuclear_norm.default linalg_norm.default linalg_norm.ord_str linalg_matrix_norm.default
 linalg_matrix_norm.str_ord nuclear_norm.dim
 stft.default istft.default embedding_bag.padding_idx embedding_bag.default

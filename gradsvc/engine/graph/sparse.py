@@ -1,4 +1,5 @@
-"""Sparse graph inputs (a GCN's adjacency for `torch.spmm(adj, x)`): the wire's COO (indices, values) and CSR
+"""Sparse graph inputs, buffers and parameters (a GCN's adjacency for `torch.spmm(adj, x)`, edge weights learned on
+a fixed pattern): the wire's COO (indices, values) and CSR
 (crow_indices, col_indices, values) parts decoded and checked into a torch sparse tensor, and the dense meta
 stand-in the shape checks run on (meta kernels do not take sparse tensors)."""
 
@@ -71,14 +72,19 @@ def on_meta(x: torch.Tensor) -> torch.Tensor:
 
 
 def load_state(load, holders: dict, state_dict: dict, strict: bool, assign: bool):
-    """`load` (nn.Module.load_state_dict) of `state_dict`, except that a sparse buffer (a GCN's adjacency) is
-    set as it is: copy_ cannot write a sparse tensor into the dense placeholder the shape check ran with."""
+    """`load` (nn.Module.load_state_dict) of `state_dict`, except that a sparse buffer (a GCN's adjacency) or
+    parameter is set as it is: copy_ cannot write a sparse tensor into the dense placeholder the shape check ran
+    with (a parameter stays a leaf that requires grad, as it was)."""
     held = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.layout != torch.strided}
     if not held:
         return load(state_dict, strict, assign)
     for name, value in held.items():
         owner, attr = holders[name]
-        owner._buffers[attr] = value.to(owner._buffers[attr].device)
+        old = owner._parameters.get(attr)
+        if old is not None:
+            owner._parameters[attr] = torch.nn.Parameter(value.detach().to(old.device), old.requires_grad)
+        else:
+            owner._buffers[attr] = value.to(owner._buffers[attr].device)
     out = load({k: v for k, v in state_dict.items() if k not in held}, False, assign)
     missing = [k for k in out.missing_keys if k not in held]
     if strict and (missing or out.unexpected_keys):

@@ -48,6 +48,23 @@ class CheckInputs:
     math_mode: str = "ieee"  # the float32 math the job's passes ran in: the returned gradients' tolerance follows it
 
 
+def not_checkable(prep: Prepared) -> str:
+    """Why the check cannot judge this model ("" when it can): finite differences here step real, dense
+    elements, so a sparse or complex trainable parameter is not checked, and nothing is (`passed` null, this
+    reason), rather than a verdict on part of the gradients."""
+    frozen = set(prep.frozen)
+    for name, p in prep.model.named_parameters():
+        if name in frozen:
+            continue
+        if p.layout != torch.strided:
+            return (f"not run: parameter {name!r} is {str(p.layout).removeprefix('torch.')}; finite differences "
+                    "step dense real elements, so nothing was checked (passed is null)")
+        if p.is_complex():
+            return (f"not run: parameter {name!r} is complex; finite differences step real elements, so "
+                    "nothing was checked (passed is null)")
+    return ""
+
+
 def numerical_check(inputs: CheckInputs) -> Numcheck:
     """Finite differences against float64 autograd, and the returned gradients against that same float64
     autograd: full batch, no checkpointing, same dropout masks. What is checked (mode, elements, directions,
@@ -56,6 +73,11 @@ def numerical_check(inputs: CheckInputs) -> Numcheck:
     opts = prep.options
     if opts.numcheck == "off":
         return unchecked(prep.dtype)
+    skipped = not_checkable(prep)
+    if skipped:
+        check = unchecked(prep.dtype)
+        check.reason = skipped
+        return check
     ref = Reference(prep, inputs.request, device, inputs.math_mode)
     if inputs.reference is not None:
         inputs.reference.update({n: g.detach().to("cpu") for n, g in ref.grads.items()})

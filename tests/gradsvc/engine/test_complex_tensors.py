@@ -67,3 +67,17 @@ def test_complex_values_where_only_real_ones_are_taken_are_a_bad_tensor_not_a_dr
         compute(request, EngineConfig())
     assert err.value.code == "bad_tensor" and err.value.message.startswith(where)
     assert "view_as_real" in err.value.message
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("encoding", ["raw", "listed", "b64"])
+def test_a_sparse_gradient_travels_as_its_parts_in_every_encoding(layout, encoding):
+    """A sparse parameter's gradient (torch.sparse.mm's) is encoded as its parts, raw, as lists or as base64
+    (the JSON encodings), and the SDK reads it back in its layout."""
+    dense = torch.tensor([[0.0, 1.5, 0.0], [-2.0, 0.0, 0.25]])
+    t = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    value = tensors.encode(t)
+    value = {"raw": value, "listed": tensors.to_listed(value), "b64": tensors.to_b64(value)}[encoding]
+    codec = msgspec.msgpack if encoding == "raw" else msgspec.json
+    back = sdk.from_wire(codec.decode(codec.encode(value), type=wire.Tensor))
+    assert back.layout == t.layout and torch.equal(back.to_dense(), dense)

@@ -191,3 +191,6 @@ class GradientResult(Struct, omit_defaults=False):
     # no model (a reduce job). `copied_bytes`: the bytes copied into the model's tensors on its device for this job.
     prepared: str | None = None
     copied_bytes: int | None = None
+    # How many jobs of a worker's take ran as one batched computation with this one (GRADSVC_WORKER_TAKE > 1,
+    # docs/performance.md): k; null when the job was computed alone.
+    combined: int | None = None

@@ -72,6 +72,13 @@ class Taking:
             return job, queue
         return None
 
+    def peek(self) -> list:
+        """The taken jobs not started yet and still queued, read in one pipeline (workers/combining.py)."""
+        worker = self.worker
+        ids = [job_id for job_id, _ in self.pending]
+        jobs = worker.job_class.fetch_many(ids, connection=worker.connection, serializer=worker.serializer)
+        return [j for j in jobs if j is not None and j.get_status(refresh=False) in (JobStatus.QUEUED, None)]
+
     def on_start(self, pipe, job) -> None:
         """Adds to the start transaction the taken job's removal from the taken list."""
         if self.current is not None and self.current == job.id:

@@ -8,9 +8,9 @@ What combines (group_key): the same model structure (the layer spec, or the grap
 and input and target shapes, with no option that adds a pass or reads the model beyond one forward and backward
 (per-sample gradients, diagnostics, clipping, curvature, H v, input gradients, micro-batches, checkpointing,
 repeats, the autograd graph, outputs, runs); no numerical check (a job whose check runs computes alone, so
-its check stays its own); no buffers and no random layers; small (COMBINE_MAX_PARAMETERS). Per-loss gradients
-(several loss terms) combine: each term's gradient is taken on its own, the total their weighted sum, as
-passes.py takes them. The activation memory report depends on the structure and shapes alone: the group's first
+its check stays its own); no buffers and no random layers; small (COMBINE_MAX_PARAMETERS, COMBINE_MAX_WORK).
+Per-loss gradients (several loss terms) combine: each term's gradient is taken on its own, the total their
+weighted sum, as passes.py takes them. The activation memory report depends on the structure and shapes alone: the group's first
 member runs alone, metered, and the others carry its report.
 
 Anything that fails in a group (a member's validation, a kernel without a batching rule, a non-finite loss)
@@ -22,6 +22,7 @@ the lone ones (docs/performance.md gives the tolerance the tests hold them to).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -31,7 +32,8 @@ from torch.func import functional_call, grad, vmap
 
 from gradsvc.wire import GradientRequest, GradientResult
 
-from .compute import Run, _numerical_check, _per_example, _postprocess, _preprocess, _refuse_non_finite_gradients
+from .compute import (Run, _numerical_check, _per_example, _postprocess, _preprocess, _refuse_non_finite_gradients,
+                      execute)
 from .config import EngineCaches, EngineConfig
 from .devices import float32_math, is_random, math_mode_for, one_cpu_thread, sync
 from .passes import Pass, trainable
@@ -41,8 +43,10 @@ from . import tensors
 
 log = logging.getLogger("gradsvc.engine")
 
-# A larger model's job is dominated by its own arithmetic: run together, k of them gain nothing and hold k copies.
+# A larger job is dominated by its own arithmetic: run together, k of them gain nothing and hold k copies of the
+# weights; and the job that computes a take's group waits for all of it.
 COMBINE_MAX_PARAMETERS = 1 << 20
+COMBINE_MAX_WORK = 1 << 24  # parameters x input elements (compute.py's TINY_JOB_WORK is 1 << 15)
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -70,7 +74,9 @@ def combinable(request: GradientRequest) -> bool:
 def group_key(run: Run) -> bytes | None:
     """What two prepared requests must share to run as one; None: this one computes alone."""
     prep, request = run.prep, run.request
-    if prep.parameter_count > COMBINE_MAX_PARAMETERS or any(True for _ in prep.model.buffers()):
+    if prep.parameter_count > COMBINE_MAX_PARAMETERS or prep.parameter_count * prep.inputs.numel() > COMBINE_MAX_WORK:
+        return None
+    if any(True for _ in prep.model.buffers()):
         return None
     if not all(prep.inputs.batched) or is_random(prep.model):
         return None
@@ -148,8 +154,6 @@ def _group_results(group: list[Member], caches: EngineCaches) -> dict[int, Gradi
 
 def _alone(m: Member, caches: EngineCaches) -> GradientResult | None:
     """The member's own compute(), as without a take (None: it failed; it fails again, alone, for its job)."""
-    from .compute import execute
-
     run = Run(m.request, m.run.config, m.run.device)
     try:
         return execute(run, m.graphs, caches, m.scope)
@@ -212,8 +216,6 @@ def _pass(i: int, g, total, losses, per_loss, terms, share: float) -> Pass:
 def _finish(m: Member, p: Pass, memory, k: int) -> GradientResult | None:
     """The rest of compute() for one member, from its Pass on; None when its values fail a check (alone, it
     fails the same way, with its own coded error)."""
-    import math
-
     run = m.run
     if not math.isfinite(p.loss):
         return None

@@ -63,7 +63,8 @@ def graph_bodies(n: int, dtype: str = "float64") -> list[dict]:
         torch.manual_seed(i)
         weights = {k: torch.randn_like(v) for k, v in exported.weights.items()}
         g = torch.Generator().manual_seed(3000 + i)
-        out.append({"model": {"graph": graph, "dtype": dtype, "weights": {k: tensor_json(v) for k, v in weights.items()}},
+        model = {"graph": graph, "dtype": dtype, "weights": {k: tensor_json(v) for k, v in weights.items()}}
+        out.append({"model": model,
                     "inputs": tensor_json(torch.randn(3, 5, generator=g, dtype=torch_dtype)),
                     "targets": tensor_json(torch.randn(3, 5, generator=g, dtype=torch_dtype)), "loss": "mse",
                     "options": {"numcheck": "off", "encoding": "b64"}})

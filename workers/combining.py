@@ -30,13 +30,15 @@ class Combining:
     def __init__(self, taking) -> None:
         self.taking = taking
         self.kept: dict[str, tuple[GradientRequest, GradientResult]] = {}
+        self.tried: set[str] = set()  # the jobs of this take already offered to a group: each is offered once
 
     def compute(self, job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float) -> GradientResult:
         """The job's result: the one kept for it, else computed with the taken jobs behind it, else alone."""
         kept = self.kept.pop(job.id, None)
         if not self.taking.pending:
             self.kept.clear()  # the take is done: what is left belongs to jobs that will not start here
-        if kept is None and self.taking.pending and isinstance(body, bytes):
+            self.tried.clear()
+        if kept is None and job.id not in self.tried and self.taking.pending and isinstance(body, bytes):
             kept = self._together(job, ctx, body, fmt)
         if kept is None:
             return compute_request(job, ctx, body, fmt, queue_s)
@@ -49,7 +51,8 @@ class Combining:
 
     def _together(self, job: Job, ctx: WorkerContext, body: bytes, fmt: str):
         """Computes the job with the taken ones; keeps theirs and answers its own (None: it computes alone)."""
-        members = [(job, body, fmt), *_peers(self.taking.peek())]
+        members = [(job, body, fmt), *_peers(self.taking.peek(skip=self.tried))]
+        self.tried.update(j.id for j, _, _ in members)
         requests: list[tuple[Job, GradientRequest]] = []
         for j, b, f in members:
             try:

@@ -72,10 +72,13 @@ class Taking:
             return job, queue
         return None
 
-    def peek(self) -> list:
-        """The taken jobs not started yet and still queued, read in one pipeline (workers/combining.py)."""
+    def peek(self, skip: set[str] | frozenset = frozenset()) -> list:
+        """The taken jobs not started yet and still queued, but those in `skip`, read in one pipeline
+        (workers/combining.py)."""
         worker = self.worker
-        ids = [job_id for job_id, _ in self.pending]
+        ids = [job_id for job_id, _ in self.pending if job_id not in skip]
+        if not ids:
+            return []
         jobs = worker.job_class.fetch_many(ids, connection=worker.connection, serializer=worker.serializer)
         return [j for j in jobs if j is not None and j.get_status(refresh=False) in (JobStatus.QUEUED, None)]
 

@@ -14,8 +14,11 @@ job (numcheck off) via the API at 1, 8 and 32 clients (sync waits), 2 workers, w
 and computed alone) and of TAKE (taken together, and those of one structure computed as one batched computation:
 gradsvc/engine/combine.py); the two stacks run alternately, ROUNDS times, so the machine's drift falls on both:
 jobs/s, p50 and p99 (ms) and the share of answers computed together, per round, and TAKE's medians over take 1's.
+Each client thread keeps one keep-alive http.client connection (bench/common.py concurrent_posts `light`): on 2
+cores the load generator shares the machine it measures, and httpx's ~5 ms of CPU a request (`--httpx`, the
+client of the earlier figures) took as much as the API and the workers together; both stacks get the same client.
 
-Run: .venv/bin/python bench/throughput.py [--combine]
+Run: .venv/bin/python bench/throughput.py [--combine [--httpx]]
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def main() -> list[list]:
     return rows
 
 
-def take_mode() -> list[list]:
+def take_mode(light: bool = True) -> list[list]:
     started = header(f"Throughput: tiny jobs via the API, alone (take 1) and taken and computed together (take {TAKE})",
                      __doc__.split("`--combine`")[1].split("Run:")[0])
     body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
@@ -110,11 +113,11 @@ def take_mode() -> list[list]:
             stack = start_stack(workers=2, GRADSVC_WORKERS="2", GRADSVC_WORKER_TAKE=str(take))
             try:
                 stack.wait_ready(2)
-                concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers())  # warm-up
+                concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers(), light)  # warm-up
                 for clients in (1, 8, 32):
                     before = _cpu_s(stack)
                     got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients),
-                                           stack.auth_headers())
+                                           stack.auth_headers(), light)
                     n = max(1, PER_CELL // clients) * clients
                     cpu = {k: 1e3 * (v - before[k]) / n for k, v in _cpu_s(stack).items()}
                     cells.setdefault((take, clients), []).append(got)
@@ -128,6 +131,7 @@ def take_mode() -> list[list]:
     ratios = [[c, _ratio(cells, c, "rps"), _ratio(cells, c, "p50"), _ratio(cells, c, "p99")] for c in (1, 8, 32)]
     print(f"\ntake {TAKE} over take 1, the rounds' medians:")
     table(["clients", "jobs/s", "p50", "p99"], ratios)
+    print(f"\nclients: {'http.client' if light else 'httpx'}, one keep-alive connection per thread")
     print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench; "
           f"load average (1 min) before and after each stack: {', '.join(loads)}")
     footer(started)
@@ -167,4 +171,4 @@ def _ratio(cells: dict, clients: int, key: str) -> float:
 
 
 if __name__ == "__main__":
-    take_mode() if "--take" in sys.argv or "--combine" in sys.argv else main()
+    take_mode(light="--httpx" not in sys.argv) if "--take" in sys.argv or "--combine" in sys.argv else main()

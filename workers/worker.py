@@ -190,19 +190,13 @@ class GradientWorker(SimpleWorker):
             return
         pipe, self._deferred = self._deferred, None  # a kept result's held start: written first, in this transaction
         with pipe if pipe is not None else self.connection.pipeline() as pipe:
-            self.increment_successful_job_count(pipeline=pipe)
-            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
-            result_ttl = job.get_result_ttl(self.default_result_ttl)
-            if result_ttl != 0:
-                job._handle_success(result_ttl, pipeline=pipe, worker_name=self.name, execution_id=execution.id,
-                                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
-            if isinstance(job, GradientJob) and not job.result_flushed:
-                job.flush_result(pipe)
-            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            _end_writes(self, job, execution, pipe)
             job._status = JobStatus.FINISHED
-            self.cleanup_execution(job, pipeline=pipe, execution=execution)
-            self.set_state(WorkerStatus.IDLE, pipeline=pipe)
+            # The IDLE state written, but the worker still busy until it is: a SIGTERM meanwhile (RQ's _shutdown
+            # asks get_state()) stops it after this job instead of raising inside the transaction.
+            pipe.hset(self.key, "state", WorkerStatus.IDLE)
             pipe.execute()
+        self._state = WorkerStatus.IDLE
         if isinstance(job, GradientJob):
             job.pending_result = None
         release_slot(job)
@@ -318,6 +312,21 @@ def _start_writes(worker: GradientWorker, job: Job, pipe, remove_from_intermedia
     worker.taking.on_start(pipe, job)  # a taken job leaves the taken list as it starts
     if remove_from_intermediate_queue:
         pipe.lrem(Queue(job.origin, connection=worker.connection).intermediate_queue_key, 1, job.id)
+
+
+def _end_writes(worker: GradientWorker, job: Job, execution: Execution, pipe) -> None:
+    """RQ's success writes (handle_job_success) for a job nothing depends on, added to `pipe`: the worker's counters,
+    the result (RQ's and gradsvc's), the job's TTLs, the Execution removed."""
+    worker.increment_successful_job_count(pipeline=pipe)
+    worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
+    result_ttl = job.get_result_ttl(worker.default_result_ttl)
+    if result_ttl != 0:
+        job._handle_success(result_ttl, pipeline=pipe, worker_name=worker.name, execution_id=execution.id,
+                            execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+    if isinstance(job, GradientJob) and not job.result_flushed:
+        job.flush_result(pipe)
+    job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+    worker.cleanup_execution(job, pipeline=pipe, execution=execution)
 
 
 def _kept(worker: GradientWorker, job: Job) -> bool:

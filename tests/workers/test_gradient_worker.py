@@ -398,3 +398,35 @@ def test_a_take_computed_together_keeps_every_rq_record_as_a_job_alone(settings)
     for job_id in ids:
         assert record(job_id) == alone, job_id
     assert not conn.exists(keys.taken_key(settings.queue_prefix, build_worker(settings).name))
+
+
+def test_a_sigterm_while_the_end_transaction_is_written_stops_the_worker_after_the_job_finished(settings, make_worker,
+                                                                                              monkeypatch):
+    """RQ's warm shutdown asks the worker's state: a SIGTERM landing while the success transaction's replies are read
+    (the worker's IDLE state in it) must still find the worker busy, or RQ raises StopRequested inside the
+    transaction and a job whose end was written is failed over it."""
+    import signal
+
+    from rq.registry import FailedJobRegistry
+
+    worker, queue = make_worker()
+    job_id = enqueue_gradients(job_parts(settings), seed_a_request())
+    real = redis.client.Pipeline.execute
+
+    def execute(pipe, *args, **kwargs):
+        ending = any(cmd[0] == "XADD" for cmd, _ in pipe.command_stack)  # the end transaction: the results stream
+        out = real(pipe, *args, **kwargs)
+        if ending:
+            worker.request_stop(signal.SIGTERM, None)  # as the signal's handler runs while the replies are read
+        return out
+
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    try:
+        worker.work(burst=False, logging_level="WARNING")  # returns once stopped: after the job, warm
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    job = Job.fetch(job_id, connection=queue.connection, serializer=MsgpackSerializer)
+    assert job.get_status() == "finished"
+    assert job_id not in FailedJobRegistry(queue=queue).get_job_ids()

@@ -9,15 +9,20 @@ GRADSVC_WORKERS unset (each worker on all cores, as before that setting was hono
   via the API      C client threads, each POST /gradients?wait=30 one after another (sync wait):
                    N / wall time, HTTP, validation and the API's own Redis calls included.
 
-`--take` (the worker's take, GRADSVC_WORKER_TAKE): the same tiny job (numcheck off) via the API at 1, 8 and 32
-clients (sync waits), 2 workers, with a take of 1 (each job dequeued alone) and of TAKE; the two stacks run
-alternately, ROUNDS times, so the machine's drift falls on both: jobs/s, p50 and p99 (ms) per round.
+`--combine` (or `--take`; the worker's take, GRADSVC_WORKER_TAKE, and its jobs computed together): the same tiny
+job (numcheck off) via the API at 1, 8 and 32 clients (sync waits), 2 workers, with a take of 1 (each job dequeued
+and computed alone) and of TAKE (taken together, and those of one structure computed as one batched computation:
+gradsvc/engine/combine.py); the two stacks run alternately, ROUNDS times, so the machine's drift falls on both:
+jobs/s, p50 and p99 (ms) and the share of answers computed together, per round, and TAKE's medians over take 1's.
+Each client thread keeps one keep-alive http.client connection (bench/common.py concurrent_posts `light`): on 2
+cores the load generator shares the machine it measures, and httpx's ~5 ms of CPU a request (`--httpx`, the
+client of the earlier figures) took as much as the API and the workers together; both stacks get the same client.
 
 `--against DIR`: the same three cells, 2 workers, take 1, for a stack run from this checkout and one run from
 DIR's (another commit's checkout: `git worktree add DIR COMMIT`), alternately, ROUNDS times: the API's own
 changes measured against the machine's drift.
 
-Run: .venv/bin/python bench/throughput.py [--take | --against DIR]
+Run: .venv/bin/python bench/throughput.py [--combine [--httpx] | --against DIR]
 """
 
 from __future__ import annotations
@@ -112,25 +117,38 @@ def main() -> list[list]:
     return rows
 
 
-def take_mode() -> list[list]:
-    started = header(f"Throughput: tiny jobs via the API, a worker's take of 1 and {TAKE}", __doc__.split("`--take`")[1]
-                     .split("Run:")[0])
+def take_mode(light: bool = True) -> list[list]:
+    started = header(f"Throughput: tiny jobs via the API, alone (take 1) and taken and computed together (take {TAKE})",
+                     __doc__.split("`--combine`")[1].split("Run:")[0])
     body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
-    rows = []
+    rows, loads = [], [_load()]
+    cells: dict[tuple[int, int], list[dict]] = {}
     for rnd in range(ROUNDS):
         for take in (1, TAKE):
             stack = start_stack(workers=2, GRADSVC_WORKERS="2", GRADSVC_WORKER_TAKE=str(take))
             try:
                 stack.wait_ready(2)
-                concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers())  # warm-up
+                concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers(), light)  # warm-up
                 for clients in (1, 8, 32):
+                    before = _cpu_s(stack)
                     got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients),
-                                           stack.auth_headers())
-                    rows.append([rnd + 1, take, clients, got["rps"], got["p50"], got["p99"]])
+                                           stack.auth_headers(), light)
+                    n = max(1, PER_CELL // clients) * clients
+                    cpu = {k: 1e3 * (v - before[k]) / n for k, v in _cpu_s(stack).items()}
+                    cells.setdefault((take, clients), []).append(got)
+                    rows.append([rnd + 1, take, clients, got["rps"], got["p50"], got["p99"], got["combined"],
+                                 cpu["api"], cpu["workers"], cpu["redis"], cpu["bench"]])
             finally:
                 stack.stop()
-    table(["round", "take", "clients", "jobs/s", "p50 ms", "p99 ms"], rows)
-    print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench")
+            loads.append(_load())
+    table(["round", "take", "clients", "jobs/s", "p50 ms", "p99 ms", "combined", "API cpu ms/job",
+           "workers cpu ms/job", "Redis cpu ms/job", "bench cpu ms/job"], rows)
+    ratios = [[c, _ratio(cells, c, "rps"), _ratio(cells, c, "p50"), _ratio(cells, c, "p99")] for c in (1, 8, 32)]
+    print(f"\ntake {TAKE} over take 1, the rounds' medians:")
+    table(["clients", "jobs/s", "p50", "p99"], ratios)
+    print(f"\nclients: {'http.client' if light else 'httpx'}, one keep-alive connection per thread")
+    print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench; "
+          f"load average (1 min) before and after each stack: {', '.join(loads)}")
     footer(started)
     return rows
 
@@ -144,7 +162,7 @@ def three_cells(body: bytes, **env: str) -> list[list]:
         out = []
         for clients in (1, 8, 32):
             got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients), stack.auth_headers())
-            out.append([clients, got["rps"], got["p50"], got["p99"], _load1()])
+            out.append([clients, got["rps"], got["p50"], got["p99"], float(_load())])
         return out
     finally:
         stack.stop()
@@ -168,14 +186,42 @@ def against_mode(against: Path) -> list[list]:
     return rows
 
 
+def _cpu_s(stack: Stack) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the API (with its children), the workers, Redis and this bench."""
+    import psutil
 
-def _load1() -> float:
+    def tree(pids) -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                procs = [psutil.Process(pid)]
+                procs += procs[0].children(recursive=True)
+                total += sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+            except psutil.Error:
+                pass
+        return total
+
+    me = psutil.Process().cpu_times()
+    return {"api": tree([stack.api.pid]), "workers": tree([w.pid for w in stack.workers]),
+            "redis": tree([stack.redis.proc.pid]), "bench": me.user + me.system}
+
+
+def _load() -> str:
     with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+        return f.read().split()[0]
+
+
+def _ratio(cells: dict, clients: int, key: str) -> float:
+    import statistics
+
+    return statistics.median(g[key] for g in cells[(TAKE, clients)]) / \
+        statistics.median(g[key] for g in cells[(1, clients)])
 
 
 if __name__ == "__main__":
     if "--against" in sys.argv:
         against_mode(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
+    elif "--take" in sys.argv or "--combine" in sys.argv:
+        take_mode(light="--httpx" not in sys.argv)
     else:
-        take_mode() if "--take" in sys.argv else main()
+        main()

@@ -111,6 +111,7 @@ class GradientResult:
     # it built it for this call; copied_bytes: the bytes copied into the model on the worker's device.
     prepared: str | None = None
     copied_bytes: int | None = None
+    combined: int | None = None  # k: computed as one with k - 1 other jobs of a worker's take; None: alone
 
     def summary(self) -> str:
         """A per-layer table (type, output shape, parameters, saved bytes and their share), then the numerical
@@ -163,7 +164,7 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         specialised=_specialised(getattr(raw, "specialised", None)),
         diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
         curvature=_curvature(raw.curvature, tensors), math_mode=raw.math_mode,
-        prepared=raw.prepared, copied_bytes=raw.copied_bytes,
+        prepared=raw.prepared, copied_bytes=raw.copied_bytes, combined=raw.combined,
     )
 
 

@@ -117,6 +117,7 @@ class WorkerContext:
     run_weights: LRU = field(default_factory=weights_cache)  # the last step's weights of the runs stepped here
     sessions: SessionHost = field(default_factory=lambda: SessionHost(16))  # the training sessions held here
     holders: LRU = field(default_factory=lambda: LRU(4096))  # (owner, model key) -> when recorded as its holder
+    combining: object = None  # workers/combining.py's Combining (a worker that takes several jobs), else None
 
     def __post_init__(self) -> None:
         if self.handoff is not None and self.spare is None:
@@ -325,7 +326,8 @@ def sweep_handoff(ctx: WorkerContext) -> None:
 def gradient_job(body: bytes | str, fmt: str) -> dict:
     """Computes one POST /gradients request; the result goes to its own key as MessagePack. `body`: the
     request's bytes, or a handoff ref (str) naming the file that holds them."""
-    return run_job(lambda job, ctx, queue_s: compute_request(job, ctx, body, fmt, queue_s))
+    return run_job(lambda job, ctx, queue_s: compute_request(job, ctx, body, fmt, queue_s) if ctx.combining is None
+                   else ctx.combining.compute(job, ctx, body, fmt, queue_s))
 
 
 def compute_request(job: Job, ctx: WorkerContext, body: bytes | str, fmt: str, queue_s: float,

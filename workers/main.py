@@ -22,6 +22,7 @@ from gradsvc.engine import warm_up_shape_check
 from gradsvc.runtime.malloc import cap_data, keep_large_buffers
 from gradsvc.runtime.settings import Settings, host_memory_bytes
 
+from .combining import Combining
 from .jobs import make_context
 from .leasing import REDIS_ERRORS
 from .worker import GradientWorker
@@ -63,6 +64,8 @@ def build_worker(settings: Settings, *, index: int = 0) -> GradientWorker:
                             prefix=settings.queue_prefix,
                             context=ctx)
     worker.device = describe_device(ctx.device)
+    if settings.worker_take > 1:  # the jobs it takes together are computed together where they can be
+        ctx.combining = Combining(worker.taking)
     return worker
 
 

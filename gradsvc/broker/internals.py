@@ -28,7 +28,8 @@ Private or undocumented names used:
     rq.job.Job._handle_success      GradientJob writes the result in the same transaction (gradsvc/broker/job.py)
     rq.job.Job._data                GradientJob stores the body uncompressed (to_dict)
     rq.job.Job._status              the worker sets the finished status its transaction wrote
-    rq.worker.SimpleWorker._state   set_state keeps RQ's own field in step
+    rq.worker.SimpleWorker._state   set_state keeps RQ's own field in step; the success transaction sets it to
+                                    idle once its write is done (a SIGTERM meanwhile finds the worker busy)
     rq.worker.SimpleWorker.pubsub, pubsub_thread, redis.client.PubSubWorkerThread.stop(timeout)
                                     the worker's command channel, stopped with a bounded wait (unsubscribe)
     rq.worker_registration.WORKERS_BY_QUEUE_KEY, rq.results.Result.get_key

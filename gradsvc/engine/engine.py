@@ -8,6 +8,7 @@ import torch
 from gradsvc.wire import Estimate, GradientRequest, GradientResult
 
 from . import resident
+from .combine import combine
 from .compute import Run, execute
 from .devices import resolve_device
 from .config import EngineCaches, EngineConfig
@@ -32,6 +33,12 @@ class Engine:
                 reference: dict[str, torch.Tensor] | None = None, scope: str | None = None) -> GradientResult:
         run = Run(request, self.config, device or resolve_device(request.options.device), progress, reference)
         return execute(run, graphs, self.caches, scope)
+
+    def combine(self, requests: list[tuple[GradientRequest, str | None, GraphResolver | None]],
+                device: torch.device) -> list[GradientResult | None]:
+        """Requests (each with its scope and graph resolver) that run as one batched computation where they can
+        (combine.py): each one's result, or None for one left to compute alone."""
+        return combine(requests, self.config, device, self.caches)
 
     def in_place(self, request: GradientRequest, device: torch.device, scope: str | None = None) -> set[str]:
         """The names of the request's weights (by reference) that a model held for `scope` on `device` has in place

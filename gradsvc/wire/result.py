@@ -197,3 +197,6 @@ class GradientResult(Struct, omit_defaults=False):
     # says (GraphSpec.capture and .specialised); null for a layer spec or a graph that does not say.
     capture: Capture | None = None
     specialised: Specialised | None = None
+    # How many jobs of a worker's take ran as one batched computation with this one (GRADSVC_WORKER_TAKE > 1,
+    # docs/performance.md): k; null when the job was computed alone.
+    combined: int | None = None

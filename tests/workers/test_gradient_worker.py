@@ -344,3 +344,89 @@ def test_a_job_taken_by_a_worker_gradsvc_did_not_start_fails_saying_how_workers_
         assert info.error.code == "internal_error"
         assert "gradsvc worker" in info.error.message and "rq worker" in info.error.message
         assert conn.get(keys.result_key(settings.queue_prefix, job_id)) is None
+
+
+def test_a_take_computed_together_keeps_every_rq_record_as_a_job_alone(settings):
+    """A take of 8 (GRADSVC_WORKER_TAKE) computed together (workers/combining.py): each job whose result was kept
+    is started and ended in one transaction (its start held: workers/worker.py prepare_job_execution) and not
+    read a second time as it starts (workers/taking.py); its RQ record, registries and result end as a job's
+    alone: the same hash fields, finished, in the finished registry and no other, its execution gone."""
+    import dataclasses
+
+    from rq.registry import FinishedJobRegistry, StartedJobRegistry
+    from rq.results import Result
+
+    from gradsvc.broker.job import GradientJob
+    from workers.main import build_worker
+
+    def run(take: int, n: int) -> tuple[dict, list[str]]:
+        store = job_parts(settings)
+        conn = store.queues.redis
+        ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
+        before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+        worker = build_worker(dataclasses.replace(settings, worker_take=take))
+        try:
+            worker.work(burst=True, logging_level="WARNING")
+        finally:
+            worker.context.close()
+        after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+        return {k[len("cmdstat_"):]: after[k] - before.get(k, 0) for k in after}, ids
+
+    fixed, (solo,) = run(1, 1)  # one job's two transactions and read, and each run's own (birth, death, upkeep)
+    calls, ids = run(8, 8)
+    jobs = {k: calls.get(k, 0) - fixed.get(k, 0) for k in ("exec", "hgetall")}  # the 8 jobs' share, less one job's
+    conn = redis.Redis.from_url(settings.redis_url)
+    queue = Queue(keys.queue_name(settings.queue_prefix, "auto"), connection=conn, serializer=MsgpackSerializer)
+    decode = msgspec.msgpack.Decoder(GradientResult).decode
+    combined = [decode(conn.get(keys.result_key(settings.queue_prefix, j))).combined for j in ids]
+    assert sum(1 for c in combined if c) >= 7, combined  # one take: the first job and the 7 behind it, together
+    # 2 + 7 transactions: the first job's two, one for each kept result (2 x 8 without); each job read once
+    assert jobs["exec"] + 2 < 2 * 8 - 4 and jobs["hgetall"] + 1 <= 8, calls
+    finished, started = FinishedJobRegistry(queue=queue).get_job_ids(), StartedJobRegistry(queue=queue).get_job_ids()
+
+    def record(job_id: str) -> dict:
+        job = GradientJob.fetch(job_id, connection=conn, serializer=MsgpackSerializer)
+        latest = Result.fetch_latest(job, serializer=MsgpackSerializer)
+        return {"fields": sorted(conn.hkeys(job.key)), "status": job.get_status(), "ttl": conn.ttl(job.key) > 0,
+                "worker": job.worker_name is not None, "started": job.started_at is not None,
+                "ended": job.ended_at is not None, "heartbeat": job.last_heartbeat is not None,
+                "finished registry": job_id in finished, "started registry": job_id in started,
+                "result": latest.type, "executions": conn.exists(f"rq:executions:{job_id}")}
+
+    alone = record(solo)
+    assert alone["status"] == "finished" and alone["finished registry"] and not alone["started registry"]
+    for job_id in ids:
+        assert record(job_id) == alone, job_id
+    assert not conn.exists(keys.taken_key(settings.queue_prefix, build_worker(settings).name))
+
+
+def test_a_sigterm_while_the_end_transaction_is_written_stops_the_worker_after_the_job_finished(settings, make_worker,
+                                                                                              monkeypatch):
+    """RQ's warm shutdown asks the worker's state: a SIGTERM landing while the success transaction's replies are read
+    (the worker's IDLE state in it) must still find the worker busy, or RQ raises StopRequested inside the
+    transaction and a job whose end was written is failed over it."""
+    import signal
+
+    from rq.registry import FailedJobRegistry
+
+    worker, queue = make_worker()
+    job_id = enqueue_gradients(job_parts(settings), seed_a_request())
+    real = redis.client.Pipeline.execute
+
+    def execute(pipe, *args, **kwargs):
+        ending = any(cmd[0] == "XADD" for cmd, _ in pipe.command_stack)  # the end transaction: the results stream
+        out = real(pipe, *args, **kwargs)
+        if ending:
+            worker.request_stop(signal.SIGTERM, None)  # as the signal's handler runs while the replies are read
+        return out
+
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    try:
+        worker.work(burst=False, logging_level="WARNING")  # returns once stopped: after the job, warm
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    job = Job.fetch(job_id, connection=queue.connection, serializer=MsgpackSerializer)
+    assert job.get_status() == "finished"
+    assert job_id not in FailedJobRegistry(queue=queue).get_job_ids()

@@ -20,9 +20,10 @@ client of the earlier figures) took as much as the API and the workers together;
 
 `--against DIR`: the same three cells, 2 workers, take 1, for a stack run from this checkout and one run from
 DIR's (another commit's checkout: `git worktree add DIR COMMIT`), alternately, ROUNDS times: the API's own
-changes measured against the machine's drift.
+changes measured against the machine's drift. With `--combine` too, this checkout's stack takes TAKE and computes
+together while DIR's takes 1, both with the keep-alive clients: all of this checkout's gains against DIR's.
 
-Run: .venv/bin/python bench/throughput.py [--combine [--httpx] | --against DIR]
+Run: .venv/bin/python bench/throughput.py [--combine [--httpx] | --against DIR [--combine]]
 """
 
 from __future__ import annotations
@@ -153,35 +154,41 @@ def take_mode(light: bool = True) -> list[list]:
     return rows
 
 
-def three_cells(body: bytes, **env: str) -> list[list]:
+def three_cells(body: bytes, light: bool = False, **env: str) -> list[list]:
     """jobs/s, p50 and p99 (ms) at 1, 8 and 32 clients on a fresh stack of 2 workers."""
     stack = start_stack(workers=2, GRADSVC_WORKERS="2", **env)
     try:
         stack.wait_ready(2)
-        concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers())  # warm-up
+        concurrent_posts(stack.base_url, body, 8, 10, stack.auth_headers(), light)  # warm-up
         out = []
         for clients in (1, 8, 32):
-            got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients), stack.auth_headers())
+            got = concurrent_posts(stack.base_url, body, clients, max(1, PER_CELL // clients), stack.auth_headers(),
+                                   light)
             out.append([clients, got["rps"], got["p50"], got["p99"], float(_load())])
         return out
     finally:
         stack.stop()
 
 
-def against_mode(against: Path) -> list[list]:
-    started = header(f"Throughput: tiny jobs via the API, this checkout against {against}",
+def against_mode(against: Path, combine: bool = False) -> list[list]:
+    """`combine`: this checkout's stack takes TAKE and computes together, DIR's takes 1 (its default), both
+    with the keep-alive http.client clients; else both take 1, with httpx clients (the first figures')."""
+    started = header(f"Throughput: tiny jobs via the API, this checkout{f' (take {TAKE})' if combine else ''} "
+                     f"against {against} (take 1)",
                      "`--against DIR`" + __doc__.split("`--against DIR`")[1].split("Run:")[0])
     body = msgspec.json.encode(seed_a_body({"numcheck": "off"}))
     rows = []
     for rnd in range(ROUNDS):
         for label, root in (("this", ROOT), ("against", against)):
             stack_module.ROOT = root  # the stack's processes run from that checkout
+            env = {"GRADSVC_WORKER_TAKE": str(TAKE if combine and label == "this" else 1)}
             try:
-                rows += [[rnd + 1, label, *cell] for cell in three_cells(body)]
+                rows += [[rnd + 1, label, *cell] for cell in three_cells(body, light=combine, **env)]
             finally:
                 stack_module.ROOT = ROOT
     table(["round", "checkout", "clients", "jobs/s", "p50 ms", "p99 ms", "load (1 min)"], rows)
-    print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench")
+    print(f"\n{PER_CELL} jobs per cell; 2 workers share the 2 cores with Redis, the API and this bench; "
+          f"clients: {'http.client' if combine else 'httpx'}")
     footer(started)
     return rows
 
@@ -220,7 +227,7 @@ def _ratio(cells: dict, clients: int, key: str) -> float:
 
 if __name__ == "__main__":
     if "--against" in sys.argv:
-        against_mode(Path(sys.argv[sys.argv.index("--against") + 1]).resolve())
+        against_mode(Path(sys.argv[sys.argv.index("--against") + 1]).resolve(), "--combine" in sys.argv)
     elif "--take" in sys.argv or "--combine" in sys.argv:
         take_mode(light="--httpx" not in sys.argv)
     else:

@@ -34,11 +34,16 @@ install: $(VENV)/.installed-dev
 run: install-server
 	$(VENV)/bin/gradsvc up
 
+# The test modules run on TEST_PROCS processes (pytest-xdist; each module and its fixtures on one of them):
+# `make test TEST_PROCS=0` runs them in this one process.
+TEST_PROCS ?= 2
+TEST_SPREAD := -n $(TEST_PROCS) --dist loadfile
+
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(TEST_SPREAD) --durations=25
 
 test-all: install
-	GRADSVC_TEST_ALL=1 $(PY) -m pytest -q -p no:cacheprovider
+	GRADSVC_TEST_ALL=1 $(PY) -m pytest -q -p no:cacheprovider $(TEST_SPREAD)
 
 # The engine's tests on the oldest torch pyproject admits, in a venv of its own (.venv-compat/, ignored): PyPI's
 # torch for x86_64 is a CUDA build (~0.8 GB, and its nvidia-* libraries), so this is not part of `make test`;

@@ -123,6 +123,14 @@ class WorkerContext:
         if self.handoff is not None and self.spare is None:
             self.spare = handoff_files.Spare(self.handoff)
 
+    def host_held_bytes(self) -> int:
+        """The bytes this worker keeps in host memory on purpose: the pieces it caches and, on a CPU, its resident
+        models and training sessions (what MemoryKeeper does not count as a job's leftovers)."""
+        held = self.pieces.cache.bytes
+        if self.device.type == "cpu":
+            held += self.engine.caches.resident_models.bytes + self.sessions.held_bytes
+        return held
+
     def refresh_graphs(self) -> None:
         """The graph TTL refreshes the job's graph_ref look-ups left due (GraphStore, deferred), sent on the
         reaper thread after the job: no round trip on the job's path (the worker calls it after each job)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import worker_registration
@@ -50,6 +52,7 @@ class Leases:
         self.beating = threading.Event()
         self.mover: Mover | None = None  # set by the worker (its queue prefix)
         self.beaten = time.monotonic()  # when the worker's key was last renewed (its own lease)
+        self.idle: Callable[[], object] | None = None  # called while no job runs (the worker's memory trim)
 
     def start(self) -> None:
         self.watchdog.listen_for_signals()
@@ -66,6 +69,8 @@ class Leases:
         while self.beating.is_set():
             try:
                 self.watchdog.watch(self.running)
+                if self.running is None and self.idle is not None:
+                    self.idle()
                 if self.mover is not None:
                     moved = self.mover.move_overdue()
                     if moved:

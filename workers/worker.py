@@ -81,7 +81,9 @@ class GradientWorker(SimpleWorker):
         self._started: SentTransaction | None = None  # its MULTI/EXEC, sent, its reply not read yet
         self._deferred = None  # a kept result's start transaction, not sent: written with the job's end
         self._suspension_checked = float("-inf")
-        self.memory = MemoryKeeper()  # after warm-up (workers/main.py builds the worker after it)
+        # After warm-up (workers/main.py builds the worker after it); the heartbeat thread trims when idle.
+        self.memory = MemoryKeeper(held=context.host_held_bytes if context is not None else lambda: 0)
+        self.leases.idle = self.memory.when_idle
         self.taking = Taking(self, take)  # the jobs taken with the one dequeued (workers/taking.py)
 
     # --- leases (renewed by the heartbeat thread: workers/leasing.py) --------------------------------

@@ -196,6 +196,30 @@ def test_jobs_cross_redis_as_msgpack_never_pickle(settings, make_worker):
         assert not any(v.startswith(b"\x80\x04") or v.startswith(b"\x80\x05") for v in values if v), key
 
 
+def test_a_jobs_leftover_memory_is_handed_back_by_the_heartbeat_thread_once_the_worker_idles(settings, make_worker):
+    """The worker's MemoryKeeper sees each job end (after_job) and its heartbeat thread trims while no job runs:
+    here any excess counts (slack -1), and the real malloc_trim runs once, after the job, not during it."""
+    store = job_parts(settings)
+    worker, _queue = make_worker()
+    keeper = worker.memory
+    keeper.slack_bytes, keeper.idle_s = -1, 0.2
+    trims, real_trim = [], keeper._trim
+    keeper._trim = lambda pad: trims.append((worker.leases.running is None, time.monotonic())) or real_trim(pad)
+    enqueue_gradients(store, seed_a_request())
+    worker.work(burst=True, logging_level="WARNING")  # the job ends: a trim is due, not done
+    ended = time.monotonic()
+    assert keeper.due_since is not None and trims == []
+    worker.leases.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not trims and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.leases.stop()
+    assert len(trims) == 1 and trims[0][0], trims  # once, while idle
+    assert trims[0][1] - ended >= 0.2 and keeper.due_since is None
+
+
 def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("torch.load / pickle used on request data")

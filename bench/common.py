@@ -125,6 +125,14 @@ def timed(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]
     return out
 
 
+def sync(device) -> None:
+    """Waits for the device's queued work (CUDA), so that a clock read after it counts that work; nothing on a CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def median(xs) -> float:
     return statistics.median(xs)
 

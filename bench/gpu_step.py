@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import footer, header, median, start_stack, table
+from common import footer, header, median, start_stack, sync, table
 from gradclient import Client
 from tests.support.models import GPT2_23M, GPT2LM
 
@@ -61,23 +61,18 @@ def _trainable(model: GPT2LM, case: str) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _local(model: GPT2LM, ids, y, opt, device: torch.device) -> tuple[float, float]:
     """(forward+backward s, the whole step s: with the optimizer's step when there is one)."""
     ids, y = ids.to(device), y.to(device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     F.cross_entropy(model(ids), y).backward()
-    _sync(device)
+    sync(device)
     fb = time.perf_counter() - t0
     if opt is not None:
         opt.step()
         opt.zero_grad()
-        _sync(device)
+        sync(device)
     else:
         model.zero_grad()
     return fb, time.perf_counter() - t0

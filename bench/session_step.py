@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import footer, header, median, start_stack, table
+from common import footer, header, median, start_stack, sync, table
 from gradclient import Client
 from tests.support.models import GPT2_23M, GPT2LM
 
@@ -54,20 +54,15 @@ class Counting(httpx.HTTPTransport):
                               extensions=response.extensions)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _local_step(model: nn.Module, opt, ids, y, device: torch.device) -> float:
     ids, y = ids.to(device), y.to(device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     F.cross_entropy(model(ids), y).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 

@@ -17,6 +17,8 @@ FROM ubuntu:24.04 AS base-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV TORCH_INDEX_URL=${TORCH_INDEX_URL}
 
+# base-cuda or base-cpu: a stage above, whose own FROM carries the image's tag.
+# hadolint ignore=DL3006
 FROM base-${VARIANT}
 ARG TORCH_VERSION=2.13.0
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -28,12 +30,15 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/app
 
-# Python and a venv; no compilers: every dependency installs from a wheel.
+# Python and a venv; no compilers: every dependency installs from a wheel. Debian-style version pins would break
+# the build whenever Ubuntu's archive moves on; the base image's tag fixes the release.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
-    && useradd --system --uid 10001 --user-group --create-home --home-dir /home/gradsvc gradsvc
+    && groupadd --system --gid 10001 gradsvc \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gradsvc gradsvc
 
 # torch alone in its own layer: the largest by far, and rebuilt only when the pin changes.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
@@ -60,7 +65,7 @@ ENV GRADSVC_HOST=0.0.0.0 \
     GRADSVC_WORKER_METRICS_PORT=9101
 EXPOSE 8000 9101
 
-USER gradsvc
+USER 10001:10001
 # API: GET /healthz; worker: its metrics endpoint. start-period covers importing torch and, on a
 # GPU, creating the CUDA context.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install install-server run test test-all test-compat wheels bench clean
+.PHONY: install install-server run test test-all test-compat check-deps lint-docker zoo wheels bench clean
 
 $(PY):
 	@echo "creating $(VENV)/"
@@ -33,6 +33,16 @@ install: $(VENV)/.installed-dev
 
 run: install-server
 	$(VENV)/bin/gradsvc up
+
+# Every third-party import declared where it ships (deptry): the server's trees against the bare install and the
+# `server` extra ([tool.deptry] in pyproject.toml), then the SDK against the bare install and its own extras (torch,
+# progress, plot, client), the server's and the test tools' counting as absent.
+check-deps: install
+	$(VENV)/bin/deptry gradsvc service workers
+	$(VENV)/bin/deptry gradclient --optional-dependencies-dev-groups dev,bench,server
+
+lint-docker: install
+	$(VENV)/bin/hadolint Dockerfile
 
 # The test modules run on TEST_PROCS processes (pytest-xdist; each module and its fixtures on one of them):
 # `make test TEST_PROCS=0` runs them in this one process.
@@ -69,4 +79,4 @@ bench: install
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .gradsvc .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(ZOO_VENV) .gradsvc .pytest_cache

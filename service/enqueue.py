@@ -31,7 +31,6 @@ from .queues import JobRecord, Queues
 log = logging.getLogger("gradsvc.api")
 # With Sentinel, how long an enqueue waits for a replica to acknowledge the job (then it goes on, logged).
 REPLICA_WAIT_S = 0.5
-_UNMADE = object()  # Enqueuer._template before its first job
 
 
 @dataclass(eq=False)
@@ -69,8 +68,13 @@ class JobRequest:
     fallback: str | None = None
 
 
+_UNMADE = object()  # Enqueuer._template before its first job
+
+
 @dataclass(eq=False)
 class Enqueuer:
+    """A checked request onto its queue: the idempotency claim, the job record, shards, the pinned queue."""
+
     queues: Queues
     claims: IdempotencyClaims
     record: JobRecord

@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 
 from gradsvc import __version__, wire
+from gradsvc.engine.session_state import ARGUMENTS as OPTIMIZER_ARGUMENTS
+from gradsvc.engine.tensors import FLOAT_DTYPES
 from gradsvc.wire import (MAX_RELEASED, RELEASE_HEADER, RUN_NAME_PATTERN, ErrorBody, Estimate, GradientRequest,
                           GradientResult, JobAccepted, JobInfo, LayerInfo, RunInfo, RunSummary, SessionBatch,
                           SessionCreate, SessionCreated, SessionInfo, SessionOptimStep, SessionStepResult)
@@ -68,15 +70,56 @@ _BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
 def _declare_rules(schemas: dict[str, Any]) -> None:
-    """What the API refuses that msgspec's schema cannot say: a layer is an object with a string `type` (and
-    its constructor arguments), `targets` by loss. (Exactly one of model.layers / graph / graph_ref stays in ModelSpec's
-    description: a oneOf there stops schemathesis from generating bodies at all.)"""
+    """What the API refuses that msgspec's schema cannot say, said in JSON Schema so that a generator makes no
+    request the API must refuse for it: a layer is an object with a string `type` (and its constructor arguments),
+    exactly one model form, `loss` or `losses` but not both, `targets` by loss, each optimizer's own arguments.
+    What JSON Schema cannot say (a piece's bytes hashing to the digest its path names, a layer type from the
+    allow-list with arguments that chain) is in docs/api.md and answered 422."""
     layers = next(s for s in schemas["ModelSpec"]["properties"]["layers"]["anyOf"] if s.get("type") == "array")
     layers["items"] = {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}},
                        "additionalProperties": True,
                        "description": "a layer: `type` from GET /layers, the other keys its constructor arguments"}
-    _declare_targets(schemas["GradientRequest"])
-    _declare_targets(schemas["SessionBatch"])
+    _declare_one_model_form(schemas["ModelSpec"])
+    schemas["ModelSpec"]["properties"]["dtype"]["enum"] = list(FLOAT_DTYPES)
+    graph = schemas["GraphSpec"]["properties"]
+    graph["outputs"]["minItems"] = 1  # the loss applies to the first
+    graph["inputs"]["contains"] = {"type": "object", "required": ["kind"], "properties": {"kind": {"const": "input"}}}
+    ref = next(s for s in schemas["ModelSpec"]["properties"]["graph_ref"]["anyOf"] if s.get("type") == "string")
+    ref["pattern"] = "^[0-9a-f]{64}$"  # a result's graph_ref: a sha256
+    for name in ("GradientRequest", "SessionBatch"):
+        _declare_targets(schemas[name])
+        _declare_loss_or_losses(schemas[name])
+    _declare_optimizer_arguments(schemas["OptimizerSpec"])
+
+
+_NOT_NULL = {"not": {"type": "null"}}
+_MODEL_FORMS = ("layers", "graph", "graph_ref")
+
+
+def _declare_one_model_form(model: dict[str, Any]) -> None:
+    """Exactly one of layers / graph / graph_ref not null (gradsvc/engine/prepare.py's model_dtype): an anyOf of
+    three branches that exclude each other, each requiring its form and nulling the other two (a oneOf of bare
+    `required` lists would leave generators rejecting most of what they draw)."""
+    model["anyOf"] = [{"required": [form], "properties": {
+        other: (_NOT_NULL if other == form else {"type": "null"}) for other in _MODEL_FORMS}} for form in _MODEL_FORMS]
+
+
+def _declare_loss_or_losses(request: dict[str, Any]) -> None:
+    """`loss` or `losses`, not both (gradsvc/engine/decode.py's loss_terms); a null one counts as absent. The
+    model's own loss stands alone: given as `loss`, never among `losses`."""
+    request["not"] = {"required": ["loss", "losses"], "properties": {"loss": _NOT_NULL, "losses": _NOT_NULL}}
+    losses = next(s for s in request["properties"]["losses"]["anyOf"] if s.get("type") == "array")
+    losses["items"] = {"allOf": [losses["items"], {"not": _OWN_LOSS}]}
+
+
+def _declare_optimizer_arguments(optimizer: dict[str, Any]) -> None:
+    """Each optimizer type's own arguments (gradsvc/engine/session_state.py's ARGUMENTS): one that the type does
+    not take must be absent or null, as torch.optim's constructor would refuse it."""
+    every = [name for name in optimizer["properties"] if name != "type"]
+    optimizer["allOf"] = [
+        {"if": {"properties": {"type": {"const": kind}}},
+         "then": {"properties": {name: {"type": "null"} for name in every if name not in taken}}}
+        for kind, taken in OPTIMIZER_ARGUMENTS.items()]
 
 
 def _declare_base64(schemas: dict[str, Any]) -> None:
@@ -174,6 +217,7 @@ def components() -> dict[str, Any]:
     _, inputs = msgspec.json.schema_components(_INPUTS, ref_template=_REF)
     _, outputs = msgspec.json.schema_components(_OUTPUTS, ref_template=_REF)
     _declare_rules(inputs)
+    _declare_optimizer_arguments(outputs["OptimizerSpec"])  # true of an answer's optimizer too: one schema
     _declare_base64(inputs)
     _declare_base64(outputs)
     for name, schema in inputs.items():

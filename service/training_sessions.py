@@ -54,6 +54,8 @@ class Answer:
 
 @dataclass(eq=False)
 class TrainingSessions:
+    """The session routes' orchestration: a session's record, its holder's queue, and the answers."""
+
     settings: Settings
     queues: Queues
     reader: JobReader

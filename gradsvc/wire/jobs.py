@@ -21,6 +21,8 @@ class Progress(Struct):
 
 
 class JobInfo(Struct):
+    """GET /jobs/{id}: the job, whatever its status, with its result once finished."""
+
     job_id: str
     status: str
     progress: Progress | None = None

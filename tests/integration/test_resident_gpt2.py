@@ -17,7 +17,7 @@ from gradclient import Client
 from tests.support.models import GPT2LM
 
 pytestmark = pytest.mark.timeout(900)
-PREPARE_MS = 2.0  # issue 51's bound for GPT-2 small on a CPU
+PREPARE_MS = 2.0  # a resident GPT-2 small's prepare on a CPU (docs/performance.md: 0.82-1.02 ms measured)
 
 
 def _thrice(client: Client, model: nn.Module, vocab: int) -> None:

@@ -37,10 +37,37 @@ def test_a_loss_that_needs_targets_without_them_is_schema_invalid(changes):
 
 
 @pytest.mark.parametrize("changes", [{}, {"loss": "output", "targets": ...}, {"loss": {"type": "output"}, "targets": None},
-                                     {"loss": ..., "losses": [{"type": "output"}], "targets": ...},
-                                     {"loss": {"output": 1}, "targets": ...}, {"loss": {"output": "loss"}, "targets": ...}])
+                                     {"loss": {"output": 1}, "targets": ...}, {"loss": {"output": "loss"}, "targets": ...},
+                                     {"loss": None, "losses": [{"type": "mse"}]}])
 def test_the_example_and_the_models_own_loss_without_targets_are_schema_valid(changes):
     assert _validator().is_valid(_body(**changes))
+
+
+@pytest.mark.parametrize("changes", [
+    {"losses": [{"type": "mse"}]},  # loss and losses both
+    {"loss": ..., "losses": [{"type": "output"}], "targets": ...},  # the model's own loss stands alone
+    {"loss": ..., "losses": [{"output": 0}], "targets": ...},
+    {"model": {"seed": 0}},  # no model form
+    {"model": {"layers": [{"type": "Tanh"}], "graph_ref": "a" * 64}},  # two
+    {"model": {"graph_ref": "not-a-digest"}},
+    {"model": {"layers": [{"type": "Tanh"}], "dtype": "int64"}},
+])
+def test_a_cross_field_rule_the_api_enforces_is_in_the_schema(changes):
+    """What the API answers 422 for these (gradsvc/engine/decode.py, prepare.py), the schema says."""
+    assert not _validator().is_valid(_body(**changes))
+
+
+@pytest.mark.parametrize("optimizer, valid", [
+    ({"type": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}, True),
+    ({"type": "adamw", "lr": 0.1, "betas": [0.9, 0.99], "amsgrad": True, "momentum": None}, True),
+    ({"type": "sgd", "lr": 0.1, "betas": [0.9, 0.99]}, False),
+    ({"type": "adam", "momentum": 0.9}, False),
+])
+def test_an_optimizers_arguments_are_its_types_own_in_the_schema(optimizer, valid):
+    doc = openapi.build(300)
+    schema = doc["paths"]["/sessions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = {"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 2}]}, "optimizer": optimizer}
+    assert _schema_validator(schema, doc).is_valid(body) is valid
 
 
 def test_the_models_own_loss_with_targets_is_schema_invalid():

@@ -70,6 +70,22 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/gradsvc/engine
 
+# The conformance run over the public zoos (bench/zoo.py, docs/models.md): the libraries and the SDK in a venv of
+# their own (.venv-zoo/, ignored, ~5.8 GB): torch 2.14.1 with torchvision 0.29.1 (+cu130, run on the CPU), which timm
+# and torchvision need here (PyPI's torchvision does not load beside the CPU wheel of 2.13); the stack on .venv's
+# pinned torch, as a user's client and the service may differ. ZOO_ARGS="--zoo transformers --limit 5" for a part.
+ZOO_VENV ?= .venv-zoo
+ZOO_TORCH ?= torch==2.14.1 torchvision==0.29.1
+ZOO_LIBRARIES ?= timm==1.0.31 transformers==5.25.0 diffusers==0.42.1 torch_geometric==2.8.1
+ZOO_ARGS ?=
+zoo: install-server
+	@test -x $(ZOO_VENV)/bin/python || $(PYTHON) -m venv $(ZOO_VENV)
+	@test -f $(ZOO_VENV)/.installed || { echo "installing $(ZOO_TORCH) and the zoos into $(ZOO_VENV)/ (minutes)"; \
+	  $(ZOO_VENV)/bin/python -m pip install -q --disable-pip-version-check $(ZOO_TORCH) && \
+	  $(ZOO_VENV)/bin/python -m pip install -q --disable-pip-version-check $(ZOO_LIBRARIES) -e . $(ZOO_TORCH) && \
+	  touch $(ZOO_VENV)/.installed; }
+	$(ZOO_VENV)/bin/python bench/zoo.py --server-python $(PY) $(ZOO_ARGS)
+
 # .whl/ (ignored): the server's packages the GPU machine's image lacks, as py3.12 manylinux wheels, for
 # bench/gpu_check.sh to install there without the network (docs/testing.md, "On a GPU").
 wheels:

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from gradclient.export import export_graph
-from gradclient.trace import check_guards, trace_graph
+from gradclient.replay import check_guards
+from gradclient.trace import trace_graph
 
 
 class PolicyLoss(nn.Module):

@@ -51,13 +51,18 @@ class Call:
         return bool(self.options.get("update_buffers", True))
 
     @property
+    def verify(self) -> bool:
+        """gradients(verify=True): the SDK checks a recorded capture's gradients against the module's before sending."""
+        return bool(self.options.get("verify", False))
+
+    @property
     def run(self) -> Any:
         """Run.gradients' step (RUN_OPTION): the body's `run`, not an option."""
         return self.options.get(RUN_OPTION)
 
     def service_options(self) -> dict[str, Any]:
         """The options the body carries: a fresh dict, without the SDK's own keys."""
-        return {k: v for k, v in self.options.items() if k not in ("update_buffers", RUN_OPTION)}
+        return {k: v for k, v in self.options.items() if k not in ("update_buffers", "verify", RUN_OPTION)}
 
     def seeded(self) -> "Call":
         """The call with its seed drawn (call_seed) when the caller gave none."""
@@ -96,6 +101,7 @@ class _Export(msgspec.Struct):
     traced: Any = None  # capture "trace": the recording, whose guards decide whether the next call reuses it
     specialised: Any = None  # what the graph is specialised to (GradientResult.specialised)
     why_not_export: str | None = None  # capture "trace": torch.export's reason (the next capture skips export)
+    gradients_verified: bool = False  # capture "trace": its gradients checked against the module's (verify=True)
 
 
 class _Inline:
@@ -109,7 +115,7 @@ class _Inline:
 def _guards_hold(entry: _Export, model: Any, args: tuple, kwargs: dict) -> bool:
     from torch.utils import _pytree as pytree
 
-    from .trace import check_guards
+    from .replay import check_guards
 
     return check_guards(entry.traced, model, pytree.tree_leaves((args, kwargs)))
 
@@ -143,7 +149,7 @@ class RequestBuilder:
         fmt = self.wire_format
         out = Outgoing(body={}, encoder=self.encoder, local_names={})
         options = call.service_options()
-        spec = self._model_spec(call.model, call.inputs, options, out)
+        spec = self._model_spec(call.model, call.inputs, options, out, call.verify)
         if call.dtype is not None:
             spec["dtype"] = call.dtype
         spec.setdefault("seed", call.seed)
@@ -161,7 +167,8 @@ class RequestBuilder:
                     for r in w.refs]
         return out
 
-    def _model_spec(self, model: Any, inputs: Any, options: dict[str, Any], out: Outgoing) -> dict[str, Any]:
+    def _model_spec(self, model: Any, inputs: Any, options: dict[str, Any], out: Outgoing,
+                    verify: bool = False) -> dict[str, Any]:
         """The body's `model`: a spec dict as given (its weights on the wire), a module the layer spec
         expresses as layers, any other module as its exported graph; `freeze` in the service's names."""
         if isinstance(model, wire.ModelSpec):
@@ -174,7 +181,7 @@ class RequestBuilder:
             return spec
         c = _as_layers(model, inputs)
         if c is None:  # any other nn.Module goes as an exported graph with its weights
-            spec = self._graph_spec(model, inputs, out, _Inline())
+            spec = self._graph_spec(model, inputs, out, _Inline(), verify)
             out.module, out.export = model, self.exports[out.graph_key]
             if "freeze" not in options:
                 frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -210,13 +217,13 @@ class RequestBuilder:
                 return value
         return to_wire(t.detach(), self.wire_format)
 
-    def _graph_spec(self, model: Any, inputs: Any, out: Outgoing, inline: "_Inline") -> dict[str, Any]:
+    def _graph_spec(self, model: Any, inputs: Any, out: Outgoing, inline: "_Inline", verify: bool = False) -> dict[str, Any]:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights; the export
         cache's key and whether the graph went by ref into `out`."""
         from .trace import module_state
 
-        key, entry = self._export(model, inputs)
+        key, entry = self._export(model, inputs, verify)
         state = module_state(model)  # parameters, buffers, and tensor attributes a recorded forward reads
         weights = {n: self._weight(state[n], out.uploads, inline) for n in entry.names}
         spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
@@ -227,12 +234,14 @@ class RequestBuilder:
         out.graph_key, out.by_ref = key, entry.ref is not None
         return spec
 
-    def _export(self, model: Any, inputs: Any) -> tuple[Any, "_Export"]:
+    def _export(self, model: Any, inputs: Any, verify: bool = False) -> tuple[Any, "_Export"]:
         """The module's exported graph for these inputs and its key in the cache: found there, else
-        exported now (~1 s of torch.export) and kept."""
+        exported now (~1 s of torch.export) and kept. A recording (capture "trace") is verified before it is kept:
+        its outputs on this batch equal the module's, and with `verify` its gradients too (replay.py)."""
         from torch.utils import _pytree as pytree
 
         from .export import example_inputs, export_graph
+        from .replay import verify_recording
 
         args, kwargs = example_inputs(inputs)
         rows = next(x.shape[0] for x in pytree.tree_leaves((args, kwargs)))
@@ -244,15 +253,20 @@ class RequestBuilder:
         because = None
         if entry is not None and entry.traced is not None and not _guards_hold(entry, model, args, kwargs):
             entry, because = None, entry.why_not_export  # its guards broken by this batch: recorded again
+        if entry is not None and verify and entry.traced is not None and not entry.gradients_verified:
+            verify_recording(entry.traced, model, args, kwargs, gradients=True)
+            entry.gradients_verified = True
         if entry is None:
             exported = export_graph(model, args, kwargs, because)  # UnsupportedModuleError with torch's reason
+            if exported.traced is not None:
+                verify_recording(exported.traced, model, args, kwargs, gradients=verify)
             specialised = _specialised(exported, args, kwargs)
             # The graph says how it was captured and its guards: the service echoes them in the result.
             exported.graph.capture = exported.capture
             exported.graph.specialised = None if specialised is None else msgspec.convert(specialised, wire.Specialised)
             entry = _Export(graph=exported.graph, names=list(exported.weights), capture=exported.capture,
                             out_spec=exported.out_spec, traced=exported.traced, specialised=specialised,
-                            why_not_export=exported.why_not_export)
+                            why_not_export=exported.why_not_export, gradients_verified=verify)
             key = key if exported.dynamic_batch else (*key, rows)
             if exported.capture == "draft":  # a graph of this call's branches, without guards: never reused
                 key = (*key, rows, id(entry))

@@ -94,6 +94,7 @@ class _Recorder(TorchDispatchMode):
         self.storages: dict[tuple, str] = {}  # a state tensor's or input's memory -> its name (`w.data` reads)
         self.counts: dict[str, int] = {}
         self.used: set[str] = set()
+        self.autograd_aliases: dict[str, str] = {}  # a detach node -> the node it detached (first of a chain)
 
     def name(self, t: torch.Tensor, name: str) -> None:
         self.names[id(t)] = name
@@ -116,16 +117,28 @@ class _Recorder(TorchDispatchMode):
             key = self.names.get(id(a))
             if key is None:
                 key = self._unknown(a)
+            elif a.grad_fn is not None:
+                # A detach's result that carries a grad_fn is not the user's detach (whose result has none): it is
+                # autograd's own, which saves an op's output detached and gives it its grad_fn back when a backward
+                # with create_graph=True unpacks it (tanh_backward(grad, result)). It stands for its source, so that
+                # the second-order terms through it are kept.
+                key = self.autograd_aliases.get(key, key)
             return ("node", key)
         if isinstance(a, (list, tuple)):
             return type(a)(self._ref(x) for x in a)
         return a
 
     def _unknown(self, a: torch.Tensor) -> str:
-        """A tensor no recorded call made: `w.data` of a known tensor (its detach), else a tensor made outside
-        torch's ops (`torch.tensor(...)`, numpy) in forward: a constant, which the graph is specialised to."""
+        """A tensor no recorded call made: a known tensor under another object, else a tensor made outside torch's
+        ops (`torch.tensor(...)`, numpy) in forward: a constant, which the graph is specialised to. A known tensor
+        with a grad_fn is the same value to autograd: an op's output that autograd saved for backward and unpacked
+        as a new object (a gradient taken with create_graph=True inside forward), whose second-order terms a
+        constant would drop. One without is `w.data` of a known tensor: its detach."""
         known = self.storages.get((a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape), a.stride(),
                                    a.dtype)) if a.layout == torch.strided else None
+        if known is not None and a.grad_fn is not None:
+            self.name(a, known)
+            return known
         if known is not None:
             d = Recorded(self._fresh(f"{known}_data"), aten.detach.default, (("node", known),), {}, *self.modules[-1])
             self.calls.append(d)
@@ -138,9 +151,11 @@ class _Recorder(TorchDispatchMode):
         return key
 
     def remember_storage(self, t: torch.Tensor, name: str) -> None:
+        """`t`'s memory known as `name`: the first tensor named there keeps it (a later detach or alias of the same
+        memory does not take it over)."""
         if t.layout == torch.strided:
-            self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                           t.dtype)] = name
+            self.storages.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+                                      t.dtype), name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -157,6 +172,9 @@ class _Recorder(TorchDispatchMode):
         rec = Recorded(self._fresh(func._schema.name.split("::", 1)[1].replace(".", "_")), func,
                        self._ref(tuple(args)), {k: self._ref(v) for k, v in kwargs.items()}, module, module_type)
         self.calls.append(rec)
+        if func is aten.detach.default and rec.args and isinstance(rec.args[0], tuple) and rec.args[0][0] == "node":
+            source = rec.args[0][1]
+            self.autograd_aliases[rec.name] = self.autograd_aliases.get(source, source)
         if name in DATA_DEPENDENT or _bool_index(func, args):
             rec.shape = list(out.shape)
             self.guards.sizes[rec.name] = rec.shape
@@ -167,14 +185,24 @@ class _Recorder(TorchDispatchMode):
         detach = not torch.is_grad_enabled() and not (func._schema.arguments and func._schema.arguments[0].alias_info
                                                      and func._schema.arguments[0].alias_info.is_write)
         if isinstance(out, torch.Tensor):
-            self.name(out, self._detached(rec, out) if detach else rec.name)
+            self._name_output(out, self._detached(rec, out) if detach else rec.name)
         elif isinstance(out, (tuple, list)):
             for i, t in enumerate(out):
                 if isinstance(t, torch.Tensor):
                     item = Recorded(self._fresh(f"{rec.name}_{i}"), operator.getitem, (("node", rec.name), i), {},
                                     rec.module, rec.module_type)
                     self.calls.append(item)
-                    self.name(t, self._detached(item, t) if detach else item.name)
+                    self._name_output(t, self._detached(item, t) if detach else item.name)
+
+    def _name_output(self, t: torch.Tensor, name: str) -> None:
+        if id(t) in self.names:  # an in-place op's result: the tensor it wrote, now holding this node's value
+            self.names[id(t)] = name
+            if t.layout == torch.strided:
+                self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+                               t.dtype)] = name
+            return
+        self.name(t, name)
+        self.remember_storage(t, name)
 
     def _detached(self, rec: Recorded, t: torch.Tensor) -> str:
         if not t.is_floating_point() and not t.is_complex():
@@ -240,6 +268,7 @@ class Traced:
     state_kinds: dict[str, str]
     reads: list = field(default_factory=list)  # _Recorder.reads: the values Python read, replayed by check_guards
     constants: dict = field(default_factory=dict)
+    input_names: list = field(default_factory=list)  # each input leaf's name in the graph (_input_names)
 
 
 @dataclass
@@ -294,17 +323,18 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             if id(t) not in rec.names:  # a tied weight: its first name
                 rec.name(t, _wire_name(n, params))
                 rec.remember_storage(t, _wire_name(n, params))
-        for i, x in enumerate(copies):
-            rec.name(x, f"input_{i}")
-            rec.remember_storage(x, f"input_{i}")
+        names = _input_names(args, kwargs, taken=set(rec.used))
+        for x, name in zip(copies, names):
+            rec.name(x, name)
+            rec.remember_storage(x, name)
         rec.guards.inputs = [(list(x.shape), _dtype(x)) for x in copies]
         c_args, c_kwargs = pytree.tree_unflatten(copies, tree)
         with rec:
             out = module(*c_args, **c_kwargs)
         written = _written(module, state, attrs, versions, rec, saved)
-        outs, out_spec = pytree.tree_flatten(out)
+        outs, out_spec = pytree.tree_flatten(pytree.tree_map(_tensor_or_none, out))
         _refuse_custom_functions(outs)
-        graph, weights, kinds = _to_graph(rec, state, params, copies, batched, outs, written)
+        graph, weights, kinds = _to_graph(rec, state, params, list(zip(names, copies, batched)), outs, written)
     except UnsupportedModuleError:
         raise
     except Exception as exc:  # noqa: BLE001  (the forward's own error, as it would raise locally)
@@ -315,7 +345,31 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             h.remove()
         restore(module, snap)
     return Traced(graph=graph, weights=weights, guards=rec.guards, calls=rec.calls, out_spec=out_spec,
-                  state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants))
+                  state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants), input_names=names)
+
+
+def _tensor_or_none(value: Any) -> Any:
+    """An output leaf as the graph returns it: a tensor, else null (a Hugging Face model's key-value cache object,
+    a count): the graph computes tensors, and a loss is one of them."""
+    return value if isinstance(value, torch.Tensor) else None
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _input_names(args: tuple, kwargs: dict, taken: set[str]) -> list[str]:
+    """Each input leaf's name in the graph: a keyword input that is one tensor by its keyword, as torch.export
+    names it and as a request's named inputs (`{"input_ids": ..., "attention_mask": ...}`) say it; every other
+    leaf (positional, or inside a nested keyword input) `input_{i}`, its place in the flattened inputs."""
+    names: list[str] = []
+    for i, (path, _) in enumerate(pytree.tree_flatten_with_path((args, kwargs))[0]):
+        key = getattr(path[1], "key", None) if len(path) == 2 and getattr(path[0], "idx", None) == 1 else None
+        name = key if isinstance(key, str) and _IDENTIFIER.fullmatch(key) else f"input_{i}"
+        if name in taken:
+            name = f"input_{i}"
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _refuse_custom_functions(outs: list) -> None:
@@ -412,7 +466,7 @@ def _wire_arg(a: Any) -> Any:
     return wire_constant(a, "a recorded call")
 
 
-def _to_graph(rec: _Recorder, state: dict, params: set, xs: list, batched: list[bool], outs: list,
+def _to_graph(rec: _Recorder, state: dict, params: set, user_inputs: list[tuple[str, torch.Tensor, bool]], outs: list,
               written: dict[str, str]) -> tuple[wire.GraphSpec, dict[str, torch.Tensor], dict[str, str]]:
     used = {a[1] for c in rec.calls for a in pytree.tree_leaves((c.args, c.kwargs), is_leaf=_is_ref) if _is_ref(a)}
     out_names = []
@@ -439,9 +493,9 @@ def _to_graph(rec: _Recorder, state: dict, params: set, xs: list, batched: list[
                                       shape=list(t.shape), layout=_layout(t)))
         weights[n] = t.detach()
         kinds[n] = kind
-    for i, x in enumerate(xs):
-        entry = wire.GraphInput(name=f"input_{i}", kind="input", dtype=_dtype(x), shape=list(x.shape),
-                                batch_dim=0 if batched[i] else None)
+    for name, x, batched in user_inputs:  # (name, tensor, whether it has a batch dimension)
+        entry = wire.GraphInput(name=name, kind="input", dtype=_dtype(x), shape=list(x.shape),
+                                batch_dim=0 if batched else None)
         entry.layout = _layout(x)
         inputs.append(entry)
     constants = {}
@@ -497,62 +551,3 @@ def _node(c: Recorded) -> wire.OpNode:
     if c.shape is not None:
         node.shape = c.shape
     return node
-
-
-def check_guards(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
-    """Whether the traced graph is this batch's program: the inputs' shapes and dtypes, then (when the graph read
-    values) its calls replayed on this batch up to the last read, under no_grad, each read compared."""
-    if len(xs) != len(traced.guards.inputs):
-        return False
-    for x, (shape, dtype) in zip(xs, traced.guards.inputs):
-        if list(x.shape) != shape or str(x.dtype).removeprefix("torch.") != dtype:
-            return False
-    if traced.guards.constants:
-        return False
-    if not traced.guards.values and not traced.guards.sizes:
-        return True
-    return _replay_holds(traced, module, xs)
-
-
-def _replay_holds(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
-    state = _state(module)
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    env: dict[str, Any] = {_wire_name(n, params): t for n, t in state.items()}
-    env.update({f"input_{i}": x.detach().clone() for i, x in enumerate(xs)})
-    env.update(traced.constants)
-    sized = [i for i, c in enumerate(traced.calls) if c.shape is not None]
-    last = max([n for n, _ in traced.reads] + [i + 1 for i in sized] + [0])
-    saved = {n: t.detach().clone() for n, t in state.items()
-             if traced.state_kinds.get(n) == "buffer" and t.layout == torch.strided}
-    reads = list(traced.reads)
-
-    def val(a):
-        if _is_ref(a):
-            return env[a[1]]
-        if isinstance(a, (list, tuple)):
-            return type(a)(val(x) for x in a)
-        return a
-
-    def reads_hold(before: int) -> bool:
-        while reads and reads[0][0] <= before:
-            _, (func, args, kwargs, value) = reads.pop(0)
-            got = func(*val(args), **{k: val(v) for k, v in kwargs.items()})
-            if (bool(got) != value) if isinstance(value, bool) else got != value:
-                return False
-        return True
-
-    try:
-        with torch.no_grad():
-            for i, c in enumerate(traced.calls[:last]):
-                if not reads_hold(i):
-                    return False
-                env[c.name] = c.func(*val(c.args), **{k: val(v) for k, v in c.kwargs.items()})
-                if c.shape is not None and list(env[c.name].shape) != c.shape:
-                    return False
-            return reads_hold(last)
-    except Exception:  # noqa: BLE001  (a replay that cannot run is a program that changed: capture again)
-        return False
-    finally:
-        with torch.no_grad():
-            for n, t in saved.items():
-                state[n].copy_(t)

@@ -71,7 +71,7 @@ class LeavesTorch(nn.Module):
 
 
 def test_a_forward_export_cannot_follow_is_recorded_as_it_ran_and_recorded_again_for_each_batch():
-    from gradclient.trace import check_guards
+    from gradclient.replay import check_guards
 
     model, x = LeavesTorch(), torch.randn(3, 4)
     eg = export_graph(model, (x,))
@@ -278,7 +278,7 @@ class Recorded(nn.Module):
 
 
 def test_a_recording_leaves_the_module_as_it_was_lists_its_guards_and_says_when_they_hold():
-    from gradclient.trace import check_guards
+    from gradclient.replay import check_guards
 
     torch.manual_seed(0)
     model, x = Recorded(), torch.randn(5, 4)

@@ -415,3 +415,62 @@ def test_an_adam_loop_reuses_the_recorded_graph_while_its_guards_hold_and_record
     for name, t in here.state_dict().items():
         assert torch.allclose(there.state_dict()[name], t, atol=1e-5), name
     assert int(there.steps) == 3 and torch.allclose(there.stats, here.stats, atol=1e-6)
+
+
+# -- keyword inputs, and a loss with a gradient inside it, through the recording ---------------------------------
+
+
+class KeywordLM(nn.Module):
+    """Called as Hugging Face models are, model(input_ids=..., attention_mask=..., labels=...), with a branch on a
+    value that sends it to the recording."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.emb(input_ids) * attention_mask.unsqueeze(-1)  # (batch, seq, 8)
+        if float(attention_mask.sum()) < attention_mask.numel():  # padding present: a value read
+            h = h / attention_mask.sum(1, keepdim=True).unsqueeze(-1)
+        logits = self.head(h)  # (batch, seq, vocab): the loss over every position
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_model_called_with_keyword_inputs_is_recorded_with_their_names(client, padded):
+    torch.manual_seed(0)
+    model = KeywordLM()
+    ids, labels = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
+    mask = torch.ones(3, 5)
+    if padded:
+        mask[1, 3:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    loss = model(**inputs)["loss"]
+    params = dict(model.named_parameters())
+    want = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    result = client.gradients(model, inputs, loss="output", numcheck="off")
+    assert result.capture == "trace"
+    assert_same(result, float(loss), want)
+
+
+class GradientPenaltyCritic(nn.Module):
+    """A WGAN-GP critic step: the penalty on the input gradient at interpolates, taken with create_graph=True."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 1))
+
+    def forward(self, real, fake, alpha):
+        mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        grad, = torch.autograd.grad(self.net(mixed).sum(), mixed, create_graph=True)
+        return self.net(fake).mean() - self.net(real).mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+
+
+def test_a_gradient_penalty_through_tanh_and_sigmoid_equals_local_autograd_and_is_checked(client):
+    torch.manual_seed(0)
+    real, fake, alpha = torch.randn(8, 4), torch.randn(8, 4) + 1, torch.rand(8, 1)
+    result, _, _ = same_both_ways(client, GradientPenaltyCritic, real, fake, alpha)
+    assert result.capture == "trace"
+    checked = client.gradients(GradientPenaltyCritic().double(), (real.double(), fake.double(), alpha.double()),
+                               loss="output", numcheck="exact")
+    assert checked.numcheck.passed is True, checked.numcheck.reason

@@ -52,6 +52,7 @@ class Stack:
     workers: list[subprocess.Popen] = field(default_factory=list)
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gradsvc-test-")))
     handoff_dir: Path | None = None  # made for this stack (start_stack(handoff=True)), removed at stop
+    python: str = sys.executable  # the interpreter the API and workers run on (bench/zoo.py: the server's venv)
 
     @property
     def base_url(self) -> str:
@@ -77,7 +78,7 @@ class Stack:
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "gradsvc", *args], env=self.env, cwd=ROOT, stdout=log,
+        return subprocess.Popen([self.python, "-m", "gradsvc", *args], env=self.env, cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT)
 
     def start_api(self, wait: bool = True) -> None:
@@ -154,7 +155,7 @@ def _free_port_run(n: int, avoid: set[int]) -> int:
 
 
 def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: bool = False,
-                redis: RedisServer | None = None, **env_overrides: str) -> Stack:
+                redis: RedisServer | None = None, python: str = sys.executable, **env_overrides: str) -> Stack:
     """`handoff=True`: the stack as `gradsvc up` configures it, large payloads handed over in a per-stack
     dir under /dev/shm (gradsvc/broker/handoff.py). Else GRADSVC_HANDOFF_DIR as the environment gives it (the
     tests: off). `redis`: one the caller started (a Sentinel-monitored master), else a private one."""
@@ -169,7 +170,7 @@ def start_stack(workers: int = 1, redis_args: tuple[str, ...] = (), handoff: boo
         made = handoff_dir(api_port)
         claim_handoff_dir(made)
         env["GRADSVC_HANDOFF_DIR"] = str(made)
-    stack = Stack(redis=redis, env=env, api_port=api_port, metrics_port=metrics_port, handoff_dir=made)
+    stack = Stack(redis=redis, env=env, api_port=api_port, metrics_port=metrics_port, handoff_dir=made, python=python)
     try:
         # The API and the workers import torch, litestar and rq at the same time (a worker needs only Redis):
         # a stack is ready in about the time of the slower import rather than of both one after the other.

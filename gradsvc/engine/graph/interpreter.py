@@ -59,6 +59,10 @@ class GraphModel(nn.Module):
         self._recording = False
         self._held_ids: set[int] = set()  # the recording forward's held tensors, by id
         self.hold_steps = frozenset(i for i, s in enumerate(compiled.steps) if s.op.name in HELD_OPS)
+        # An embedding's row at padding_idx: autograd defines its gradient as 0 although the forward reads it, so
+        # the check holds the output at padding positions at its unperturbed value, as it holds a detach's.
+        self.padding_steps = {i: pad for i, s in enumerate(compiled.steps) if (pad := _padding_idx(s)) is not None}
+        self._held_padding: dict[int, torch.Tensor] = {}
         self.visit: Callable | None = None  # run's `visit` for every forward (the numerical check counts its work)
         self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
         self.failed_args: list = []
@@ -138,6 +142,11 @@ class GraphModel(nn.Module):
             for i, s in enumerate(self._graph.steps):
                 args = tuple(fix(a) for a in s.args)
                 kwargs = {k: fix(v) for k, v in s.kwargs.items()}
+                if not as_captured and "dtype" not in kwargs and _makes_default_float(s.op.name, args, kwargs):
+                    # torch.zeros(n) in forward names no dtype: torch's default (float32) at capture, which
+                    # stands for the captured dtype as a named one does (an index_put of float64 values into
+                    # it in the check's float64 run would otherwise refuse the dtypes).
+                    kwargs["dtype"] = _run_dtype(torch.get_default_dtype(), dtype, captured, as_captured)
                 refs = tuple(i for i, a in enumerate(args) if _has_ref(a))
                 krefs = tuple(k for k, v in kwargs.items() if _has_ref(v))
                 fn = s.op.fn
@@ -172,6 +181,7 @@ class GraphModel(nn.Module):
     def hold(self) -> None:
         """The next forward records the values the numerical check holds (`held`); later ones replay them."""
         self.held, self._recording, self._held_ids = {}, True, set()
+        self._held_padding = {}
 
     def _record(self, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
         """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy
@@ -186,6 +196,13 @@ class GraphModel(nn.Module):
                 return
         self.held[i] = _cloned(out) if writes_buffer else out
         self._held_ids.update(id(t) for t in outs)
+
+    def _hold_padding(self, i: int, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding step i's output with its padding positions' rows as the recording forward had them."""
+        if self._recording:
+            self._held_padding[i] = out.detach()
+            return out
+        return torch.where((ids == self.padding_steps[i]).unsqueeze(-1), self._held_padding[i], out)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.run(*inputs, visit=self.visit)[0]
@@ -250,6 +267,8 @@ class GraphModel(nn.Module):
                         out = fn(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
+                if held is not None and i in self.padding_steps:
+                    out = self._hold_padding(i, out, args[1])
                 if self._recording:
                     self._record(i, out, args, kwargs, writes_buffer)
                 if visit is not None:
@@ -275,6 +294,29 @@ def _run_dtype(d: torch.dtype, dtype: torch.dtype, captured: torch.dtype, as_cap
     if d.is_complex:
         return _complex_of(_run_dtype(d.to_real(), dtype, captured, as_captured))
     return torch.float64 if dtype == torch.float64 else (dtype if d == captured else d)
+
+
+# Factories whose result, with no dtype named, is torch's default floating dtype; full and arange only when a value
+# they take is a float (torch.full((2,), 1) and torch.arange(3) are int64).
+_DEFAULT_FLOAT_FACTORIES = frozenset({"aten.zeros.default", "aten.ones.default", "aten.empty.memory_format",
+                                      "aten.rand.default", "aten.randn.default", "aten.eye.default", "aten.eye.m",
+                                      "aten.linspace.default", "aten.logspace.default", "aten.scalar_tensor.default"})
+_FLOAT_WHEN_GIVEN_A_FLOAT = frozenset({"aten.full.default", "aten.arange.default", "aten.arange.start",
+                                       "aten.arange.start_step"})
+
+
+def _makes_default_float(name: str, args: tuple, kwargs: dict) -> bool:
+    if name in _DEFAULT_FLOAT_FACTORIES:
+        return True
+    return name in _FLOAT_WHEN_GIVEN_A_FLOAT and any(isinstance(a, float) for a in (*args, *kwargs.values()))
+
+
+def _padding_idx(step) -> int | None:
+    """An embedding step's padding_idx when it names a row (aten.embedding(weight, ids, padding_idx, ...))."""
+    if step.op.name != "aten.embedding.default":
+        return None
+    pad = step.args[2] if len(step.args) > 2 else step.kwargs.get("padding_idx", -1)
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0 else None
 
 
 def _complex_of(dtype: torch.dtype) -> torch.dtype:

@@ -6,6 +6,7 @@ elements) and the returned-gradient check (tolerances.py), and each extra quanti
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ import torch
 from gradsvc.wire import GradientRequest, Numcheck
 
 from ..devices import one_cpu_thread
+from ..errors import EngineError
 from . import plan as planning
 from .extras import quantity_checks
 from .reference import Reference, computed_dtype
@@ -25,6 +27,8 @@ if TYPE_CHECKING:  # passes.py imports quantities.py, which imports tolerances.p
     from ..config import EngineConfig
     from ..passes import Pass
     from ..prepared import Prepared
+
+log = logging.getLogger("gradsvc.engine")
 
 __all__ = ["CheckInputs", "ProgressCallback", "computed_dtype", "numerical_check", "returned_check"]
 
@@ -65,10 +69,32 @@ def not_checkable(prep: Prepared) -> str:
     return ""
 
 
+# What the check's own code raises when it cannot run on a model (an op without a float64 kernel, a second backward
+# the model's graph cannot take, a tensor the reference cannot build, running out of memory): each ends the check,
+# never the job. Anything else (a canceled job, RQ's timeout, a KeyboardInterrupt) is not the check's and goes on up.
+_CHECK_FAILURES = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError, ArithmeticError,
+                   NotImplementedError, AssertionError, MemoryError, EngineError)
+
+
 def numerical_check(inputs: CheckInputs) -> Numcheck:
     """Finite differences against float64 autograd, and the returned gradients against that same float64
     autograd: full batch, no checkpointing, same dropout masks. What is checked (mode, elements, directions,
-    step, tolerances) follows from the request alone, never from a timing."""
+    step, tolerances) follows from the request alone, never from a timing.
+
+    The check never takes a job down: whatever fails inside it, the job answers its gradients with a check that
+    says it did not run (`passed` null) and why, in `reason`."""
+    try:
+        return _check(inputs)
+    except _CHECK_FAILURES as exc:
+        log.warning("the numerical check could not run (the job answers its gradients unchecked)", exc_info=True)
+        check = unchecked(inputs.prep.dtype)
+        said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "no message"
+        check.reason = (f"not run: the numerical check failed inside ({type(exc).__name__}: {said}), so nothing was "
+                        "checked (passed is null); the gradients are autograd's, computed as without the check")
+        return check
+
+
+def _check(inputs: CheckInputs) -> Numcheck:
     prep, device = inputs.prep, inputs.device
     opts = prep.options
     if opts.numcheck == "off":

@@ -38,6 +38,7 @@ class Reference:
         if prep.graph is not None:
             model64.upcast_all = True  # a float64 function of the parameters, whatever casts the model makes
             model64.hold()  # the first forward records the held values; every later one replays them
+        self._padded = [] if prep.graph is not None else _hold_padding_rows(model64)
         self.x64 = prep.inputs.map(lambda x, _: x.to(torch.float64) if x.is_floating_point() else x)
         self.t64 = {k: (v.to(torch.float64) if v.dtype.is_floating_point else v) for k, v in prep.targets.items()}
         self.params = {n: p for n, p in model64.named_parameters() if n in trainable}
@@ -80,8 +81,11 @@ class Reference:
     def held(self) -> list[str]:
         """Each value the differences held at its unperturbed point, by node (graph models)."""
         held = getattr(self.model64, "held", None) or {}
-        steps = self.model64._graph.steps if held else []
-        return [where_step(steps[i]) for i in sorted(held)]
+        padded = getattr(self.model64, "padding_steps", {})
+        steps = self.model64._graph.steps if held or padded else []
+        return [where_step(steps[i]) for i in sorted(held)] + [
+            f"{where_step(steps[i])}: the rows at padding_idx {pad}" for i, pad in sorted(padded.items())] + [
+            f"layer {name} (Embedding): the rows at padding_idx {pad}" for name, pad in self._padded]
 
     def returned_tolerances(self, dtype: torch.dtype) -> dict[str, float]:
         """Each tensor's returned-gradient tolerance at `dtype` under the float32 math that ran (`math_mode`):
@@ -98,6 +102,34 @@ class Reference:
             loss = self.loss_fn()
         rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
         return arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)), math_mode)
+
+
+class _PaddingHold:
+    """A forward hook on a layer spec's nn.Embedding(padding_idx=k): its first output recorded, every later one
+    with the padding positions' rows as recorded. Autograd defines the padding row's gradient as 0 although the
+    forward reads it, so finite differences hold it, as the graph interpreter holds them (GraphModel)."""
+
+    def __init__(self, padding_idx: int) -> None:
+        self.padding_idx = padding_idx
+        self.first: torch.Tensor | None = None
+
+    def __call__(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if self.first is None:
+            self.first = out.detach()
+            return out
+        if out.shape != self.first.shape:  # another batch (none in the check): nothing recorded for it
+            return out
+        return torch.where((args[0] == self.padding_idx).unsqueeze(-1), self.first, out)
+
+
+def _hold_padding_rows(model: torch.nn.Module) -> list[tuple[str, int]]:
+    """Each nn.Embedding with a padding_idx hooked (_PaddingHold): (its name, its padding_idx)."""
+    held = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+            m.register_forward_hook(_PaddingHold(m.padding_idx))
+            held.append((name, m.padding_idx))
+    return held
 
 
 def _written_buffers(model: torch.nn.Module, *, graph: bool) -> list[torch.Tensor]:

@@ -1,0 +1,143 @@
+"""A recorded program (trace.py) run again in this process, on the module's own tensors: to say whether a new batch
+keeps its guards (`check_guards`, so that the SDK reuses the graph), and to verify a recording before it is sent
+(`verify_recording`): its outputs on the batch equal the module's, and, asked for, so do the gradients of its
+loss, so that a recording that lost a dependency is refused with a reason instead of answered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .errors import UnsupportedModuleError
+from .trace import Traced, _is_ref, _state, _tensor_or_none, _wire_name, restore, snapshot
+
+
+def check_guards(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
+    """Whether the traced graph is this batch's program: the inputs' shapes and dtypes, then (when the graph read
+    values) its calls replayed on this batch up to the last read, under no_grad, each read compared."""
+    if len(xs) != len(traced.guards.inputs):
+        return False
+    for x, (shape, dtype) in zip(xs, traced.guards.inputs):
+        if list(x.shape) != shape or str(x.dtype).removeprefix("torch.") != dtype:
+            return False
+    if traced.guards.constants:
+        return False
+    if not traced.guards.values and not traced.guards.sizes:
+        return True
+    return _replay_holds(traced, module, xs)
+
+
+def _env(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> dict[str, Any]:
+    """The values a replay starts from: the module's tensors by their graph names, the inputs, the constants."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    env: dict[str, Any] = {_wire_name(n, params): t for n, t in _state(module).items()}
+    env.update({name: x.detach().clone() for name, x in zip(traced.input_names, xs)})
+    env.update(traced.constants)
+    return env
+
+
+def _value(env: dict[str, Any], a: Any) -> Any:
+    if _is_ref(a):
+        return env[a[1]]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_value(env, x) for x in a)
+    return a
+
+
+def _replay_holds(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
+    state = _state(module)
+    env = _env(traced, module, xs)
+    sized = [i for i, c in enumerate(traced.calls) if c.shape is not None]
+    last = max([n for n, _ in traced.reads] + [i + 1 for i in sized] + [0])
+    saved = {n: t.detach().clone() for n, t in state.items()
+             if traced.state_kinds.get(n) == "buffer" and t.layout == torch.strided}
+    reads = list(traced.reads)
+
+    def reads_hold(before: int) -> bool:
+        while reads and reads[0][0] <= before:
+            _, (func, args, kwargs, value) = reads.pop(0)
+            got = func(*_value(env, args), **{k: _value(env, v) for k, v in kwargs.items()})
+            if (bool(got) != value) if isinstance(value, bool) else got != value:
+                return False
+        return True
+
+    try:
+        with torch.no_grad():
+            for i, c in enumerate(traced.calls[:last]):
+                if not reads_hold(i):
+                    return False
+                env[c.name] = c.func(*_value(env, c.args), **{k: _value(env, v) for k, v in c.kwargs.items()})
+                if c.shape is not None and list(env[c.name].shape) != c.shape:
+                    return False
+            return reads_hold(last)
+    except Exception:  # noqa: BLE001  (a replay that cannot run is a program that changed: capture again)
+        return False
+    finally:
+        with torch.no_grad():
+            for n, t in saved.items():
+                state[n].copy_(t)
+
+
+def _objective(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """One scalar of a forward's outputs to differentiate: the first output when it is a floating scalar (a loss),
+    else every floating output summed."""
+    floats = [o for o in outputs if o.is_floating_point() or o.is_complex()]
+    if floats and floats[0].dim() == 0:
+        return floats[0].real if floats[0].is_complex() else floats[0]
+    return sum((o.real if o.is_complex() else o).sum() for o in floats)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if not (got.is_floating_point() or got.is_complex()):
+        return bool(torch.equal(got, want))
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    tol = 64 * torch.finfo(want.real.dtype if want.is_complex() else want.dtype).eps
+    return bool(torch.allclose(got, want, rtol=tol, atol=tol * max(scale, 1e-30), equal_nan=True))
+
+
+def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dict, gradients: bool = False) -> None:
+    """The recording replayed on this batch against the module's own forward, both from the same random state: the
+    outputs equal (and, with `gradients`, the gradients of their loss by every trainable parameter); else
+    UnsupportedModuleError naming the first that differs. The module, its buffers and the RNG are left as found."""
+    snap = snapshot(module)
+    xs = pytree.tree_leaves((args, kwargs))
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    rng = torch.random.get_rng_state()
+    try:
+        with torch.enable_grad():  # as the recording ran it (a forward may take a gradient itself)
+            c_args, c_kwargs = pytree.tree_unflatten([x.detach().clone() for x in xs], pytree.tree_structure((args, kwargs)))
+            eager = [o for o in pytree.tree_leaves(pytree.tree_map(_tensor_or_none, module(*c_args, **c_kwargs)))
+                     if isinstance(o, torch.Tensor)]
+        restore(module, snap)  # restore() hands the snapshot's copies to the module: take new ones for the end
+        snap = snapshot(module)
+        torch.random.set_rng_state(rng)
+        env = _env(traced, module, xs)
+        with torch.set_grad_enabled(gradients):
+            for c in traced.calls:
+                env[c.name] = c.func(*_value(env, c.args), **{k: _value(env, v) for k, v in c.kwargs.items()})
+            replayed = [env[o["node"]] for o in traced.graph.outputs]
+        if len(replayed) != len(eager):
+            raise UnsupportedModuleError(f"the recording returns {len(replayed)} tensors where the module returns "
+                                         f"{len(eager)}; it cannot be sent as it is")
+        for i, (got, want) in enumerate(zip(replayed, eager)):
+            if not _close(got.detach(), want.detach()):
+                raise UnsupportedModuleError(f"the recording's output {i} differs from the module's on this batch: "
+                                             "the forward computed something the recording did not write down")
+        if gradients and params:
+            names = list(params)
+            want = torch.autograd.grad(_objective(eager), list(params.values()), allow_unused=True,
+                                       materialize_grads=True)
+            got = torch.autograd.grad(_objective(replayed), list(params.values()), allow_unused=True,
+                                      materialize_grads=True)
+            for name, g, w in zip(names, got, want):
+                if not _close(g, w):
+                    raise UnsupportedModuleError(f"the recording's gradient of {name!r} differs from the module's on "
+                                                 "this batch: it lost a dependency the forward has")
+    finally:
+        restore(module, snap)
+        torch.random.set_rng_state(rng)

@@ -36,7 +36,8 @@ from .tensors import to_wire
 
 aten = torch.ops.aten
 # Ops whose output shape depends on the values of their inputs (the node records the size it had).
-DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.argwhere.default"})
+DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.argwhere.default",
+                            "aten.bincount.default"})
 _SKIP = frozenset({"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default",
                    "aten._assert_async.msg", "aten._assert_async.default", "aten.sym_size.int",
                    "aten.sym_numel.default", "aten.sym_stride.int", "aten.sym_storage_offset.default"})
@@ -95,6 +96,7 @@ class _Recorder(TorchDispatchMode):
         self.counts: dict[str, int] = {}
         self.used: set[str] = set()
         self.autograd_aliases: dict[str, str] = {}  # a detach node -> the node it detached (first of a chain)
+        self.through = 0  # how deep in library ops recorded through to ATen (_recorded_through)
 
     def name(self, t: torch.Tensor, name: str) -> None:
         self.names[id(t)] = name
@@ -159,7 +161,18 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        through = _recorded_through(func, kwargs)
+        if through is not None:
+            self.through += 1  # a library op's autograd runs its implementation with grad off: not a no_grad region
+            try:
+                with self:  # the mode again, so that the ATen calls made in there are recorded
+                    return through(*args, **kwargs)
+            finally:
+                self.through -= 1
         out = func(*args, **kwargs)
+        if self.through and func is aten.detach.default and id(args[0]) in self.names:
+            self.name(out, self.names[id(args[0])])  # inside a library op's implementation: the same value
+            return out
         name = op_name(func)
         if name in _SKIP or not isinstance(func, torch._ops.OpOverload):
             if name in ("aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"):
@@ -182,7 +195,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _name_outputs(self, func, rec: Recorded, out: Any, args: tuple) -> None:
-        detach = not torch.is_grad_enabled() and not (func._schema.arguments and func._schema.arguments[0].alias_info
+        detach = not torch.is_grad_enabled() and not self.through and not (func._schema.arguments and func._schema.arguments[0].alias_info
                                                      and func._schema.arguments[0].alias_info.is_write)
         if isinstance(out, torch.Tensor):
             self._name_output(out, self._detached(rec, out) if detach else rec.name)
@@ -348,6 +361,36 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
                   state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants), input_names=names)
 
 
+def _recorded_through(func: Any, kwargs: dict) -> Any:
+    """What runs in place of `func` so that the recording holds ATen ops the service allows: a library's own op with
+    a Python implementation (torch.library.custom_op, such as transformers' grouped_mm_fallback) as that
+    implementation; an `out=` variant (torch.mm(a, b, out=buf)) as its functional op and a copy_ into `out`. None:
+    `func` is recorded as it is."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return None
+    if func.namespace not in ("aten", "prims"):
+        from torch._library.custom_ops import OPDEFS
+
+        opdef = OPDEFS.get(f"{func.namespace}::{func._schema.name.split('::', 1)[1]}")
+        return getattr(opdef, "_init_fn", None)
+    out = kwargs.get("out")
+    if func.namespace == "aten" and _writes_out(func._schema) and isinstance(out, torch.Tensor):
+        packet = getattr(aten, func._schema.name.split("::", 1)[1], None)
+        functional = getattr(packet, "default", None) if packet is not None else None
+        if functional is not None and not _writes_out(functional._schema):
+            def run(*args: Any, **kw: Any) -> torch.Tensor:
+                result = functional(*args, **{k: v for k, v in kw.items() if k != "out"})
+                return kw["out"].copy_(result)
+            return run
+    return None
+
+
+def _writes_out(schema: Any) -> bool:
+    """An `out=` variant: a keyword-only `out` argument it writes."""
+    return any(a.name == "out" and a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+               for a in schema.arguments)
+
+
 def _tensor_or_none(value: Any) -> Any:
     """An output leaf as the graph returns it: a tensor, else null (a Hugging Face model's key-value cache object,
     a count): the graph computes tensors, and a loss is one of them."""
@@ -381,7 +424,10 @@ def _refuse_custom_functions(outs: list) -> None:
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+        # torch.library's Function for a registered backward (GeneratedBackwardFor_<op>): the op was recorded
+        # through to its ATen implementation (_recorded_through), whose derivative the service takes instead.
+        if (isinstance(fn, torch.autograd.function.BackwardCFunction)
+                and not type(fn).__name__.startswith("GeneratedBackwardFor_")):
             raise UnsupportedModuleError(f"the forward calls the custom autograd Function "
                                          f"{type(fn).__name__.removesuffix('Backward')}, and torch.export cannot "
                                          "capture the module; its backward cannot travel in a recorded graph. Make "

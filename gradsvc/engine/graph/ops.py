@@ -180,6 +180,70 @@ def _reshape_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return torch.reshape(self, other.shape)
 
 
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch._grouped_mm (every Mixture-of-Experts layer of transformers 5) as the matmuls it stands for, one per
+    group: the same values in every dtype and on every device, where the kernel has no float64 (the check's) and,
+    on a CPU, no backward. 2-D x 3-D: the rows of `mat_a` up to offs[g] times expert g's matrix (rows past the last
+    offset zero); 3-D x 3-D: a batched matmul; 2-D x 2-D: `offs` splits the shared dimension, one (m, n) per group;
+    3-D x 2-D: `offs` splits mat_b's columns."""
+    if mat_a.dim() == 3 and mat_b.dim() == 3:
+        out = torch.bmm(mat_a, mat_b)
+    elif mat_a.device.type == "meta":  # the shape check: the sizes alone (offs has no values there)
+        groups = offs.shape[0] if offs is not None else 1
+        shape = {(2, 3): (mat_a.shape[0], mat_b.shape[-1]), (2, 2): (groups, mat_a.shape[0], mat_b.shape[1]),
+                 (3, 2): (mat_a.shape[1], mat_b.shape[1])}[(mat_a.dim(), mat_b.dim())]
+        out = mat_a.new_empty(shape, dtype=torch.promote_types(mat_a.dtype, mat_b.dtype))
+        if mat_a.requires_grad or mat_b.requires_grad:  # the no_gradient check follows requires_grad
+            out = out + (mat_a.sum() + mat_b.sum()) * 0
+    else:
+        ends = offs.tolist()
+        spans = list(zip([0, *ends[:-1]], ends))
+        if mat_a.dim() == 2 and mat_b.dim() == 3:  # (rows, k) x (groups, k, n)
+            parts = [mat_a[s:e] @ mat_b[g] for g, (s, e) in enumerate(spans)]
+            rest = mat_a.shape[0] - (ends[-1] if ends else 0)
+            out = torch.cat([*parts, mat_a.new_zeros(rest, mat_b.shape[-1])]) if rest else torch.cat(parts)
+            if bias is not None:
+                out = out + torch.cat([bias[g].expand(e - s, -1) for g, (s, e) in enumerate(spans)]
+                                      + [bias.new_zeros(rest, bias.shape[-1])])
+                bias = None
+        elif mat_a.dim() == 2:  # (m, k) x (k, n), k split into groups
+            out = torch.stack([mat_a[:, s:e] @ mat_b[s:e] for s, e in spans])
+        else:  # (groups, m, k) x (k, n), n split into groups
+            out = torch.cat([mat_a[g] @ mat_b[:, s:e] for g, (s, e) in enumerate(spans)], dim=1)
+    if bias is not None:
+        out = out + bias.unsqueeze(-2) if out.dim() == 3 else out + bias
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _shapes_from_a_real_run(op: Callable) -> Callable:
+    """`op` for an op without a meta kernel (CTC loss): on meta tensors, its outputs' sizes from a run on zero-filled
+    CPU tensors of the same sizes (sizes that follow values, such as CTC's alpha table, come out as zeros give them:
+    only backward reads that one); elsewhere the op itself."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors or tensors[0].device.type != "meta":
+            return op(*args, **kwargs)
+        real = [torch.zeros(a.shape, dtype=a.dtype, device="cpu") if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.device("cpu"), torch.no_grad():
+            out = op(*real, **kwargs)
+        grad = next((a for a in tensors if a.requires_grad), None)
+
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return m + grad.sum() * 0 if grad is not None and t.is_floating_point() else m
+
+        return tuple(meta(t) for t in out) if isinstance(out, (tuple, list)) else meta(out)
+
+    return run
+
+
+# Ops that run as a Python equivalent (same schema, same values): the kernel lacks a dtype, a device or a meta kernel.
+_RUN_AS = MappingProxyType({"_grouped_mm.default": _grouped_mm,
+                            "_ctc_loss.Tensor": _shapes_from_a_real_run(aten._ctc_loss.Tensor)})
+
+
 # Layout facts that held at capture only: these run as what they mean on any device.
 _AS_RESHAPE = MappingProxyType({"view.default": _reshape, "_unsafe_view.default": _reshape,
                                 "view_as.default": _reshape_as})
@@ -265,7 +329,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
         try:
             if ovl is None:
                 raise TypeError("not in this torch")
-            fn = _no_op if entry in asserts else _AS_RESHAPE.get(entry) or _ZERO_FILLED.get(entry)
+            fn = _no_op if entry in asserts else _AS_RESHAPE.get(entry) or _ZERO_FILLED.get(entry) or _RUN_AS.get(entry)
             table[name] = _from_schema(name, ovl, fn=fn, is_assert=entry in asserts, along_dim=entry in _ALONG_DIM,
                                        reshapes=entry in reshapes, recurrent=entry in recurrent, random=entry in draws)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash

@@ -16,7 +16,7 @@ from .program import bad_graph, where_node
 # Ops whose output holds indices (int64) rather than the values of their first argument.
 _INDEX_OUTPUT = frozenset({"aten.nonzero.default", "aten.argwhere.default"})
 # The ops whose output's size may depend on values: the only ones a node's `shape` may be given for.
-SIZED_OPS = _INDEX_OUTPUT | {"aten.masked_select.default", "aten.index.Tensor"}
+SIZED_OPS = _INDEX_OUTPUT | {"aten.masked_select.default", "aten.index.Tensor", "aten.bincount.default"}
 _MAX_DIMS = 16
 
 
@@ -33,11 +33,20 @@ def sized_op(node: Any, op: Op) -> Op:
     return dataclasses.replace(op, fn=_sized(op.fn, list(shape), op.name in _INDEX_OUTPUT, where_node(node)))
 
 
+def _value_dtype(first: torch.Tensor, args: tuple, kwargs: dict) -> torch.dtype:
+    """The output's dtype: its first argument's, but bincount's counts (int64, or its weights' dtype)."""
+    if first.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):  # bincount(ids, weights)
+        weights = args[1] if len(args) > 1 else kwargs.get("weights")
+        return weights.dtype if isinstance(weights, torch.Tensor) else torch.long
+    return first.dtype
+
+
 def _sized(fn: Callable, shape: list[int], index_output: bool, where: str) -> Callable:
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is not None and first.device.type == "meta":
-            out = torch.empty(shape, dtype=torch.long if index_output else first.dtype, device="meta")
+            out = torch.empty(shape, dtype=torch.long if index_output else _value_dtype(first, args, kwargs),
+                              device="meta")
             # Values picked from `first` carry its gradient (the no_gradient check follows requires_grad).
             return out + first.sum() * 0 if first.requires_grad and not index_output else out
         out = fn(*args, **kwargs)

@@ -127,3 +127,131 @@ def test_a_draw_in_place_runs_from_the_jobs_seed_and_is_checked(capture):
     first, again = (Engine(EngineConfig()).compute(request) for _ in range(2))
     assert first.numcheck.passed is True, first.numcheck.reason
     assert first.loss == again.loss  # the same draws: the job's seed
+
+
+class Experts(nn.Module):
+    """A Mixture-of-Experts layer as transformers 5 writes it: tokens sorted by their routed expert, torch's grouped
+    matmul over the experts' weights with the groups' end offsets, then put back in order. `loop` computes the same
+    with one matmul per expert (the answer key: torch's kernel has no float64 and, on a CPU, no backward)."""
+
+    def __init__(self, loop: bool = False) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 3)
+        self.w = nn.Parameter(torch.randn(3, 8, 4) / 3)
+        self.loop = loop
+
+    def forward(self, x):  # (tokens, 8)
+        expert = self.router(x).argmax(dim=1)  # (tokens,)
+        order = torch.argsort(expert, stable=True)
+        offs = torch.bincount(expert, minlength=3).cumsum(0).to(torch.int32)  # (experts,): each group's end
+        xs = x[order] * torch.softmax(self.router(x), dim=1).max(dim=1).values[order].unsqueeze(1)
+        if self.loop:
+            ends = offs.tolist()
+            ys = torch.cat([xs[s:e] @ self.w[g] for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends))])
+        else:
+            ys = torch._grouped_mm(xs, self.w, offs=offs)  # (tokens, 4)
+        return ys[torch.argsort(order)].sum(dim=1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_grouped_matmul_of_experts_equals_one_matmul_per_expert_in_float64(seed):
+    torch.manual_seed(seed)
+    model = Experts()
+    x, y = torch.randn(10, 8), torch.randn(10)
+    eg = export_graph(model, (x,), recorded_because="torch._grouped_mm has no backward on this CPU")
+    assert any(n.op == "aten._grouped_mm.default" for n in eg.graph.nodes)
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    key = Experts(loop=True).double()
+    key.load_state_dict(model.state_dict())
+    params = dict(key.named_parameters())
+    want = torch.autograd.grad(torch.nn.functional.mse_loss(key(x.double()), y.double()), list(params.values()))
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-10, atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+
+
+class CTCTagger(nn.Module):
+    """A speech model's CTC loss (an op with no meta kernel: the shape check takes its sizes from a real run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+
+    def forward(self, x, targets):  # (batch, frames, 4), (batch, 3)
+        log_probs = torch.log_softmax(self.proj(x), dim=-1).transpose(0, 1)  # (frames, batch, classes)
+        frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        lengths = (targets > 0).sum(dim=1)  # label 0 is the blank: padding
+        return nn.functional.ctc_loss(log_probs, targets, frames, lengths)
+
+
+@pytest.mark.parametrize("capture", ["export", "trace"])
+def test_a_ctc_loss_passes_the_shape_check_and_equals_local_float64_autograd(capture):
+    torch.manual_seed(0)
+    model = CTCTagger().double()
+    x, targets = torch.randn(3, 9, 4, dtype=torch.float64), torch.tensor([[1, 2, 3], [4, 5, 0], [2, 2, 1]])
+    params = dict(model.named_parameters())
+    want = torch.autograd.grad(model(x, targets), list(params.values()))
+    eg = export_graph(model, (x, targets), recorded_because="the test asks for the recording" if capture == "trace"
+                      else None)
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": [to_wire(x), to_wire(targets)], "loss": "output", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+
+
+@torch.library.custom_op("gradsvc_tests::rowwise_mm", mutates_args=())
+def rowwise_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A library's own op with a Python implementation (as transformers' grouped_mm_fallback is), writing each
+    group's rows with an out= matmul into a buffer it made."""
+    out = torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        torch.mm(x[start:end], w[g], out=out[start:end])
+        start = end
+    return out
+
+
+@rowwise_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def _rowwise_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    gx, gw, start = torch.zeros_like(x), torch.zeros_like(w), 0
+    for g, end in enumerate(offs.tolist()):
+        gx[start:end], gw[g] = grad[start:end] @ w[g].T, x[start:end].T @ grad[start:end]
+        start = end
+    return gx, gw, None
+
+
+rowwise_mm.register_autograd(_rowwise_mm_backward,
+                             setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class LibraryOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 4, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(rowwise_mm(x, self.w, torch.tensor([2, 5]))).sum(dim=1)
+
+
+def test_a_librarys_own_op_is_recorded_through_to_aten_with_out_variants_made_functional():
+    torch.manual_seed(0)
+    model, x, y = LibraryOp(), torch.randn(5, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    eg = export_graph(model, (x,), recorded_because="the test asks for the recording")
+    ops = {n.op for n in eg.graph.nodes}
+    assert "aten.mm.default" in ops and not any("rowwise" in o or o.endswith(".out") for o in ops), ops
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    want, = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), [model.w])
+    torch.testing.assert_close(decode(result.gradients["w"], where="w", max_elements=1 << 20), want, rtol=1e-10,
+                               atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason

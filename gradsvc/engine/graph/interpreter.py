@@ -38,8 +38,7 @@ class GraphModel(nn.Module):
         # False: run as captured (its own casts to other float dtypes stay, as in eager). True: every float
         # in float64 when running in float64, for the numerical check (HF's RMSNorm casts to float32).
         self.upcast_all = False
-        self.current_module = ""
-        self.current_module_type = ""
+        self.current_module = self.current_module_type = ""
         self.node_modules = [(s.name, s.module, s.module_type) for s in compiled.steps]
         self.module_types = {s.module: s.module_type for s in compiled.steps}  # module path -> class name
         self.input_specs = [inp for _, inp in compiled.inputs if inp.kind == "input"]
@@ -59,13 +58,9 @@ class GraphModel(nn.Module):
         self._recording = False
         self._held_ids: set[int] = set()  # the recording forward's held tensors, by id
         self.hold_steps = frozenset(i for i, s in enumerate(compiled.steps) if s.op.name in HELD_OPS)
-        # An embedding's row at padding_idx: autograd defines its gradient as 0 although the forward reads it, so
-        # the check holds the output at padding positions at its unperturbed value, as it holds a detach's.
-        self.padding_steps = {i: pad for i, s in enumerate(compiled.steps) if (pad := _padding_idx(s)) is not None}
-        self._held_padding: dict[int, torch.Tensor] = {}
+        self.padding_steps, self._held_padding = _padding_steps(compiled), {}  # held too (_hold_padding)
         self.visit: Callable | None = None  # run's `visit` for every forward (the numerical check counts its work)
-        self.failed_node: int | None = None  # after a failed run: the node's index and its arguments
-        self.failed_args: list = []
+        self.failed_node, self.failed_args = None, []  # after a failed run: the node's index and its arguments
         for slot, inp in compiled.inputs:
             if inp.kind == "input":
                 self._users.append(slot)
@@ -197,13 +192,6 @@ class GraphModel(nn.Module):
         self.held[i] = _cloned(out) if writes_buffer else out
         self._held_ids.update(id(t) for t in outs)
 
-    def _hold_padding(self, i: int, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding step i's output with its padding positions' rows as the recording forward had them."""
-        if self._recording:
-            self._held_padding[i] = out.detach()
-            return out
-        return torch.where((ids == self.padding_steps[i]).unsqueeze(-1), self._held_padding[i], out)
-
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.run(*inputs, visit=self.visit)[0]
 
@@ -268,7 +256,7 @@ class GraphModel(nn.Module):
                 else:
                     out = fn(*args, **kwargs)
                 if held is not None and i in self.padding_steps:
-                    out = self._hold_padding(i, out, args[1])
+                    out = _hold_padding(self, i, out, args[1])
                 if self._recording:
                     self._record(i, out, args, kwargs, writes_buffer)
                 if visit is not None:
@@ -309,6 +297,21 @@ def _makes_default_float(name: str, args: tuple, kwargs: dict) -> bool:
     if name in _DEFAULT_FLOAT_FACTORIES:
         return True
     return name in _FLOAT_WHEN_GIVEN_A_FLOAT and any(isinstance(a, float) for a in (*args, *kwargs.values()))
+
+
+def _padding_steps(compiled: Compiled) -> dict[int, int]:
+    """The embedding steps with a padding row, by step: {index: padding_idx}. Autograd defines that row's gradient as
+    0 although the forward reads it, so the check holds the output at padding positions at its unperturbed value,
+    as it holds a detach's (_hold_padding)."""
+    return {i: pad for i, s in enumerate(compiled.steps) if (pad := _padding_idx(s)) is not None}
+
+
+def _hold_padding(model: GraphModel, i: int, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding step i's output with its padding positions' rows as the recording forward had them."""
+    if model._recording:
+        model._held_padding[i] = out.detach()
+        return out
+    return torch.where((ids == model.padding_steps[i]).unsqueeze(-1), model._held_padding[i], out)
 
 
 def _padding_idx(step) -> int | None:

@@ -77,12 +77,15 @@ class Outcome(NamedTuple):
 
 # ---- common ------------------------------------------------------------------------------------------------------
 def no_dropout(model: nn.Module) -> nn.Module:
+    """Every draw that drops something set to 0 (dropout, drop path, a DiT's class-label dropout for guidance):
+    two generators draw other masks, so the local answer key and the service would differ by their draws."""
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) or type(m).__name__ in ("DropPath", "StochasticDepth"):
             if hasattr(m, "p"):
                 m.p = 0.0
-            if hasattr(m, "drop_prob"):
-                m.drop_prob = 0.0
+        for name in ("drop_prob", "dropout_prob"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
     return model.train()
 
 

@@ -154,8 +154,16 @@ def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
         return value
     read = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
     reduction = max(1.0, read / value.numel())
+    size = unit * math.sqrt(reduction)
     noise = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
-    return value * (1 + unit * math.sqrt(reduction) * noise.to(value.dtype))
+    out = value * (1 + size * noise.to(value.dtype))
+    if out.requires_grad:
+        # The backward's arithmetic rounds too: the gradient flowing into this value, by the same unit (its noise
+        # drawn now, in forward order, so that the backward's order cannot change the figures). A deep network
+        # whose batch statistics divide by small variances loses most of its float32 precision there.
+        back = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
+        out.register_hook(lambda g: g * (1 + size * back.to(g.dtype)))
+    return out
 
 
 # What runs as a convolution or a matmul (TF32 rounds their operands): layer-spec leaf modules, graph ops by name.

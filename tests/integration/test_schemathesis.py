@@ -48,9 +48,12 @@ def api_schema(schema_stack):
                                          config=SchemathesisConfig.from_path(ROOT / "schemathesis.toml"))
 
 
+@pytest.mark.slow
 def test_st_run_with_every_check_reports_no_failure(schema_stack):
     """The command a user runs: `st run <url>/schema --checks all`, from the repository root, every check on
-    (the cancel is POST /jobs/{id}/cancel: no DELETE leaves a job readable for use_after_free to flag)."""
+    (the cancel is POST /jobs/{id}/cancel: no DELETE leaves a job readable for use_after_free to flag). 60 s here:
+    in `make test-all`; `make test` covers every operation with every check below (each operation's generated
+    requests and each answer's validation), without the CLI's stateful phase."""
     st = Path(sys.executable).with_name("st")
     out = subprocess.run([str(st), "run", f"{schema_stack.base_url}/schema", "--checks", "all",
                           "--max-examples", str(ST_RUN_EXAMPLES), "--seed", "1", "--no-color"], cwd=ROOT,

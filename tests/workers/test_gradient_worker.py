@@ -348,7 +348,10 @@ def test_the_start_transaction_runs_before_the_job_and_its_reply_is_read_when_th
     assert len(pool._in_use_connections) == 0  # every connection went back
 
 
-@pytest.mark.parametrize("plain", [True, False], ids=["rq-simpleworker", "gradientworker-without-context"])
+# A plain RQ SimpleWorker waits 60 s here before it ends: in `make test-all`; GradientWorker without the context
+# `gradsvc worker` makes fails its jobs the same way in `make test`.
+@pytest.mark.parametrize("plain", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["rq-simpleworker", "gradientworker-without-context"])
 def test_a_job_taken_by_a_worker_gradsvc_did_not_start_fails_saying_how_workers_are_started(settings, monkeypatch,
                                                                                             plain):
     """The job functions get their state from the worker running them, never from the environment: a worker

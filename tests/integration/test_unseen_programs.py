@@ -474,3 +474,27 @@ def test_a_gradient_penalty_through_tanh_and_sigmoid_equals_local_autograd_and_i
     checked = client.gradients(GradientPenaltyCritic().double(), (real.double(), fake.double(), alpha.double()),
                                loss="output", numcheck="exact")
     assert checked.numcheck.passed is True, checked.numcheck.reason
+
+
+class NumpyMixing(nn.Module):
+    """A WGAN-GP critic drawing its interpolation weights with numpy's generator inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, real, fake):
+        import numpy as np
+
+        alpha = torch.from_numpy(np.random.rand(real.shape[0], 1).astype(np.float32))  # this call's draws
+        mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        grad, = torch.autograd.grad(self.net(mixed).sum(), mixed, create_graph=True)
+        return self.net(fake).mean() - self.net(real).mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+
+
+def test_a_forward_drawing_with_numpy_is_recorded_with_this_calls_draws_and_not_refused_by_the_verification(client):
+    torch.manual_seed(0)
+    real, fake = torch.randn(6, 4), torch.randn(6, 4) + 1
+    result = client.gradients(NumpyMixing(), (real, fake), loss="output", numcheck="exact")
+    assert result.capture == "trace" and result.specialised["constants"]
+    assert result.numcheck.passed is True, result.numcheck.reason

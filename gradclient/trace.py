@@ -136,8 +136,7 @@ class _Recorder(TorchDispatchMode):
         with a grad_fn is the same value to autograd: an op's output that autograd saved for backward and unpacked
         as a new object (a gradient taken with create_graph=True inside forward), whose second-order terms a
         constant would drop. One without is `w.data` of a known tensor: its detach."""
-        known = self.storages.get((a.untyped_storage().data_ptr(), a.storage_offset(), tuple(a.shape), a.stride(),
-                                   a.dtype)) if a.layout == torch.strided else None
+        known = self.storages.get(_memory(a)) if a.layout == torch.strided else None
         if known is not None and a.grad_fn is not None:
             self.name(a, known)
             return known
@@ -156,8 +155,7 @@ class _Recorder(TorchDispatchMode):
         """`t`'s memory known as `name`: the first tensor named there keeps it (a later detach or alias of the same
         memory does not take it over)."""
         if t.layout == torch.strided:
-            self.storages.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                                      t.dtype), name)
+            self.storages.setdefault(_memory(t), name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -211,8 +209,7 @@ class _Recorder(TorchDispatchMode):
         if id(t) in self.names:  # an in-place op's result: the tensor it wrote, now holding this node's value
             self.names[id(t)] = name
             if t.layout == torch.strided:
-                self.storages[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-                               t.dtype)] = name
+                self.storages[_memory(t)] = name
             return
         self.name(t, name)
         self.remember_storage(t, name)
@@ -383,6 +380,10 @@ def _recorded_through(func: Any, kwargs: dict) -> Any:
                 return kw["out"].copy_(result)
             return run
     return None
+
+
+def _memory(t: torch.Tensor) -> tuple:  # where a strided tensor's values are: two objects there hold one value
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 def _writes_out(schema: Any) -> bool:

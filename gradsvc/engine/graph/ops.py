@@ -180,6 +180,14 @@ def _reshape_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return torch.reshape(self, other.shape)
 
 
+def meta_result(shape, dtype: torch.dtype, *inputs: torch.Tensor) -> torch.Tensor:
+    """An op's result on the meta device made from its sizes alone: a floating one carries a gradient when an input
+    does, as the op's own would (the shape check's no_gradient test follows requires_grad)."""
+    out = torch.empty(shape, dtype=dtype, device="meta")
+    grad = next((t for t in inputs if t.requires_grad), None)
+    return out + grad.sum() * 0 if grad is not None and (dtype.is_floating_point or dtype.is_complex) else out
+
+
 def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch._grouped_mm (every Mixture-of-Experts layer of transformers 5) as the matmuls it stands for, one per
@@ -193,9 +201,7 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | N
         groups = offs.shape[0] if offs is not None else 1
         shape = {(2, 3): (mat_a.shape[0], mat_b.shape[-1]), (2, 2): (groups, mat_a.shape[0], mat_b.shape[1]),
                  (3, 2): (mat_a.shape[1], mat_b.shape[1])}[(mat_a.dim(), mat_b.dim())]
-        out = mat_a.new_empty(shape, dtype=torch.promote_types(mat_a.dtype, mat_b.dtype))
-        if mat_a.requires_grad or mat_b.requires_grad:  # the no_gradient check follows requires_grad
-            out = out + (mat_a.sum() + mat_b.sum()) * 0
+        out = meta_result(shape, torch.promote_types(mat_a.dtype, mat_b.dtype), mat_a, mat_b)
     else:
         ends = offs.tolist()
         spans = list(zip([0, *ends[:-1]], ends))
@@ -228,13 +234,8 @@ def _shapes_from_a_real_run(op: Callable) -> Callable:
         real = [torch.zeros(a.shape, dtype=a.dtype, device="cpu") if isinstance(a, torch.Tensor) else a for a in args]
         with torch.device("cpu"), torch.no_grad():
             out = op(*real, **kwargs)
-        grad = next((a for a in tensors if a.requires_grad), None)
-
-        def meta(t: torch.Tensor) -> torch.Tensor:
-            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            return m + grad.sum() * 0 if grad is not None and t.is_floating_point() else m
-
-        return tuple(meta(t) for t in out) if isinstance(out, (tuple, list)) else meta(out)
+        outs = [meta_result(t.shape, t.dtype, *tensors) for t in (out if isinstance(out, (tuple, list)) else [out])]
+        return tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
 
     return run
 

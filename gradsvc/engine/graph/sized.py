@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import SpecError
-from .ops import Op
+from .ops import Op, meta_result
 from .program import bad_graph, where_node
 
 # Ops whose output holds indices (int64) rather than the values of their first argument.
@@ -45,10 +45,8 @@ def _sized(fn: Callable, shape: list[int], index_output: bool, where: str) -> Ca
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is not None and first.device.type == "meta":
-            out = torch.empty(shape, dtype=torch.long if index_output else _value_dtype(first, args, kwargs),
-                              device="meta")
-            # Values picked from `first` carry its gradient (the no_gradient check follows requires_grad).
-            return out + first.sum() * 0 if first.requires_grad and not index_output else out
+            # Values picked from `first` carry its gradient; indices do not.
+            return meta_result(shape, torch.long if index_output else _value_dtype(first, args, kwargs), first)
         out = fn(*args, **kwargs)
         if list(out.shape) != shape:
             raise SpecError("shape_mismatch", f"model.graph: {where}: its output has shape {list(out.shape)} on "

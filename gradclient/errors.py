@@ -19,6 +19,7 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  |    +-- QueueUnavailableError 503, NotReadyError 503
  |    +-- RedisOutOfMemoryError, RedisReadOnlyError, RedisRefusesWritesError 503: Redis refuses writes
  |    +-- ServerBusyError 503: the API holds GRADSVC_MAX_BODIES_BYTES of bodies already
+ |    +-- SessionConflictError 409: another worker changed the session meanwhile; the call was not applied
  +-- InternalServerError              500: a gradsvc bug
 
 The code-specific classes are built from gradsvc.wire.ERROR_CODES, the table the API and the workers

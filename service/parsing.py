@@ -12,7 +12,7 @@ import msgspec
 from litestar import Request
 
 from gradsvc.runtime.settings import Settings
-from gradsvc.wire import MAX_RELEASED, RELEASE_HEADER, GradientRequest
+from gradsvc.wire import MAX_RELEASED, RELEASE_HEADER, GradientRequest, Tensor
 
 from .exceptions import ServiceError
 from .messages import explain, integral_floats_as_ints
@@ -54,6 +54,33 @@ def check_seeds(req: GradientRequest) -> None:
             raise ServiceError("bad_option", f"{where} is {seed}, outside the 64 bits torch.manual_seed takes "
                                f"({SEED_MIN} to {SEED_MAX}); send a seed in that range (torch.initial_seed() is one)",
                                option=where, value=str(seed))
+
+
+# What MessagePack (the queue's and Redis's encoding) holds of an integer.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+_NOT_WALKED = frozenset({"inputs", "targets"})  # tensors' numbers: each tensor's decode checks its own
+
+
+def check_integers(value: Any, where: str = "") -> None:
+    """Every integer of a decoded body's fields (its structs, lists and dicts; tensors aside) within the 64 bits
+    MessagePack holds, else a 422 bad_option naming the field: before the queue, not a 500 where it is
+    encoded."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float, Tensor)):
+        return
+    if isinstance(value, int):
+        if not INT_MIN <= value <= INT_MAX:
+            raise ServiceError("bad_option", f"{where} is {value}, beyond 64 bits ({INT_MIN} to {INT_MAX}); send "
+                               "an integer in that range", option=where, value=str(value))
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            if name not in _NOT_WALKED:
+                check_integers(getattr(value, name), f"{where}.{name}" if where else name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_integers(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_integers(item, f"{where}.{key}")
 
 
 def _decode(body: bytes, fmt: str) -> tuple[GradientRequest, bytes]:

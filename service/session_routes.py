@@ -7,13 +7,15 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, delete, get, post, route
 
-from gradsvc.wire import JobAccepted, SessionBatch, SessionCreate, SessionOptimStep, SessionStepResult, Tensor
+from gradsvc.wire import (GradientRequest, JobAccepted, SessionBatch, SessionCreate, SessionOptimStep, SessionStepResult,
+                          Tensor)
 
 from .api_state import ApiState
 from .exceptions import ServiceError
 from .messages import explain
 from .negotiation import MSGPACK, Encoded, body_format, respond, tensors_for_json, tree_for_json, wants_msgpack
-from .parsing import idempotency_key, wait_s, with_integral_floats
+from .parsing import check_integers, check_seeds, idempotency_key, wait_s, with_integral_floats
+from .training_sessions import Operation
 
 SAFETENSORS = "application/octet-stream"
 _answers = msgspec.msgpack.Decoder(SessionStepResult)
@@ -28,15 +30,19 @@ async def read_body(request: Request, kind: type):
     if not body:
         raise ServiceError("malformed_body", "the request body is empty; send the JSON object docs/sessions.md shows")
     try:
-        return body, fmt, (msgspec.msgpack if fmt == "msgpack" else msgspec.json).decode(body, type=kind)
+        decoded = (msgspec.msgpack if fmt == "msgpack" else msgspec.json).decode(body, type=kind)
     except msgspec.ValidationError as exc:
         fixed = with_integral_floats(body, fmt, exc, kind)  # integers written as 2.0: re-encoded for the worker
-        if fixed is not None:
-            return fixed[1], fmt, fixed[0]
-        message, detail = explain(exc, kind)
-        raise ServiceError("invalid_body", message, reason=str(exc), **detail) from None
+        if fixed is None:
+            message, detail = explain(exc, kind)
+            raise ServiceError("invalid_body", message, reason=str(exc), **detail) from None
+        decoded, body = fixed
     except msgspec.DecodeError as exc:
         raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}", reason=str(exc)) from None
+    check_integers(decoded)  # what Redis and the queue hold of an integer: 64 bits
+    if isinstance(decoded, SessionCreate):
+        check_seeds(GradientRequest(model=decoded.model, inputs=[]))
+    return body, fmt, decoded
 
 
 @post("/sessions", status_code=201)
@@ -49,8 +55,8 @@ async def create_session(request: Request, owner: str, state: ApiState) -> Respo
 
 async def _operate(request: Request, owner: str, state: ApiState, session_id: str, op: str) -> Response:
     body, fmt, call = await read_body(request, SessionOptimStep if op == "optim_step" else SessionBatch)
-    answer = await state.training.operate(owner, session_id, op, body, fmt, wait_s(request, state.settings),
-                                          idempotency_key(request))
+    answer = await state.training.operate(owner, Operation(session_id, op, body, fmt, key=idempotency_key(request)),
+                                          wait_s(request, state.settings), call)
     if answer.data is None:  # still running: the same call with the same idempotency key answers once it ended
         return respond(request, JobAccepted(job_id=answer.job_id, status="started"), status=202)
     if wants_msgpack(request):
@@ -84,8 +90,8 @@ async def session_optim_step(request: Request, owner: str, state: ApiState, sess
 @get("/sessions/{session_id:str}/weights")
 async def session_weights(request: Request, owner: str, state: ApiState, session_id: str) -> Response:
     raw = SAFETENSORS in request.headers.get("accept", "")
-    answer = await state.training.operate(owner, session_id, "weights", b"", "safetensors" if raw else "msgpack",
-                                          state.settings.max_wait_s)
+    answer = await state.training.operate(owner, Operation(session_id, "weights", b"", "safetensors" if raw else
+                                                           "msgpack"), state.settings.max_wait_s)
     if answer.data is None:
         raise ServiceError("queue_unavailable", f"the worker holding session {session_id} did not answer within "
                            f"GRADSVC_MAX_WAIT_S={state.settings.max_wait_s:g}; retry", headers={"Retry-After": "5"})

@@ -6,7 +6,7 @@ record. The routes (service/session_routes.py) map these outcomes to HTTP."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio.to_thread
 import msgspec
@@ -19,14 +19,18 @@ from gradsvc.broker.session_records import (OVER_BUDGET, SESSION_JOB, TOO_MANY, 
                                             job_answer_name, new_record)
 from gradsvc.engine import Engine
 from gradsvc.engine.session import footprint
+from gradsvc.engine.session_state import check_step_values
+from gradsvc.engine.tensors import TORCH_DTYPES
 from gradsvc.runtime.settings import Settings
-from gradsvc.wire import GradientRequest, SessionCreate, SessionCreated, SessionInfo
+from gradsvc.wire import GradientRequest, SessionBatch, SessionCreate, SessionCreated, SessionInfo, SessionOptimStep
 
 from .exceptions import ServiceError
 from .job_reader import JobReader
 from .queues import Queues
 
 _created = msgspec.msgpack.Decoder(SessionCreated)
+# How many times a call beaten by another worker's commit (session_conflict) is sent again.
+CONFLICT_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,8 @@ class TrainingSessions:
         self.blobs.check(owner, GradientRequest(model=create.model, inputs=[]))
         _, held = footprint(create, self.engine.config, self.engine.caches, self.graphs.resolver(owner))
         pieces = self.blobs.held_bytes(owner)
-        session_id = secrets.token_hex(16)
+        epochs = self.queues.epochs
+        session_id = secrets.token_hex(12) + (epochs.current or epochs.refresh())  # ends in Redis's epoch
         rec = new_record(owner, create)
         rec.state_bytes = held
         verdict, live, used = self.records.admit(owner, session_id, rec, s.session_max_per_owner,
@@ -148,6 +153,10 @@ class TrainingSessions:
 
     def owned(self, owner: str, session_id: str) -> SessionRecord:
         rec = self.records.owned(owner, session_id)
+        if rec is None and self.queues.epochs.is_lost(session_id):
+            raise ServiceError("session_lost", f"Redis lost session {session_id!r} (it was restarted without its "
+                               "data): its record and checkpoint are gone; create a new session from your last "
+                               "weights (POST /sessions)", session_id=session_id)
         if rec is None:
             raise ServiceError("not_found", f"no session {session_id!r} for this API key: it never existed, was "
                                "deleted, belongs to another key, or went unused for longer than "
@@ -155,12 +164,28 @@ class TrainingSessions:
                                "POST /sessions", session_id=session_id)
         return rec
 
-    async def operate(self, owner: str, session_id: str, op: str, body: bytes, fmt: str, wait_s: float,
-                      key: str | None = None) -> Answer:
-        """step, forward_backward, optim_step, weights: enqueued for the session's worker and waited on."""
-        rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
-        return await self._run(owner, Operation(session_id, op, body, fmt, rec.create.options.device, key, rec.holder),
-                               wait_s)
+    async def operate(self, owner: str, call: Operation, wait_s: float,
+                      decoded: SessionBatch | SessionOptimStep | None = None) -> Answer:
+        """step, forward_backward, optim_step, weights: checked against the session (`decoded`: the body; its lr
+        in the session's dtype, its tensor pieces the owner's), enqueued for the session's worker and waited on.
+        A call another worker's commit beat (session_conflict: not applied) is sent again, to the worker holding
+        the session now, up to CONFLICT_TRIES times."""
+        for attempt in range(CONFLICT_TRIES):
+            rec = await anyio.to_thread.run_sync(self.owned, owner, call.session_id)
+            if decoded is not None and attempt == 0:
+                await anyio.to_thread.run_sync(self._check_call, owner, rec, decoded)
+            try:
+                return await self._run(owner, replace(call, device=rec.create.options.device, holder=rec.holder),
+                                       wait_s)
+            except ServiceError as exc:
+                if exc.code != "session_conflict" or attempt == CONFLICT_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _check_call(self, owner: str, rec: SessionRecord, call: SessionBatch | SessionOptimStep) -> None:
+        check_step_values(call.lr, TORCH_DTYPES[rec.create.model.dtype])
+        if isinstance(call, SessionBatch):
+            self.blobs.check(owner, GradientRequest(model=rec.create.model, inputs=call.inputs, targets=call.targets))
 
     async def info(self, owner: str, session_id: str) -> SessionInfo:
         rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
@@ -181,7 +206,7 @@ class TrainingSessions:
         ended, _ = await self.reader.wait(job_id, wait_s)
         if not ended:
             return Answer(job_id=job_id)
-        raw = await self.queues.aredis.get(
+        raw = await self.queues.aredis.getdel(  # read once: an answer (a weights download) is not kept after it
             keys.training_session_answer_key(self.settings.queue_prefix, session_id, job_answer_name(job_id)))
         if raw is not None:
             return Answer(data=raw)

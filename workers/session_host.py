@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
-from gradsvc.broker.session_records import SessionRecord, SessionRecords
+from gradsvc.broker.session_records import COMMITTED, SessionRecord, SessionRecords
 from gradsvc.engine import ComputeError, Engine, session_state
 from gradsvc.engine.session import TrainingSession, open_session
 
@@ -43,15 +44,23 @@ class SessionHost:
         a worker still full refuses with workers_full (503)."""
         if session_id in self.sessions or len(self.sessions) < self.max_sessions:
             return
-        for held in list(self.sessions):
-            rec = records.get(held)
-            if rec is None or rec.holder != records.worker:
-                self.sessions.pop(held, None)
+        self.sweep(records)
         if len(self.sessions) >= self.max_sessions:
             raise ComputeError("workers_full", f"this worker holds GRADSVC_SESSION_MAX_PER_WORKER="
                                f"{self.max_sessions} training sessions already; delete sessions you no longer use "
                                "(DELETE /sessions/{id}), start more workers, or raise the setting",
                                limit=self.max_sessions)
+
+    def sweep(self, records: SessionRecords) -> int:
+        """Drops the sessions whose record is gone (deleted, expired) or names another holder: a worker's memory
+        holds only live sessions, whether or not another one comes. Answers how many were dropped."""
+        ids = list(self.sessions)
+        if not ids:
+            return 0
+        gone = [i for i, rec in zip(ids, records.many(ids)) if rec is None or rec.holder != records.worker]
+        for session_id in gone:
+            self.sessions.pop(session_id, None)
+        return len(gone)
 
     def held(self, session_id: str, rec: SessionRecord, records: SessionRecords, engine: Engine, device,
              graphs) -> tuple[TrainingSession, int | None]:
@@ -82,12 +91,42 @@ class SessionHost:
         Returns how many were written."""
         written = 0
         for session_id, session in list(self.sessions.items()):
-            rec = records.get(session_id)
+            rec, read = records.read(session_id)
             if rec is None or rec.holder != records.worker or rec.checkpoint_step == session.step and \
                     not session.accumulated:
                 continue
             rec.checkpoint_step = session.step
-            records.put(session_id, rec, session_state.to_bytes(*session.state()))
-            written += 1
+            if records.commit(session_id, read, rec, session_state.to_bytes(*session.state())) == COMMITTED:
+                written += 1
         self.sessions.clear()
         return written
+
+
+# How often an idle worker looks for the training sessions it holds that are deleted, expired or held elsewhere
+# (or every half GRADSVC_SESSION_IDLE_TTL_S, when that is shorter).
+SESSION_SWEEP_S = 30.0
+
+
+class SessionSweep:
+    """The worker's idle chore (its heartbeat thread calls it while no job runs): every SESSION_SWEEP_S the
+    sessions whose record is gone or names another holder are dropped (SessionHost.sweep), then `then` runs (the
+    free heap handed back to the system)."""
+
+    def __init__(self, ctx, connection, worker: str, then: Callable[[], object]) -> None:
+        s = ctx.settings
+        self.ctx, self.then = ctx, then
+        self.records = SessionRecords(connection, s.queue_prefix, s.session_idle_ttl_s, worker)
+        self.every_s = min(SESSION_SWEEP_S, s.session_idle_ttl_s / 2)
+        self.swept = time.monotonic()
+
+    def __call__(self) -> None:
+        host = self.ctx.sessions
+        if host.sessions and time.monotonic() - self.swept >= self.every_s:
+            self.swept = time.monotonic()
+            dropped = host.sweep(self.records)
+            if dropped:
+                log.info("worker %s: dropped %d training session(s) deleted, expired or held elsewhere",
+                         self.records.worker, dropped)
+                self.ctx.metrics.sessions_held.set(len(host.sessions))
+                self.ctx.metrics.session_bytes.set(host.held_bytes)
+        self.then()

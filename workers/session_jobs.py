@@ -21,10 +21,12 @@ from rq.timeouts import JobTimeoutException
 from gradsvc.broker import keys
 from gradsvc.broker.job import GradientJob
 from gradsvc.broker.runs import RunBounds, RunStore
-from gradsvc.broker.session_records import SessionRecord, SessionRecords, job_answer_name
+from gradsvc.broker.session_records import (COMMITTED, GONE, JOB_ANSWER_TTL_S, SessionRecord, SessionRecords,
+                                            job_answer_name)
 from gradsvc.engine import ComputeError, EngineError, SpecError, tensors
 from gradsvc.engine import session_state
 from gradsvc.engine.session import StepOutcome, TrainingSession, open_session
+from gradsvc.engine.session_state import check_step_values
 from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated, SessionOptimStep,
                           SessionStepResult, SessionTimings)
 
@@ -52,6 +54,7 @@ class Call:
     fmt: str
     started: float
     key: str | None = None  # the Idempotency-Key header's (a body's idempotency_key wins)
+    read: bytes | None = None  # the record's bytes as record() read them: what the commit compares
 
     def decode(self, kind):
         try:
@@ -62,7 +65,7 @@ class Call:
             raise SpecError("malformed_body", f"the request body is not valid {self.fmt}: {exc}") from None
 
     def record(self) -> SessionRecord:
-        rec = self.records.get(self.session_id)
+        rec, self.read = self.records.read(self.session_id)
         if rec is None:
             raise SpecError("not_found", f"no session {self.session_id!r}: it was deleted, or went unused for longer "
                             "than GRADSVC_SESSION_IDLE_TTL_S; create a new one (POST /sessions)",
@@ -80,16 +83,13 @@ def session_job(session_id: str, op: str, body: bytes, fmt: str, key: str | None
     ctx.metrics.busy.set(1)
     try:
         data = _OPS[op](Call(job, ctx, records, session_id, body, fmt, time.perf_counter(), key))
-        if len(data) > s.max_result_bytes:
-            raise ComputeError("result_too_large", f"the answer takes {len(data)} bytes, above GRADSVC_MAX_RESULT_BYTES="
-                               f"{s.max_result_bytes}; ask for fewer `return` entries, or read the weights with GET "
-                               "/sessions/{id}/weights and Accept: application/octet-stream",
-                               result_bytes=len(data), limit=s.max_result_bytes)
-        key = keys.training_session_answer_key(s.queue_prefix, session_id, job_answer_name(job.id))
-        if isinstance(job, GradientJob):  # written in RQ's success transaction
-            job.pending_result = (key, data, s.result_ttl_s)
-        else:
-            job.connection.set(key, data, ex=s.result_ttl_s)
+        if op != "delete":  # nobody waits on a delete's answer
+            key = keys.training_session_answer_key(s.queue_prefix, session_id, job_answer_name(job.id))
+            ttl = min(s.result_ttl_s, JOB_ANSWER_TTL_S)  # the API reads it once, and deletes it
+            if isinstance(job, GradientJob):  # written in RQ's success transaction
+                job.pending_result = (key, data, ttl)
+            else:
+                job.connection.set(key, data, ex=ttl)
     except EngineError as exc:
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, "session") from None
     except JobTimeoutException:
@@ -126,7 +126,7 @@ def _create(call: Call) -> bytes:
     rec.holder, rec.device, rec.parameter_count, rec.state_bytes = call.records.worker, str(ctx.device), \
         session.parameter_count, size
     rec.checkpoint_every, rec.checkpoint_step, rec.last_used_at = every, 0, time.time()
-    call.records.put(call.session_id, rec, session_state.to_bytes(*session.state()))
+    _write(call, rec, session_state.to_bytes(*session.state()))
     return _encoder.encode(SessionCreated(session_id=call.session_id, step=0, parameter_count=session.parameter_count,
                                           device=str(ctx.device), checkpoint_every=every, state_bytes=size))
 
@@ -137,19 +137,25 @@ def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | Non
 
 
 def _replayed(call: Call, session: TrainingSession, key: str | None) -> bytes | None:
-    """The answer given when `key` was applied, marked replayed, when the session (as it stands) applied it."""
+    """The answer given when `key` was applied, marked replayed, when the session (as it stands) applied it. The
+    answer is kept as long as the key is remembered (they are dropped together); should Redis have lost it, the
+    step is not applied again: a coded 410 says so."""
     if key is None or key not in session.applied:
         return None
     raw = call.records.answer(call.session_id, key)
     if raw is None:
-        return None
+        raise SpecError("answer_lost", f"session {call.session_id} applied the call under idempotency key {key!r} "
+                        f"at step {session.applied[key]}, but its answer is no longer kept (Redis lost it); it was "
+                        "not applied again. Read where the session stands with GET /sessions/{id}; to apply the "
+                        "batch again, send it under a new key", session_id=call.session_id, step=session.applied[key])
     answer = msgspec.msgpack.decode(raw, type=SessionStepResult)
     return _encoder.encode(msgspec.structs.replace(answer, replayed=True))
 
 
 def _operate(call: Call, op: str) -> bytes:
     """step, forward_backward or optim_step: the session as its record says, the call applied once, the
-    record (and a checkpoint when due) written, the answer kept under the idempotency key."""
+    record (a checkpoint when due, and the answer under the idempotency key) committed only when the record is
+    still the one read (session_records.py), so that an answer is given only for a committed call."""
     rec = call.record()
     payload = call.decode(SessionOptimStep if op == "optim_step" else SessionBatch)
     session, resumed = _session(call, rec)
@@ -159,6 +165,10 @@ def _operate(call: Call, op: str) -> bytes:
     again = _replayed(call, session, key)
     if again is not None:
         return again
+    check_step_values(payload.lr, session.dtypes)
+    _refuse_too_large(call, session, payload)
+    if isinstance(payload, SessionBatch):
+        payload = _with_batch_pieces(call, rec, payload)
     norms = rec.create.run is not None
     with session.math(payload.options.math_mode if isinstance(payload, SessionBatch) else None):
         if op == "forward_backward":
@@ -167,29 +177,67 @@ def _operate(call: Call, op: str) -> bytes:
             outcome = session.optim_step(payload.lr, None, norms=norms)
         else:
             outcome = session.train_step(payload, norms=norms)
-    answer = _answer(call, session, outcome, payload.returns, resumed)
-    if key is not None:
-        session.remember(key)
-    data = _encoder.encode(answer)
-    _commit(call, rec, session, answer, op)
-    if key is not None:
-        call.records.put_answer(call.session_id, key, data)
+    answer, data = _bounded(call, _answer(call, session, outcome, payload.returns, resumed))
+    forgotten = session.remember(key, len(data), call.ctx.settings.session_answer_bytes) if key is not None else ()
+    _commit(call, rec, session, answer, op, (key, data) if key is not None else None, forgotten)
     if norms and op != "forward_backward":
         _record_run_step(call, rec, session, outcome, answer)
     return data
+
+
+def _with_batch_pieces(call: Call, rec: SessionRecord, batch: SessionBatch) -> SessionBatch:
+    """The batch with its tensors by reference (`{"refs": [...]}`) filled in from the owner's pieces, as a
+    POST /gradients job's are."""
+    request = _with_pieces(call.ctx, call.job, GradientRequest(model=rec.create.model, inputs=batch.inputs,
+                                                               targets=batch.targets))
+    return msgspec.structs.replace(batch, inputs=request.inputs, targets=request.targets)
+
+
+def _refuse_too_large(call: Call, session: TrainingSession, payload: SessionBatch | SessionOptimStep) -> None:
+    """A call whose answer would be over GRADSVC_MAX_RESULT_BYTES by the tensors it asks `return` for (their
+    sizes are known before it runs) is refused before it is applied: a retry, or the same batch under a new key,
+    applies it once."""
+    limit, returns = call.ctx.settings.max_result_bytes, set(payload.returns)
+    size = 0
+    if "weights" in returns:
+        size += sum(p.numel() * p.element_size() for p in session.model.parameters())
+    if "buffers" in returns:
+        size += sum(b.numel() * b.element_size() for b in session.model.buffers())
+    if "gradients" in returns:
+        gdtype = payload.options.gradient_dtype if isinstance(payload, SessionBatch) else None
+        size += sum(p.numel() * (tensors.TORCH_DTYPES[gdtype].itemsize if gdtype else p.element_size())
+                    for p in session.params.values())
+    if size > limit:
+        raise ComputeError("result_too_large", f"return: {sorted(returns)} would answer at least {size} bytes, above "
+                           f"GRADSVC_MAX_RESULT_BYTES={limit}; the call was not applied. Ask for fewer `return` "
+                           "entries and read the weights with GET /sessions/{id}/weights (Accept: "
+                           "application/octet-stream)", result_bytes=size, limit=limit, applied=False)
+
+
+def _bounded(call: Call, answer: SessionStepResult) -> tuple[SessionStepResult, bytes]:
+    """The answer and its bytes; an answer over GRADSVC_MAX_RESULT_BYTES once applied (its outputs, whose size
+    is known only then) comes without its tensors, named in `omitted`: the call was applied, and the weights
+    can be read with GET /sessions/{id}/weights."""
+    data = _encoder.encode(answer)
+    if len(data) <= call.ctx.settings.max_result_bytes:
+        return answer, data
+    omitted = [f for f in ("gradients", "weights", "buffers", "outputs") if getattr(answer, f) is not None]
+    answer = msgspec.structs.replace(answer, gradients=None, weights=None, buffers=None, outputs=None,
+                                     omitted=omitted)
+    return answer, _encoder.encode(answer)
 
 
 def _refuse_lost_steps(call: Call, rec: SessionRecord, session: TrainingSession) -> None:
     """The session came back from a checkpoint older than where it stood (its worker died): the record now says
     where it stands, and the batch is refused, so that the client sends the lost steps' batches first, in order,
     and ends on the weights it would have had."""
-    lost, at = rec.step - session.step, session.step
+    lost, at, passes = rec.step - session.step, session.step, rec.accumulated
     rec.step, rec.accumulated, rec.holder = session.step, session.accumulated, call.records.worker
     rec.device, rec.last_used_at = str(session.device), time.time()
-    call.records.put(call.session_id, rec)
+    _write(call, rec)
     raise SpecError("session_resumed", f"session {call.session_id} was restored from its checkpoint at step {at} on "
                     f"worker {call.records.worker} (the worker that held it is gone); the {lost} optimizer steps "
-                    f"after it (and {rec.accumulated} accumulated passes) were lost, and this batch was not applied: "
+                    f"after it (and {passes} accumulated passes) were lost, and this batch was not applied: "
                     f"send the batches of step {at} on again, in order", step=at, lost_steps=lost)
 
 
@@ -224,9 +272,10 @@ def _outputs(prep, outcome: StepOutcome):
     return outputs.as_returned(outputs.tree_of(prep.graph.spec), outcome.outputs, prep.graph.first_output)
 
 
-def _commit(call: Call, rec: SessionRecord, session: TrainingSession, answer: SessionStepResult, op: str) -> None:
+def _commit(call: Call, rec: SessionRecord, session: TrainingSession, answer: SessionStepResult, op: str,
+            kept: tuple[str, bytes] | None, forgotten: tuple[str, ...]) -> None:
     """The record where the session stands now, with a checkpoint when one is due (every checkpoint_every
-    optimizer steps)."""
+    optimizer steps) and the answer kept under its idempotency key."""
     due = op != "forward_backward" and session.step % max(1, rec.checkpoint_every) == 0
     rec.step, rec.accumulated, rec.holder = session.step, session.accumulated, call.records.worker
     rec.device, rec.state_bytes, rec.last_used_at = str(session.device), session.state_bytes, time.time()
@@ -235,8 +284,26 @@ def _commit(call: Call, rec: SessionRecord, session: TrainingSession, answer: Se
     if due:
         state = session_state.to_bytes(*session.state())
         rec.checkpoint_step = session.step
-    call.records.put(call.session_id, rec, state)
+    _write(call, rec, state, kept, forgotten, op)
     call.ctx.sessions.steps_total += 1
+
+
+def _write(call: Call, rec: SessionRecord, state: bytes | None = None, kept: tuple[str, bytes] | None = None,
+           forgotten: tuple[str, ...] = (), op: str = "call") -> None:
+    """Commits `rec` over the record this call read. When the session was deleted meanwhile, or another worker
+    committed it since (two workers that restored it at once), nothing is written: this worker drops its copy,
+    which is ahead of what Redis holds, and the call is refused as not applied (the API sends a conflicted call
+    again, to the worker that holds the session now)."""
+    outcome = call.records.commit(call.session_id, call.read or b"", rec, state, kept, forgotten)
+    if outcome == COMMITTED:
+        return
+    call.ctx.sessions.sessions.pop(call.session_id, None)
+    if outcome == GONE:
+        raise SpecError("not_found", f"session {call.session_id} was deleted (or expired) while this {op} ran; it "
+                        "was not applied", session_id=call.session_id)
+    raise ComputeError("session_conflict", f"session {call.session_id} was changed by another worker while this {op} "
+                       f"ran on {call.records.worker} (it had been restored on both); this {op} was not applied: "
+                       "send it again", session_id=call.session_id)
 
 
 def _record_run_step(call: Call, rec: SessionRecord, session: TrainingSession, outcome: StepOutcome,

@@ -39,6 +39,7 @@ from gradsvc.runtime.malloc import MemoryKeeper
 
 from .jobs import WorkerContext, hand_over
 from .leasing import REDIS_ERRORS, Leases
+from .session_host import SessionSweep
 from .taking import Taking
 from .transaction import SentTransaction
 from .watchdog import Running, Watchdog
@@ -84,6 +85,8 @@ class GradientWorker(SimpleWorker):
         # After warm-up (workers/main.py builds the worker after it); the heartbeat thread trims when idle.
         self.memory = MemoryKeeper(held=context.host_held_bytes if context is not None else lambda: 0)
         self.leases.idle = self.memory.when_idle
+        if context is not None:  # the sessions it holds that are gone, dropped first
+            self.leases.idle = SessionSweep(context, self.connection, self.name, then=self.memory.when_idle)
         self.taking = Taking(self, take)  # the jobs taken with the one dequeued (workers/taking.py)
 
     # --- leases (renewed by the heartbeat thread: workers/leasing.py) --------------------------------

@@ -257,10 +257,20 @@ def training_session_state_key(prefix: str, session_id: str) -> str:
     return f"{prefix}:tsession:{session_id}:state"
 
 
-def training_session_answer_key(prefix: str, session_id: str, idempotency_key: str) -> str:
-    """The answer of a session's step applied under an idempotency key, returned again to a retry."""
-    digest = hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]
+def training_session_answer_key(prefix: str, session_id: str, name: str) -> str:
+    """The answer of one of a session's jobs (`name`: session_records.job_answer_name), read once by the API."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:32]
     return f"{prefix}:tsession:{session_id}:answer:{digest}"
+
+
+def training_session_answers_key(prefix: str, session_id: str) -> str:
+    """The answers of the steps a session applied under the idempotency keys it remembers: a hash, the key's
+    digest (answer_field) -> the answer, written with the record by the holder's commit and living as long."""
+    return f"{prefix}:tsession:{session_id}:answers"
+
+
+def answer_field(idempotency_key: str) -> str:
+    return hashlib.sha256(idempotency_key.encode()).hexdigest()[:32]
 
 
 def training_sessions_key(prefix: str, owner: str) -> str:

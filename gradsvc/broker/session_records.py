@@ -1,10 +1,16 @@
 """Training sessions in Redis (docs/sessions.md), shared by the API and the workers: each session's record (its
 owner, the worker that holds it, where it stands), its last checkpoint (safetensors bytes), the answers of its
 steps (by job, and by idempotency key for a retry) and each owner's set of sessions. Everything of a session
-expires GRADSVC_SESSION_IDLE_TTL_S after its last use; every write refreshes it. Only the holding worker writes
-a record after its creation (its steps run one at a time on that worker), so a write is a plain SET. A new
-session's record is written by one Lua script that counts the owner's live sessions and their bytes and writes it
-only within the limits (admit), so two concurrent POST /sessions at the limit cannot both get in."""
+expires GRADSVC_SESSION_IDLE_TTL_S after its last use; every write refreshes it.
+
+A session's state changes through one serialised path: after its creation (admit), only a worker's commit
+writes its record, and a commit is conditional on the record the worker read (a compare-and-set of the
+record's bytes, in one Lua script with the checkpoint, the owner's index and the answer kept for the step's
+idempotency key). A DELETE removes the record, so a commit after it finds none and writes nothing (a deleted
+session stays deleted); of two workers that restored the same session and stepped it at once, the second to
+commit finds the record changed and its step is not applied (the API sends it again). A new session's record is
+written by one Lua script that counts the owner's live sessions and their bytes and writes it only within the
+limits (admit), so two concurrent POST /sessions at the limit cannot both get in."""
 
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ from . import keys
 # The session job function, by the dotted path RQ records (the API imports nothing of workers/).
 SESSION_JOB = "workers.session_jobs.session_job"
 OPS = ("create", "step", "forward_backward", "optim_step", "weights", "delete")
+# A job's own answer waits this long for the API, which reads it once and deletes it (a weights download is not
+# kept in Redis past its read); a call that waited out its HTTP wait is answered again through its idempotency key.
+JOB_ANSWER_TTL_S = 300
 
 
 class SessionRecord(msgspec.Struct, omit_defaults=True):
@@ -79,6 +88,26 @@ return {verdict, ids, string.format('%.0f', used)}
 """
 ADMITTED, TOO_MANY, OVER_BUDGET = 0, 1, 2
 
+# KEYS: the record, the checkpoint, the owner's index, the answers by idempotency key. ARGV: the record as the
+# worker read it, the new record, the TTL, the session id, its state bytes, "1" when a checkpoint follows, the
+# checkpoint, the answer's field ("" for none), the answer, then the fields of the keys the session forgot.
+# Answers 1 (written), 0 (no record: deleted or expired) or -1 (the record changed since it was read).
+_COMMIT = """
+local current = redis.call('GET', KEYS[1])
+if not current then return 0 end
+if current ~= ARGV[1] then return -1 end
+local ttl = ARGV[3]
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ttl)
+if ARGV[6] == '1' then redis.call('SET', KEYS[2], ARGV[7], 'EX', ttl) else redis.call('EXPIRE', KEYS[2], ttl) end
+redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ttl)
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[4], ARGV[8], ARGV[9]) end
+for i = 10, #ARGV do redis.call('HDEL', KEYS[4], ARGV[i]) end
+redis.call('EXPIRE', KEYS[4], ttl)
+return 1
+"""
+COMMITTED, GONE, CHANGED = 1, 0, -1
+
 
 def new_record(owner: str, create: SessionCreate) -> SessionRecord:
     now = time.time()
@@ -93,28 +122,51 @@ class SessionRecords:
         self.redis, self.prefix, self.ttl_s = redis, prefix, ttl_s
         self.worker = worker  # on a worker: its name, which a record's holder is compared with
         self._admit = redis.register_script(_ADMIT)
+        self._commit = redis.register_script(_COMMIT)
 
     def get(self, session_id: str) -> SessionRecord | None:
+        return self.read(session_id)[0]
+
+    def read(self, session_id: str) -> tuple[SessionRecord | None, bytes | None]:
+        """(the record, its bytes as read: what a commit compares the record with)."""
         raw = self.redis.get(keys.training_session_key(self.prefix, session_id))
-        return _decoder.decode(raw) if raw else None
+        return (_decoder.decode(raw), raw) if raw else (None, None)
+
+    def many(self, session_ids: list[str]) -> list[SessionRecord | None]:
+        """The records of these sessions, in order (None where there is none), in one round trip."""
+        raws = self.redis.mget([keys.training_session_key(self.prefix, i) for i in session_ids])
+        return [_decoder.decode(raw) if raw else None for raw in raws]
+
+    def commit(self, session_id: str, read: bytes, rec: SessionRecord, state: bytes | None = None,
+               answer: tuple[str, bytes] | None = None, forgotten: tuple[str, ...] = ()) -> int:
+        """Writes `rec` (a checkpoint with it when given, the answer kept under an idempotency key, the keys the
+        session forgot dropped) only when the record still holds the bytes `read`, all in one step. Answers
+        COMMITTED, GONE (the session was deleted or expired: nothing written) or CHANGED (another worker
+        committed since `read`: nothing written)."""
+        p = self.prefix
+        field, data = answer if answer is not None else ("", b"")
+        return int(self._commit(
+            keys=[keys.training_session_key(p, session_id), keys.training_session_state_key(p, session_id),
+                  keys.training_sessions_key(p, rec.owner), keys.training_session_answers_key(p, session_id)],
+            args=[read, _encoder.encode(rec), self.ttl_s, session_id, rec.state_bytes, "1" if state is not None
+                  else "0", state or b"", field and keys.answer_field(field), data,
+                  *(keys.answer_field(k) for k in forgotten)]))
 
     def owned(self, owner: str, session_id: str) -> SessionRecord | None:
         """The record when `owner` owns the session; another key's session reads as none."""
         rec = self.get(session_id)
         return rec if rec is not None and rec.owner == owner else None
 
-    def put(self, session_id: str, rec: SessionRecord, state: bytes | None = None, client=None) -> None:
-        """Writes the record (and a checkpoint when given), refreshing the TTL of everything of the session."""
+    def put(self, session_id: str, rec: SessionRecord, state: bytes | None = None) -> None:
+        """Writes the record (and a checkpoint when given) unconditionally: for tests and tools that set a
+        session up; the service's own writes are admit() and commit()."""
         p, ttl = self.prefix, self.ttl_s
-        pipe = client if client is not None else self.redis.pipeline()
-        pipe.set(keys.training_session_key(p, session_id), _encoder.encode(rec), ex=ttl)
-        if state is not None:
-            pipe.set(keys.training_session_state_key(p, session_id), state, ex=ttl)
-        else:
-            pipe.expire(keys.training_session_state_key(p, session_id), ttl)
-        pipe.hset(keys.training_sessions_key(p, rec.owner), session_id, rec.state_bytes)
-        pipe.expire(keys.training_sessions_key(p, rec.owner), ttl)
-        if client is None:
+        with self.redis.pipeline() as pipe:
+            pipe.set(keys.training_session_key(p, session_id), _encoder.encode(rec), ex=ttl)
+            if state is not None:
+                pipe.set(keys.training_session_state_key(p, session_id), state, ex=ttl)
+            pipe.hset(keys.training_sessions_key(p, rec.owner), session_id, rec.state_bytes)
+            pipe.expire(keys.training_sessions_key(p, rec.owner), ttl)
             pipe.execute()
 
     def state(self, session_id: str) -> bytes | None:
@@ -146,16 +198,14 @@ class SessionRecords:
     def delete(self, owner: str, session_id: str) -> None:
         p = self.prefix
         pipe = self.redis.pipeline()
-        pipe.delete(keys.training_session_key(p, session_id), keys.training_session_state_key(p, session_id))
+        pipe.delete(keys.training_session_key(p, session_id), keys.training_session_state_key(p, session_id),
+                    keys.training_session_answers_key(p, session_id))
         pipe.hdel(keys.training_sessions_key(p, owner), session_id)
         pipe.execute()
 
-    def put_answer(self, session_id: str, key: str, data: bytes, client=None) -> None:
-        (client or self.redis).set(keys.training_session_answer_key(self.prefix, session_id, key), data,
-                                   ex=self.ttl_s)
-
     def answer(self, session_id: str, key: str) -> bytes | None:
-        return self.redis.get(keys.training_session_answer_key(self.prefix, session_id, key))
+        """The answer kept for the step applied under idempotency key `key`."""
+        return self.redis.hget(keys.training_session_answers_key(self.prefix, session_id), keys.answer_field(key))
 
 
 def job_answer_name(job_id: str) -> str:

@@ -82,9 +82,11 @@ class TrainingSession:
                             "the model; name parameters as named_parameters() does", option="options.freeze")
         self.params = {n: p.requires_grad_(n not in frozen) for n, p in model.named_parameters() if n not in frozen}
         self.names = list(self.params)
+        session_state.check_arguments(create.optimizer, {p.dtype for p in self.params.values()})
         self.optimizer = session_state.make_optimizer(create.optimizer, list(self.params.values()))
         self.step, self.accumulated, self.seed = 0, 0, create.model.seed
         self.applied: dict[str, int] = {}  # idempotency key -> the step it was applied at (the latest APPLIED_KEYS)
+        self.answer_bytes: dict[str, int] = {}  # idempotency key -> its kept answer's bytes
         # The last update's per-parameter (|w_t - w_(t-1)|^2, |w_(t-1)|^2), kept by optim_step(norms=True): the
         # next run step's update_ratio, as a /gradients run's step t compares the weights it sent with step t-1's.
         self.last_update: dict[str, tuple[float, float]] | None = None
@@ -216,16 +218,31 @@ class TrainingSession:
 
     # --- state -------------------------------------------------------------------------------------------
 
-    def remember(self, key: str) -> None:
-        """Marks an idempotency key applied at the current step (the oldest forgotten past APPLIED_KEYS)."""
+    def remember(self, key: str, answer_bytes: int = 0, budget: int | None = None) -> tuple[str, ...]:
+        """Marks an idempotency key applied at the current step, its answer `answer_bytes` long; the oldest keys
+        are forgotten past APPLIED_KEYS, or while the answers kept come to more than `budget` bytes (the newest
+        is always kept). Answers the keys forgotten: their answers go with them (session_records.commit)."""
         self.applied[key] = self.step
-        while len(self.applied) > APPLIED_KEYS:
-            self.applied.pop(next(iter(self.applied)))
+        self.answer_bytes[key] = answer_bytes
+        forgotten = []
+        while len(self.applied) > 1 and (len(self.applied) > APPLIED_KEYS or
+                                         budget is not None and sum(self.answer_bytes.values()) > budget):
+            old = next(iter(self.applied))
+            self.applied.pop(old)
+            self.answer_bytes.pop(old, None)
+            forgotten.append(old)
+        return tuple(forgotten)
+
+    @property
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes of its trained parameters, the arithmetic its optimizer runs in."""
+        return {p.dtype for p in self.params.values()}
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         out, meta = session_state.export_state(self.model, self.optimizer, self.names,
                                                {"step": self.step, "accumulated": self.accumulated, "seed": self.seed})
         meta["applied"] = msgspec.json.encode(self.applied).decode()
+        meta["answer_bytes"] = msgspec.json.encode(self.answer_bytes).decode()
         if self.last_update is not None:
             meta["last_update"] = msgspec.json.encode(self.last_update).decode()
         return out, meta
@@ -234,6 +251,7 @@ class TrainingSession:
         counters = session_state.import_state(self.model, self.optimizer, self.names, tensors_, meta)
         self.step, self.accumulated, self.seed = counters["step"], counters["accumulated"], counters["seed"]
         self.applied = msgspec.json.decode(meta.get("applied", "{}"), type=dict[str, int])
+        self.answer_bytes = msgspec.json.decode(meta.get("answer_bytes", "{}"), type=dict[str, int])
         last = meta.get("last_update")
         self.last_update = None if last is None else msgspec.json.decode(last, type=dict[str, tuple[float, float]])
 
@@ -325,6 +343,7 @@ def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
     session_state.optimizer_arguments(create.optimizer)
     request = GradientRequest(model=create.model, inputs=[])
     dtype = model_dtype(request)  # a floating dtype, and exactly one of layers, graph, graph_ref
+    session_state.check_arguments(create.optimizer, dtype)
     side = LayerSpecModel(request, config, caches, dtype) if create.model.layers is not None else \
         GraphSpecModel(request, config, caches, dtype, graphs)
     meta = side.model("meta", False)[0]  # the weights decoded and checked

@@ -11,6 +11,7 @@ max_exp_avg_sq, step), `grad/<parameter>`. Metadata: `format`, `step`, `accumula
 
 from __future__ import annotations
 
+import math
 import struct
 from types import MappingProxyType
 
@@ -122,15 +123,53 @@ def import_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names
     return {k: int(meta[k]) for k in ("step", "accumulated", "seed")}
 
 
+# Complex dtypes the safetensors format has no name for: such a tensor is written as its real view
+# (torch.view_as_real: a last dimension of 2, real and imaginary parts) and named in the metadata's `complex`.
+_AS_REAL = (torch.complex128, torch.complex32)
+
+
 def to_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    as_real = sorted(n for n, t in tensors.items() if t.dtype in _AS_REAL)
+    if as_real:
+        tensors = {n: torch.view_as_real(t).contiguous() if n in as_real else t for n, t in tensors.items()}
+        meta = {**meta, "complex": msgspec.json.encode(as_real).decode()}
     return save_safetensors(tensors, metadata=meta)
 
 
 def from_bytes(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file; safetensors' own parser reads the tensors, the header's JSON
-    gives the metadata."""
+    gives the metadata. Tensors written as their real view (to_bytes) come back complex."""
     if len(data) < 8:
         raise SpecError("bad_weights", "the session state is not a safetensors file (under 8 bytes)")
     (size,) = struct.unpack("<Q", data[:8])
     header = msgspec.json.decode(data[8:8 + size])
-    return load_safetensors(data), dict(header.get("__metadata__") or {})
+    tensors, meta = load_safetensors(data), dict(header.get("__metadata__") or {})
+    for name in msgspec.json.decode(meta.get("complex", "[]"), type=list[str]):
+        tensors[name] = torch.view_as_complex(tensors[name])
+    return tensors, meta
+
+
+def check_step_values(lr: float | None, dtypes) -> None:
+    """A step's `lr` (or an optimizer argument at creation) finite in every dtype the session's parameters have,
+    else a bad_option: torch refuses a scalar its tensor's dtype cannot hold, after the queue."""
+    if lr is not None:
+        _finite_in("lr", lr, dtypes)
+
+
+def check_arguments(spec: OptimizerSpec, dtypes) -> None:
+    """Every numeric argument of the optimizer finite in the session's dtypes (check_step_values)."""
+    for name in ("lr", "momentum", "dampening", "eps", "weight_decay"):
+        value = getattr(spec, name)
+        if value is not None:
+            _finite_in(f"optimizer.{name}", value, dtypes)
+
+
+def _finite_in(where: str, value: float, dtypes) -> None:
+    if isinstance(dtypes, torch.dtype):
+        dtypes = (dtypes,)
+    for dtype in sorted(dtypes, key=lambda d: torch.finfo(d).max):  # the narrowest named
+        top = torch.finfo(dtype).max
+        if not math.isfinite(value) or abs(value) > top:
+            raise SpecError("bad_option", f"{where} is {value!r}, beyond what the session's {dtype} weights hold "
+                            f"(largest finite {top:g}): the optimizer's arithmetic would overflow. Send a finite "
+                            f"value under {top:g}", option=where, value=repr(value))

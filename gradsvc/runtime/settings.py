@@ -200,6 +200,9 @@ class Settings:
     session_max_per_worker: int = _positive(16)
     session_idle_ttl_s: int = _positive(3600)
     session_checkpoint_every: int = _at_least_zero(0, " (from the state's size)")
+    # The bytes of the answers a session keeps for its remembered idempotency keys (its last 256): past it the
+    # oldest keys are forgotten with their answers (the newest answer is always kept).
+    session_answer_bytes: int = _positive(16 << 20)
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

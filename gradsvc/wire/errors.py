@@ -102,5 +102,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
     "session_resumed": ErrorCode(409, "SessionResumedError", "request",
                                  "the session came back from an older checkpoint: resend the batches from detail.step"),
     "session_lost": ErrorCode(410, "SessionLostError", "job",
-                              "the session's checkpoint is gone; its state cannot be rebuilt"),
+                              "the session's checkpoint is gone, or Redis lost the session; it cannot be rebuilt"),
+    "session_conflict": ErrorCode(409, "SessionConflictError", "unavailable",
+                                  "another worker changed the session while this call ran; it was not applied"),
+    "answer_lost": ErrorCode(410, "AnswerLostError", "job",
+                             "the call under this idempotency key was applied, but its answer is no longer kept"),
 }

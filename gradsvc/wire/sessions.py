@@ -128,6 +128,10 @@ class SessionStepResult(Struct, omit_defaults=False):
     # options.diagnostics ["norms"]: the batch gradient's norms (before clipping); the per-example diagnostics
     # need per-sample gradients, which a session step does not compute.
     diagnostics: Diagnostics | None = None
+    # The `return` entries left out because the answer would have been over GRADSVC_MAX_RESULT_BYTES once the
+    # call was applied (its outputs' size is known only then); the call was applied: read the weights with
+    # GET /sessions/{id}/weights.
+    omitted: list[str] = []
 
 
 class SessionInfo(Struct):

@@ -1,6 +1,6 @@
 """The sessions one worker holds (workers/session_host.py) against a real Redis: a worker full of sessions it still
 holds refuses one more with a coded workers_full (503) that says what to do; sessions whose record expired or moved
-to another worker make room."""
+to another worker make room, and the idle sweep drops them whether or not room is needed."""
 
 from __future__ import annotations
 
@@ -44,3 +44,14 @@ def test_a_full_worker_refuses_one_more_session_until_one_expires_or_moves(flush
     flushed_redis.delete(keys.training_session_key("t", "a"))  # expired (GRADSVC_SESSION_IDLE_TTL_S)
     host.room_for("d", records)
     assert set(host.sessions) == {"c"}
+
+
+def test_the_sweep_drops_the_sessions_deleted_expired_or_held_elsewhere_and_keeps_the_others(flushed_redis):
+    records = SessionRecords(flushed_redis, "t", ttl_s=60, worker="w1")
+    host = SessionHost(max_sessions=16)
+    for session_id, holder in (("live", "w1"), ("moved", "w2"), ("deleted", "w1"), ("expired", "w1")):
+        _hold(host, records, session_id, holder)
+    records.delete("alice", "deleted")
+    flushed_redis.delete(keys.training_session_key("t", "expired"))
+    assert host.sweep(records) == 3 and set(host.sessions) == {"live"}
+    assert host.sweep(records) == 0 and SessionHost(4).sweep(records) == 0

@@ -11,7 +11,8 @@ import msgspec
 
 from gradsvc import wire
 from gradsvc.broker import keys
-from gradsvc.broker.session_records import ADMITTED, OVER_BUDGET, TOO_MANY, SessionRecords, new_record
+from gradsvc.broker.session_records import (ADMITTED, CHANGED, COMMITTED, GONE, OVER_BUDGET, TOO_MANY,
+                                            SessionRecords, new_record)
 from workers.session_host import CHECKPOINT_EVERY_MAX, default_checkpoint_every
 
 CREATE = msgspec.convert({"model": {"layers": [{"type": "Linear", "in_features": 2, "out_features": 1}],
@@ -33,13 +34,34 @@ def test_live_sessions_are_the_owners_own_and_an_expired_one_leaves_the_set(flus
     assert records.state("a1") is None and records.live("alice") == {}
 
 
-def test_every_write_refreshes_the_ttl_of_the_record_and_its_checkpoint(flushed_redis):
+def test_every_commit_refreshes_the_ttl_of_the_record_its_checkpoint_and_its_answers(flushed_redis):
     records = SessionRecords(flushed_redis, "t", ttl_s=60)
     records.put("s", new_record("alice", CREATE), b"state")
-    flushed_redis.expire(keys.training_session_state_key("t", "s"), 5)
-    records.put("s", records.get("s"))
-    assert flushed_redis.ttl(keys.training_session_state_key("t", "s")) > 5
-    assert flushed_redis.ttl(keys.training_session_key("t", "s")) > 5
+    rec, read = records.read("s")
+    assert records.commit("s", read, rec, answer=("key-1", b"answer")) == COMMITTED
+    for key in (keys.training_session_state_key("t", "s"), keys.training_session_answers_key("t", "s")):
+        flushed_redis.expire(key, 5)
+    rec, read = records.read("s")
+    assert records.commit("s", read, rec) == COMMITTED
+    for key in ("s", "s:state", "s:answers"):
+        assert flushed_redis.ttl(f"t:tsession:{key}") > 5, key
+    assert records.answer("s", "key-1") == b"answer"
+
+
+def test_a_commit_writes_only_over_the_record_it_read_and_never_brings_a_deleted_session_back(flushed_redis):
+    records = SessionRecords(flushed_redis, "t", ttl_s=60)
+    records.put("s", new_record("alice", CREATE), b"state-0")
+    rec, read = records.read("s")
+    first, second = msgspec.structs.replace(rec, step=1), msgspec.structs.replace(rec, step=1, holder="other")
+    assert records.commit("s", read, first, b"state-1", ("k1", b"a1")) == COMMITTED
+    assert records.commit("s", read, second, b"state-x", ("k2", b"a2")) == CHANGED  # the other restorer
+    assert records.get("s").holder == "" and records.state("s") == b"state-1" and records.answer("s", "k2") is None
+    rec, read = records.read("s")
+    assert records.commit("s", read, rec, answer=("k3", b"a3"), forgotten=("k1",)) == COMMITTED
+    assert records.answer("s", "k1") is None and records.answer("s", "k3") == b"a3"  # forgotten with its key
+    records.delete("alice", "s")
+    assert records.commit("s", read, rec, b"state-2", ("k4", b"a4")) == GONE
+    assert [k for k in flushed_redis.scan_iter("t:tsession:s*")] == [] and records.live("alice") == {}
 
 
 def test_checkpoint_every_defaults_to_one_checkpoint_per_16_mib_of_state():
@@ -67,9 +89,9 @@ def test_admission_counts_the_live_sessions_and_their_bytes_and_writes_the_recor
     flushed_redis.delete(keys.training_session_key("t", "a1"))  # expired: it leaves the count and the bytes
     assert records.admit("alice", "a3", _record("alice", 100), limit=2, budget_bytes=250) == (ADMITTED, ["a2"], 150)
     assert sorted(records.live("alice")) == ["a2", "a3"]
-    grown = records.get("a2")
-    grown.state_bytes = 10**13  # its worker's write says what it holds now
-    records.put("a2", grown)
+    grown, read = records.read("a2")
+    grown.state_bytes = 10**13  # its worker's commit says what it holds now
+    assert records.commit("a2", read, grown) == COMMITTED
     assert records.admit("alice", "a4", _record("alice", 1), limit=9, budget_bytes=10**12)[0] == OVER_BUDGET
 
 

@@ -263,3 +263,25 @@ def test_a_run_steps_update_is_the_one_before_it_and_survives_a_checkpoint():
         assert moved == pytest.approx(float((weights[2][name] - weights[1][name]).pow(2).sum()), rel=1e-12), name
         assert base == pytest.approx(float(weights[1][name].pow(2).sum()), rel=1e-12), name
     assert session_for(spec, "sgd", {"lr": 0.1}).train_step(batch(*data[0])).extra["update"] is None
+
+
+def test_complex_tensors_safetensors_has_no_name_for_come_back_from_a_checkpoint_complex():
+    state = {"w": torch.randn(3, 2, dtype=torch.complex128), "h": torch.randn(2, dtype=torch.complex64),
+             "b": torch.randn(2, dtype=torch.float64)}
+    back, meta = session_state.from_bytes(session_state.to_bytes(state, {"step": "3"}))
+    assert meta["step"] == "3" and {n: t.dtype for n, t in back.items()} == {n: t.dtype for n, t in state.items()}
+    for name, t in state.items():
+        assert torch.equal(back[name], t), name
+
+
+@pytest.mark.parametrize("dtype, refused", [(torch.float32, 1e39), (torch.float16, 7e4), (torch.bfloat16, 4e38)])
+def test_an_lr_or_optimizer_argument_beyond_the_dtype_is_a_bad_option_naming_it(dtype, refused):
+    session_state.check_step_values(1e30 if dtype != torch.float16 else 6e4, {dtype})
+    for lr in (refused, float("inf"), float("nan")):
+        with pytest.raises(SpecError) as err:
+            session_state.check_step_values(lr, {torch.float64, dtype})
+        assert err.value.code == "bad_option" and err.value.detail["option"] == "lr" and str(dtype) in err.value.message
+    spec = wire.OptimizerSpec(type="adam", lr=1e-3, eps=refused)
+    with pytest.raises(SpecError) as err:
+        session_state.check_arguments(spec, dtype)
+    assert err.value.detail["option"] == "optimizer.eps"

@@ -125,6 +125,22 @@ for _, qkey in ipairs(redis.call('SMEMBERS', KEYS[4])) do
       end
       redis.call('DEL', qkey)
       redis.call('SREM', KEYS[4], qkey)
+      -- What it had taken (RQ's BLMOVE into the queue's intermediate list) and never started: queued again.
+      -- A started one is its lease's to fail (worker_lost); RQ's own cleanup of this list ran only on its worker.
+      local taken = qkey .. ':intermediate'
+      for _, id in ipairs(redis.call('LRANGE', taken, 0, -1)) do
+        if redis.call('HGET', jobs .. id, 'status') == 'queued' then
+          local fallback = redis.call('HGET', KEYS[3], id) or default
+          redis.call('ZREM', KEYS[1], id)
+          redis.call('SREM', KEYS[2], id)
+          redis.call('HDEL', KEYS[3], id)
+          redis.call('HSET', jobs .. id, 'origin', fallback)
+          redis.call('LPUSH', queues .. fallback, id)
+          redis.call('SADD', KEYS[4], queues .. fallback)
+          moved = moved + 1
+        end
+      end
+      redis.call('DEL', taken)
     end
   end
 end

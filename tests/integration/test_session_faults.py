@@ -321,6 +321,61 @@ def test_a_remembered_key_whose_answer_redis_lost_is_a_410_not_a_second_applicat
         assert s.info().step == 2
 
 
+def test_retries_a_kill_and_concurrent_steps_end_on_the_local_loop_over_the_acknowledged_steps(faults_stack, http,
+                                                                                                 client):
+    """Two clients step one session at once, each retrying every call under its key (and sending some twice on
+    purpose); the holder is killed with SIGKILL mid-run. Every batch is acknowledged exactly once, at one step
+    each, and the weights are the local loop over the batches in the order of those steps."""
+    model, data = net(), batches(12)
+    s = client.session(model, "sgd", lr=0.1, checkpoint_every=1)
+    s.step(*data[0])
+    path, steps, killed = f"/sessions/{s.session_id}/step", {}, threading.Event()
+
+    def send(i: int) -> dict:
+        for _ in range(60):  # a killed worker's job (503 worker_lost), a conflict, a call still running (202):
+            r = http.post(path, json=body(*data[i]), headers={"Idempotency-Key": f"mix-{i}"})  # sent again
+            if r.status_code == 200:
+                return r.json()
+            assert r.status_code in (202, 409, 503), r.text
+            time.sleep(0.2)
+        raise AssertionError(f"batch {i} never acknowledged")
+
+    def drive(mine: list[int]) -> None:
+        for n, i in enumerate(mine):
+            first = send(i)
+            if n % 2:  # a retry after the answer: the same step, replayed
+                again = send(i)
+                assert (again["replayed"], again["step"]) == (True, first["step"])
+            steps[i] = first["step"]
+            if n == 2 and not killed.is_set():
+                killed.set()
+                holder = http.get(f"/sessions/{s.session_id}").json()["worker"]
+                victim = next(p for p in faults_stack.workers if p.pid == int(holder.split("-")[-2]))
+                os.kill(victim.pid, signal.SIGKILL)
+
+    failures: list[BaseException] = []
+
+    def guarded(mine: list[int]) -> None:
+        try:
+            drive(mine)
+        except BaseException as exc:  # a thread's failure is the test's
+            failures.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(list(range(k, 12, 2)),)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert sorted(steps.values()) == list(range(2, 13)) and s.info().step == 12, steps
+    got = pulled(s, model)
+    s.delete()
+    faults_stack.start_worker()
+    faults_stack.wait_ready(3)
+    order = sorted(steps, key=steps.get)
+    assert_same(got, local(model, [data[0], *(data[i] for i in order)]))
+
+
 def test_a_session_redis_lost_in_a_restart_reads_410_session_lost(faults_stack, http, client):
     """Last in the module: Redis emptied under the stack, as a restart without its data."""
     model, (x, y) = net(), batches(1)[0]

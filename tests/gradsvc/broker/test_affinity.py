@@ -166,3 +166,23 @@ def test_a_gone_workers_own_queue_is_emptied_in_order_at_once_and_forgotten(flus
     assert set(map(bytes.decode, redis.hkeys(keys.affinity_fallback_key(PREFIX)))) == {"a1"}
     assert redis.scard(keys.affinity_pinned_key(PREFIX)) == 0
     assert mover.sweep_gone("gradsvc") == 0 and mover.move_overdue() == []
+
+
+def test_what_a_killed_worker_took_from_its_own_queue_and_never_started_is_queued_again(flushed_redis):
+    """RQ takes a job by moving it into the queue's intermediate list; a worker killed before the job started
+    left it there, and RQ's own cleanup of that list runs only on the list's worker: the job waited forever
+    (a session step answered 202 until its session expired). The sweep queues it again; a started one is left to
+    its lease (worker_lost)."""
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    _alive(redis, "killed")
+    own = keys.own_queue_name(PREFIX, "killed")
+    for job_id in ("taken", "running"):
+        _enqueue(redis, mover, own, "gradsvc-cpu", job_id, wait_s=0.0, pinned=True)
+        redis.lmove(keys.rq_queue_key(own), f"{keys.rq_queue_key(own)}:intermediate", "LEFT", "RIGHT")
+    redis.hset(Job.key_for("running"), "status", "started")
+    redis.delete(keys.rq_worker_key("killed"))
+    assert mover.sweep_gone("gradsvc") == 1
+    assert _queue(redis, "gradsvc-cpu").job_ids == ["taken"]
+    assert not redis.exists(f"{keys.rq_queue_key(own)}:intermediate")
+    assert Job.fetch("taken", connection=redis, serializer=MsgpackSerializer).origin == "gradsvc-cpu"

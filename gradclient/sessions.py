@@ -161,7 +161,13 @@ class BaseSession:
         return _local(tensors, self.names)
 
     def _saving(self, path: str) -> Flow[None]:
-        """The weights and buffers as one safetensors file at `path` (as the service writes it)."""
+        """The weights and buffers as one safetensors file at `path` (as the service writes it); for a `peft`
+        model, its adapter as `peft` saves it: `path` a directory with adapter_model.safetensors and
+        adapter_config.json, which PeftModel.from_pretrained loads (the base is not in it)."""
+        if _is_peft(self.model):
+            state = yield from self._state()
+            self.model.save_pretrained(path, state_dict=state)
+            return
         response, buf = yield from self.client._sending("GET", f"{self._path}/weights",
                                                         accept=OCTET_STREAM)
         with open(path, "wb") as f:
@@ -276,3 +282,9 @@ class AsyncSession(BaseSession):
 
     async def delete(self) -> None:
         await self.client._drive(self._deleting())
+
+
+def _is_peft(model: Any) -> bool:
+    """A `peft` model (PeftModel and its task classes), known by what it has rather than imported."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "save_pretrained", None)) and \
+        hasattr(model, "base_model")

@@ -166,11 +166,12 @@ def _graphs(ctx: WorkerContext, job: Job):
     return ctx.graphs.resolver(_owner(job))
 
 
-def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest) -> GradientRequest:
+def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest, in_place: bool = True) -> GradientRequest:
     """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces; the
-    weights a model this worker holds for the owner has in place stay refs alone (never fetched: resident.py)."""
+    weights a model this worker holds for the owner has in place stay refs alone (never fetched: resident.py),
+    unless `in_place` is False (a training session builds a model of its own)."""
     try:
-        held = ctx.engine.in_place(request, ctx.device, _owner(job))
+        held = ctx.engine.in_place(request, ctx.device, _owner(job)) if in_place else set()
         resolved = ctx.pieces.resolved(_owner(job), request, held)
     except BlobError as exc:
         raise SpecError(exc.code, exc.message, **exc.detail) from None

@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable
 
 from gradsvc.broker.session_records import COMMITTED, SessionRecord, SessionRecords
-from gradsvc.engine import ComputeError, Engine, session_state
-from gradsvc.engine.session import TrainingSession, open_session
+from gradsvc.engine import ComputeError, session_state
+from gradsvc.engine.frozen import FrozenStore
+from gradsvc.engine.session import TrainingSession
 
 log = logging.getLogger("gradsvc.worker")
 
@@ -33,11 +34,13 @@ class SessionHost:
     def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
         self.sessions: dict[str, TrainingSession] = {}
+        self.frozen = FrozenStore()  # the frozen weights its sessions share, each held once
         self.steps_total = 0
 
     @property
     def held_bytes(self) -> int:
-        return sum(s.state_bytes for s in self.sessions.values())
+        """What its sessions hold: each one's own state, and the frozen weights they share once."""
+        return sum(s.state_bytes for s in self.sessions.values()) + self.frozen.held_bytes
 
     def room_for(self, session_id: str, records: SessionRecords) -> None:
         """Makes room for one more session: sessions whose record expired or moved to another worker go first;
@@ -62,10 +65,10 @@ class SessionHost:
             self.sessions.pop(session_id, None)
         return len(gone)
 
-    def held(self, session_id: str, rec: SessionRecord, records: SessionRecords, engine: Engine, device,
-             graphs) -> tuple[TrainingSession, int | None]:
+    def held(self, session_id: str, rec: SessionRecord, records: SessionRecords,
+             reopen: Callable[[], TrainingSession]) -> tuple[TrainingSession, int | None]:
         """(the session as its record says it stands, the checkpoint's step when it was restored from it: the
-        steps after it are lost and the answer says so)."""
+        steps after it are lost and the answer says so). `reopen` builds its model again, for the checkpoint."""
         session = self.sessions.get(session_id)
         if session is not None and rec.holder == records.worker and (session.step, session.accumulated) == \
                 (rec.step, rec.accumulated):
@@ -78,7 +81,7 @@ class SessionHost:
                                "it): its state cannot be rebuilt; create a new session from your last weights",
                                session_id=session_id)
         started = time.perf_counter()
-        session = open_session(rec.create, engine.config, engine.caches, device, graphs=graphs, restoring=True)
+        session = reopen()
         session.restore(*session_state.from_bytes(data))
         log.info("session %s restored from its checkpoint at step %d in %.3f s (its record said step %d)",
                  session_id, session.step, time.perf_counter() - started, rec.step)

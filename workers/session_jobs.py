@@ -27,8 +27,8 @@ from gradsvc.engine import ComputeError, EngineError, SpecError, tensors
 from gradsvc.engine import session_state
 from gradsvc.engine.session import StepOutcome, TrainingSession, open_session
 from gradsvc.engine.session_state import check_step_values
-from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated, SessionOptimStep,
-                          SessionStepResult, SessionTimings)
+from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated,
+                          SessionOptimStep, SessionStepResult, SessionTimings, refs_only)
 
 from .jobs import WorkerContext, _fail, _graphs, _with_pieces, context_of
 from .run_steps import module_of
@@ -115,11 +115,12 @@ def _create(call: Call) -> bytes:
     if create.options.device not in ("auto", ctx.device.type):
         raise SpecError("device_unavailable", f"options.device={create.options.device!r}: the worker that took the "
                         f"session runs on {ctx.device}; use device='auto' or start a {create.options.device} worker")
-    with_pieces = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]))
-    rec.create = msgspec.structs.replace(create, model=msgspec.structs.replace(create.model, weights=None))
+    with_pieces = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False)
+    rec.create = msgspec.structs.replace(create, model=msgspec.structs.replace(create.model, weights=refs_only(
+        create.model.weights, set(create.options.freeze)) or None))  # the frozen base by its refs, to rebuild it
     ctx.sessions.room_for(call.session_id, call.records)
     session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
-                           ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job))
+                           ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job), frozen=ctx.sessions.frozen)
     ctx.sessions.sessions[call.session_id] = session
     size = session.expected_bytes  # its optimizer's state comes with the first step
     every = create.options.checkpoint_every or ctx.settings.session_checkpoint_every or default_checkpoint_every(size)
@@ -133,7 +134,17 @@ def _create(call: Call) -> bytes:
 
 def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | None]:
     ctx = call.ctx
-    return ctx.sessions.held(call.session_id, rec, call.records, ctx.engine, ctx.device, _graphs(ctx, call.job))
+
+    def reopen() -> TrainingSession:
+        """The session's model built again, for its checkpoint: its frozen base found in this worker's store, or
+        fetched from the owner's pieces."""
+        create = rec.create
+        if create.model.weights:
+            model = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False).model
+            create = msgspec.structs.replace(create, model=model)
+        return open_session(create, ctx.engine.config, ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job),
+                            restoring=True, frozen=ctx.sessions.frozen)
+    return ctx.sessions.held(call.session_id, rec, call.records, reopen)
 
 
 def _replayed(call: Call, session: TrainingSession, key: str | None) -> bytes | None:
@@ -188,8 +199,8 @@ def _operate(call: Call, op: str) -> bytes:
 def _with_batch_pieces(call: Call, rec: SessionRecord, batch: SessionBatch) -> SessionBatch:
     """The batch with its tensors by reference (`{"refs": [...]}`) filled in from the owner's pieces, as a
     POST /gradients job's are."""
-    request = _with_pieces(call.ctx, call.job, GradientRequest(model=rec.create.model, inputs=batch.inputs,
-                                                               targets=batch.targets))
+    model = msgspec.structs.replace(rec.create.model, weights=None)  # the batch's pieces alone, not the base's
+    request = _with_pieces(call.ctx, call.job, GradientRequest(model=model, inputs=batch.inputs, targets=batch.targets))
     return msgspec.structs.replace(batch, inputs=request.inputs, targets=request.targets)
 
 

@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from gradsvc.wire import SessionCreate, SessionInfo, SessionStepResult
+from gradsvc.wire import SessionCreate, SessionInfo, SessionStepResult, refs_only
 
 from . import keys
 
@@ -110,9 +110,12 @@ COMMITTED, GONE, CHANGED = 1, 0, -1
 
 
 def new_record(owner: str, create: SessionCreate) -> SessionRecord:
+    """The record of a new session: its body without its weights (in its checkpoint), but for the frozen ones
+    sent by reference, kept by their refs (frozen.py: no checkpoint holds them)."""
     now = time.time()
+    base = refs_only(create.model.weights, set(create.options.freeze)) or None
     return SessionRecord(owner=owner, create=msgspec.structs.replace(
-        create, model=msgspec.structs.replace(create.model, weights=None)), created_at=now, last_used_at=now)
+        create, model=msgspec.structs.replace(create.model, weights=base)), created_at=now, last_used_at=now)
 
 
 class SessionRecords:

@@ -31,6 +31,7 @@ from .devices import float32_math, math_mode_for, sync
 from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, SpecError
+from .frozen import FrozenStore, refs_only
 from .graph.interpreter import GraphModel
 from .numcheck import CheckInputs, numerical_check
 from .passes import run_pass
@@ -72,7 +73,9 @@ class TrainingSession:
 
     def __init__(self, create: SessionCreate, model: nn.Module, graph: tuple[str, GraphSpec] | None,
                  config: EngineConfig, caches: EngineCaches, device: torch.device) -> None:
-        self.create, self.model, self.device = create, model, device
+        # Its body without the weights' bytes: the model holds them (and the frozen base is the worker's store's)
+        self.create = msgspec.structs.replace(create, model=msgspec.structs.replace(create.model, weights=None))
+        self.model, self.device = model, device
         self.graph_ref, self.graph = graph if graph is not None else (None, None)
         self.config, self.caches = config, caches
         frozen = set(create.options.freeze)
@@ -91,6 +94,7 @@ class TrainingSession:
         # next run step's update_ratio, as a /gradients run's step t compares the weights it sent with step t-1's.
         self.last_update: dict[str, tuple[float, float]] | None = None
         self.parameter_count = sum(p.numel() for p in model.parameters())
+        self.shared: set[str] = set()  # frozen parameters held in the worker's FrozenStore (open_session)
 
     def math(self, asked: str | None = None):
         """The float32 math an operation runs in, as a job's (devices.float32_math): the batch's options.math_mode,
@@ -100,8 +104,9 @@ class TrainingSession:
 
     @property
     def state_bytes(self) -> int:
-        """The device bytes it holds: weights and buffers, the optimizer's state, gradients accumulating."""
-        held = state_bytes(self.model.state_dict())
+        """The device bytes it holds itself: weights and buffers (not the frozen ones it shares: FrozenStore), the
+        optimizer's state, gradients accumulating."""
+        held = self._own_bytes()
         for per in self.optimizer.state.values():
             held += sum(v.numel() * v.element_size() for v in per.values() if isinstance(v, torch.Tensor))
         return held + sum(p.grad.numel() * p.grad.element_size() for p in self.params.values() if p.grad is not None)
@@ -111,7 +116,10 @@ class TrainingSession:
         """What it will hold once stepping: weights and buffers, and per trained parameter one gradient and the
         optimizer's tensors (created by its first step)."""
         trained = sum(p.numel() * p.element_size() for p in self.params.values())
-        return state_bytes(self.model.state_dict()) + trained * (1 + session_state.optimizer_slots(self.create.optimizer))
+        return self._own_bytes() + trained * (1 + session_state.optimizer_slots(self.create.optimizer))
+
+    def _own_bytes(self) -> int:
+        return state_bytes({n: t for n, t in self.model.state_dict().items() if n not in self.shared})
 
     @property
     def lr(self) -> float:
@@ -240,7 +248,8 @@ class TrainingSession:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         out, meta = session_state.export_state(self.model, self.optimizer, self.names,
-                                               {"step": self.step, "accumulated": self.accumulated, "seed": self.seed})
+                                               {"step": self.step, "accumulated": self.accumulated, "seed": self.seed},
+                                               skip=self.shared)
         meta["applied"] = msgspec.json.encode(self.applied).decode()
         meta["answer_bytes"] = msgspec.json.encode(self.answer_bytes).decode()
         if self.last_update is not None:
@@ -248,7 +257,8 @@ class TrainingSession:
         return out, meta
 
     def restore(self, tensors_: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-        counters = session_state.import_state(self.model, self.optimizer, self.names, tensors_, meta)
+        counters = session_state.import_state(self.model, self.optimizer, self.names, tensors_, meta,
+                                              shared=self.shared)
         self.step, self.accumulated, self.seed = counters["step"], counters["accumulated"], counters["seed"]
         self.applied = msgspec.json.decode(meta.get("applied", "{}"), type=dict[str, int])
         self.answer_bytes = msgspec.json.decode(meta.get("answer_bytes", "{}"), type=dict[str, int])
@@ -311,10 +321,12 @@ def _refuse_non_finite(grads: dict[str, torch.Tensor], loss: float) -> None:
 
 
 def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCaches, device: torch.device, *,
-                 graphs: GraphResolver | None = None, restoring: bool = False) -> TrainingSession:
+                 graphs: GraphResolver | None = None, restoring: bool = False,
+                 frozen: FrozenStore | None = None) -> TrainingSession:
     """The session's model built on `device` with its weights (a layer spec's missing ones from its seeded
     default initialisation), and its optimizer. `restoring`: the weights will come from a checkpoint
-    (TrainingSession.restore), so the request's are not read."""
+    (TrainingSession.restore), so the request's are not read, but for the frozen ones sent by reference, which
+    no checkpoint holds. `frozen`: the worker's store, which holds those once for every session naming them."""
     if create.options.clip is not None and create.options.clip.per_sample:
         raise SpecError("bad_option", "options.clip.per_sample: a session clips the batch's gradient (global); "
                         "leave per_sample out", option="options.clip")
@@ -329,7 +341,14 @@ def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCach
         graph = (side.template.ref, side.template.spec)
         model = GraphModel(side.template.compiled, device=device, dtype=dtype) if restoring else \
             side.model(device, False)[0]
-    return TrainingSession(create, model, graph, config, caches, device)
+    shared = set()
+    if frozen is not None:
+        base = refs_only(create.model.weights, set(create.options.freeze))
+        base = {n: create.model.weights[n] for n in base}  # with their bytes, where the worker filled them
+        shared = frozen.share(model, base, config.limits.max_elements, loaded=not restoring)
+    session = TrainingSession(create, model, graph, config, caches, device)
+    session.shared = shared
+    return session
 
 
 def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
@@ -353,5 +372,7 @@ def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
         raise SpecError("bad_option", f"options.freeze names {sorted(unknown)[:8]}, which are not parameters of "
                         "the model; name parameters as named_parameters() does", option="options.freeze")
     trained = sum(p.numel() for n, p in names.items() if n not in create.options.freeze) * dtype.itemsize
-    held = state_bytes(meta.state_dict()) + trained * (1 + session_state.optimizer_slots(create.optimizer))
+    base = refs_only(create.model.weights, set(create.options.freeze))  # counted with the key's tensor pieces
+    own = {n: t for n, t in meta.state_dict().items() if n not in base}
+    held = state_bytes(own) + trained * (1 + session_state.optimizer_slots(create.optimizer))
     return side.parameter_count, held

@@ -71,11 +71,12 @@ def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> tor
 
 
 def export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str],
-                 counters: dict[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                 counters: dict[str, int], skip: set[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors by name, metadata): copies on the CPU, each its own storage (tied weights included), so the state
     can be written while training goes on. `names` are the optimizer's parameters in its order; `counters`:
-    step, accumulated, seed."""
-    out = {f"model/{n}": _own(t) for n, t in model.state_dict().items()}
+    step, accumulated, seed; `skip`: the frozen weights the worker shares (frozen.py), which are not the
+    session's own state."""
+    out = {f"model/{n}": _own(t) for n, t in model.state_dict().items() if n not in skip}
     state = optimizer.state_dict()
     for i, name in enumerate(names):
         for key, value in state["state"].get(i, {}).items():
@@ -97,13 +98,17 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def import_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str],
-                 tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> dict[str, int]:
-    """Loads what export_state wrote into `model` and `optimizer` (on their device); answers the counters."""
+                 tensors: dict[str, torch.Tensor], meta: dict[str, str], shared: set[str] = frozenset()) -> dict[str, int]:
+    """Loads what export_state wrote into `model` and `optimizer` (on their device); answers the counters. The
+    `shared` frozen weights are neither in it nor written."""
     if meta.get("format") != FORMAT:
         raise SpecError("bad_weights", f"the session state is not in the {FORMAT} format (got "
                         f"{meta.get('format')!r}); it was written by another version")
-    weights = {n[6:]: t for n, t in tensors.items() if n.startswith("model/")}
-    model.load_state_dict(weights, strict=True)
+    weights = {n[6:]: t for n, t in tensors.items() if n.startswith("model/") and n[6:] not in shared}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if set(missing) - set(shared) or unexpected:
+        raise SpecError("bad_weights", f"the session state does not fit its model: missing "
+                        f"{sorted(set(missing) - set(shared))[:4]}, unexpected {sorted(unexpected)[:4]}")
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     index = {name: i for i, name in enumerate(names)}
     for key, value in tensors.items():

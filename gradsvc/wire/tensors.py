@@ -55,6 +55,13 @@ def owned(tensors: "dict[str, Tensor]") -> None:
 TensorLike = Tensor | list | float
 
 
+def refs_only(weights: "dict[str, Tensor] | None", names) -> "dict[str, Tensor]":
+    """The weights of `names` sent by reference, as their refs alone (no bytes): what a training session's record
+    keeps of its frozen base, to find it again on another worker (gradsvc/engine/frozen.py)."""
+    return {n: Tensor(dtype=t.dtype, shape=list(t.shape), refs=list(t.refs)) for n, t in (weights or {}).items()
+            if n in names and isinstance(t, Tensor) and t.refs}
+
+
 def is_tensor(value: Any) -> bool:
     """A tensor object: the Struct, or (inside a field typed Any: inputs, targets) the plain map of one."""
     return isinstance(value, Tensor) or (isinstance(value, dict) and {"dtype", "shape"} <= set(value))

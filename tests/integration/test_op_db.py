@@ -30,9 +30,12 @@ from tests.support.nets import from_wire
 from tests.support.suite import TEST_ALL
 
 MIN_CONFORMING = 357  # measured 358 of 432, one sample per op (docs/models.md)
-# Samples per op: one in `make test` (each allow-listed op still against torch's own gradient), two in
-# `make test-all` (GRADSVC_TEST_ALL=1), which the README's figure was measured with.
+# Samples per op: one in `make test`, two in `make test-all` (GRADSVC_TEST_ALL=1), which the README's figure was
+# measured with. `make test` sends every PART-th allow-listed op (by name; each run the same third), `make
+# test-all` every op: the whole table took 115 s of make test's 10 minutes, a third takes 21 s.
 SAMPLES_PER_OP = 2 if TEST_ALL else 1
+PART = 1 if TEST_ALL else 3
+MIN_CONFORMING_PART = 109  # measured 110 of the third's 139 ops with an OpInfo
 TOL = 1e-9
 # Allow-listed ops whose samples the service answers but cannot match, with the reason (none today).
 KNOWN_MISMATCHES: dict[str, str] = {}
@@ -101,7 +104,8 @@ DUMMY = torch.zeros(2, 1, dtype=torch.float64)
 
 def samples() -> tuple[dict[str, list[Sample]], dict[str, str]]:
     """base -> its samples (exported), and base -> why it has none."""
-    bases = {name.split(".")[1] for name in OPS if name.startswith("aten.")}
+    bases = sorted({name.split(".")[1] for name in OPS if name.startswith("aten.")})
+    bases = set(bases[::PART])
     found: dict[str, list[Sample]] = {}
     none: dict[str, str] = {}
     for info in op_db:
@@ -205,4 +209,4 @@ def test_op_db_samples_of_allow_listed_ops_get_torchs_gradients_through_the_api(
     mismatched = [f"{c.label}: {c.status}" for c in sent if c.status.startswith("mismatch")
                   and c.base not in KNOWN_MISMATCHES]
     assert not mismatched, "allow-listed ops whose gradients differ from eager:\n" + "\n".join(mismatched)
-    assert len(conforming) >= MIN_CONFORMING, lines[0]
+    assert len(conforming) >= (MIN_CONFORMING if PART == 1 else MIN_CONFORMING_PART), lines[0]

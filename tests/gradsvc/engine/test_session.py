@@ -6,6 +6,7 @@ through a safetensors checkpoint; a failed step changes nothing."""
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import msgspec
 import pytest
@@ -19,6 +20,7 @@ from gradsvc import wire
 from gradsvc.engine import session_state
 from gradsvc.engine.config import EngineCaches, EngineConfig
 from gradsvc.engine.errors import ComputeError, SpecError
+from gradsvc.engine.frozen import FrozenStore
 from gradsvc.engine.session import footprint, open_session
 
 CPU = torch.device("cpu")
@@ -285,3 +287,67 @@ def test_an_lr_or_optimizer_argument_beyond_the_dtype_is_a_bad_option_naming_it(
     with pytest.raises(SpecError) as err:
         session_state.check_arguments(spec, dtype)
     assert err.value.detail["option"] == "optimizer.eps"
+
+
+def _frozen_base_create(net: nn.Module, frozen: list[str], with_bytes: bool = True) -> wire.SessionCreate:
+    """A session of `net` as a layer spec whose `frozen` weights come by reference (their refs, and their bytes as
+    the worker fills them in; `with_bytes=False`: the refs alone, as a session's record keeps them)."""
+    weights = {}
+    for name, t in net.state_dict().items():
+        w = msgspec.to_builtins(to_wire(t))
+        if name in frozen:
+            raw = t.contiguous().numpy().tobytes()
+            w = {"dtype": w["dtype"], "shape": w["shape"], "refs": [hashlib.sha256(raw).hexdigest()]}
+            if with_bytes:
+                w["data"] = raw
+        weights[name] = w
+    layers = [{"type": "Linear", "in_features": 6, "out_features": 8}, {"type": "Tanh"},
+              {"type": "Linear", "in_features": 8, "out_features": 3}]
+    return msgspec.convert({"model": {"layers": layers, "dtype": "float64", "weights": weights},
+                            "optimizer": {"type": "adamw", "lr": 1e-2}, "options": {"freeze": frozen}},
+                           wire.SessionCreate)
+
+
+def test_sessions_on_one_base_share_its_frozen_weights_and_checkpoint_only_their_own_state():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    frozen = ["0.weight", "0.bias"]
+    config, store = EngineConfig(), FrozenStore()
+    caches = EngineCaches.for_config(config)
+    create = _frozen_base_create(net, frozen)
+    a, b = (open_session(create, config, caches, CPU, frozen=store) for _ in range(2))
+    assert a.shared == b.shared == set(frozen) and len(store) == 2
+    assert a.model.get_parameter("0.weight") is b.model.get_parameter("0.weight")  # one copy
+    assert store.held_bytes == (48 + 8) * 8 and a.state_bytes < state_bytes_of(net)
+    data = batches(3, torch.float64)
+    for x, y in data:
+        a.train_step(batch(x, y))
+    local = copy.deepcopy(net)
+    for name, p in local.named_parameters():
+        p.requires_grad_(name not in frozen)
+    opt = torch.optim.AdamW([p for p in local.parameters() if p.requires_grad], lr=1e-2)
+    for x, y in data:
+        F.cross_entropy(local(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(a.model.state_dict(), local.state_dict(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(b.model.get_parameter("0.weight"), net.get_parameter("0.weight"))  # never written
+    saved, meta = a.state()
+    assert not any(n.startswith(("model/0.", "grad/0.", "optim/0.")) for n in saved)  # the base is not in it
+    record = _frozen_base_create(net, frozen, with_bytes=False)  # refs alone: found in the store
+    back = open_session(record, config, caches, CPU, restoring=True, frozen=store)
+    back.restore(*session_state.from_bytes(session_state.to_bytes(saved, meta)))
+    torch.testing.assert_close(back.model.state_dict(), a.model.state_dict(), rtol=0, atol=0)
+    fresh = FrozenStore()  # another worker: the base's bytes are needed
+    with pytest.raises(SpecError) as err:
+        open_session(record, config, caches, CPU, restoring=True, frozen=fresh)
+    assert err.value.code == "tensor_not_found"
+    elsewhere = open_session(create, config, caches, CPU, restoring=True, frozen=fresh)
+    elsewhere.restore(*session_state.from_bytes(session_state.to_bytes(saved, meta)))
+    torch.testing.assert_close(elsewhere.model.state_dict(), a.model.state_dict(), rtol=0, atol=0)
+    del a, b, back, elsewhere
+    assert len(store) == 0  # the base goes with the last session naming it
+
+
+def state_bytes_of(net: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in net.state_dict().values())

@@ -81,11 +81,25 @@ local moved = {}
 for _, id in ipairs(candidates) do
   local fallback = redis.call('HGET', KEYS[3], id)
   local origin = redis.call('HGET', jobs .. id, 'origin')
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('SREM', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id)
-  if fallback and origin and string.sub(origin, 1, #own) == own and
-      redis.call('LREM', queues .. origin, 1, id) == 1 then
+  local mine = fallback and origin and string.sub(origin, 1, #own) == own
+  local again = mine and redis.call('LREM', queues .. origin, 1, id) == 1
+  local taking = false
+  if mine and not again and redis.call('HGET', jobs .. id, 'status') == 'queued' then
+    -- Not in its queue and not started: its worker took it (RQ's BLPOP). A live worker is starting it (it stays
+    -- tracked until it has); one killed before starting it never will: it is queued again.
+    local holder = workers .. string.sub(origin, #own + 1)
+    if redis.call('EXISTS', holder) == 0 or redis.call('HEXISTS', holder, 'death') == 1 then
+      again = true
+    else
+      taking = true
+    end
+  end
+  if not taking then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('SREM', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+  end
+  if again then
     redis.call('HSET', jobs .. id, 'origin', fallback)
     redis.call('LPUSH', queues .. fallback, id)
     redis.call('SADD', KEYS[4], queues .. fallback)

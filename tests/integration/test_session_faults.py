@@ -30,10 +30,12 @@ from tests.support.stack import module_stack, wait_started
 
 pytestmark = pytest.mark.timeout(600)
 KEY = "faults-key"
-TTL_S = 8  # a session unused this long expires (so the sweep and the answers' lifetime can be watched)
+TTL_S = 4  # short_stack's sessions unused this long expire (so the sweep and the answers' lifetime can be watched)
 MAX_RESULT = 100_000  # GRADSVC_MAX_RESULT_BYTES: a 16k-parameter float64 model's weights are over it
 faults_stack = module_stack(workers=3, GRADSVC_API_KEYS=KEY, GRADSVC_WORKER_HEARTBEAT_S="1",
-                            GRADSVC_SESSION_IDLE_TTL_S=str(TTL_S), GRADSVC_MAX_RESULT_BYTES=str(MAX_RESULT))
+                            GRADSVC_MAX_RESULT_BYTES=str(MAX_RESULT))
+short_stack = module_stack(workers=1, GRADSVC_API_KEYS=KEY, GRADSVC_WORKER_HEARTBEAT_S="1",
+                           GRADSVC_SESSION_IDLE_TTL_S=str(TTL_S))
 LAYERS = [{"type": "Linear", "in_features": 4, "out_features": 8}, {"type": "Tanh"},
           {"type": "Linear", "in_features": 8, "out_features": 3}]
 
@@ -83,6 +85,18 @@ def http(faults_stack):
 @pytest.fixture()
 def client(faults_stack):
     with Client(faults_stack.base_url, api_key=KEY, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture()
+def short_http(short_stack):
+    with short_stack.http_client() as client:
+        yield client
+
+
+@pytest.fixture()
+def short_client(short_stack):
+    with Client(short_stack.base_url, api_key=KEY, timeout=300) as c:
         yield c
 
 
@@ -214,18 +228,19 @@ def test_an_answer_too_large_is_refused_before_the_step_is_applied(http, client)
         assert_same(pulled(s, model), local(model, data))
 
 
-def test_a_remembered_key_replays_for_as_long_as_the_session_lives(http, client):
+def test_a_remembered_key_replays_for_as_long_as_the_session_lives(short_http, short_client):
     """The answer under a key used to expire one TTL after it was written while the session, kept alive by
     later steps, still remembered the key: a retry then was applied again."""
     model, data = net(), batches(5)
-    with client.session(model, "sgd", lr=0.1) as s:
+    with short_client.session(model, "sgd", lr=0.1) as s:
         s.step(*data[0])
         path = f"/sessions/{s.session_id}/step"
-        first = http.post(path, json=body(*data[1]), headers={"Idempotency-Key": "early"}).json()
+        first = short_http.post(path, json=body(*data[1]), headers={"Idempotency-Key": "early"}).json()
         for i, (x, y) in enumerate(data[2:]):  # past the TTL in all, the session never idle that long
             time.sleep(TTL_S / 2)
-            assert http.post(path, json=body(x, y), headers={"Idempotency-Key": f"later-{i}"}).status_code == 200
-        again = http.post(path, json=body(*data[1]), headers={"Idempotency-Key": "early"}).json()
+            r = short_http.post(path, json=body(x, y), headers={"Idempotency-Key": f"later-{i}"})
+            assert r.status_code == 200, r.text
+        again = short_http.post(path, json=body(*data[1]), headers={"Idempotency-Key": "early"}).json()
         assert (again["replayed"], again["step"], again["loss"]) == (True, first["step"], first["loss"])
         assert s.info().step == 5
         assert_same(pulled(s, model), local(model, data))
@@ -248,14 +263,14 @@ def _held(stack, worker: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("gradsvc_sessions_held "))
 
 
-def test_an_expired_session_leaves_its_workers_memory(faults_stack, client):
+def test_an_expired_session_leaves_its_workers_memory(short_stack, short_client):
     model, (x, y) = net(), batches(1)[0]
-    s = client.session(model, "sgd", lr=0.1)
+    s = short_client.session(model, "sgd", lr=0.1)
     s.step(x, y)
     worker = s.info().worker
-    assert _held(faults_stack, worker) >= 1
-    deadline = time.monotonic() + 3 * TTL_S
-    while _held(faults_stack, worker) > 0:  # no other job comes to it: the idle worker's sweep drops it
+    assert _held(short_stack, worker) >= 1
+    deadline = time.monotonic() + 4 * TTL_S
+    while _held(short_stack, worker) > 0:  # no other job comes to it: the idle worker's sweep drops it
         assert time.monotonic() < deadline, "the expired session stayed on its worker"
         time.sleep(0.5)
 

@@ -104,7 +104,10 @@ def test_a_job_taken_by_its_worker_is_not_moved(flushed_redis):
     assert redis.lpop(keys.rq_queue_key(own)) == b"j2"  # the worker's dequeue won
     assert mover.move_overdue() == []
     assert _queue(redis, "gradsvc").job_ids == []
-    assert redis.zcard(keys.affinity_waiting_key(PREFIX)) == 0  # its record went
+    assert redis.zcard(keys.affinity_waiting_key(PREFIX)) == 1  # being started: still tracked (its worker may die)
+    redis.hset(Job.key_for("j2"), "status", "started")
+    assert mover.move_overdue() == [] and _queue(redis, "gradsvc").job_ids == []
+    assert redis.zcard(keys.affinity_waiting_key(PREFIX)) == 0  # started: its record went
 
 
 def test_a_pinned_job_stays_while_its_worker_lives_and_moves_when_it_is_gone(flushed_redis):
@@ -186,3 +189,23 @@ def test_what_a_killed_worker_took_from_its_own_queue_and_never_started_is_queue
     assert _queue(redis, "gradsvc-cpu").job_ids == ["taken"]
     assert not redis.exists(f"{keys.rq_queue_key(own)}:intermediate")
     assert Job.fetch("taken", connection=redis, serializer=MsgpackSerializer).origin == "gradsvc-cpu"
+
+
+def test_a_pinned_job_its_worker_took_and_never_started_is_queued_again_once_that_worker_is_gone(flushed_redis):
+    """RQ takes a job from several queues with BLPOP: a worker killed between taking a job and starting it left it
+    in no list, queued; the pinned job was dropped from tracking and waited forever (a session step answered 202).
+    While its worker lives it is being started and stays tracked; once the worker is gone it is queued again."""
+    redis = flushed_redis
+    mover = affinity.Mover(redis, PREFIX)
+    _alive(redis, "holder")
+    own = keys.own_queue_name(PREFIX, "holder")
+    _enqueue(redis, mover, own, "gradsvc-cpu", "taken", wait_s=0.0, pinned=True)
+    _enqueue(redis, mover, own, "gradsvc-cpu", "started", wait_s=0.0, pinned=True)
+    redis.delete(keys.rq_queue_key(own))  # both taken by the worker (BLPOP): in no list
+    redis.hset(Job.key_for("started"), "status", "started")
+    assert mover.move_overdue() == []  # alive: it is starting "taken" now
+    assert redis.sismember(keys.affinity_pinned_key(PREFIX), "taken")
+    assert not redis.sismember(keys.affinity_pinned_key(PREFIX), "started")  # started: its lease's from now on
+    redis.delete(keys.rq_worker_key("holder"))  # killed before it started "taken"
+    assert mover.move_overdue() == ["taken"]
+    assert _queue(redis, "gradsvc-cpu").job_ids == ["taken"] and redis.scard(keys.affinity_pinned_key(PREFIX)) == 0

@@ -170,20 +170,15 @@ class Phase(nn.Module):
         return self.out((torch.complex(x, torch.zeros_like(x)) @ self.mask).abs())
 
 
-def test_a_complex128_parameter_checkpoints_and_resumes_on_another_worker(faults_stack, client):
-    model, data = Phase(), batches(4)
+def test_a_complex128_parameter_checkpoints_and_trains_as_locally(client):
+    """It was a 500 at create: safetensors has no name for complex128 (its checkpoint's round trip back to complex is
+    tests/gradsvc/engine/test_session.py's)."""
+    model, data = Phase(), batches(3)
     with client.session(model, "sgd", lr=0.1, checkpoint_every=1) as s:
-        for x, y in data[:2]:
+        for x, y in data:
             s.step(x, y)
-        holder = s.info().worker
-        victim = next(p for p in faults_stack.workers if p.pid == int(holder.split("-")[-2]))
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
-        answers = [s.step(x, y) for x, y in data[2:]]
-        assert answers[0].resumed_from == 2 and s.info().worker != holder
+        assert s.info().checkpoint_step == 3
         got = pulled(s, model)
-    faults_stack.start_worker()
-    faults_stack.wait_ready(3)
     assert_same(got, local(model, data))
 
 

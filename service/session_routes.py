@@ -4,6 +4,7 @@ to a response. Another key's session is a 404, as another key's job is."""
 
 from __future__ import annotations
 
+import anyio.to_thread
 import msgspec
 from litestar import Request, Response, delete, get, post, route
 
@@ -39,7 +40,10 @@ async def read_body(request: Request, kind: type):
         decoded, body = fixed
     except msgspec.DecodeError as exc:
         raise ServiceError("malformed_body", f"the body is not valid {fmt}: {exc}", reason=str(exc)) from None
-    check_integers(decoded)  # what Redis and the queue hold of an integer: 64 bits
+    if len(body) > 1 << 20:  # a large graph's walk takes milliseconds: off the event loop
+        await anyio.to_thread.run_sync(check_integers, decoded)
+    else:
+        check_integers(decoded)  # what Redis and the queue hold of an integer: 64 bits
     if isinstance(decoded, SessionCreate):
         check_seeds(GradientRequest(model=decoded.model, inputs=[]))
     return body, fmt, decoded

@@ -12,7 +12,7 @@ import anyio.to_thread
 import msgspec
 
 from gradsvc.broker import affinity, keys
-from gradsvc.broker.blobs import BlobStore
+from gradsvc.broker.blobs import BlobError, BlobStore
 from gradsvc.broker.graphs import GraphStore
 from gradsvc.broker.record import JobMeta
 from gradsvc.broker.session_records import (OVER_BUDGET, SESSION_JOB, TOO_MANY, SessionRecord, SessionRecords,
@@ -183,9 +183,17 @@ class TrainingSessions:
         raise AssertionError("unreachable")
 
     def _check_call(self, owner: str, rec: SessionRecord, call: SessionBatch | SessionOptimStep) -> None:
+        """The call's lr in the session's dtype and its tensor pieces the owner's; the frozen base's pieces
+        touched, so that they live as long as the session is used (a worker restoring it fetches them)."""
         check_step_values(call.lr, TORCH_DTYPES[rec.create.model.dtype])
+        bare = msgspec.structs.replace(rec.create.model, weights=None)
         if isinstance(call, SessionBatch):
-            self.blobs.check(owner, GradientRequest(model=rec.create.model, inputs=call.inputs, targets=call.targets))
+            self.blobs.check(owner, GradientRequest(model=bare, inputs=call.inputs, targets=call.targets))
+        if rec.create.model.weights:
+            try:
+                self.blobs.check(owner, GradientRequest(model=rec.create.model, inputs=[]))
+            except BlobError:  # evicted: the worker holding the session holds the base; a restore would say so
+                pass
 
     async def info(self, owner: str, session_id: str) -> SessionInfo:
         rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)

@@ -119,23 +119,26 @@ redis.replicate_commands()
 local jobs, queues, workers, own, default = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local head = queues .. own
 local moved = 0
+-- A job to the front of its fallback queue, its tracking dropped (one whose record expired is dropped alone).
+local function requeue(id)
+  local fallback = redis.call('HGET', KEYS[3], id) or default
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('SREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  if redis.call('EXISTS', jobs .. id) == 1 then
+    redis.call('HSET', jobs .. id, 'origin', fallback)
+    redis.call('LPUSH', queues .. fallback, id)
+    redis.call('SADD', KEYS[4], queues .. fallback)
+    moved = moved + 1
+  end
+end
 for _, qkey in ipairs(redis.call('SMEMBERS', KEYS[4])) do
   if string.sub(qkey, 1, #head) == head then
     local worker = workers .. string.sub(qkey, #head + 1)
     if redis.call('EXISTS', worker) == 0 or redis.call('HEXISTS', worker, 'death') == 1 then
       local ids = redis.call('LRANGE', qkey, 0, -1)
       for i = #ids, 1, -1 do
-        local id = ids[i]
-        local fallback = redis.call('HGET', KEYS[3], id) or default
-        redis.call('ZREM', KEYS[1], id)
-        redis.call('SREM', KEYS[2], id)
-        redis.call('HDEL', KEYS[3], id)
-        if redis.call('EXISTS', jobs .. id) == 1 then
-          redis.call('HSET', jobs .. id, 'origin', fallback)
-          redis.call('LPUSH', queues .. fallback, id)
-          redis.call('SADD', KEYS[4], queues .. fallback)
-          moved = moved + 1
-        end
+        requeue(ids[i])
       end
       redis.call('DEL', qkey)
       redis.call('SREM', KEYS[4], qkey)
@@ -144,14 +147,7 @@ for _, qkey in ipairs(redis.call('SMEMBERS', KEYS[4])) do
       local taken = qkey .. ':intermediate'
       for _, id in ipairs(redis.call('LRANGE', taken, 0, -1)) do
         if redis.call('HGET', jobs .. id, 'status') == 'queued' then
-          local fallback = redis.call('HGET', KEYS[3], id) or default
-          redis.call('ZREM', KEYS[1], id)
-          redis.call('SREM', KEYS[2], id)
-          redis.call('HDEL', KEYS[3], id)
-          redis.call('HSET', jobs .. id, 'origin', fallback)
-          redis.call('LPUSH', queues .. fallback, id)
-          redis.call('SADD', KEYS[4], queues .. fallback)
-          moved = moved + 1
+          requeue(id)
         end
       end
       redis.call('DEL', taken)

@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch import nn
 
-from gradsvc.wire import Tensor, refs_only  # noqa: F401  (refs_only: this module's word for it)
+from gradsvc.wire import Tensor
 
 from . import tensors
 from .errors import SpecError

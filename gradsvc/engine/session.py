@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, GraphSpec, ModelSpec, Numcheck, \
-    Options, SessionBatch, SessionCreate
+    Options, SessionBatch, SessionCreate, by_reference
 
 from . import session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
@@ -31,7 +31,7 @@ from .devices import float32_math, math_mode_for, sync
 from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, SpecError
-from .frozen import FrozenStore, refs_only
+from .frozen import FrozenStore
 from .graph.interpreter import GraphModel
 from .numcheck import CheckInputs, numerical_check
 from .passes import run_pass
@@ -343,8 +343,7 @@ def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCach
             side.model(device, False)[0]
     shared = set()
     if frozen is not None:
-        base = refs_only(create.model.weights, set(create.options.freeze))
-        base = {n: create.model.weights[n] for n in base}  # with their bytes, where the worker filled them
+        base = by_reference(create.model.weights, set(create.options.freeze))  # bytes too, where the worker filled them
         shared = frozen.share(model, base, config.limits.max_elements, loaded=not restoring)
     session = TrainingSession(create, model, graph, config, caches, device)
     session.shared = shared
@@ -372,7 +371,7 @@ def footprint(create: SessionCreate, config: EngineConfig, caches: EngineCaches,
         raise SpecError("bad_option", f"options.freeze names {sorted(unknown)[:8]}, which are not parameters of "
                         "the model; name parameters as named_parameters() does", option="options.freeze")
     trained = sum(p.numel() for n, p in names.items() if n not in create.options.freeze) * dtype.itemsize
-    base = refs_only(create.model.weights, set(create.options.freeze))  # counted with the key's tensor pieces
+    base = by_reference(create.model.weights, set(create.options.freeze))  # counted with the key's tensor pieces
     own = {n: t for n, t in meta.state_dict().items() if n not in base}
     held = state_bytes(own) + trained * (1 + session_state.optimizer_slots(create.optimizer))
     return side.parameter_count, held

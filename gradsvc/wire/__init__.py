@@ -35,8 +35,8 @@ from gradsvc.wire.runs import (MAX_RUN_STEP, RUN_NAME_PATTERN, RunCheck, RunInfo
 from gradsvc.wire.sessions import (SESSION_RETURNS, IdempotencyKeyField, OptimizerSpec, SessionBatch, SessionCreate,
                                    SessionCreated, SessionId, SessionInfo, SessionOptimStep, SessionOptions,
                                    SessionStepResult, SessionTimings)
-from gradsvc.wire.tensors import (COMPLEX_DTYPES, DTYPES, ITEMSIZE, Tensor, TensorLike, is_tensor, owned, raw_data,
-                                  refs_only)
+from gradsvc.wire.tensors import (COMPLEX_DTYPES, DTYPES, ITEMSIZE, Tensor, TensorLike, by_reference, is_tensor, owned,
+                                  raw_data, refs_only)
 
 __all__ = [
     "AtLeastOne", "COMPLEX_DTYPES", "Capture", "CapturedInput", "ClipOptions", "ClipResult", "Curvature",
@@ -52,5 +52,5 @@ __all__ = [
     "IdempotencyKeyField", "OptimizerSpec", "SessionBatch", "SessionCreate", "SessionCreated", "SessionId",
     "SessionInfo", "SessionOptimStep", "SessionOptions", "SessionStepResult", "SessionTimings", "ShardsInfo",
     "Specialised",
-    "Tensor", "TensorLike", "Timings", "is_tensor", "owned", "raw_data", "refs_only",
+    "Tensor", "TensorLike", "Timings", "by_reference", "is_tensor", "owned", "raw_data", "refs_only",
 ]

@@ -55,11 +55,17 @@ def owned(tensors: "dict[str, Tensor]") -> None:
 TensorLike = Tensor | list | float
 
 
+def by_reference(weights: "dict[str, Tensor] | None", names) -> "dict[str, Tensor]":
+    """The weights of `names` sent by reference (`refs`), as given: a training session's frozen base
+    (gradsvc/engine/frozen.py)."""
+    return {n: t for n, t in (weights or {}).items() if n in names and isinstance(t, Tensor) and t.refs}
+
+
 def refs_only(weights: "dict[str, Tensor] | None", names) -> "dict[str, Tensor]":
-    """The weights of `names` sent by reference, as their refs alone (no bytes): what a training session's record
-    keeps of its frozen base, to find it again on another worker (gradsvc/engine/frozen.py)."""
-    return {n: Tensor(dtype=t.dtype, shape=list(t.shape), refs=list(t.refs)) for n, t in (weights or {}).items()
-            if n in names and isinstance(t, Tensor) and t.refs}
+    """by_reference's weights as their refs alone (no bytes): what a training session's record keeps of its frozen
+    base, to find it again on another worker."""
+    return {n: Tensor(dtype=t.dtype, shape=list(t.shape), refs=list(t.refs))
+            for n, t in by_reference(weights, names).items()}
 
 
 def is_tensor(value: Any) -> bool:

@@ -76,28 +76,24 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
 
 
-@pytest.fixture()
-def http(faults_stack):
-    with faults_stack.http_client() as client:
-        yield client
+def _fixtures(stack_fixture: str):
+    """`http` (httpx) and `client` (the SDK) fixtures on the module's stack named `stack_fixture`."""
+
+    @pytest.fixture()
+    def http(request):
+        with request.getfixturevalue(stack_fixture).http_client() as c:
+            yield c
+
+    @pytest.fixture()
+    def client(request):
+        with Client(request.getfixturevalue(stack_fixture).base_url, api_key=KEY, timeout=300) as c:
+            yield c
+
+    return http, client
 
 
-@pytest.fixture()
-def client(faults_stack):
-    with Client(faults_stack.base_url, api_key=KEY, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture()
-def short_http(short_stack):
-    with short_stack.http_client() as client:
-        yield client
-
-
-@pytest.fixture()
-def short_client(short_stack):
-    with Client(short_stack.base_url, api_key=KEY, timeout=300) as c:
-        yield c
+http, client = _fixtures("faults_stack")
+short_http, short_client = _fixtures("short_stack")
 
 
 def error(r: httpx.Response, status: int) -> dict:

@@ -58,11 +58,12 @@ return 1
 """
 
 # KEYS: the waiting set, the pinned set, the fallback hash, RQ's set of queues. ARGV: RQ's job key prefix, queue
-# key prefix and worker key prefix, the own queues' prefix, the most jobs to look at. Returns the ids moved.
+# key prefix and worker key prefix, the own queues' prefix, the most jobs to look at, the taken lists' prefix.
+# Returns the ids moved.
 # Keys of jobs, queues and workers are built here from the prefixes (a single Redis, as RQ's own scripts assume).
 _MOVE = """
 redis.replicate_commands()
-local jobs, queues, workers, own, limit = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local jobs, queues, workers, own, limit, taken = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
 local candidates = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, limit)
@@ -86,9 +87,13 @@ for _, id in ipairs(candidates) do
   local taking = false
   if mine and not again and redis.call('HGET', jobs .. id, 'status') == 'queued' then
     -- Not in its queue and not started: its worker took it (RQ's BLPOP). A live worker is starting it (it stays
-    -- tracked until it has); one killed before starting it never will: it is queued again.
-    local holder = workers .. string.sub(origin, #own + 1)
-    if redis.call('EXISTS', holder) == 0 or redis.call('HEXISTS', holder, 'death') == 1 then
+    -- tracked until it has); one killed before starting it never will: it is queued again. A job on the worker's
+    -- taken list (takes.py) is the takes reaper's to give back, into its queue: it stays tracked too.
+    local name = string.sub(origin, #own + 1)
+    local holder = workers .. name
+    if redis.call('LPOS', taken .. name, id) then
+      taking = true
+    elseif redis.call('EXISTS', holder) == 0 or redis.call('HEXISTS', holder, 'death') == 1 then
       again = true
     else
       taking = true
@@ -235,7 +240,8 @@ class Mover:
         moved = self._move(keys=[keys.affinity_waiting_key(p), keys.affinity_pinned_key(p),
                                  keys.affinity_fallback_key(p), Queue.redis_queues_keys],
                            args=[Job.redis_job_namespace_prefix, Queue.redis_queue_namespace_prefix,
-                                 Worker.redis_worker_namespace_prefix, keys.own_queue_name(p, ""), MOVE_BATCH])
+                                 Worker.redis_worker_namespace_prefix, keys.own_queue_name(p, ""), MOVE_BATCH,
+                                 keys.taken_key(p, "")])
         return [m.decode() if isinstance(m, bytes) else m for m in moved]
 
     def sweep_gone(self, default: str) -> int:

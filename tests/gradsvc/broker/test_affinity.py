@@ -206,6 +206,9 @@ def test_a_pinned_job_its_worker_took_and_never_started_is_queued_again_once_tha
     assert mover.move_overdue() == []  # alive: it is starting "taken" now
     assert redis.sismember(keys.affinity_pinned_key(PREFIX), "taken")
     assert not redis.sismember(keys.affinity_pinned_key(PREFIX), "started")  # started: its lease's from now on
+    _enqueue(redis, mover, own, "gradsvc-cpu", "in-a-take", wait_s=0.0, pinned=True)
+    redis.lmove(keys.rq_queue_key(own), keys.taken_key(PREFIX, "holder"), "LEFT", "RIGHT")  # takes.py took it
     redis.delete(keys.rq_worker_key("holder"))  # killed before it started "taken"
-    assert mover.move_overdue() == ["taken"]
-    assert _queue(redis, "gradsvc-cpu").job_ids == ["taken"] and redis.scard(keys.affinity_pinned_key(PREFIX)) == 0
+    assert mover.move_overdue() == ["taken"]  # the take's job is the takes reaper's to give back: once, not twice
+    assert _queue(redis, "gradsvc-cpu").job_ids == ["taken"]
+    assert set(map(bytes.decode, redis.smembers(keys.affinity_pinned_key(PREFIX)))) == {"in-a-take"}

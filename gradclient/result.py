@@ -160,7 +160,7 @@ def build_result(raw: Any, local_names: dict[str, str] | None = None) -> Gradien
         per_sample=None if ps is None else PerSample(norms=from_wire(ps.norms), gradients=tensors(ps.gradients)),
         input_gradient=from_wire(raw.input_gradient), hvp=tensors(raw.hvp), graph=raw.graph,
         checkpoint=raw.checkpoint, shards=raw.shards, graph_ref=raw.graph_ref, seed=raw.seed,
-        buffers=tensors(raw.buffers), outputs=_tree(raw.outputs), capture=getattr(raw, "capture", None),
+        buffers=tensors(raw.buffers), outputs=decode_tree(raw.outputs), capture=getattr(raw, "capture", None),
         specialised=_specialised(getattr(raw, "specialised", None)),
         diagnostics=_diagnostics(raw.diagnostics, names, tensors), clip=raw.clip,
         curvature=_curvature(raw.curvature, tensors), math_mode=raw.math_mode,
@@ -176,16 +176,16 @@ def _specialised(s: Any) -> dict[str, Any] | None:
             "sizes": {k: list(v) for k, v in s.sizes.items()}, "constants": list(s.constants)}
 
 
-def _tree(value: Any) -> Any:
+def decode_tree(value: Any) -> Any:
     """result.outputs as decoded (tensors as maps inside an untyped field) with each tensor converted."""
     if isinstance(value, wire.Tensor):
         return from_wire(value)
     if wire.is_tensor(value):
         return from_wire(msgspec.convert(value, wire.Tensor))
     if isinstance(value, list):
-        return [_tree(v) for v in value]
+        return [decode_tree(v) for v in value]
     if isinstance(value, dict):
-        return {k: _tree(v) for k, v in value.items()}
+        return {k: decode_tree(v) for k, v in value.items()}
     return value
 
 
@@ -195,13 +195,7 @@ def written_back(out: Any, result: GradientResult) -> None:
     export = out.export
     if result.capture is None:  # a service that does not echo the graph's capture: the SDK's own record
         result.capture, result.specialised = export.capture, export.specialised
-    if result.outputs is not None and export.out_spec is not None and export.graph.output_tree is not None:
-        from torch.utils import _pytree as pytree
-
-        found: dict[int, Any] = {}
-        _pair(export.graph.output_tree, result.outputs, found)
-        if len(found) == export.out_spec.num_leaves:
-            result.outputs = pytree.tree_unflatten([found[i] for i in range(len(found))], export.out_spec)
+    result.outputs = structured(export, result.outputs)
     if result.buffers and out.module is not None:
         import torch
 
@@ -209,6 +203,20 @@ def written_back(out: Any, result: GradientResult) -> None:
 
         for name, value in result.buffers.items():  # buffers, and tensor attributes a recorded forward wrote
             set_state(out.module, name, torch.as_tensor(value))
+
+
+def structured(export: Any, outputs: Any) -> Any:
+    """A graph model's outputs as the service lists them, in forward's own structure (tuples, ModelOutput)
+    where the capture knows it."""
+    if outputs is None or export is None or export.out_spec is None or export.graph.output_tree is None:
+        return outputs
+    from torch.utils import _pytree as pytree
+
+    found: dict[int, Any] = {}
+    _pair(export.graph.output_tree, outputs, found)
+    if len(found) != export.out_spec.num_leaves:
+        return outputs
+    return pytree.tree_unflatten([found[i] for i in range(len(found))], export.out_spec)
 
 
 def _pair(tree: Any, value: Any, found: dict[int, Any]) -> None:

@@ -4,6 +4,7 @@ sends only the batch.
     with client.session(model, optimizer="adamw", lr=3e-4, run="exp-1") as s:
         out = s.step(x, y)                      # loss, grad_norm, step
         s.forward_backward(x, y); s.optim_step()  # gradient accumulation
+        s.forward(x, y).logprobs                # the forward alone: nothing changes
         s.pull(model)                           # the weights and buffers back into the local module
 
 The session is created with its first batch (a module the layer spec cannot express goes as its exported graph,
@@ -20,6 +21,7 @@ from gradsvc import wire
 
 from .base import Flow
 from .request import Call, Outgoing
+from .result import decode_tree, structured
 from .retry import new_key
 from .tensors import from_wire, inputs_to_wire, to_wire
 
@@ -30,9 +32,11 @@ AGAIN_S = 0.05
 
 class SessionOutput:
     """One operation's answer: `loss`, `grad_norm` (null on forward_backward), `step`, and what `return` asked for
-    as torch tensors under the local module's names (`gradients`, `weights`, `buffers`); `raw` is the wire answer."""
+    as torch tensors under the local module's names (`gradients`, `weights`, `buffers`), forward's `outputs` in
+    its own structure; forward's `logprobs` (a tensor, or a dict by loss name for several losses); `raw` is the
+    wire answer."""
 
-    def __init__(self, raw: wire.SessionStepResult, names: dict[str, str]) -> None:
+    def __init__(self, raw: wire.SessionStepResult, names: dict[str, str], export: Any = None) -> None:
         self.raw = raw
         self.loss, self.losses, self.grad_norm, self.step = raw.loss, raw.losses, raw.grad_norm, raw.step
         self.accumulated, self.lr, self.resumed_from, self.replayed = raw.accumulated, raw.lr, raw.resumed_from, \
@@ -40,6 +44,9 @@ class SessionOutput:
         self.gradients = _local(raw.gradients, names)
         self.weights = _local(raw.weights, names)
         self.buffers = _local(raw.buffers, names)
+        self.outputs = structured(export, decode_tree(raw.outputs))
+        logprobs = _local(raw.logprobs, {})
+        self.logprobs = next(iter(logprobs.values())) if logprobs is not None and len(logprobs) == 1 else logprobs
 
     def __repr__(self) -> str:
         return f"SessionOutput(step={self.step}, loss={self.loss}, grad_norm={self.grad_norm})"
@@ -95,6 +102,7 @@ class BaseSession:
         self.session_id: str | None = None
         self.created: wire.SessionCreated | None = None
         self.names: dict[str, str] = {}  # the service's parameter names -> the local module's
+        self.export: Any = None  # the graph the session was created from (its output structure)
         self.steps = 0  # the optimizer steps the session applied, as its last answer said
 
     def __repr__(self) -> str:
@@ -121,7 +129,7 @@ class BaseSession:
             "POST", "/sessions", content=Outgoing(body=body, encoder=client._encoder, local_names={}),
             params={"wait": settings.wait_s}, extra_s=settings.wait_s, idempotency_key=new_key())
         self.created = client._reader.decode(wire.SessionCreated, response, buf)
-        self.session_id, self.names = self.created.session_id, out.local_names
+        self.session_id, self.names, self.export = self.created.session_id, out.local_names, out.export
 
     def _operating(self, op: str, body: dict[str, Any], inputs: Any = None) -> Flow[SessionOutput]:
         """One operation under one idempotency key, sent again (same key) while the service answers 202."""
@@ -139,7 +147,7 @@ class BaseSession:
             if response.status_code != 202:
                 break
             yield AGAIN_S
-        answer = SessionOutput(client._reader.decode(wire.SessionStepResult, response, buf), self.names)
+        answer = SessionOutput(client._reader.decode(wire.SessionStepResult, response, buf), self.names, self.export)
         self.steps = answer.step
         return answer
 
@@ -199,8 +207,9 @@ class BaseSession:
 
 
 class Session(BaseSession):
-    """client.session(model, optimizer, lr=..., run=...): step(), forward_backward(), optim_step(), pull(model),
-    state_dict(), save(path), info(), delete(); a context manager that deletes the session at its end."""
+    """client.session(model, optimizer, lr=..., run=...): step(), forward_backward(), forward(), optim_step(),
+    pull(model), state_dict(), save(path), info(), delete(); a context manager that deletes the session at its
+    end."""
 
     def __enter__(self) -> "Session":
         return self
@@ -219,6 +228,13 @@ class Session(BaseSession):
         """Forward and backward; the gradients add up on the worker until optim_step()."""
         return self.client._drive(self._operating("forward_backward",
                                                   self._batch(inputs, targets, loss, None, returns, options), inputs))
+
+    def forward(self, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                returns: list[str] | None = None, **options: Any) -> SessionOutput:
+        """The forward alone, nothing changed: the loss (with targets, or the model's own), `logprobs` of
+        class-index targets, and with returns=["outputs"] the outputs."""
+        return self.client._drive(self._operating("forward", self._batch(inputs, targets, loss, None, returns,
+                                                                         options), inputs))
 
     def optim_step(self, *, lr: float | None = None, returns: list[str] | None = None) -> SessionOutput:
         body: dict[str, Any] = {} if lr is None else {"lr": lr}
@@ -261,6 +277,11 @@ class AsyncSession(BaseSession):
                                returns: list[str] | None = None, **options: Any) -> SessionOutput:
         return await self.client._drive(self._operating(
             "forward_backward", self._batch(inputs, targets, loss, None, returns, options), inputs))
+
+    async def forward(self, inputs: Any, targets: Any = None, loss: Any = "cross_entropy", *,
+                      returns: list[str] | None = None, **options: Any) -> SessionOutput:
+        return await self.client._drive(self._operating("forward", self._batch(inputs, targets, loss, None, returns,
+                                                                               options), inputs))
 
     async def optim_step(self, *, lr: float | None = None, returns: list[str] | None = None) -> SessionOutput:
         body: dict[str, Any] = {} if lr is None else {"lr": lr}

@@ -394,6 +394,9 @@ def _session_paths() -> dict[str, Any]:
             "postSessionStep", "Forward, backward, clip and the optimizer step over one batch", "SessionBatch"),
         "/sessions/{session_id}/forward_backward": operation(
             "postSessionForwardBackward", "Forward and backward; the gradients wait for optim_step", "SessionBatch"),
+        "/sessions/{session_id}/forward": operation(
+            "postSessionForward", "The forward alone: loss, log-probabilities, outputs; nothing changes",
+            "SessionBatch"),
         "/sessions/{session_id}/optim_step": operation(
             "postSessionOptimStep", "Clip and apply the accumulated gradients", "SessionOptimStep"),
         "/sessions/{session_id}/weights": {"get": _operation(

@@ -1,6 +1,6 @@
-"""POST /sessions, GET and DELETE /sessions/{id}, POST /sessions/{id}/step, /forward_backward and /optim_step,
-GET /sessions/{id}/weights: each reads the HTTP bits and maps its part's outcome (service/training_sessions.py)
-to a response. Another key's session is a 404, as another key's job is."""
+"""POST /sessions, GET and DELETE /sessions/{id}, POST /sessions/{id}/step, /forward_backward, /forward and
+/optim_step, GET /sessions/{id}/weights: each reads the HTTP bits and maps its part's outcome
+(service/training_sessions.py) to a response. Another key's session is a 404, as another key's job is."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ async def _operate(request: Request, owner: str, state: ApiState, session_id: st
 
 def for_json(r: SessionStepResult, encoding: str) -> SessionStepResult:
     return msgspec.structs.replace(r, gradients=tensors_for_json(r.gradients, encoding),
+                                   logprobs=tensors_for_json(r.logprobs, encoding),
                                    weights=tensors_for_json(r.weights, encoding),
                                    buffers=tensors_for_json(r.buffers, encoding),
                                    outputs=tree_for_json(r.outputs, encoding))
@@ -84,6 +85,11 @@ async def session_step(request: Request, owner: str, state: ApiState, session_id
 @post("/sessions/{session_id:str}/forward_backward", status_code=200)
 async def session_forward_backward(request: Request, owner: str, state: ApiState, session_id: str) -> Response:
     return await _operate(request, owner, state, session_id, "forward_backward")
+
+
+@post("/sessions/{session_id:str}/forward", status_code=200)
+async def session_forward(request: Request, owner: str, state: ApiState, session_id: str) -> Response:
+    return await _operate(request, owner, state, session_id, "forward")
 
 
 @post("/sessions/{session_id:str}/optim_step", status_code=200)
@@ -123,5 +129,5 @@ async def delete_session(request: Request, owner: str, state: ApiState, session_
     return respond(request, {"deleted": session_id})
 
 
-ROUTES = [create_session, session_step, session_forward_backward, session_optim_step, session_weights, session_options,
+ROUTES = [create_session, session_step, session_forward_backward, session_forward, session_optim_step, session_weights, session_options,
           get_session, delete_session]

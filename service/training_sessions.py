@@ -22,7 +22,8 @@ from gradsvc.engine.session import footprint
 from gradsvc.engine.session_state import check_step_values
 from gradsvc.engine.tensors import TORCH_DTYPES
 from gradsvc.runtime.settings import Settings
-from gradsvc.wire import GradientRequest, SessionBatch, SessionCreate, SessionCreated, SessionInfo, SessionOptimStep
+from gradsvc.wire import (GradientRequest, SessionBatch, SessionCreate, SessionCreated, SessionInfo, SessionOptimStep,
+                          by_reference)
 
 from .exceptions import ServiceError
 from .job_reader import JobReader
@@ -45,6 +46,7 @@ class Operation:
     device: str = "auto"
     key: str | None = None
     holder: str = ""  # the worker holding the session (its own queue takes the job while it lives)
+    base: str | None = None  # a create's frozen base (affinity.base_key): a worker holding it takes the job first
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,10 @@ class TrainingSessions:
             return await self._created(owner, await anyio.to_thread.run_sync(self._created_under, owner, key),
                                        wait_s)
         try:
-            answer = await self._run(owner, Operation(session_id, "create", body, fmt, create.options.device), wait_s)
+            base = affinity.base_key(create.model.dtype, by_reference(create.model.weights,
+                                                                      set(create.options.freeze)))
+            answer = await self._run(owner, Operation(session_id, "create", body, fmt, create.options.device,
+                                                      base=base), wait_s)
         except BaseException:
             await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
             raise
@@ -166,7 +171,7 @@ class TrainingSessions:
 
     async def operate(self, owner: str, call: Operation, wait_s: float,
                       decoded: SessionBatch | SessionOptimStep | None = None) -> Answer:
-        """step, forward_backward, optim_step, weights: checked against the session (`decoded`: the body; its lr
+        """step, forward_backward, forward, optim_step, weights: checked against the session (`decoded`: the body; its lr
         in the session's dtype, its tensor pieces the owner's), enqueued for the session's worker and waited on.
         A call another worker's commit beat (session_conflict: not applied) is sent again, to the worker holding
         the session now, up to CONFLICT_TRIES times."""
@@ -227,21 +232,24 @@ class TrainingSessions:
 
     def _enqueue(self, owner: str, call: Operation) -> str:
         """The job to the own queue of the worker holding the session while it lives, pinned there (never moved
-        to the shared queue while that worker lives: gradsvc/broker/affinity.py); else to the shared queue of the
+        to the shared queue while that worker lives: gradsvc/broker/affinity.py); a create to the own queue of a
+        live worker holding its frozen base, for GRADSVC_SESSION_BASE_WAIT_MS; else to the shared queue of the
         session's device, where the worker that takes it restores the session from its checkpoint."""
         queues, s = self.queues, self.settings
         job_id = queues.epochs.new_job_id()
         shared = queues.shared[call.device]
-        queue = shared
+        queue, pinned = shared, False
         if call.holder and affinity.worker_alive(queues.redis, call.holder):
-            queue = queues.own(keys.own_queue_name(s.queue_prefix, call.holder))
-        pinned = queue is not shared
+            queue, pinned = queues.own(keys.own_queue_name(s.queue_prefix, call.holder)), True
+        elif call.base is not None:  # a new session of a base some worker holds: that worker first, for a while
+            name = affinity.route(queues.redis, s.queue_prefix, affinity.BASES, call.base, shared.name)
+            queue = shared if name == shared.name else queues.own(name)
         with queues.redis.pipeline() as pipe:
             queue.enqueue(SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, job_id=job_id,
                           job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
                           meta=JobMeta(owner=owner, pinned=pinned).as_meta(), description=f"session {call.op}",
                           pipeline=pipe)
-            if pinned:
-                queues.mover.track(pipe, job_id, shared.name, 0.0, pinned=True)
+            if queue is not shared:
+                queues.mover.track(pipe, job_id, shared.name, s.session_base_wait_ms / 1e3, pinned=pinned)
             pipe.execute()
         return job_id

@@ -18,7 +18,7 @@ from rq import get_current_job
 from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
-from gradsvc.broker import keys
+from gradsvc.broker import affinity, keys
 from gradsvc.broker.job import GradientJob
 from gradsvc.broker.runs import RunBounds, RunStore
 from gradsvc.broker.session_records import (COMMITTED, GONE, JOB_ANSWER_TTL_S, SessionRecord, SessionRecords,
@@ -28,7 +28,7 @@ from gradsvc.engine import session_state
 from gradsvc.engine.session import StepOutcome, TrainingSession, open_session
 from gradsvc.engine.session_state import check_step_values
 from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated,
-                          SessionOptimStep, SessionStepResult, SessionTimings, refs_only)
+                          SessionOptimStep, SessionStepResult, SessionTimings, by_reference, refs_only)
 
 from .jobs import WorkerContext, _fail, _graphs, _with_pieces, context_of
 from .run_steps import module_of
@@ -122,6 +122,7 @@ def _create(call: Call) -> bytes:
     session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
                            ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job), frozen=ctx.sessions.frozen)
     ctx.sessions.sessions[call.session_id] = session
+    _hold_base(call, rec.create)
     size = session.expected_bytes  # its optimizer's state comes with the first step
     every = create.options.checkpoint_every or ctx.settings.session_checkpoint_every or default_checkpoint_every(size)
     rec.holder, rec.device, rec.parameter_count, rec.state_bytes = call.records.worker, str(ctx.device), \
@@ -130,6 +131,24 @@ def _create(call: Call) -> bytes:
     _write(call, rec, session_state.to_bytes(*session.state()))
     return _encoder.encode(SessionCreated(session_id=call.session_id, step=0, parameter_count=session.parameter_count,
                                           device=str(ctx.device), checkpoint_every=every, state_bytes=size))
+
+
+def _hold_base(call: Call, create: SessionCreate) -> None:
+    """Records this worker as the holder of the session's frozen base while it has room for another session, so
+    that the next session of that base comes here (gradsvc/broker/affinity.py base_key); a full worker drops its
+    record. Advisory: a record Redis did not take costs a later session a build of the base, nothing more."""
+    key = affinity.base_key(create.model.dtype, by_reference(create.model.weights, set(create.options.freeze)))
+    if key is None:
+        return
+    host, s, redis = call.ctx.sessions, call.ctx.settings, call.job.connection
+    try:
+        if len(host.sessions) < host.max_sessions:
+            affinity.record_holder(redis, s.queue_prefix, affinity.BASES, key, call.records.worker,
+                                   s.session_idle_ttl_s)
+        else:
+            affinity.drop_holder(redis, s.queue_prefix, affinity.BASES, key, call.records.worker)
+    except (RedisConnectionError, RedisTimeoutError):
+        return
 
 
 def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | None]:
@@ -142,8 +161,10 @@ def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | Non
         if create.model.weights:
             model = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False).model
             create = msgspec.structs.replace(create, model=model)
-        return open_session(create, ctx.engine.config, ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job),
-                            restoring=True, frozen=ctx.sessions.frozen)
+        session = open_session(create, ctx.engine.config, ctx.engine.caches, ctx.device,
+                               graphs=_graphs(ctx, call.job), restoring=True, frozen=ctx.sessions.frozen)
+        _hold_base(call, rec.create)
+        return session
     return ctx.sessions.held(call.session_id, rec, call.records, reopen)
 
 
@@ -193,6 +214,28 @@ def _operate(call: Call, op: str) -> bytes:
     _commit(call, rec, session, answer, op, (key, data) if key is not None else None, forgotten)
     if norms and op != "forward_backward":
         _record_run_step(call, rec, session, outcome, answer)
+    return data
+
+
+def _forward(call: Call) -> bytes:
+    """The batch's forward alone (TrainingSession.forward): nothing of the session changes, so nothing is
+    remembered under an idempotency key; the record is committed with this worker as the holder (a forward may
+    have restored the session here) and its idle time restarted."""
+    rec = call.record()
+    payload = call.decode(SessionBatch)
+    session, resumed = _session(call, rec)
+    if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
+        _refuse_lost_steps(call, rec, session)
+    _refuse_too_large(call, session, payload)
+    payload = _with_batch_pieces(call, rec, payload)
+    with session.math(payload.options.math_mode):
+        outcome = session.forward(payload)
+    answer = _answer(call, session, outcome, payload.returns, resumed)
+    logprobs = outcome.extra["logprobs"]
+    answer, data = _bounded(call, msgspec.structs.replace(answer, logprobs={
+        n: tensors.encode(v) for n, v in logprobs.items()} if logprobs else None))
+    rec.holder, rec.device, rec.last_used_at = call.records.worker, str(session.device), time.time()
+    _write(call, rec, op="forward")
     return data
 
 
@@ -277,9 +320,12 @@ def _answer(call: Call, session: TrainingSession, outcome: StepOutcome, returns:
 def _outputs(prep, outcome: StepOutcome):
     from gradsvc.engine import outputs
 
-    if outcome.outputs is None or prep is None or prep.graph is None:
+    if outcome.outputs is None or prep is None or (prep.graph is None and len(outcome.outputs) != 1):
         raise SpecError("bad_option", "return: 'outputs' returns a graph model's outputs with options.outputs=true "
-                        "on a graph model; set options.outputs or drop 'outputs' from return", option="return")
+                        "on a graph model (and any model's on /forward); set options.outputs or drop 'outputs' from "
+                        "return", option="return")
+    if prep.graph is None:  # a layer spec's forward: its one output
+        return tensors.encode(outcome.outputs[0])
     return outputs.as_returned(outputs.tree_of(prep.graph.spec), outcome.outputs, prep.graph.first_output)
 
 
@@ -379,6 +425,7 @@ _OPS = {
     "step": lambda call: _operate(call, "step"),
     "forward_backward": lambda call: _operate(call, "forward_backward"),
     "optim_step": lambda call: _operate(call, "optim_step"),
+    "forward": _forward,
     "weights": _weights,
     "delete": _delete,
 }

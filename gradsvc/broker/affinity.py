@@ -1,6 +1,7 @@
 """Affinity: a job whose model a worker holds (gradsvc/engine/resident.py) goes to that worker's own queue first.
 
-    the worker     after a job whose model it kept resident: record_holder(owner, model key -> its name, TTL)
+    the worker     after a job whose model it kept resident: record_holder(owner, model key -> its name, TTL); after
+                   a training session's create, the session's frozen base (base_key) while it has room for more
     the API        route(): the holder's own queue when the holder is alive (its RQ key, the lease its heartbeat
                    renews, without the `death` field RQ writes when a worker stops: RQ keeps a stopped worker's
                    key 60 s), else the queue the job would have gone to (its fallback); a job put in an own queue
@@ -176,6 +177,20 @@ def model_key(request: GradientRequest, graph_ref: str | None = None) -> str:
     return f"graph:{model.dtype}:{ref}"
 
 
+# The holder records of frozen bases (base_key) are not an owner's: a key routed to a worker holding a base shares
+# it there only for the pieces the API found the key holds (gradsvc/engine/frozen.py).
+BASES = "*bases"
+
+
+def base_key(dtype: str, frozen: dict) -> str | None:
+    """What a training session's frozen base sent by reference (wire.by_reference: name -> Tensor with refs) is
+    known by across workers: its pieces, shapes and dtype, not its names; None without one."""
+    if not frozen:
+        return None
+    parts = sorted(f"{t.dtype}:{list(t.shape)}:{','.join(t.refs)}" for t in frozen.values())
+    return f"base:{dtype}:{hashlib.sha256(_json.encode(parts)).hexdigest()}"
+
+
 def worker_alive(redis, worker_name: str) -> bool:
     """Whether the worker's RQ key is there without a `death` field: its heartbeat renews it for a lease (3
     heartbeats); a worker killed or cut off from Redis loses it within that, and a stopped one wrote its death
@@ -190,6 +205,14 @@ def record_holder(redis, prefix: str, owner: str, model_key: str, worker_name: s
     """The worker `worker_name` holds the owner's model `model_key` (for ttl_s: a record outlived by an eviction
     costs a job a build, never a wrong answer)."""
     redis.set(keys.holder_key(prefix, owner, model_key), worker_name, ex=ttl_s)
+
+
+def drop_holder(redis, prefix: str, owner: str, model_key: str, worker_name: str) -> None:
+    """Removes the record of `model_key` when it names `worker_name` (a worker full of sessions: no more to it)."""
+    key = keys.holder_key(prefix, owner, model_key)
+    name = redis.get(key)
+    if name is not None and (name.decode() if isinstance(name, bytes) else name) == worker_name:
+        redis.delete(key)
 
 
 def holder(redis, prefix: str, owner: str, model_key: str) -> str | None:

@@ -24,7 +24,7 @@ from . import keys
 
 # The session job function, by the dotted path RQ records (the API imports nothing of workers/).
 SESSION_JOB = "workers.session_jobs.session_job"
-OPS = ("create", "step", "forward_backward", "optim_step", "weights", "delete")
+OPS = ("create", "step", "forward_backward", "forward", "optim_step", "weights", "delete")
 # A job's own answer waits this long for the API, which reads it once and deletes it (a weights download is not
 # kept in Redis past its read); a call that waited out its HTTP wait is answered again through its idempotency key.
 JOB_ANSWER_TTL_S = 300

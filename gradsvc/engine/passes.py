@@ -22,6 +22,7 @@ from gradsvc.wire import GraphNode
 from . import tensors
 from .devices import is_allocation_failure, is_random, seeded, sync
 from .errors import ComputeError, SpecError
+from .logprobs import of_terms
 from .memory import ActivationMeter
 from .outputs import written_buffers
 from .prepared import Batch, Prepared, batch_chunks
@@ -280,6 +281,35 @@ def _run_chunks(prep: Prepared, params: dict[str, torch.Tensor], device: torch.d
             result.add(grads, losses, total)
             del out, losses, total, grads
     result.forward_s, result.backward_s = forward_clock.s, backward_clock.s
+
+
+@dataclass
+class Forwarded:
+    """A forward alone (forward_only): every output of the model, each loss, and per loss over class-index
+    targets the log-probability of each target (its per-element loss negated)."""
+
+    outputs: list
+    losses: dict[str, float]
+    logprobs: dict[str, torch.Tensor]
+    seconds: float
+
+
+def forward_only(prep: Prepared, device: torch.device, seed: int) -> Forwarded:
+    """One forward over the whole batch without autograd, its draws from `seed` as a pass's; buffers the forward
+    of a graph writes are put back (a layer spec's: the caller's)."""
+    result, clock = Pass(), _Clock(device)
+    with torch.no_grad(), _written_buffers(prep, result), _kept_outputs(prep, result), \
+            seeded(seed, device, is_random(prep.model)):
+        chunk = next(chunks(prep))
+        with clock:
+            out, losses, _ = forward(prep, chunk)
+        logprobs = of_terms(prep.terms, out, chunk.targets)
+    for name, value in losses.items():
+        if not math.isfinite(float(value)):
+            raise non_finite_error(prep, float(value))
+    outputs = result.outputs if result.outputs is not None else [out.detach()]
+    return Forwarded(outputs=outputs, losses={n: float(v) for n, v in losses.items()}, logprobs=logprobs,
+                     seconds=clock.s)
 
 
 def _one_forward(prep: Prepared) -> bool:

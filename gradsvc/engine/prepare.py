@@ -39,11 +39,12 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
 
 
 def prepare_held(request: GradientRequest, config: EngineConfig, device: torch.device, model: torch.nn.Module, *,
-                 graphs: GraphResolver | None = None, caches: EngineCaches | None = None) -> Prepared:
+                 graphs: GraphResolver | None = None, caches: EngineCaches | None = None,
+                 loss: bool = True) -> Prepared:
     """prepare() around a model the caller keeps on `device` (a training session's, engine/session.py): the same
     checks of the batch, the model run as it is (the request's weights neither read nor needed), going back to
-    no pool."""
-    return _checked(request, config, False, graphs, caches).prepared(model, None, device)
+    no pool. `loss=False`: no loss terms and no targets (a session's forward of a batch sent without targets)."""
+    return _checked(request, config, False, graphs, caches, loss).prepared(model, None, device)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class _Checked:
 
 
 def _checked(request: GradientRequest, config: EngineConfig, shape_only: bool, graphs: GraphResolver | None,
-             caches: EngineCaches | None) -> _Checked:
+             caches: EngineCaches | None, loss: bool = True) -> _Checked:
     """Every check of the request in prepare()'s order, but the model's weights (side.model's)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
     opts, max_elements = request.options, config.limits.max_elements
@@ -86,8 +87,8 @@ def _checked(request: GradientRequest, config: EngineConfig, shape_only: bool, g
                         "the one its loss reads: leave options.outputs out", option="outputs")
     inputs = side.inputs(shape_only)  # each decoded and checked; the batched ones agree on the batch size
     out = side.output(inputs)  # on meta: a layer or node that cannot take its input is named
-    terms = loss_terms(request)
-    targets = decode_targets(request, terms, out, dtype, max_elements, shape_only)
+    terms = loss_terms(request) if loss else []
+    targets = decode_targets(request, terms, out, dtype, max_elements, shape_only) if loss else {}
     refuse_own_loss_split(opts, terms, inputs.rows)
     validate_reductions(opts, terms)
     side.validate_splits(opts, inputs)

@@ -25,16 +25,18 @@ from torch import nn
 from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, GraphSpec, ModelSpec, Numcheck, \
     Options, SessionBatch, SessionCreate, by_reference
 
-from . import session_state, tensors
+from . import logprobs, session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
 from .devices import float32_math, math_mode_for, sync
 from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, SpecError
 from .frozen import FrozenStore
+from .decode import loss_terms
 from .graph.interpreter import GraphModel
+from .losses import OWN_LOSS
 from .numcheck import CheckInputs, numerical_check
-from .passes import run_pass
+from .passes import forward_only, run_pass
 from .prepare import model_dtype, prepare_held
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel
@@ -154,6 +156,30 @@ class TrainingSession:
         return StepOutcome(loss=done.loss, losses=dict(done.losses) if len(prep.terms) > 1 else None,
                            outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s,
                            check=check, diagnostics=diagnosed)
+
+    def forward(self, batch: SessionBatch) -> StepOutcome:
+        """The batch's forward alone, as the next forward_backward would run it (the same model, its draws from
+        the same seed), without a backward: nothing changes (weights, buffers, gradients, step). Its loss when the
+        batch gives targets (or the model's own loss), every output, and per class-index loss the log-probability
+        of each target (extra["logprobs"])."""
+        request = self._request(batch, forward=True)
+        own = any(t.type == OWN_LOSS for t in loss_terms(request))
+        labels = None
+        if own and batch.targets is not None:  # read against the logits (logprobs.of_labels), not by the loss
+            labels = logprobs.decode_labels(batch.targets, self.config.limits.max_elements)
+            request = msgspec.structs.replace(request, targets=None)
+        prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs, caches=self.caches,
+                            loss=own or batch.targets is not None)
+        before = {n: b.detach().clone() for n, b in self.model.named_buffers()} if prep.graph is None else {}
+        try:
+            done = forward_only(prep, self.device, self._pass_seed())
+        finally:
+            self._put_buffers(before)  # a layer spec's training forward wrote them in place
+        total = sum(t.weight * done.losses[t.name] for t in prep.terms) if prep.terms else None
+        if labels is not None:
+            done.logprobs[prep.terms[0].name] = logprobs.of_labels(done.outputs, labels)
+        return StepOutcome(loss=total, losses=done.losses if len(prep.terms) > 1 else None, outputs=done.outputs,
+                           prep=prep, forward_s=done.seconds, extra={"logprobs": done.logprobs})
 
     def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
                    norms: bool = False) -> StepOutcome:
@@ -278,14 +304,19 @@ class TrainingSession:
             for name, value in values.items():
                 self.model.get_buffer(name).copy_(value)
 
-    def _request(self, batch: SessionBatch) -> GradientRequest:
-        """The batch as a POST /gradients body over the session's model (no weights: the model is held)."""
+    def _request(self, batch: SessionBatch, forward: bool = False) -> GradientRequest:
+        """The batch as a POST /gradients body over the session's model (no weights: the model is held);
+        `forward`: for a forward alone (one pass over the whole batch, every output of a graph kept)."""
         opts = validate_step_options(batch.options, self.create.options.device)
+        if forward:
+            validate_forward(batch)
         m = self.create.model
         model = ModelSpec(layers=m.layers, graph_ref=self.graph_ref, dtype=m.dtype, seed=self._pass_seed())
-        numcheck = "off" if opts.numcheck == "auto" else opts.numcheck  # a check costs many passes: asked for only
+        numcheck = "off" if opts.numcheck == "auto" or forward else opts.numcheck  # a check costs many passes
         opts = msgspec.structs.replace(opts, numcheck=numcheck, memory=False, freeze=list(self.create.options.freeze),
                                        clip=None)
+        if forward:
+            opts = msgspec.structs.replace(opts, micro_batch=None, outputs=self.graph is not None)
         return GradientRequest(model=model, inputs=batch.inputs, targets=batch.targets, loss=batch.loss,
                                losses=batch.losses, options=opts)
 
@@ -310,6 +341,22 @@ def validate_step_options(opts: Options, device: str) -> Options:
         raise SpecError("bad_option", f"options.device={opts.device!r}: the session lives on {device!r}; leave "
                         "options.device out of a step", option="options.device")
     return opts
+
+
+def validate_forward(batch: SessionBatch) -> None:
+    """Refuses what a forward does not do: an update (`lr`), a gradient (`return` gradients, numcheck,
+    diagnostics, clip), or changed state to read (`return` weights or buffers: GET /sessions/{id}/weights)."""
+    opts = batch.options
+    asked = [r for r in batch.returns if r != "outputs"]
+    refused = [("lr", batch.lr is not None), ("return", bool(asked)),
+               ("options.numcheck", opts.numcheck not in ("auto", "off")), ("options.diagnostics", bool(opts.diagnostics)),
+               ("options.clip", opts.clip is not None)]
+    for name, given in refused:
+        if given:
+            what = f"return {asked}" if name == "return" else name
+            raise SpecError("bad_option", f"{what}: a forward computes no gradient and changes nothing; leave it out "
+                            "(it answers the loss, the log-probabilities and, with return ['outputs'], the "
+                            "outputs; read the weights with GET /sessions/{id}/weights)", option=name)
 
 
 def _refuse_non_finite(grads: dict[str, torch.Tensor], loss: float) -> None:

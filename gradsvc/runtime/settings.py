@@ -203,6 +203,9 @@ class Settings:
     # The bytes of the answers a session keeps for its remembered idempotency keys (its last 256): past it the
     # oldest keys are forgotten with their answers (the newest answer is always kept).
     session_answer_bytes: int = _positive(16 << 20)
+    # How long a new session whose frozen base a worker already holds (and has room beside) waits in that worker's
+    # own queue, the worker busy, before any worker may take it (and build the base again).
+    session_base_wait_ms: int = _at_least_zero(5000)
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

@@ -117,6 +117,9 @@ class SessionStepResult(Struct, omit_defaults=False):
     weights: dict[str, Tensor] | None = None
     buffers: dict[str, Tensor] | None = None
     outputs: Any = None
+    # POST /sessions/{id}/forward: per loss over class-index targets (cross_entropy, nll), the log-probability
+    # of each target, shaped as the targets (the per-element loss negated); null on the other operations.
+    logprobs: dict[str, Tensor] | None = None
     device: str = ""
     worker: str = ""
     resumed_from: int | None = None

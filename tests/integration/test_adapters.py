@@ -2,7 +2,8 @@
 models over one transformers GPT-2 base, built as users build them, go through `client.session`; the sessions on one
 worker hold the frozen base once (the worker's memory grows by one base, not one per session); each session's
 adapter after its AdamW steps equals local `peft` training; `s.save(dir)` writes the adapter as `peft` does and
-`PeftModel.from_pretrained` loads it; a second API key sending the same base gets its own answers, and a key naming
+`PeftModel.from_pretrained` loads it; `s.forward` answers each next token's log-probability as the local model
+gives it; a second API key sending the same base gets its own answers, and a key naming
 pieces it never uploaded gets 422 tensor_not_found."""
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def test_lora_sessions_on_one_base_hold_it_once_and_train_as_local_peft(adapters
         ids = data[1][0]["input_ids"]
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=ids).logits, trained.eval()(input_ids=ids).logits)
+            local = trained(**data[1][0])
+        nxt = torch.roll(ids, -1, dims=1)  # each position's next token: the log-probabilities an RL loss takes
+        nxt[:, -1] = -100
+        out = sessions[1].forward(data[1][0], nxt, loss="output")
+        want = torch.log_softmax(local.logits, -1).gather(-1, nxt.clamp(min=0)[..., None])[..., 0]
+        want[:, -1] = 0.0
+        assert out.loss == pytest.approx(float(local.loss), rel=1e-5) and out.step == 2
+        torch.testing.assert_close(out.logprobs, want, rtol=1e-4, atol=1e-5)
         for s in sessions:
             s.delete()
 

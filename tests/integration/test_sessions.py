@@ -4,7 +4,7 @@ mid-run: the session comes back from its checkpoint on the other worker and, the
 the same weights; a retried step is answered again, never applied twice; the count and byte limits, and
 concurrent creates at the count's limit; another key's session is a 404; the weights as safetensors (GET with
 Accept: application/octet-stream, s.save); a run session's recorded update ratios; the diagnostics a step
-answers or refuses."""
+answers or refuses; a forward that changes nothing; sessions of one frozen base on the worker holding it."""
 
 from __future__ import annotations
 
@@ -368,6 +368,55 @@ def test_a_step_answers_the_gradient_norms_and_refuses_the_per_example_diagnosti
         assert error["code"] == "bad_option" and error["detail"]["option"] == "options.diagnostics"
         assert "POST /gradients" in error["message"] and "GET /sessions/{id}/weights" in error["message"]
         assert s.info().step == 1  # the refused step changed nothing
+
+
+def test_a_forward_answers_the_local_forward_of_the_trained_weights_and_changes_nothing(sessions_stack):
+    torch.manual_seed(3)
+    net = TinyLM()
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randint(0, 13, (4, 6), generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
+    want = local_training(net, data[:2], lambda p: torch.optim.AdamW(p, lr=1e-2))
+    x, y = data[2]
+    logits = want(x).detach()
+    with client_for(sessions_stack) as client, client.session(net, "adamw", lr=1e-2) as s:
+        for xb, yb in data[:2]:
+            s.step(xb, yb)
+        out = s.forward(x, y, returns=["outputs"])
+        assert out.step == 2 and s.info().step == 2
+        assert out.loss == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-5)
+        torch.testing.assert_close(out.logprobs, -F.cross_entropy(logits, y, reduction="none"), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.outputs, logits, rtol=1e-5, atol=1e-6)
+        assert s.forward(x).loss is None  # no targets: the outputs alone
+        got = copy.deepcopy(net)
+        s.pull(got)
+        body = {"inputs": msgspec.to_builtins(to_wire(x, "json")), "targets": msgspec.to_builtins(to_wire(y, "json"))}
+        with sessions_stack.http_client() as http:
+            auth = {"Authorization": f"Bearer {KEYS[0]}"}
+            answer = http.post(f"/sessions/{s.session_id}/forward", json=body, headers=auth)
+            refused = http.post(f"/sessions/{s.session_id}/forward", json={**body, "lr": 0.5}, headers=auth)
+    assert_same(got, want, rtol=1e-6, atol=1e-7)  # the forwards changed nothing
+    assert answer.status_code == 200 and answer.json()["logprobs"]["loss"]["shape"] == [4], answer.text
+    assert refused.status_code == 422 and refused.json()["error"]["detail"]["option"] == "lr", refused.text
+
+
+def test_sessions_of_one_frozen_base_go_to_the_worker_holding_it_whichever_key_sends_them(sessions_stack):
+    """Affinity by base: the frozen layer (64 KiB, sent by reference) is one base; each key uploads its pieces, and
+    every session of it, of three keys, is built on the worker the first one was (by chance: 1 in 8 of 2 workers)."""
+    torch.manual_seed(5)
+    base = nn.Linear(128, 128).requires_grad_(False)
+    x, y = torch.randn(4, 128), torch.randint(0, 3, (4,))
+    workers, sessions = [], []
+    with client_for(sessions_stack, KEYS[0]) as alice, client_for(sessions_stack, KEYS[1]) as bob, \
+            client_for(sessions_stack, KEYS[2]) as carol:
+        for client in (alice, bob, carol, alice):
+            torch.manual_seed(len(sessions))
+            s = client.session(nn.Sequential(copy.deepcopy(base), nn.Tanh(), nn.Linear(128, 3)), "sgd", lr=0.1)
+            s.step(x, y)
+            sessions.append(s)
+            workers.append(s.info().worker)
+        for s in sessions:
+            s.delete()
+    assert len(set(workers)) == 1, workers
 
 
 def test_integers_sent_as_integral_floats_are_taken_and_options_lists_both_methods(sessions_stack):

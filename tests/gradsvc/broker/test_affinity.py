@@ -12,7 +12,7 @@ from rq.job import Job
 
 from gradsvc.broker import affinity, keys
 from gradsvc.broker.job import GradientJob, MsgpackSerializer
-from gradsvc.wire import GradientRequest
+from gradsvc.wire import GradientRequest, Tensor
 
 PREFIX = "gradsvc"
 
@@ -68,6 +68,22 @@ def test_model_key_names_structure_and_dtype_not_weights():
     assert affinity.model_key(req()) == affinity.model_key(req(w={"0.bias": {"dtype": "float32", "shape": [3], "data": [0.0, 0.0, 0.0]}}))
     assert affinity.model_key(req()) != affinity.model_key(req(dtype="float64"))
     assert affinity.model_key(req()) != affinity.model_key(req(out=4))
+
+
+def test_a_frozen_bases_key_names_its_pieces_shapes_and_dtype_not_its_parameter_names(flushed_redis):
+    def base(names, refs=("a1", "a2"), shape=(4, 4)):
+        return {n: Tensor(dtype="float32", shape=list(shape), refs=list(refs)) for n in names}
+    key = affinity.base_key("float32", base(["model.w"]))
+    assert key == affinity.base_key("float32", base(["base_model.model.w"]))  # peft renames, the pieces are one
+    assert key != affinity.base_key("float64", base(["model.w"]))
+    assert key != affinity.base_key("float32", base(["model.w"], refs=("a1", "b2")))
+    assert key != affinity.base_key("float32", base(["model.w"], shape=(2, 8)))
+    assert affinity.base_key("float32", {}) is None
+    affinity.record_holder(flushed_redis, PREFIX, affinity.BASES, key, "w1", 60)
+    affinity.drop_holder(flushed_redis, PREFIX, affinity.BASES, key, "w2")  # another worker's record stays
+    assert affinity.holder(flushed_redis, PREFIX, affinity.BASES, key) == "w1"
+    affinity.drop_holder(flushed_redis, PREFIX, affinity.BASES, key, "w1")
+    assert affinity.holder(flushed_redis, PREFIX, affinity.BASES, key) is None
 
 
 def test_a_job_waiting_past_its_time_moves_once_to_the_front_of_its_fallback(flushed_redis):

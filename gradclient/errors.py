@@ -20,6 +20,7 @@ GradientClientError                  code, message, detail, response (httpx.Resp
  |    +-- RedisOutOfMemoryError, RedisReadOnlyError, RedisRefusesWritesError 503: Redis refuses writes
  |    +-- ServerBusyError 503: the API holds GRADSVC_MAX_BODIES_BYTES of bodies already
  |    +-- SessionConflictError 409: another worker changed the session meanwhile; the call was not applied
+ |    +-- MemberLostError 503: a worker of a session over several was lost during the call; not applied
  +-- InternalServerError              500: a gradsvc bug
 
 The code-specific classes are built from gradsvc.wire.ERROR_CODES, the table the API and the workers

@@ -23,7 +23,7 @@ _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 _IDEMPOTENT_ERRORS = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 # 503 codes that mean "nothing ran, ask again"; worker_lost is a job that failed (perhaps by killing its
 # worker): it reaches the caller as WorkerLostError and is never sent again.
-TRANSIENT_CODES = frozenset({"queue_unavailable", "not_ready"})
+TRANSIENT_CODES = frozenset({"queue_unavailable", "not_ready", "member_lost"})
 # The longest pause between two tries: an API back after a restart (`gradsvc up`: ~6 s) is found within it.
 _MAX_DELAY_S = 2.0
 

@@ -71,6 +71,7 @@ class SessionSettings:
     device: str = "auto"
     checkpoint_every: int | None = None
     freeze: tuple = ()
+    workers: int = 1  # data parallelism: the session held by this many workers (docs/sessions.md)
     wait_s: float = 60.0  # each call's server-side wait (the SDK sends it again, same key, past it)
 
     @classmethod
@@ -90,6 +91,8 @@ class SessionSettings:
             out["checkpoint_every"] = self.checkpoint_every
         if self.freeze:
             out["freeze"] = list(self.freeze)
+        if self.workers != 1:
+            out["workers"] = self.workers
         return out
 
 

@@ -32,6 +32,8 @@ from .queues import Queues
 _created = msgspec.msgpack.Decoder(SessionCreated)
 # How many times a call beaten by another worker's commit (session_conflict) is sent again.
 CONFLICT_TRIES = 3
+# The operations every member of a session over several workers runs (the others go to rank 0, the holder).
+GROUP_OPS = ("step", "forward_backward", "optim_step")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Operation:
     key: str | None = None
     holder: str = ""  # the worker holding the session (its own queue takes the job while it lives)
     base: str | None = None  # a create's frozen base (affinity.base_key): a worker holding it takes the job first
+    members: tuple[str, ...] = ()  # a session over several workers: a job to each, rank 0 first (its answer read)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class TrainingSessions:
         earlier = await anyio.to_thread.run_sync(self._created_under, owner, key) if key is not None else None
         if earlier is not None:
             return await self._created(owner, earlier, wait_s)
+        members = ()
+        if create.options.workers > 1:
+            members = await anyio.to_thread.run_sync(self._members, create.options.workers, create.options.device,
+                                                     ())
         session_id = await anyio.to_thread.run_sync(self._admit, owner, create)
         if key is not None and not await anyio.to_thread.run_sync(self._claim, owner, key, session_id):
             await anyio.to_thread.run_sync(self.records.delete, owner, session_id)  # a concurrent try won
@@ -93,7 +100,7 @@ class TrainingSessions:
             base = affinity.base_key(create.model.dtype, by_reference(create.model.weights,
                                                                       set(create.options.freeze)))
             answer = await self._run(owner, Operation(session_id, "create", body, fmt, create.options.device,
-                                                      base=base), wait_s)
+                                                      base=base, members=members), wait_s)
         except BaseException:
             await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
             raise
@@ -173,17 +180,22 @@ class TrainingSessions:
                       decoded: SessionBatch | SessionOptimStep | None = None) -> Answer:
         """step, forward_backward, forward, optim_step, weights: checked against the session (`decoded`: the body; its lr
         in the session's dtype, its tensor pieces the owner's), enqueued for the session's worker and waited on.
-        A call another worker's commit beat (session_conflict: not applied) is sent again, to the worker holding
-        the session now, up to CONFLICT_TRIES times."""
+        A call another worker's commit beat (session_conflict: not applied), or one a member of a session over
+        several workers failed (member_lost: not applied), is sent again, to the workers holding the session now
+        (the members alive), up to CONFLICT_TRIES times."""
         for attempt in range(CONFLICT_TRIES):
             rec = await anyio.to_thread.run_sync(self.owned, owner, call.session_id)
             if decoded is not None and attempt == 0:
                 await anyio.to_thread.run_sync(self._check_call, owner, rec, decoded)
+            members = ()
+            if rec.members and call.op in GROUP_OPS:
+                members = await anyio.to_thread.run_sync(self._members, len(rec.members), rec.create.options.device,
+                                                         tuple(rec.members))
             try:
-                return await self._run(owner, replace(call, device=rec.create.options.device, holder=rec.holder),
-                                       wait_s)
+                return await self._run(owner, replace(call, device=rec.create.options.device, holder=rec.holder,
+                                                      members=members), wait_s)
             except ServiceError as exc:
-                if exc.code != "session_conflict" or attempt == CONFLICT_TRIES - 1:
+                if exc.code not in ("session_conflict", "member_lost") or attempt == CONFLICT_TRIES - 1:
                     raise
         raise AssertionError("unreachable")
 
@@ -209,9 +221,10 @@ class TrainingSessions:
         (a delete job, or when it needs the room)."""
         rec = await anyio.to_thread.run_sync(self.owned, owner, session_id)
         await anyio.to_thread.run_sync(self.records.delete, owner, session_id)
-        if rec.holder:
-            await anyio.to_thread.run_sync(self._enqueue, owner, Operation(session_id, "delete", b"", "msgpack",
-                                                                           holder=rec.holder))
+        for holder in dict.fromkeys([rec.holder, *rec.members]):  # every worker holding a replica frees it
+            if holder:
+                await anyio.to_thread.run_sync(self._enqueue, owner, Operation(session_id, "delete", b"", "msgpack",
+                                                                               holder=holder))
 
     async def _run(self, owner: str, call: Operation, wait_s: float) -> Answer:
         session_id, op = call.session_id, call.op
@@ -230,11 +243,30 @@ class TrainingSessions:
                                "send it again with the same idempotency key", session_id=session_id)
         raise ServiceError(error.code, error.message, **error.detail)
 
+    def _members(self, k: int, device: str, held: tuple[str, ...]) -> tuple[str, ...]:
+        """The k workers a session over several is held by: those of `held` (its members now) that are alive, in
+        their order, and more of the live workers serving the device's queue; workers_full when fewer than k are
+        alive."""
+        queues = self.queues
+        names = sorted(n.decode().removeprefix(keys.rq_worker_key("")) if isinstance(n, bytes) else
+                       n.removeprefix(keys.rq_worker_key(""))
+                       for n in queues.redis.smembers(keys.rq_queue_workers_key(queues.shared[device].name)))
+        alive = {n for n in names if affinity.worker_alive(queues.redis, n)}
+        members = [n for n in held if n in alive]
+        members += [n for n in sorted(alive, key=lambda n: secrets.randbits(32)) if n not in members]
+        if len(members) < k:
+            raise ServiceError("workers_full", f"options.workers={k}: {len(alive)} workers serving the {device} "
+                               f"queue are alive; start more workers, or ask for at most {len(alive)}",
+                               headers={"Retry-After": "5"}, workers=k, alive=len(alive))
+        return tuple(members[:k])
+
     def _enqueue(self, owner: str, call: Operation) -> str:
         """The job to the own queue of the worker holding the session while it lives, pinned there (never moved
         to the shared queue while that worker lives: gradsvc/broker/affinity.py); a create to the own queue of a
         live worker holding its frozen base, for GRADSVC_SESSION_BASE_WAIT_MS; else to the shared queue of the
         session's device, where the worker that takes it restores the session from its checkpoint."""
+        if call.members:
+            return self._enqueue_members(owner, call)
         queues, s = self.queues, self.settings
         job_id = queues.epochs.new_job_id()
         shared = queues.shared[call.device]
@@ -253,3 +285,22 @@ class TrainingSessions:
                 queues.mover.track(pipe, job_id, shared.name, s.session_base_wait_ms / 1e3, pinned=pinned)
             pipe.execute()
         return job_id
+
+    def _enqueue_members(self, owner: str, call: Operation) -> str:
+        """A call of a session over several workers: one job to each member's own queue, pinned, in one
+        transaction (every worker sees two sessions' calls in the same order: no two members wait on each other
+        crosswise); each job carries the members, its rank and the call's id, rank 0's job id, which is answered."""
+        queues, s = self.queues, self.settings
+        shared = queues.shared[call.device]
+        ids = [queues.epochs.new_job_id() for _ in call.members]
+        with queues.redis.pipeline() as pipe:
+            for rank, (name, job_id) in enumerate(zip(call.members, ids)):
+                group = {"members": list(call.members), "rank": rank, "call": ids[0]}
+                queues.own(keys.own_queue_name(s.queue_prefix, name)).enqueue(
+                    SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, group=group, job_id=job_id,
+                    job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
+                    meta=JobMeta(owner=owner, pinned=True).as_meta(), description=f"session {call.op} ({rank})",
+                    pipeline=pipe)
+                queues.mover.track(pipe, job_id, shared.name, 0.0, pinned=True)
+            pipe.execute()
+        return ids[0]

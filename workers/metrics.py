@@ -60,6 +60,10 @@ class WorkerMetrics:
         self.session_steps = Counter("gradsvc_session_operations_total", "Operations on training sessions this "
                                      "worker ran, by operation (step, forward_backward, optim_step, ...).",
                                      ["operation"], registry=self.registry)
+        self.member_phase = Histogram("gradsvc_session_member_seconds", "A session over several workers: this "
+                                      "member's part of each pass, by phase (compute: its rows' forward and "
+                                      "backward; allreduce: the gradients' all-reduce, its wait for the slowest "
+                                      "member included).", ["phase"], buckets=PHASE_BUCKETS, registry=self.registry)
         self._cache_seen = (0, 0)
         self._resident_seen = (0, 0, 0)
 

@@ -55,12 +55,14 @@ class SessionHost:
                                limit=self.max_sessions)
 
     def sweep(self, records: SessionRecords) -> int:
-        """Drops the sessions whose record is gone (deleted, expired) or names another holder: a worker's memory
+        """Drops the sessions whose record is gone (deleted, expired) or names another holder (and not this worker
+        among its members): a worker's memory
         holds only live sessions, whether or not another one comes. Answers how many were dropped."""
         ids = list(self.sessions)
         if not ids:
             return 0
-        gone = [i for i, rec in zip(ids, records.many(ids)) if rec is None or rec.holder != records.worker]
+        gone = [i for i, rec in zip(ids, records.many(ids))
+                if rec is None or rec.holder != records.worker and records.worker not in rec.members]
         for session_id in gone:
             self.sessions.pop(session_id, None)
         return len(gone)
@@ -73,6 +75,12 @@ class SessionHost:
         if session is not None and rec.holder == records.worker and (session.step, session.accumulated) == \
                 (rec.step, rec.accumulated):
             return session, None
+        return self.restore(session_id, records, reopen)
+
+    def restore(self, session_id: str, records: SessionRecords,
+                reopen: Callable[[], TrainingSession]) -> tuple[TrainingSession, int]:
+        """The session rebuilt here from its last checkpoint (`reopen` builds its model), and the checkpoint's
+        step."""
         self.sessions.pop(session_id, None)
         self.room_for(session_id, records)
         data = records.state(session_id)
@@ -83,8 +91,8 @@ class SessionHost:
         started = time.perf_counter()
         session = reopen()
         session.restore(*session_state.from_bytes(data))
-        log.info("session %s restored from its checkpoint at step %d in %.3f s (its record said step %d)",
-                 session_id, session.step, time.perf_counter() - started, rec.step)
+        log.info("session %s restored from its checkpoint at step %d in %.3f s", session_id, session.step,
+                 time.perf_counter() - started)
         self.sessions[session_id] = session
         return session, session.step
 

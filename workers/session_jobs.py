@@ -24,14 +24,15 @@ from gradsvc.broker.runs import RunBounds, RunStore
 from gradsvc.broker.session_records import (COMMITTED, GONE, JOB_ANSWER_TTL_S, SessionRecord, SessionRecords,
                                             job_answer_name)
 from gradsvc.engine import ComputeError, EngineError, SpecError, tensors
-from gradsvc.engine import session_state
+from gradsvc.engine import replicas, session_state
 from gradsvc.engine.session import StepOutcome, TrainingSession, open_session
 from gradsvc.engine.session_state import check_step_values
 from gradsvc.wire import (GradientRequest, RunCheck, RunStep, SessionBatch, SessionCreate, SessionCreated,
-                          SessionOptimStep, SessionStepResult, SessionTimings, by_reference, refs_only)
+                          MemberTimings, SessionOptimStep, SessionStepResult, SessionTimings, by_reference, refs_only)
 
 from .jobs import WorkerContext, _fail, _graphs, _with_pieces, context_of
 from .run_steps import module_of
+from .session_group import Membership, check_member, form, goes_on, holding, reports
 from .session_host import default_checkpoint_every
 
 log = logging.getLogger("gradsvc.worker")
@@ -55,6 +56,12 @@ class Call:
     started: float
     key: str | None = None  # the Idempotency-Key header's (a body's idempotency_key wins)
     read: bytes | None = None  # the record's bytes as record() read them: what the commit compares
+    member: Membership | None = None  # a session over several workers: this job's part (session_group.py)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this job writes the record and the answer: a session's only worker, or rank 0 of several."""
+        return self.member is None or self.member.rank == 0
 
     def decode(self, kind):
         try:
@@ -73,17 +80,22 @@ class Call:
         return rec
 
 
-def session_job(session_id: str, op: str, body: bytes, fmt: str, key: str | None = None) -> dict:
-    """Runs one operation on a session; its answer goes to the job's answer key as MessagePack."""
+def session_job(session_id: str, op: str, body: bytes, fmt: str, key: str | None = None,
+                group: dict | None = None) -> dict:
+    """Runs one operation on a session; its answer goes to the job's answer key as MessagePack. `group`: a session
+    over several workers, this job's part (session_group.Membership)."""
     job = get_current_job()
     assert job is not None, "session jobs run inside an RQ worker"
     ctx = context_of(job)
     s = ctx.settings
     records = SessionRecords(job.connection, s.queue_prefix, s.session_idle_ttl_s, job.worker_name or "")
+    call = Call(job, ctx, records, session_id, body, fmt, time.perf_counter(), key, member=Membership.of(group))
     ctx.metrics.busy.set(1)
     try:
-        data = _OPS[op](Call(job, ctx, records, session_id, body, fmt, time.perf_counter(), key))
-        if op != "delete":  # nobody waits on a delete's answer
+        if call.member is not None:
+            check_member(records.worker, call.member)
+        data = _OPS[op](call)
+        if op != "delete" and call.writes:  # nobody waits on a delete's answer, nor on a member's but rank 0's
             key = keys.training_session_answer_key(s.queue_prefix, session_id, job_answer_name(job.id))
             ttl = min(s.result_ttl_s, JOB_ANSWER_TTL_S)  # the API reads it once, and deletes it
             if isinstance(job, GradientJob):  # written in RQ's success transaction
@@ -91,6 +103,8 @@ def session_job(session_id: str, op: str, body: bytes, fmt: str, key: str | None
             else:
                 job.connection.set(key, data, ex=ttl)
     except EngineError as exc:
+        if call.member is not None and not isinstance(exc, SpecError):  # its group may be broken: formed again
+            ctx.sessions.sessions.pop(session_id, None)
         raise _fail(job, ctx, exc.code, exc.message, exc.detail, "session") from None
     except JobTimeoutException:
         raise _fail(job, ctx, "timeout", f"the session's {op} ran past its timeout of {job.timeout} s; send "
@@ -115,12 +129,23 @@ def _create(call: Call) -> bytes:
     if create.options.device not in ("auto", ctx.device.type):
         raise SpecError("device_unavailable", f"options.device={create.options.device!r}: the worker that took the "
                         f"session runs on {ctx.device}; use device='auto' or start a {create.options.device} worker")
-    with_pieces = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False)
+    group = _form(call) if call.member is not None else None
+    failed = None
+    try:
+        with_pieces = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False)
+        ctx.sessions.room_for(call.session_id, call.records)
+        session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
+                               ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job),
+                               frozen=ctx.sessions.frozen)
+    except EngineError as exc:
+        if group is None:
+            raise
+        failed = exc
+    if group is not None:
+        group.agree(failed)  # every member built its replica, or every one fails alike
+        session.group = group
     rec.create = msgspec.structs.replace(create, model=msgspec.structs.replace(create.model, weights=refs_only(
         create.model.weights, set(create.options.freeze)) or None))  # the frozen base by its refs, to rebuild it
-    ctx.sessions.room_for(call.session_id, call.records)
-    session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
-                           ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job), frozen=ctx.sessions.frozen)
     ctx.sessions.sessions[call.session_id] = session
     _hold_base(call, rec.create)
     size = session.expected_bytes  # its optimizer's state comes with the first step
@@ -128,7 +153,7 @@ def _create(call: Call) -> bytes:
     rec.holder, rec.device, rec.parameter_count, rec.state_bytes = call.records.worker, str(ctx.device), \
         session.parameter_count, size
     rec.checkpoint_every, rec.checkpoint_step, rec.last_used_at = every, 0, time.time()
-    _write(call, rec, session_state.to_bytes(*session.state()))
+    _write(call, rec, session_state.to_bytes(*session.state()) if call.writes else None)
     return _encoder.encode(SessionCreated(session_id=call.session_id, step=0, parameter_count=session.parameter_count,
                                           device=str(ctx.device), checkpoint_every=every, state_bytes=size))
 
@@ -152,6 +177,10 @@ def _hold_base(call: Call, create: SessionCreate) -> None:
 
 
 def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | None]:
+    return call.ctx.sessions.held(call.session_id, rec, call.records, _reopen(call, rec))
+
+
+def _reopen(call: Call, rec: SessionRecord):
     ctx = call.ctx
 
     def reopen() -> TrainingSession:
@@ -165,7 +194,7 @@ def _session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | Non
                                graphs=_graphs(ctx, call.job), restoring=True, frozen=ctx.sessions.frozen)
         _hold_base(call, rec.create)
         return session
-    return ctx.sessions.held(call.session_id, rec, call.records, reopen)
+    return reopen
 
 
 def _replayed(call: Call, session: TrainingSession, key: str | None) -> bytes | None:
@@ -190,17 +219,27 @@ def _operate(call: Call, op: str) -> bytes:
     still the one read (session_records.py), so that an answer is given only for a committed call."""
     rec = call.record()
     payload = call.decode(SessionOptimStep if op == "optim_step" else SessionBatch)
-    session, resumed = _session(call, rec)
+    session, resumed = _session(call, rec) if call.member is None else _members_session(call, rec)
     if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
         _refuse_lost_steps(call, rec, session)
     key = payload.idempotency_key or call.key
-    again = _replayed(call, session, key)
-    if again is not None:
+    failed, again = None, None
+    try:
+        again = _replayed(call, session, key) if call.writes else None
+        check_step_values(payload.lr, session.dtypes)
+        _refuse_too_large(call, session, payload)
+        if isinstance(payload, SessionBatch):
+            payload = _with_batch_pieces(call, rec, payload)
+    except EngineError as exc:
+        if session.group is None:
+            raise
+        failed = exc
+    if session.group is not None:
+        session.group.agree(failed)
+        if session.group.rank0_says(again is not None):  # rank 0 applied it already: answered again, not run
+            return again or b""
+    elif again is not None:
         return again
-    check_step_values(payload.lr, session.dtypes)
-    _refuse_too_large(call, session, payload)
-    if isinstance(payload, SessionBatch):
-        payload = _with_batch_pieces(call, rec, payload)
     norms = rec.create.run is not None
     with session.math(payload.options.math_mode if isinstance(payload, SessionBatch) else None):
         if op == "forward_backward":
@@ -209,7 +248,10 @@ def _operate(call: Call, op: str) -> bytes:
             outcome = session.optim_step(payload.lr, None, norms=norms)
         else:
             outcome = session.train_step(payload, norms=norms)
-    answer, data = _bounded(call, _answer(call, session, outcome, payload.returns, resumed))
+    answer = _answer(call, session, outcome, payload.returns, resumed)
+    if session.group is not None:
+        answer = msgspec.structs.replace(answer, members=_member_timings(call, session, outcome))
+    answer, data = _bounded(call, answer)
     forgotten = session.remember(key, len(data), call.ctx.settings.session_answer_bytes) if key is not None else ()
     _commit(call, rec, session, answer, op, (key, data) if key is not None else None, forgotten)
     if norms and op != "forward_backward":
@@ -237,6 +279,46 @@ def _forward(call: Call) -> bytes:
     rec.holder, rec.device, rec.last_used_at = call.records.worker, str(session.device), time.time()
     _write(call, rec, op="forward")
     return data
+
+
+def _form(call: Call):
+    s = call.ctx.settings
+    return form(call.job.connection, s.queue_prefix, call.session_id, call.member, s.worker_address,
+                s.session_collective_timeout_s)
+
+
+def _members_session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, int | None]:
+    """A session over several workers: its replica and group as they stand when every member reports the same
+    formation and step (session_group.py); else every member drops its own, forms a new group and restores the
+    replica from the checkpoint (the checkpoint's step: the answer says so when steps after it were lost)."""
+    m, host, s = call.member, call.ctx.sessions, call.ctx.settings
+    held = host.sessions.get(call.session_id) if rec.members == list(m.members) else None
+    said = reports(call.job.connection, s.queue_prefix, call.session_id, m, holding(held, m, (rec.step, rec.accumulated)),
+                   s.session_collective_timeout_s)
+    if goes_on(said):
+        return held, None
+    host.sessions.pop(call.session_id, None)
+    group, failed = _form(call), None
+    try:
+        session, resumed = host.restore(call.session_id, call.records, _reopen(call, rec))
+    except EngineError as exc:
+        failed = exc
+    group.agree(failed)
+    session.group = group
+    return session, resumed
+
+
+def _member_timings(call: Call, session: TrainingSession, outcome: StepOutcome) -> list[MemberTimings] | None:
+    """Every member's rows, compute and all-reduce times for this call (a collective: every member asks)."""
+    if "rows" not in outcome.extra:
+        return None
+    a, b = outcome.extra["rows"]
+    allreduce_s = outcome.extra["allreduce_s"]
+    call.ctx.metrics.member_phase.labels("compute").observe(outcome.forward_s + outcome.backward_s)
+    call.ctx.metrics.member_phase.labels("allreduce").observe(allreduce_s)
+    times = replicas.gather_times(session.group, b - a, outcome.forward_s + outcome.backward_s, allreduce_s)
+    return [MemberTimings(worker=w, rows=rows, compute_ms=1e3 * c, allreduce_ms=1e3 * r)
+            for w, (rows, c, r) in zip(call.member.members, times)]
 
 
 def _with_batch_pieces(call: Call, rec: SessionRecord, batch: SessionBatch) -> SessionBatch:
@@ -333,7 +415,7 @@ def _commit(call: Call, rec: SessionRecord, session: TrainingSession, answer: Se
             kept: tuple[str, bytes] | None, forgotten: tuple[str, ...]) -> None:
     """The record where the session stands now, with a checkpoint when one is due (every checkpoint_every
     optimizer steps) and the answer kept under its idempotency key."""
-    due = op != "forward_backward" and session.step % max(1, rec.checkpoint_every) == 0
+    due = op != "forward_backward" and session.step % max(1, rec.checkpoint_every) == 0 and call.writes
     rec.step, rec.accumulated, rec.holder = session.step, session.accumulated, call.records.worker
     rec.device, rec.state_bytes, rec.last_used_at = str(session.device), session.state_bytes, time.time()
     rec.last = msgspec.structs.replace(answer, gradients=None, weights=None, buffers=None, outputs=None)
@@ -350,17 +432,31 @@ def _write(call: Call, rec: SessionRecord, state: bytes | None = None, kept: tup
     """Commits `rec` over the record this call read. When the session was deleted meanwhile, or another worker
     committed it since (two workers that restored it at once), nothing is written: this worker drops its copy,
     which is ahead of what Redis holds, and the call is refused as not applied (the API sends a conflicted call
-    again, to the worker that holds the session now)."""
-    outcome = call.records.commit(call.session_id, call.read or b"", rec, state, kept, forgotten)
-    if outcome == COMMITTED:
-        return
-    call.ctx.sessions.sessions.pop(call.session_id, None)
+    again, to the worker that holds the session now). Of a session over several workers rank 0 commits, with the
+    members, and every member takes its outcome (a member whose replica went ahead of the record drops it)."""
+    group = getattr(call.ctx.sessions.sessions.get(call.session_id), "group", None) if call.member else None
+    outcome = COMMITTED
+    if call.writes:
+        if call.member is not None:
+            rec.holder, rec.members = call.member.members[0], list(call.member.members)
+        outcome = call.records.commit(call.session_id, call.read or b"", rec, state, kept, forgotten)
+    error = None
     if outcome == GONE:
-        raise SpecError("not_found", f"session {call.session_id} was deleted (or expired) while this {op} ran; it "
-                        "was not applied", session_id=call.session_id)
-    raise ComputeError("session_conflict", f"session {call.session_id} was changed by another worker while this {op} "
-                       f"ran on {call.records.worker} (it had been restored on both); this {op} was not applied: "
-                       "send it again", session_id=call.session_id)
+        error = SpecError("not_found", f"session {call.session_id} was deleted (or expired) while this {op} ran; it "
+                          "was not applied", session_id=call.session_id)
+    elif outcome != COMMITTED:
+        error = ComputeError("session_conflict", f"session {call.session_id} was changed by another worker while this "
+                             f"{op} ran on {call.records.worker} (it had been restored on both); this {op} was not "
+                             "applied: send it again", session_id=call.session_id)
+    if group is not None:
+        try:
+            group.agree(error)  # rank 0's outcome is every member's
+        except EngineError:
+            call.ctx.sessions.sessions.pop(call.session_id, None)
+            raise
+    if error is not None:
+        call.ctx.sessions.sessions.pop(call.session_id, None)
+        raise error
 
 
 def _record_run_step(call: Call, rec: SessionRecord, session: TrainingSession, outcome: StepOutcome,

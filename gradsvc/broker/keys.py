@@ -282,3 +282,14 @@ def training_sessions_key(prefix: str, owner: str) -> str:
 def training_session_created_key(prefix: str, owner: str, idempotency_key: str) -> str:
     """The session a POST /sessions under this Idempotency-Key created (its retry answers it again)."""
     return f"{prefix}:tsession-created:{owner}:{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+
+
+def training_session_report_key(prefix: str, session_id: str, call: str, rank: int) -> str:
+    """A session over several workers: what member `rank` holds at the start of call `call` (its formation and
+    step), read by every member to agree whether their process group and replicas go on (workers/session_group.py)."""
+    return f"{prefix}:tsession:{session_id}:report:{call}:{rank}"
+
+
+def training_session_rendezvous_key(prefix: str, session_id: str, formation: str) -> str:
+    """The address of the store rank 0 serves for the rendezvous of one formation of a session's members."""
+    return f"{prefix}:tsession:{session_id}:rendezvous:{formation}"

@@ -47,6 +47,10 @@ class SessionRecord(msgspec.Struct, omit_defaults=True):
     state_bytes: int = 0
     parameter_count: int = 0
     last: SessionStepResult | None = None
+    # A session over several workers (options.workers): its members, rank 0 (the holder) first, and the number of
+    # their process group: a new set of members (one was lost) is the next generation, rebuilt from the checkpoint.
+    members: list[str] = []
+    generation: int = 0
 
     def info(self, session_id: str) -> SessionInfo:
         return SessionInfo(session_id=session_id, step=self.step, accumulated=self.accumulated,
@@ -54,7 +58,7 @@ class SessionRecord(msgspec.Struct, omit_defaults=True):
                            state_bytes=self.state_bytes, device=self.device, worker=self.holder,
                            checkpoint_step=self.checkpoint_step, checkpoint_every=self.checkpoint_every,
                            run=self.create.run, created_at=self.created_at, last_used_at=self.last_used_at,
-                           last=self.last)
+                           last=self.last, members=list(self.members))
 
 
 _encoder = msgspec.msgpack.Encoder()

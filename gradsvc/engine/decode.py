@@ -127,15 +127,16 @@ def per_example_option(opts: Options) -> str | None:
 
 
 def rows_per_example(opts: Options, inputs: Batch, out: torch.Tensor,
-                      out_batch: tuple[int, int] | None) -> int | None:
+                      out_batch: tuple[int, int] | None, split_by: str | None = None) -> int | None:
     """How many output rows each batch row owns, when the output's rows follow the batch's in order
     (`out_batch` is where the batch sits in the output: (dim, rows per example)); refuses an option that
-    splits the batch when they do not (a part of the batch would not know its targets' rows)."""
+    splits the batch when they do not (a part of the batch would not know its targets' rows). `split_by`: what
+    else splits it (a session's options.workers)."""
     n = inputs.rows
     k = None
     if out_batch is not None and out_batch[0] == 0 and out.dim() >= 1 and out.shape[0] == n * out_batch[1]:
         k = out_batch[1]
-    split = splits(opts, n)
+    split = splits(opts, n) or ([split_by] if split_by else [])
     if not split:
         return k
     if not any(inputs.batched):

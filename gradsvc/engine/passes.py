@@ -85,10 +85,14 @@ class Chunk:
         return self.inputs.tensors[self.inputs.floating()[0]]
 
 
-def chunks(prep: Prepared) -> Iterator[Chunk]:
+def chunks(prep: Prepared, part: tuple[int, int] | None = None) -> Iterator[Chunk]:
+    """The batch's micro-batches; `part`: those of its rows part[0]:part[1] alone (a session's member,
+    engine/replicas.py), each still scaled by its share of the whole batch."""
     n = prep.inputs.rows
     k = prep.rows_per_example or 1
-    for a, b in batch_chunks(n, prep.options.micro_batch):
+    first, last = part if part is not None else (0, n)
+    spans = [(first + a, first + b) for a, b in batch_chunks(last - first, prep.options.micro_batch)]
+    for a, b in spans:
         whole = (a, b) == (0, n)
         xs = prep.inputs if whole else prep.inputs.rows_slice(a, b)
         if prep.options.input_grad:
@@ -250,21 +254,23 @@ def _graph(root) -> list[GraphNode]:
 # --- one pass, composed ---------------------------------------------------------------------------
 
 def run_pass(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, *, record_memory: bool,
-             hvp_vector: dict[str, torch.Tensor] | None, seed: int) -> Pass:
-    """Forward and backward over the batch, chunk by chunk: the first chunk metered, each one timed,
-    the extra outputs taken from its graph, everything summed into one Pass. Buffers the forward writes
-    start every pass from the request's values: each pass leaves them as one training step would."""
+             hvp_vector: dict[str, torch.Tensor] | None, seed: int, part: tuple[int, int] | None = None) -> Pass:
+    """Forward and backward over the batch (`part`: over those of its rows), chunk by chunk: the first chunk
+    metered, each one timed, the extra outputs taken from its graph, everything summed into one Pass. Buffers
+    the forward writes start every pass from the request's values: each pass leaves them as one training step
+    would."""
     result = Pass()
     with _written_buffers(prep, result), _kept_outputs(prep, result):
-        _run_chunks(prep, params, device, record_memory, hvp_vector, seed, result)
+        _run_chunks(prep, params, device, (record_memory, hvp_vector, seed, part), result)
     return result
 
 
-def _run_chunks(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, record_memory: bool,
-                hvp_vector: dict[str, torch.Tensor] | None, seed: int, result: Pass) -> None:
+def _run_chunks(prep: Prepared, params: dict[str, torch.Tensor], device: torch.device, how: tuple,
+                result: Pass) -> None:
+    record_memory, hvp_vector, seed, part = how
     forward_clock, backward_clock = _Clock(device), _Clock(device)
     with seeded(seed, device, is_random(prep.model)):
-        for k, chunk in enumerate(chunks(prep)):
+        for k, chunk in enumerate(chunks(prep, part)):
             with metered(prep.model, on=record_memory and k == 0) as meter, \
                     twice_differentiable(hvp_vector is not None):
                 with forward_clock:

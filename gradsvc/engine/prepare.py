@@ -40,11 +40,13 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
 
 def prepare_held(request: GradientRequest, config: EngineConfig, device: torch.device, model: torch.nn.Module, *,
                  graphs: GraphResolver | None = None, caches: EngineCaches | None = None,
-                 loss: bool = True) -> Prepared:
+                 loss: bool = True, parts: int = 1) -> Prepared:
     """prepare() around a model the caller keeps on `device` (a training session's, engine/session.py): the same
     checks of the batch, the model run as it is (the request's weights neither read nor needed), going back to
-    no pool. `loss=False`: no loss terms and no targets (a session's forward of a batch sent without targets)."""
-    return _checked(request, config, False, graphs, caches, loss).prepared(model, None, device)
+    no pool. `loss=False`: no loss terms and no targets (a session's forward of a batch sent without targets);
+    `parts`: the batch is split in that many parts of rows (a session over several workers: engine/replicas.py),
+    so its targets' rows must follow the batch's."""
+    return _checked(request, config, False, graphs, caches, (loss, parts)).prepared(model, None, device)
 
 
 @dataclass
@@ -75,7 +77,7 @@ class _Checked:
 
 
 def _checked(request: GradientRequest, config: EngineConfig, shape_only: bool, graphs: GraphResolver | None,
-             caches: EngineCaches | None, loss: bool = True) -> _Checked:
+             caches: EngineCaches | None, how: tuple[bool, int] = (True, 1)) -> _Checked:
     """Every check of the request in prepare()'s order, but the model's weights (side.model's)."""
     caches = caches if caches is not None else EngineCaches.for_config(config)
     opts, max_elements = request.options, config.limits.max_elements
@@ -87,12 +89,14 @@ def _checked(request: GradientRequest, config: EngineConfig, shape_only: bool, g
                         "the one its loss reads: leave options.outputs out", option="outputs")
     inputs = side.inputs(shape_only)  # each decoded and checked; the batched ones agree on the batch size
     out = side.output(inputs)  # on meta: a layer or node that cannot take its input is named
+    loss, parts = how
     terms = loss_terms(request) if loss else []
     targets = decode_targets(request, terms, out, dtype, max_elements, shape_only) if loss else {}
     refuse_own_loss_split(opts, terms, inputs.rows)
     validate_reductions(opts, terms)
     side.validate_splits(opts, inputs)
-    rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs))
+    split_by = "options.workers" if parts > 1 else None
+    rows = rows_per_example(opts, inputs, out, side.output_batch(opts, inputs, split_by is not None), split_by)
     frozen = validate_options(opts, config, inputs.rows, side.top_layers, side.parameter_names)
     validate_hvp(opts, side.meta, frozen)
     validate_diagnostics(opts, terms, side.meta, frozen, config.max_krylov_bytes)

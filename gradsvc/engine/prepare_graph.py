@@ -326,8 +326,8 @@ class GraphSpecModel:
         if "options.shards" in splits(opts, inputs.rows):  # what mixes is the clearer reason
             validate_graph_split(self.template, self.batch_flow(inputs)[0], "options.shards", across_jobs=True)
 
-    def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int] | None:
-        maybe_split = splits(opts, inputs.rows) or opts.shards == "auto"
+    def output_batch(self, opts: Options, inputs: Batch, split: bool = False) -> tuple[int, int] | None:
+        maybe_split = split or splits(opts, inputs.rows) or opts.shards == "auto"
         return self.batch_flow(inputs)[1] if maybe_split and any(inputs.batched) else None
 
     def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:

@@ -76,7 +76,7 @@ class LayerSpecModel:
     def validate_splits(self, opts: Options, inputs: Batch) -> None:
         """A layer spec's splits are checked with its layers (validate_batch_statistics), after the options."""
 
-    def output_batch(self, opts: Options, inputs: Batch) -> tuple[int, int]:
+    def output_batch(self, opts: Options, inputs: Batch, split: bool = False) -> tuple[int, int]:
         return (0, 1)  # a stack of layers keeps the batch in dim 0, one output row per example
 
     def validate_batch_statistics(self, opts: Options, inputs: Batch) -> None:

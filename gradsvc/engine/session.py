@@ -25,12 +25,12 @@ from torch import nn
 from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, GraphSpec, ModelSpec, Numcheck, \
     Options, SessionBatch, SessionCreate, by_reference
 
-from . import logprobs, session_state, tensors
+from . import logprobs, replicas, session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
 from .devices import float32_math, math_mode_for, sync
 from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
-from .errors import ComputeError, SpecError
+from .errors import ComputeError, EngineError, SpecError
 from .frozen import FrozenStore
 from .decode import loss_terms
 from .graph.interpreter import GraphModel
@@ -97,6 +97,7 @@ class TrainingSession:
         self.last_update: dict[str, tuple[float, float]] | None = None
         self.parameter_count = sum(p.numel() for p in model.parameters())
         self.shared: set[str] = set()  # frozen parameters held in the worker's FrozenStore (open_session)
+        self.group: replicas.Group | None = None  # its members' process group, when several workers hold it
 
     def math(self, asked: str | None = None):
         """The float32 math an operation runs in, as a job's (devices.float32_math): the batch's options.math_mode,
@@ -130,56 +131,50 @@ class TrainingSession:
     # --- operations ------------------------------------------------------------------------------------
 
     def forward_backward(self, batch: SessionBatch) -> StepOutcome:
-        """Forward and backward over the batch; its gradients are added to those waiting for optim_step."""
+        """Forward and backward over the batch; its gradients are added to those waiting for optim_step. A session
+        over several workers (`group`) runs its member's part of the rows, and the parts' gradients and losses are
+        summed over the members (engine/replicas.py) before they are added."""
         request = self._request(batch)
-        prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs, caches=self.caches)
-        if prep.graph is not None and prep.graph.first_output != 0:
-            raise SpecError("bad_loss", "loss: a session trains on the graph's first output; name it as the loss, or "
-                            "export the module with the loss first", option="loss")
         before = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        failed: EngineError | None = None
         try:
+            prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs,
+                                caches=self.caches, parts=self.group.size if self.group is not None else 1)
+            if prep.graph is not None and prep.graph.first_output != 0:
+                raise SpecError("bad_loss", "loss: a session trains on the graph's first output; name it as the "
+                                "loss, or export the module with the loss first", option="loss")
             done = run_pass(prep, self.params, self.device, record_memory=False, hvp_vector=None,
-                            seed=self._pass_seed())
+                            seed=self._pass_seed(), part=_member_part(self, prep))
             _refuse_non_finite(done.grads, done.loss)
             check = numerical_check(CheckInputs(prep, request, self.config, self.device, done.grads, final=done)) \
                 if prep.options.numcheck != "off" else None
-            diagnosed = Diagnostics(norms=norms_of(done.grads)) if prep.options.diagnostics else None
-        except BaseException:
+        except BaseException as exc:
             self._put_buffers(before)  # a layer spec's training forward wrote them in place
-            raise
+            if self.group is None or not isinstance(exc, EngineError):
+                raise
+            failed = exc
+        extra = {}
+        if self.group is not None:
+            self.group.agree(failed)  # raises on every member when one failed
+            done.grads, done.losses, extra["allreduce_s"] = replicas.reduce_pass(
+                self.group, self.names, done.grads, {**done.losses, "": done.loss}, self.params)
+            done.loss = done.losses.pop("")
         if done.buffers:  # a graph's pass reports what its forward wrote and puts the old values back
             self._put_buffers(done.buffers)
+        if self.group is not None:
+            self.group.broadcast_buffers(self.model)
+            extra["rows"] = _member_part(self, prep)
         for name, grad in done.grads.items():
             p = self.params[name]
             p.grad = grad.detach() if p.grad is None else p.grad.add_(grad)
         self.accumulated += 1
+        diagnosed = Diagnostics(norms=norms_of(done.grads)) if prep.options.diagnostics else None
         return StepOutcome(loss=done.loss, losses=dict(done.losses) if len(prep.terms) > 1 else None,
                            outputs=done.outputs, prep=prep, forward_s=done.forward_s, backward_s=done.backward_s,
-                           check=check, diagnostics=diagnosed)
+                           check=check, diagnostics=diagnosed, extra=extra)
 
     def forward(self, batch: SessionBatch) -> StepOutcome:
-        """The batch's forward alone, as the next forward_backward would run it (the same model, its draws from
-        the same seed), without a backward: nothing changes (weights, buffers, gradients, step). Its loss when the
-        batch gives targets (or the model's own loss), every output, and per class-index loss the log-probability
-        of each target (extra["logprobs"])."""
-        request = self._request(batch, forward=True)
-        own = any(t.type == OWN_LOSS for t in loss_terms(request))
-        labels = None
-        if own and batch.targets is not None:  # read against the logits (logprobs.of_labels), not by the loss
-            labels = logprobs.decode_labels(batch.targets, self.config.limits.max_elements)
-            request = msgspec.structs.replace(request, targets=None)
-        prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs, caches=self.caches,
-                            loss=own or batch.targets is not None)
-        before = {n: b.detach().clone() for n, b in self.model.named_buffers()} if prep.graph is None else {}
-        try:
-            done = forward_only(prep, self.device, self._pass_seed())
-        finally:
-            self._put_buffers(before)  # a layer spec's training forward wrote them in place
-        total = sum(t.weight * done.losses[t.name] for t in prep.terms) if prep.terms else None
-        if labels is not None:
-            done.logprobs[prep.terms[0].name] = logprobs.of_labels(done.outputs, labels)
-        return StepOutcome(loss=total, losses=done.losses if len(prep.terms) > 1 else None, outputs=done.outputs,
-                           prep=prep, forward_s=done.seconds, extra={"logprobs": done.logprobs})
+        return forward_alone(self, batch)
 
     def optim_step(self, lr: float | None = None, clip: ClipOptions | None = None, *,
                    norms: bool = False) -> StepOutcome:
@@ -247,7 +242,7 @@ class TrainingSession:
                 p.grad = kept[n] if kept is not None else None
             raise
         passed.grad_norm, passed.lr, passed.clip, passed.gradients = done.grad_norm, done.lr, done.clip, done.gradients
-        passed.optimizer_s, passed.extra = done.optimizer_s, done.extra
+        passed.optimizer_s, passed.extra = done.optimizer_s, {**passed.extra, **done.extra}
         return passed
 
     # --- state -------------------------------------------------------------------------------------------
@@ -319,6 +314,46 @@ class TrainingSession:
             opts = msgspec.structs.replace(opts, micro_batch=None, outputs=self.graph is not None)
         return GradientRequest(model=model, inputs=batch.inputs, targets=batch.targets, loss=batch.loss,
                                losses=batch.losses, options=opts)
+
+
+def forward_alone(session: TrainingSession, batch: SessionBatch) -> StepOutcome:
+    """The batch's forward alone, as the next forward_backward would run it (the same model, its draws from
+    the same seed), without a backward: nothing changes (weights, buffers, gradients, step). Its loss when the
+    batch gives targets (or the model's own loss), every output, and per class-index loss the log-probability
+    of each target (extra["logprobs"])."""
+    request = session._request(batch, forward=True)
+    own = any(t.type == OWN_LOSS for t in loss_terms(request))
+    labels = None
+    if own and batch.targets is not None:  # read against the logits (logprobs.of_labels), not by the loss
+        labels = logprobs.decode_labels(batch.targets, session.config.limits.max_elements)
+        request = msgspec.structs.replace(request, targets=None)
+    prep = prepare_held(request, session.config, session.device, session.model, graphs=session._graphs, caches=session.caches,
+                        loss=own or batch.targets is not None)
+    before = {n: b.detach().clone() for n, b in session.model.named_buffers()} if prep.graph is None else {}
+    try:
+        done = forward_only(prep, session.device, session._pass_seed())
+    finally:
+        session._put_buffers(before)  # a layer spec's training forward wrote them in place
+    total = sum(t.weight * done.losses[t.name] for t in prep.terms) if prep.terms else None
+    if labels is not None:
+        done.logprobs[prep.terms[0].name] = logprobs.of_labels(done.outputs, labels)
+    return StepOutcome(loss=total, losses=done.losses if len(prep.terms) > 1 else None, outputs=done.outputs,
+                       prep=prep, forward_s=done.seconds, extra={"logprobs": done.logprobs})
+
+
+def _member_part(session: TrainingSession, prep: Prepared) -> tuple[int, int] | None:
+    """A member's rows of the batch (None: the session is on one worker)."""
+    if session.group is None:
+        return None
+    if prep.options.numcheck != "off":
+        raise SpecError("bad_option", "options.numcheck: a session over several workers checks no part's "
+                        "gradient; leave it out, or check on POST /gradients with the session's weights (GET "
+                        "/sessions/{id}/weights)", option="options.numcheck")
+    if any(t.type == OWN_LOSS for t in prep.terms):
+        raise SpecError("bad_loss", "loss 'output': the model's own loss is one scalar over the whole batch, "
+                        "which a session over several workers cannot split into its parts; return per-example "
+                        "outputs and use a built-in loss", option="loss")
+    return session.group.part(prep.inputs.rows)
 
 
 def validate_step_options(opts: Options, device: str) -> Options:

@@ -206,6 +206,11 @@ class Settings:
     # How long a new session whose frozen base a worker already holds (and has room beside) waits in that worker's
     # own queue, the worker busy, before any worker may take it (and build the base again).
     session_base_wait_ms: int = _at_least_zero(5000)
+    # A session over several workers (docs/sessions.md): how long one of its collectives (the rendezvous, an
+    # all-reduce) may wait for the other members before the call fails member_lost, and the address this worker's
+    # process groups listen on (another host's workers must reach it: set it to this host's address there).
+    session_collective_timeout_s: float = _positive(60.0)
+    worker_address: str = "127.0.0.1"
     # Derived, not read from a variable of its own: whether GRADSVC_REDIS_URL was set (`gradsvc up`
     # starts an embedded Redis when it was not).
     redis_url_given: bool = False

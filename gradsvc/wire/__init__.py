@@ -34,7 +34,7 @@ from gradsvc.wire.runs import (MAX_RUN_STEP, RUN_NAME_PATTERN, RunCheck, RunInfo
                                RunSummary)
 from gradsvc.wire.sessions import (SESSION_RETURNS, IdempotencyKeyField, OptimizerSpec, SessionBatch, SessionCreate,
                                    SessionCreated, SessionId, SessionInfo, SessionOptimStep, SessionOptions,
-                                   SessionStepResult, SessionTimings)
+                                   SessionStepResult, SessionTimings, MemberTimings)
 from gradsvc.wire.tensors import (COMPLEX_DTYPES, DTYPES, ITEMSIZE, Tensor, TensorLike, by_reference, is_tensor, owned,
                                   raw_data, refs_only)
 
@@ -50,7 +50,8 @@ __all__ = [
     "PER_EXAMPLE_DIAGNOSTICS", "ParameterCheck", "PerSample", "Progress", "QuantityCheck", "RELEASE_HEADER",
     "RUN_NAME_PATTERN", "RunCheck", "RunInfo", "RunName", "RunRef", "RunStep", "RunSummary", "SESSION_RETURNS",
     "IdempotencyKeyField", "OptimizerSpec", "SessionBatch", "SessionCreate", "SessionCreated", "SessionId",
-    "SessionInfo", "SessionOptimStep", "SessionOptions", "SessionStepResult", "SessionTimings", "ShardsInfo",
+    "SessionInfo", "SessionOptimStep", "SessionOptions", "SessionStepResult", "SessionTimings", "MemberTimings",
+    "ShardsInfo",
     "Specialised",
     "Tensor", "TensorLike", "Timings", "by_reference", "is_tensor", "owned", "raw_data", "refs_only",
 ]

@@ -105,6 +105,9 @@ ERROR_CODES: dict[str, ErrorCode] = {
                               "the session's checkpoint is gone, or Redis lost the session; it cannot be rebuilt"),
     "session_conflict": ErrorCode(409, "SessionConflictError", "unavailable",
                                   "another worker changed the session while this call ran; it was not applied"),
+    "member_lost": ErrorCode(503, "MemberLostError", "unavailable",
+                             "a worker holding part of a session over several workers stopped or timed out during "
+                             "the call; it was not applied: send it again (the session goes on without it)"),
     "answer_lost": ErrorCode(410, "AnswerLostError", "job",
                              "the call under this idempotency key was applied, but its answer is no longer kept"),
 }

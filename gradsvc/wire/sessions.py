@@ -40,12 +40,16 @@ class OptimizerSpec(Struct, forbid_unknown_fields=True, omit_defaults=True):
 class SessionOptions(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A session's standing options: global clipping before every optimizer step (`clip`, as options.clip of
     POST /gradients; per_sample is refused), the device, how often its state is checkpointed (null: from its
-    size, docs/sessions.md) and the parameters left out of the optimizer (`freeze`)."""
+    size, docs/sessions.md), the parameters left out of the optimizer (`freeze`) and how many workers hold it
+    (`workers`)."""
 
     clip: ClipOptions | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: AtLeastOne | None = None
     freeze: list[str] = []
+    # Data parallelism: the session held by this many workers at once, each a replica; a batch split along its first
+    # dim, the gradients all-reduced with torch.distributed (docs/sessions.md, "A session over several workers").
+    workers: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class SessionCreate(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -97,6 +101,17 @@ class SessionTimings(Struct):
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
     total_ms: float = 0.0
+    allreduce_ms: float = 0.0  # a session over several workers: the gradients' all-reduce (and the wait for it)
+
+
+class MemberTimings(Struct):
+    """One worker of a session over several: its part's compute and its all-reduce (which waits for the
+    slowest part), in milliseconds."""
+
+    worker: str
+    rows: int
+    compute_ms: float
+    allreduce_ms: float
 
 
 class SessionStepResult(Struct, omit_defaults=False):
@@ -135,6 +150,8 @@ class SessionStepResult(Struct, omit_defaults=False):
     # call was applied (its outputs' size is known only then); the call was applied: read the weights with
     # GET /sessions/{id}/weights.
     omitted: list[str] = []
+    # A session over several workers: each member's part of this call (forward_backward and step).
+    members: list[MemberTimings] | None = None
 
 
 class SessionInfo(Struct):
@@ -154,3 +171,4 @@ class SessionInfo(Struct):
     created_at: float
     last_used_at: float
     last: SessionStepResult | None = None
+    members: list[str] = []  # a session over several workers: the workers holding it, rank 0 first

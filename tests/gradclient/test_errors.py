@@ -66,7 +66,8 @@ def test_every_code_in_an_error_body_raises_its_own_class(code, wire_format):
     assert exc.status == STATUS[code] and exc.response.status_code == STATUS[code]
     # A job that ran and failed (worker_lost is a 503 too) is never sent again.
     assert exc.is_retryable == (code in ("queue_unavailable", "not_ready", "redis_oom", "redis_readonly",
-                                         "redis_unavailable", "server_busy", "session_conflict"))
+                                         "redis_unavailable", "server_busy", "session_conflict",
+                                         "member_lost"))
 
 
 def test_one_class_per_code():

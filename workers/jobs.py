@@ -166,12 +166,14 @@ def _graphs(ctx: WorkerContext, job: Job):
     return ctx.graphs.resolver(_owner(job))
 
 
-def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest, in_place: bool = True) -> GradientRequest:
+def _with_pieces(ctx: WorkerContext, job: Job, request: GradientRequest, in_place: bool = True,
+                 keep: set[str] | frozenset = frozenset()) -> GradientRequest:
     """The request with its tensors by reference filled in, from this worker's LRU or the owner's pieces; the
     weights a model this worker holds for the owner has in place stay refs alone (never fetched: resident.py),
-    unless `in_place` is False (a training session builds a model of its own)."""
+    unless `in_place` is False (a training session builds a model of its own): then those named in `keep` (the
+    frozen weights its sessions share, engine/frozen.py) stay refs alone."""
     try:
-        held = ctx.engine.in_place(request, ctx.device, _owner(job)) if in_place else set()
+        held = ctx.engine.in_place(request, ctx.device, _owner(job)) if in_place else keep
         resolved = ctx.pieces.resolved(_owner(job), request, held)
     except BlobError as exc:
         raise SpecError(exc.code, exc.message, **exc.detail) from None

@@ -132,11 +132,8 @@ def _create(call: Call) -> bytes:
     group = _form(call) if call.member is not None else None
     failed = None
     try:
-        with_pieces = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False)
         ctx.sessions.room_for(call.session_id, call.records)
-        session = open_session(msgspec.structs.replace(create, model=with_pieces.model), ctx.engine.config,
-                               ctx.engine.caches, ctx.device, graphs=_graphs(ctx, call.job),
-                               frozen=ctx.sessions.frozen)
+        session = _opened(call, create, restoring=False)
     except EngineError as exc:
         if group is None:
             raise
@@ -186,15 +183,34 @@ def _reopen(call: Call, rec: SessionRecord):
     def reopen() -> TrainingSession:
         """The session's model built again, for its checkpoint: its frozen base found in this worker's store, or
         fetched from the owner's pieces."""
-        create = rec.create
-        if create.model.weights:
-            model = _with_pieces(ctx, call.job, GradientRequest(model=create.model, inputs=[]), in_place=False).model
-            create = msgspec.structs.replace(create, model=model)
-        session = open_session(create, ctx.engine.config, ctx.engine.caches, ctx.device,
-                               graphs=_graphs(ctx, call.job), restoring=True, frozen=ctx.sessions.frozen)
+        session = _opened(call, rec.create, restoring=True)
         _hold_base(call, rec.create)
         return session
     return reopen
+
+
+def _opened(call: Call, create: SessionCreate, restoring: bool) -> TrainingSession:
+    """open_session with the model's pieces filled in, but for the frozen weights this worker's store holds
+    already (for its other sessions): neither fetched nor copied, the store's are taken (engine/frozen.py). Should
+    the store hold them in another dtype than this session's, the session is built again with them fetched."""
+    ctx = call.ctx
+    frozen = ctx.sessions.frozen
+    held = frozen.holding(create.model.weights, set(create.options.freeze), ctx.device) \
+        if create.model.layers is None else {}  # kept (the store holds weakly) until the session holds them
+
+    def build(keep: set[str]) -> TrainingSession:
+        model = create.model
+        if model.weights:
+            model = _with_pieces(ctx, call.job, GradientRequest(model=model, inputs=[]), in_place=False,
+                                 keep=keep).model
+        return open_session(msgspec.structs.replace(create, model=model), ctx.engine.config, ctx.engine.caches,
+                            ctx.device, graphs=_graphs(ctx, call.job), restoring=restoring, frozen=frozen)
+    try:
+        return build(set(held))
+    except SpecError as exc:
+        if not held or exc.code != "tensor_not_found":
+            raise
+    return build(set())
 
 
 def _replayed(call: Call, session: TrainingSession, key: str | None) -> bytes | None:

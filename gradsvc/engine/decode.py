@@ -136,7 +136,10 @@ def rows_per_example(opts: Options, inputs: Batch, out: torch.Tensor,
     k = None
     if out_batch is not None and out_batch[0] == 0 and out.dim() >= 1 and out.shape[0] == n * out_batch[1]:
         k = out_batch[1]
-    split = splits(opts, n) or ([split_by] if split_by else [])
+    split = splits(opts, n)
+    if not split and split_by and k is None and out.dim() >= 1 and n and out.shape[0] % n == 0:
+        return out.shape[0] // n  # each member's part normalises by its own rows (DDP's rule): rows in order suffice
+    split = split or ([split_by] if split_by else [])
     if not split:
         return k
     if not any(inputs.batched):

@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch import nn
 
-from gradsvc.wire import Tensor
+from gradsvc.wire import Tensor, by_reference
 
 from . import tensors
 from .errors import SpecError
@@ -36,6 +36,34 @@ class FrozenStore:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def held_for(self, model: nn.Module, weights: dict[str, Tensor], device: str | torch.device) -> dict[str, nn.Parameter]:
+        """The store's parameters for those of `weights` (frozen, by reference) it holds on `device`, known by the
+        dtype and shape of `model`'s parameter of each name (a model on meta: the session's model before it is
+        built, which then holds these, no copy of them made)."""
+        params, where = dict(model.named_parameters(remove_duplicate=False)), _device_name(device)
+        out = {}
+        for name, wire in weights.items():
+            p = params.get(name)
+            held = self._held.get((where, str(p.dtype), tuple(p.shape), tuple(wire.refs))) \
+                if p is not None and wire.refs else None
+            if held is not None:
+                out[name] = held
+        return out
+
+    def holding(self, weights: dict[str, Tensor] | None, names, device: str | torch.device) -> dict[str, nn.Parameter]:
+        """Those of `weights` among `names` (a session's frozen base, by reference) whose bytes (refs) and shape the
+        store holds on `device`, in whatever dtype: the worker fetches none of their pieces (held_for then finds
+        them, or the session is built again with them fetched). The caller keeps the answer while the session is
+        built, so that they stay held."""
+        where = _device_name(device)
+        index = {(k[2], k[3]): v for k, v in list(self._held.items()) if k[0] == where}
+        out = {}
+        for name, wire in by_reference(weights, names).items():
+            held = index.get((tuple(wire.shape), tuple(wire.refs)))
+            if held is not None:
+                out[name] = held
+        return out
 
     def share(self, model: nn.Module, weights: dict[str, Tensor], max_elements: int, loaded: bool) -> set[str]:
         """Puts the store's parameter in place of each of `weights` (frozen parameters by reference) in `model`,
@@ -63,6 +91,11 @@ class FrozenStore:
             _replace(model, p, held)
             shared.add(name)
         return shared
+
+
+def _device_name(device: str | torch.device) -> str:
+    """The device as a tensor on it names it (the store's key: "cuda:0" for "cuda")."""
+    return str(torch.empty(0, device=device).device)
 
 
 def _replace(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

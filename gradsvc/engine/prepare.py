@@ -40,13 +40,22 @@ def prepare(request: GradientRequest, config: EngineConfig, device: str | torch.
 
 def prepare_held(request: GradientRequest, config: EngineConfig, device: torch.device, model: torch.nn.Module, *,
                  graphs: GraphResolver | None = None, caches: EngineCaches | None = None,
-                 loss: bool = True, parts: int = 1) -> Prepared:
+                 held: "Held | None" = None) -> Prepared:
     """prepare() around a model the caller keeps on `device` (a training session's, engine/session.py): the same
     checks of the batch, the model run as it is (the request's weights neither read nor needed), going back to
-    no pool. `loss=False`: no loss terms and no targets (a session's forward of a batch sent without targets);
-    `parts`: the batch is split in that many parts of rows (a session over several workers: engine/replicas.py),
-    so its targets' rows must follow the batch's."""
-    return _checked(request, config, False, graphs, caches, (loss, parts)).prepared(model, None, device)
+    no pool; `held`: how the session runs the batch (Held)."""
+    held = held or Held()
+    return _checked(request, config, False, graphs, caches, (held.loss, held.parts)).prepared(model, None, device)
+
+
+@dataclass(frozen=True)
+class Held:
+    """How a training session runs a batch: `loss=False`, with no loss terms and no targets (a forward of a batch
+    sent without targets); `parts`, split in that many parts of rows (a session over several workers:
+    engine/replicas.py), so its targets' rows must follow the batch's."""
+
+    loss: bool = True
+    parts: int = 1
 
 
 @dataclass

@@ -20,7 +20,7 @@ from .errors import SpecError
 from .graph import sparse
 from .graph.batch_flow import batch_flow, draws_masks
 from .graph.compiler import build_graph
-from .graph.interpreter import GraphModel
+from .graph.interpreter import GraphModel, sharing
 from .graph.meta_check import validate_graph_shapes
 from .losses import OWN_LOSS
 from .prepared import Batch, GraphResolver, GraphTemplate
@@ -368,6 +368,20 @@ class GraphSpecModel:
                                        template.sizes)
         self.prepared, self.copied_bytes = ("resident" if hit else "built"), copied + adopted
         return held.model, ((key, held) if keep else None)
+
+    def model_sharing(self, device: str | torch.device, shared: dict[str, nn.Parameter]) -> nn.Module:
+        """A training session's model of its own on `device` over the frozen weights `shared` (a worker's
+        FrozenStore's: decoded and checked when first held), taken as they are; the other weights decoded, checked
+        and copied in. A refs-only weight not in `shared` is refused as tensor_not_found."""
+        template, dtype = self.template, self.dtype
+        given = _checked_names(self.request, template)
+        rest = {n: w for n, w in given.items() if n not in shared}
+        resident.refuse_unresolved(rest, list(rest))
+        held = resident.Resident(sharing(template.compiled, device=device, dtype=dtype, shared=shared),
+                                 template.parameters, keep=False)
+        held.load(decode_weights(rest, template.state, template.parameters, dtype, self.config.limits.max_elements,
+                                 "the graph", _layouts(template)), {})
+        return held.model
 
 
 def validate_sparse_parameters(template: GraphTemplate, opts: Options, rows: int) -> None:

@@ -27,17 +27,17 @@ from gradsvc.wire import ClipOptions, ClipResult, Diagnostics, GradientRequest, 
 
 from . import logprobs, replicas, session_state, tensors
 from .config import EngineCaches, EngineConfig, state_bytes
+from .decode import loss_terms
 from .devices import float32_math, math_mode_for, sync
 from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, EngineError, SpecError
 from .frozen import FrozenStore
-from .decode import loss_terms
-from .graph.interpreter import GraphModel
+from .graph.interpreter import sharing
 from .losses import OWN_LOSS
 from .numcheck import CheckInputs, numerical_check
 from .passes import forward_only, run_pass
-from .prepare import model_dtype, prepare_held
+from .prepare import Held, model_dtype, prepare_held
 from .prepare_graph import GraphSpecModel
 from .prepare_layers import LayerSpecModel
 from .prepared import GraphResolver, Prepared
@@ -139,7 +139,7 @@ class TrainingSession:
         failed: EngineError | None = None
         try:
             prep = prepare_held(request, self.config, self.device, self.model, graphs=self._graphs,
-                                caches=self.caches, parts=self.group.size if self.group is not None else 1)
+                                caches=self.caches, held=Held(parts=self.group.size if self.group is not None else 1))
             if prep.graph is not None and prep.graph.first_output != 0:
                 raise SpecError("bad_loss", "loss: a session trains on the graph's first output; name it as the "
                                 "loss, or export the module with the loss first", option="loss")
@@ -328,7 +328,7 @@ def forward_alone(session: TrainingSession, batch: SessionBatch) -> StepOutcome:
         labels = logprobs.decode_labels(batch.targets, session.config.limits.max_elements)
         request = msgspec.structs.replace(request, targets=None)
     prep = prepare_held(request, session.config, session.device, session.model, graphs=session._graphs, caches=session.caches,
-                        loss=own or batch.targets is not None)
+                        held=Held(loss=own or batch.targets is not None))
     before = {n: b.detach().clone() for n, b in session.model.named_buffers()} if prep.graph is None else {}
     try:
         done = forward_only(prep, session.device, session._pass_seed())
@@ -415,17 +415,19 @@ def open_session(create: SessionCreate, config: EngineConfig, caches: EngineCach
     spec = msgspec.structs.replace(create.model, weights=None) if restoring else create.model
     request = GradientRequest(model=spec, inputs=[])
     dtype = model_dtype(request)  # a floating dtype, and exactly one of layers, graph, graph_ref
+    base = by_reference(create.model.weights, set(create.options.freeze))  # bytes too, where the worker filled them
     if spec.layers is not None:
         model = LayerSpecModel(request, config, caches, dtype).model(device, False)[0]
         graph = None
     else:
         side = GraphSpecModel(request, config, caches, dtype, graphs)
         graph = (side.template.ref, side.template.spec)
-        model = GraphModel(side.template.compiled, device=device, dtype=dtype) if restoring else \
-            side.model(device, False)[0]
+        # The frozen weights this worker holds already (for its other sessions) are taken as they are: no copy
+        held = frozen.held_for(side.meta, base, device) if frozen is not None else {}
+        model = sharing(side.template.compiled, device=device, dtype=dtype, shared=held) if restoring else \
+            side.model_sharing(device, held) if held else side.model(device, False)[0]
     shared = set()
     if frozen is not None:
-        base = by_reference(create.model.weights, set(create.options.freeze))  # bytes too, where the worker filled them
         shared = frozen.share(model, base, config.limits.max_elements, loaded=not restoring)
     session = TrainingSession(create, model, graph, config, caches, device)
     session.shared = shared

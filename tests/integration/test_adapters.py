@@ -166,7 +166,9 @@ def _body_naming_alices_pieces(stack, session_id: str) -> dict:
 def test_an_ia3_adapter_trains_as_local_peft_through_sessions_and_gradients(adapters_stack):
     """Another adapter type peft ships (IA3: learned scalings of keys, values and the MLP's inputs), as users build
     it: a session's steps equal local training, and POST /gradients answers local autograd's adapter gradients."""
-    base = base_model()
+    torch.manual_seed(0)  # a small GPT-2: the adapter type is the point here
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=8000,
+                                                                n_positions=64)).eval()
     torch.manual_seed(3)
     config = peft.IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])
     model = peft.get_peft_model(copy.deepcopy(base), config)

@@ -30,7 +30,7 @@ OPERATIONS = ["POST /gradients", "POST /estimate", "GET /jobs/{job_id}", "POST /
               "PUT /tensors/{ref}", "POST /tensors/missing", "GET /runs", "GET /runs/{name}", "DELETE /runs/{name}",
               "POST /sessions", "GET /sessions/{session_id}", "DELETE /sessions/{session_id}",
               "POST /sessions/{session_id}/step", "POST /sessions/{session_id}/forward_backward",
-              "POST /sessions/{session_id}/optim_step", "GET /sessions/{session_id}/weights",
+              "POST /sessions/{session_id}/forward", "POST /sessions/{session_id}/optim_step", "GET /sessions/{session_id}/weights",
               "GET /healthz", "GET /readyz", "GET /metrics"]
 
 
@@ -138,6 +138,7 @@ def test_a_real_sessions_answers_match_the_schema(api_schema, schema_stack):
     calls = [("POST /sessions/{session_id}/step", {**batch, "return": ["gradients", "weights"],
                                                    "options": {"diagnostics": ["norms"]}}),
              ("POST /sessions/{session_id}/forward_backward", batch),
+             ("POST /sessions/{session_id}/forward", {**batch, "return": ["outputs"]}),
              ("POST /sessions/{session_id}/optim_step", {"lr": 0.001}),
              ("GET /sessions/{session_id}/weights", None), ("GET /sessions/{session_id}", None),
              ("DELETE /sessions/{session_id}", None)]

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,12 +50,14 @@ def local(model: nn.Module, data) -> nn.Module:
     return model
 
 
-def trained(client: Client, model: nn.Module, data, workers: int) -> tuple[nn.Module, list]:
+def trained(client: Client, model: nn.Module, data, workers: int, page: list | None = None):
     with client.session(model, "adamw", lr=1e-2, weight_decay=0.01, workers=workers) as s:
         outs = [s.step(x, y) for x, y in data]
         got = copy.deepcopy(model)
         s.pull(got)
         info = s.info()
+        if page is not None:
+            page.append(httpx.get(f"{client.base_url}/ui/sessions/{s.session_id}", timeout=30).text)
     return got, outs, info
 
 
@@ -62,9 +65,11 @@ def trained(client: Client, model: nn.Module, data, workers: int) -> tuple[nn.Mo
 def test_two_workers_weights_after_ten_adamw_steps_equal_one_worker_and_the_local_loop(workers_stack, dtype, rtol):
     net, data = mlp(dtype), batches(10, dtype)
     want = local(net, data)
+    page: list[str] = []
     with Client(workers_stack.base_url, timeout=120) as client:
-        two, outs, info = trained(client, net, data, 2)
+        two, outs, info = trained(client, net, data, 2, page)
         one, single, _ = trained(client, net, data, 1)
+    assert 'id="session-members"' in page[0] and all(w in page[0] for w in info.members)  # the session's page
     assert len(info.members) == 2 and len(set(info.members)) == 2 and info.worker == info.members[0]
     assert [o.step for o in outs] == list(range(1, 11))
     for a, b in zip(outs, single):  # the batch's loss: the parts' shares summed
@@ -115,7 +120,7 @@ def test_a_member_killed_mid_run_loses_nothing_acknowledged_and_the_session_goes
     the checkpoint of step 3), and every step is applied once."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)).double()
-    data = batches(8, torch.float64, rows=1024)
+    data = batches(8, torch.float64, rows=512)
     want = local(net, data)
     done: list[int] = []
     with Client(workers_stack.base_url, timeout=120) as client:

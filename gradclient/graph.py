@@ -6,9 +6,11 @@ each custom autograd Function's forward and backward (functions.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -369,3 +371,15 @@ def _module_of(node: "torch.fx.Node") -> dict[str, str]:
     path = state_dict_path(path)
     name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
     return {"module": path, "module_type": name.rsplit(".", 1)[-1]}
+
+
+@contextlib.contextmanager
+def portable() -> Iterator[None]:
+    """oneDNN off while the forward is recorded: a float32 RNN on a CPU then runs (and is recorded as) its portable
+    ops, not `mkldnn_rnn_layer`, a kernel of this CPU build that the service's graphs do not take."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)

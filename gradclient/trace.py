@@ -18,8 +18,8 @@ caller's inputs are left as they were.
 
 from __future__ import annotations
 
-import re
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradsvc import wire
 
 from .errors import UnsupportedModuleError
-from .graph import _dtype, state_dict_path, wire_constant
+from .graph import _dtype, portable, state_dict_path, wire_constant
 from .tensors import to_wire
 
 aten = torch.ops.aten
 # Ops whose output shape depends on the values of their inputs (the node records the size it had).
 DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.argwhere.default",
-                            "aten.bincount.default"})
+                            "aten.bincount.default", "aten.where.default"})  # where(cond): nonzero's indices
 _SKIP = frozenset({"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default",
                    "aten._assert_async.msg", "aten._assert_async.default", "aten.sym_size.int",
                    "aten.sym_numel.default", "aten.sym_stride.int", "aten.sym_storage_offset.default"})
@@ -339,7 +339,7 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             rec.remember_storage(x, name)
         rec.guards.inputs = [(list(x.shape), _dtype(x)) for x in copies]
         c_args, c_kwargs = pytree.tree_unflatten(copies, tree)
-        with rec:
+        with portable(), rec:
             out = module(*c_args, **c_kwargs)
         written = _written(module, state, attrs, versions, rec, saved)
         outs, out_spec = pytree.tree_flatten(pytree.tree_map(_tensor_or_none, out))

@@ -2,7 +2,8 @@
 recording of the forward as it runs), equal to local float64 autograd: an alias of an allowed op (`multiply`,
 `clip`), a split into sections or at indices (`tensor_split`: state-space and hybrid layers), the deprecated but
 everywhere `nn.utils.weight_norm` (`_weight_norm`), in-place scatter and index writes (torch_geometric's softmax
-over edges and its aggregations: `scatter_reduce_`, `index_copy_`), and a draw (`exponential_`)."""
+over edges and its aggregations: `scatter_reduce_`, `index_copy_`), a draw (`exponential_`), a float32 RNN
+recorded on a CPU (its portable ops, not oneDNN's `mkldnn_rnn_layer`) and routing by `torch.where(mask)`."""
 
 from __future__ import annotations
 
@@ -254,4 +255,76 @@ def test_a_librarys_own_op_is_recorded_through_to_aten_with_out_variants_made_fu
     want, = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), [model.w])
     torch.testing.assert_close(decode(result.gradients["w"], where="w", max_elements=1 << 20), want, rtol=1e-10,
                                atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+
+
+class BiLSTMTagger(nn.Module):
+    """A bidirectional LSTM tagger, recorded as users train it: in float32 on a CPU, where the forward runs oneDNN's
+    `mkldnn_rnn_layer` unless the recording turns it off (gradclient/graph.py portable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 6, batch_first=True, bidirectional=True)
+        self.out = nn.Linear(12, 5)
+
+    def forward(self, ids):
+        h, _ = self.lstm(self.emb(ids))
+        return self.out(h).flatten(0, 1)
+
+
+@pytest.mark.parametrize("capture", ["export", "trace"])
+def test_a_float32_rnn_recorded_on_a_cpu_runs_its_portable_ops_and_equals_local_float64_autograd(capture):
+    torch.manual_seed(0)
+    model = BiLSTMTagger()
+    ids, tags = torch.randint(0, 20, (3, 7)), torch.randint(0, 5, (21,))
+    eg = export_graph(model, (ids,), recorded_because="the test asks for the recording" if capture == "trace"
+                      else None)
+    assert eg.capture == capture and not any("mkldnn" in n.op for n in eg.graph.nodes if getattr(n, "op", None))
+    local = model.double()
+    params = dict(local.named_parameters())
+    want = torch.autograd.grad(torch.nn.functional.cross_entropy(local(ids), tags), list(params.values()))
+    body = {"model": {"graph": eg.graph, "dtype": "float64",
+                      "weights": {k: to_wire(v.double()) for k, v in eg.weights.items()}},
+            "inputs": to_wire(ids), "targets": to_wire(tags), "loss": "cross_entropy", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+
+
+class WhereRouted(nn.Module):
+    """Experts picked by a data-dependent index, `idx, = torch.where(choice == e)`, as MoE layers route tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList([nn.Linear(4, 2) for _ in range(3)])
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(dim=1)
+        out = torch.zeros(x.shape[0], 2, dtype=x.dtype)
+        for e, expert in enumerate(self.experts):
+            idx, = torch.where(choice == e)
+            out = out.index_add(0, idx, expert(x[idx]) * torch.softmax(self.gate(x[idx]), 1)[:, e:e + 1])
+        return out.sum(1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_routing_by_torch_where_is_recorded_with_its_sizes_and_equals_local_float64_autograd(seed):
+    """Export leaves one-argument `where` with sizes it cannot know (`aten.where.default`, refused); the SDK records
+    such a module instead (nonzero, its size carried), and the job equals local autograd on the batch captured."""
+    torch.manual_seed(seed)
+    model = WhereRouted().double()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    want = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(params.values()))
+    eg = export_graph(model, (x,))
+    ops = {n.op for n in eg.graph.nodes if getattr(n, "op", None)}
+    assert eg.capture == "trace" and "aten.nonzero.default" in ops and "aten.where.default" not in ops, ops
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
     assert result.numcheck.passed is True, result.numcheck.reason

@@ -32,7 +32,8 @@ from gradsvc import wire
 from .errors import BadTensorError, UnsupportedModuleError
 from .functions import Capture
 from .graph import convert_program, reason
-from .trace import DATA_DEPENDENT, op_name, restore, snapshot, trace_graph
+from .module_state import restore, snapshot
+from .trace import DATA_DEPENDENT, op_name, trace_graph
 from .graph import state_dict_path as _state_dict_path  # noqa: F401  (tests/client/test_export.py reads it here)
 from .tensors import is_tree, several_inputs
 

@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .errors import UnsupportedModuleError
-from .trace import Traced, _is_ref, _state, _tensor_or_none, _wire_name, restore, snapshot
+from .module_state import restore, snapshot, state_of
+from .trace import Traced, _is_ref, _tensor_or_none, _wire_name
 
 
 def check_guards(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
@@ -33,7 +34,7 @@ def check_guards(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> b
 def _env(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> dict[str, Any]:
     """The values a replay starts from: the module's tensors by their graph names, the inputs, the constants."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    env: dict[str, Any] = {_wire_name(n, params): t for n, t in _state(module).items()}
+    env: dict[str, Any] = {_wire_name(n, params): t for n, t in state_of(module).items()}
     env.update({name: x.detach().clone() for name, x in zip(traced.input_names, xs)})
     env.update(traced.constants)
     return env
@@ -48,7 +49,7 @@ def _value(env: dict[str, Any], a: Any) -> Any:
 
 
 def _replay_holds(traced: Traced, module: nn.Module, xs: list[torch.Tensor]) -> bool:
-    state = _state(module)
+    state = state_of(module)
     env = _env(traced, module, xs)
     sized = [i for i, c in enumerate(traced.calls) if c.shape is not None]
     last = max([n for n, _ in traced.reads] + [i + 1 for i in sized] + [0])

@@ -221,10 +221,10 @@ class RequestBuilder:
         """The model spec of a module the layer spec cannot express: its exported graph (or, once the
         service has answered for this structure, the graph's ref) and its current weights; the export
         cache's key and whether the graph went by ref into `out`."""
-        from .trace import module_state
+        from .module_state import state_of
 
         key, entry = self._export(model, inputs, verify)
-        state = module_state(model)  # parameters, buffers, and tensor attributes a recorded forward reads
+        state = state_of(model)  # parameters, buffers, and tensor attributes a recorded forward reads
         weights = {n: self._weight(state[n], out.uploads, inline) for n in entry.names}
         spec: dict[str, Any] = {"dtype": entry.graph.dtype, "weights": weights}
         if entry.ref is not None:

@@ -199,7 +199,7 @@ def written_back(out: Any, result: GradientResult) -> None:
     if result.buffers and out.module is not None:
         import torch
 
-        from .trace import set_state
+        from .module_state import set_state
 
         for name, value in result.buffers.items():  # buffers, and tensor attributes a recorded forward wrote
             set_state(out.module, name, torch.as_tensor(value))

@@ -32,6 +32,7 @@ from gradsvc import wire
 
 from .errors import UnsupportedModuleError
 from .graph import _dtype, portable, state_dict_path, wire_constant
+from .module_state import owner_of, restore, snapshot, state_of
 from .tensors import to_wire
 
 aten = torch.ops.aten
@@ -93,6 +94,8 @@ class _Recorder(TorchDispatchMode):
         self.reads: list[tuple[int, tuple]] = []  # (calls before it, (func, args, kwargs, value)): Python's reads
         self.modules: list[tuple[str, str]] = [("", "")]
         self.storages: dict[tuple, str] = {}  # a state tensor's or input's memory -> its name (`w.data` reads)
+        self.writes: dict[tuple, str] = {}  # memory -> the node an in-place op last wrote into it (any alias)
+        self.buffer_memory: dict[tuple, str] = {}  # a buffer's memory -> its input name (`buf.data.mul_` writes it)
         self.counts: dict[str, int] = {}
         self.used: set[str] = set()
         self.autograd_aliases: dict[str, str] = {}  # a detach node -> the node it detached (first of a chain)
@@ -181,7 +184,8 @@ class _Recorder(TorchDispatchMode):
             return out
         module, module_type = self.modules[-1]
         rec = Recorded(self._fresh(func._schema.name.split("::", 1)[1].replace(".", "_")), func,
-                       self._ref(tuple(args)), {k: self._ref(v) for k, v in kwargs.items()}, module, module_type)
+                       self._written_through(func, args), {k: self._ref(v) for k, v in kwargs.items()}, module,
+                       module_type)
         self.calls.append(rec)
         if func is aten.detach.default and rec.args and isinstance(rec.args[0], tuple) and rec.args[0][0] == "node":
             source = rec.args[0][1]
@@ -192,9 +196,19 @@ class _Recorder(TorchDispatchMode):
         self._name_outputs(func, rec, out, args)
         return out
 
+    def _written_through(self, func, args: tuple) -> tuple:
+        """The call's arguments; an in-place write into a buffer's memory through another alias of it (`buf.data`,
+        a detach: EMA codebooks) writes the buffer itself (its latest value), as eager does."""
+        refs = self._ref(tuple(args))
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.layout == torch.strided and _writes_first(func):
+            buffer = self.buffer_memory.get(_memory(first))
+            if buffer is not None:
+                refs = (("node", self.writes.get(_memory(first), buffer)), *refs[1:])
+        return refs
+
     def _name_outputs(self, func, rec: Recorded, out: Any, args: tuple) -> None:
-        detach = not torch.is_grad_enabled() and not self.through and not (func._schema.arguments and func._schema.arguments[0].alias_info
-                                                     and func._schema.arguments[0].alias_info.is_write)
+        detach = not torch.is_grad_enabled() and not self.through and not _writes_first(func)
         if isinstance(out, torch.Tensor):
             self._name_output(out, self._detached(rec, out) if detach else rec.name)
         elif isinstance(out, (tuple, list)):
@@ -209,7 +223,7 @@ class _Recorder(TorchDispatchMode):
         if id(t) in self.names:  # an in-place op's result: the tensor it wrote, now holding this node's value
             self.names[id(t)] = name
             if t.layout == torch.strided:
-                self.storages[_memory(t)] = name
+                self.storages[_memory(t)] = self.writes[_memory(t)] = name
             return
         self.name(t, name)
         self.remember_storage(t, name)
@@ -223,49 +237,9 @@ class _Recorder(TorchDispatchMode):
         return d.name
 
 
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor the module holds, by its state_dict-style name: parameters, buffers (persistent or not)
-    and plain tensor attributes (`self.codebook = torch.randn(...)` in __init__)."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        pre = f"{prefix}." if prefix else ""
-        for n, p in sub._parameters.items():
-            if p is not None:
-                out.setdefault(pre + n, p)
-        for n, b in sub._buffers.items():
-            if b is not None:
-                out.setdefault(pre + n, b)
-        for n, v in vars(sub).items():
-            if isinstance(v, torch.Tensor) and not n.startswith("_"):
-                out.setdefault(pre + n, v)
-    return out
-
-
 def _wire_name(target: str, params: set) -> str:
     """A parameter's or buffer's name in the graph (names are [A-Za-z0-9_]), as export names them."""
     return ("p_" if target in params else "b_") + re.sub(r"[^A-Za-z0-9_]", "_", target)
-
-
-def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return _state(module)
-
-
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return (module.get_submodule(path) if path else module), attr
-
-
-def set_state(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    """A buffer or tensor attribute of `module` set to `value` (in place when the shape and dtype allow)."""
-    owner, attr = _owner(module, name)
-    held = getattr(owner, attr, None)
-    with torch.no_grad():
-        if isinstance(held, torch.Tensor) and held.shape == value.shape and held.layout == value.layout == torch.strided:
-            held.copy_(value.to(device=held.device, dtype=held.dtype))
-        elif attr in owner._buffers:
-            owner._buffers[attr] = value.to(held.device if held is not None else value.device)
-        else:
-            setattr(owner, attr, value)
 
 
 @dataclass
@@ -281,46 +255,9 @@ class Traced:
     input_names: list = field(default_factory=list)  # each input leaf's name in the graph (_input_names)
 
 
-@dataclass
-class Snapshot:
-    """What a forward may change in a module, kept to be put back: its tensor attributes and buffers (the
-    objects, and the values of the non-parameters), and torch's RNG."""
-
-    attrs: dict
-    saved: dict
-    params: set
-    rng: torch.Tensor
-
-
-def snapshot(module: nn.Module) -> Snapshot:
-    state = _state(module)
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    return Snapshot(attrs={n: getattr(*_owner(module, n)) for n in state}, params=params,
-                    saved={n: (t, t.detach().clone()) for n, t in state.items() if n not in params},
-                    rng=torch.random.get_rng_state())
-
-
-def restore(module: nn.Module, snap: Snapshot) -> None:
-    """The module as `snap` found it: attributes and buffers (objects and values), and the RNG."""
-    for n, old in snap.attrs.items():
-        if n in snap.params:
-            continue
-        owner, attr = _owner(module, n)
-        if attr in owner._buffers:
-            owner._buffers[attr] = old
-        elif attr in vars(owner):
-            object.__setattr__(owner, attr, old)
-        with torch.no_grad():
-            back = snap.saved.get(n, (None, None))[1]
-            if back is not None and old.layout == torch.strided and (old.shape != back.shape or
-                                                                    not torch.equal(old, back)):
-                old.data = back
-    torch.random.set_rng_state(snap.rng)
-
-
 def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool]) -> Traced:
     """The forward run once on a copy of this batch, its ATen calls recorded (module docstring)."""
-    state = _state(module)
+    state = state_of(module)
     snap = snapshot(module)
     params, saved, attrs = snap.params, snap.saved, snap.attrs
     xs, tree = pytree.tree_flatten((args, kwargs))
@@ -333,6 +270,8 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             if id(t) not in rec.names:  # a tied weight: its first name
                 rec.name(t, _wire_name(n, params))
                 rec.remember_storage(t, _wire_name(n, params))
+                if n not in params and t.layout == torch.strided:
+                    rec.buffer_memory[_memory(t)] = _wire_name(n, params)
         names = _input_names(args, kwargs, taken=set(rec.used))
         for x, name in zip(copies, names):
             rec.name(x, name)
@@ -461,7 +400,7 @@ def _written(module: nn.Module, state: dict, attrs: dict, versions: dict, rec: _
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     out = {}
     for n, old in attrs.items():
-        now = getattr(*_owner(module, n))
+        now = getattr(*owner_of(module, n))
         if n in params:
             if old._version != versions[n] or now is not old:
                 raise UnsupportedModuleError(f"the forward writes its parameter {n!r}; a forward must not modify "
@@ -471,7 +410,7 @@ def _written(module: nn.Module, state: dict, attrs: dict, versions: dict, rec: _
             key = rec.names.get(id(now))
             if key is None:
                 continue
-            owner, attr = _owner(module, n)
+            owner, attr = owner_of(module, n)
             if (now.shape != old.shape or now.dtype != old.dtype) and attr not in owner._buffers:
                 continue  # a plain attribute of another shape (`self.last_attn = attn`): not state a step carries
             if now.shape != old.shape or now.dtype != old.dtype:
@@ -481,9 +420,11 @@ def _written(module: nn.Module, state: dict, attrs: dict, versions: dict, rec: _
             out[n] = key
         elif n in saved and old._version == versions[n] and old.layout == torch.strided and \
                 not torch.equal(old, saved[n][1]) and not _passed(rec, _wire_name(n, params)):
-            raise UnsupportedModuleError(f"the forward writes {n!r} through `.data`, which no capture can follow: "
-                                         "write the buffer in place under `with torch.no_grad():` instead "
-                                         "(`self.ema.mul_(d).add_(x)`), or assign it (`self.ema = ...`)")
+            if _memory(old) not in rec.writes:
+                raise UnsupportedModuleError(f"the forward writes {n!r} outside torch's ops, which no capture can "
+                                             "follow: write the buffer in place under `with torch.no_grad():` "
+                                             "instead (`self.ema.mul_(d).add_(x)`), or assign it (`self.ema = ...`)")
+            out[n] = rec.writes[_memory(old)]  # through `.data`: the last value written into its memory
         elif old.layout == torch.strided and (old._version != versions[n] or not torch.equal(old, saved[n][1])):
             # Written in place (batch norm's running statistics, `ema.mul_(d)`): its value after the forward.
             wire_name = _wire_name(n, params)
@@ -491,6 +432,12 @@ def _written(module: nn.Module, state: dict, attrs: dict, versions: dict, rec: _
             rec.calls.append(after)
             out[n] = after.name
     return out
+
+
+def _writes_first(func) -> bool:
+    """Whether the op writes its first argument in place (`mul_`, `add_`, `copy_`)."""
+    arguments = func._schema.arguments
+    return bool(arguments and arguments[0].alias_info and arguments[0].alias_info.is_write)
 
 
 def _passed(rec: _Recorder, name: str) -> bool:

@@ -7,6 +7,7 @@ recorded on a CPU (its portable ops, not oneDNN's `mkldnn_rnn_layer`) and routin
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import msgspec
@@ -327,4 +328,49 @@ def test_routing_by_torch_where_is_recorded_with_its_sizes_and_equals_local_floa
     result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
     for (n, _), g in zip(params.items(), want):
         torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+
+
+class EMACodebook(nn.Module):
+    """A VQ-VAE quantizer whose codebook trains by EMA, as public code writes it: the buffers updated through
+    `.data` in forward, then read by the same forward (the straight-through estimator over the updated codes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 3)
+        self.register_buffer("codebook", torch.randn(5, 3))
+        self.register_buffer("count", torch.ones(5))
+
+    def forward(self, x):
+        z = self.enc(x)
+        onehot = torch.nn.functional.one_hot(torch.cdist(z, self.codebook).argmin(1), 5).to(z.dtype)
+        with torch.no_grad():
+            self.count.data.mul_(0.9).add_(onehot.sum(0), alpha=0.1)
+            self.codebook.data.mul_(0.9).add_(onehot.t() @ z, alpha=0.1)
+        q = onehot @ self.codebook
+        q = z + (q - z).detach()
+        return (q ** 2).sum(1) + ((z - q.detach()) ** 2).sum(1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_ema_codebook_written_through_data_runs_as_eager_and_returns_the_written_buffers(seed):
+    """The writes through `.data` are the buffers' own (read after by the same forward, returned as the buffers
+    the forward wrote); gradients, loss and buffers equal eager float64 on the module."""
+    torch.manual_seed(seed)
+    model = EMACodebook().double()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    eg = export_graph(model, (x,))
+    local = copy.deepcopy(model)  # the capture put the module back as it found it
+    params = dict(local.named_parameters())
+    loss = torch.nn.functional.mse_loss(local(x), y)
+    want = torch.autograd.grad(loss, list(params.values()))
+    body = {"model": {"graph": eg.graph, "dtype": "float64",
+                      "weights": {k: to_wire(model.state_dict()[k]) for k in eg.weights}},
+            "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    assert result.loss == pytest.approx(float(loss), rel=1e-12)
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
+    for n, b in local.named_buffers():  # the values eager's forward wrote
+        torch.testing.assert_close(decode(result.buffers[n], where=n, max_elements=1 << 20), b, rtol=1e-12, atol=1e-12)
     assert result.numcheck.passed is True, result.numcheck.reason

@@ -108,7 +108,11 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
     if traced.guards.constants:
         # Tensors the forward made outside torch's ops (numpy's draws among them) are this call's values: a second
         # forward would make others, and its outputs would differ from a recording that is right for this call.
+        if traced.functions:  # nor can a Function's backward be checked against the recording's gradient
+            raise UnsupportedModuleError(_function_reason(traced, "cannot be checked (the forward makes tensors "
+                                                                  "outside torch's ops, which a second run redraws)"))
         return
+    gradients = gradients or bool(traced.functions)
     snap = snapshot(module)
     xs = pytree.tree_leaves((args, kwargs))
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
@@ -141,8 +145,18 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
                                       materialize_grads=True)
             for name, g, w in zip(names, got, want):
                 if not _close(g, w):
-                    raise UnsupportedModuleError(f"the recording's gradient of {name!r} differs from the module's on "
+                    raise UnsupportedModuleError(_function_reason(traced, f"differs from the recording's for {name!r} "
+                                                 "on this batch (a straight-through or surrogate gradient)")
+                                                 if traced.functions else
+                                                 f"the recording's gradient of {name!r} differs from the module's on "
                                                  "this batch: it lost a dependency the forward has")
     finally:
         restore(module, snap)
         torch.random.set_rng_state(rng)
+
+
+def _function_reason(traced: Traced, what: str) -> str:
+    return (f"the forward calls the custom autograd Function(s) {', '.join(traced.functions)} and torch.export cannot "
+            f"capture the module; the recording holds their forward's ops, so it differentiates their forward, and "
+            f"their own backward {what}. Make the rest of forward exportable (an exported graph keeps a Function's "
+            "backward), or write the Function's math with torch ops")

@@ -258,8 +258,9 @@ class RequestBuilder:
             entry.gradients_verified = True
         if entry is None:
             exported = export_graph(model, args, kwargs, because)  # UnsupportedModuleError with torch's reason
-            if exported.traced is not None:
+            if exported.traced is not None:  # a custom Function's: its gradients checked whatever `verify` says
                 verify_recording(exported.traced, model, args, kwargs, gradients=verify)
+                verify = verify or bool(exported.traced.functions)
             specialised = _specialised(exported, args, kwargs)
             # The graph says how it was captured and its guards: the service echoes them in the result.
             exported.graph.capture = exported.capture

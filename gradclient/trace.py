@@ -18,8 +18,10 @@ caller's inputs are left as they were.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,6 +255,9 @@ class Traced:
     reads: list = field(default_factory=list)  # _Recorder.reads: the values Python read, replayed by check_guards
     constants: dict = field(default_factory=dict)
     input_names: list = field(default_factory=list)  # each input leaf's name in the graph (_input_names)
+    # The custom autograd Functions the forward calls: recorded as their forward's ops, so the recording's gradient
+    # is their forward's derivative; sent only when it equals their own backward's (replay.verify_recording).
+    functions: list = field(default_factory=list)
 
 
 def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool]) -> Traced:
@@ -278,11 +283,11 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             rec.remember_storage(x, name)
         rec.guards.inputs = [(list(x.shape), _dtype(x)) for x in copies]
         c_args, c_kwargs = pytree.tree_unflatten(copies, tree)
-        with portable(), rec:
+        with portable(), _functions_recorded(rec), rec:
             out = module(*c_args, **c_kwargs)
         written = _written(module, state, attrs, versions, rec, saved)
         outs, out_spec = pytree.tree_flatten(pytree.tree_map(_tensor_or_none, out))
-        _refuse_custom_functions(outs)
+        functions = _custom_functions(outs)
         graph, weights, kinds = _to_graph(rec, state, params, list(zip(names, copies, batched)), outs, written)
     except UnsupportedModuleError:
         raise
@@ -294,7 +299,8 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             h.remove()
         restore(module, snap)
     return Traced(graph=graph, weights=weights, guards=rec.guards, calls=rec.calls, out_spec=out_spec,
-                  state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants), input_names=names)
+                  state_kinds=kinds, reads=rec.reads, constants=dict(rec.constants), input_names=names,
+                  functions=functions)
 
 
 def _recorded_through(func: Any, kwargs: dict) -> Any:
@@ -355,10 +361,34 @@ def _input_names(args: tuple, kwargs: dict, taken: set[str]) -> list[str]:
     return names
 
 
-def _refuse_custom_functions(outs: list) -> None:
-    """A custom autograd Function's backward is not in the recording (it runs below autograd's view); refused
-    rather than differentiated as its forward (export keeps it: functions.py)."""
-    seen, todo = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+@contextlib.contextmanager
+def _functions_recorded(rec: _Recorder) -> Iterator[None]:
+    """A custom autograd Function's forward, which autograd runs with grad off, recorded as differentiable ops (as
+    a library op's implementation is): the recording's gradient is then its forward's derivative, which
+    replay.verify_recording holds against the Function's own backward before the recording is sent."""
+    function = torch.autograd.function.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls.__module__.startswith("torch"):
+            return original.__func__(cls, *args, **kwargs)
+        rec.through += 1
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            rec.through -= 1
+
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function.apply = original
+
+
+def _custom_functions(outs: list) -> list[str]:
+    """The custom autograd Functions the outputs were computed through (their backward runs above the recording,
+    which holds their forward's ops)."""
+    seen, todo, found = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None], []
     while todo:
         fn = todo.pop()
         if fn is None or id(fn) in seen:
@@ -368,11 +398,9 @@ def _refuse_custom_functions(outs: list) -> None:
         # through to its ATen implementation (_recorded_through), whose derivative the service takes instead.
         if (isinstance(fn, torch.autograd.function.BackwardCFunction)
                 and not type(fn).__name__.startswith("GeneratedBackwardFor_")):
-            raise UnsupportedModuleError(f"the forward calls the custom autograd Function "
-                                         f"{type(fn).__name__.removesuffix('Backward')}, and torch.export cannot "
-                                         "capture the module; its backward cannot travel in a recorded graph. Make "
-                                         "the rest of forward exportable, or write the Function's math with torch ops")
+            found.append(type(fn).__name__.removesuffix("Backward"))
         todo.extend(f for f, _ in fn.next_functions)
+    return sorted(set(found))
 
 
 def _module_hooks(module: nn.Module, rec: _Recorder) -> list:

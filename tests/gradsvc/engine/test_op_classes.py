@@ -374,3 +374,71 @@ def test_an_ema_codebook_written_through_data_runs_as_eager_and_returns_the_writ
     for n, b in local.named_buffers():  # the values eager's forward wrote
         torch.testing.assert_close(decode(result.buffers[n], where=n, max_elements=1 << 20), b, rtol=1e-12, atol=1e-12)
     assert result.numcheck.passed is True, result.numcheck.reason
+
+
+class _Multiplier(torch.autograd.Function):
+    """x * w with its own backward, the true derivative (an MoE router's multiplier written as a Function)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class _RoundStraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g  # a straight-through estimator: not the forward's derivative (zero)
+
+
+class FunctionBehindNumpy(nn.Module):
+    """A custom Function in a forward neither export nor draft_export captures (a count read through numpy)."""
+
+    def __init__(self, straight_through: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.straight_through = straight_through
+
+    def forward(self, x, lengths):
+        import numpy as np
+
+        h = torch.tanh(self.lin(x[:int(np.max(lengths.numpy()))]))
+        return (_RoundStraightThrough.apply(h) if self.straight_through else _Multiplier.apply(h, self.w)).sum(1)
+
+
+def _sdk_body(model: nn.Module, inputs: list, y: torch.Tensor) -> dict:
+    from gradclient.request import Call, RequestBuilder
+
+    builder = RequestBuilder("msgpack", msgspec.msgpack.Encoder(), ref_min_bytes=64 << 10)
+    return builder.prepare(Call(model, inputs, y, loss="mse", seed=0, options={"numcheck": "exact"})).body
+
+
+def test_a_custom_function_in_a_recorded_forward_is_sent_when_its_backward_is_its_forwards_derivative():
+    """The recording holds the Function's forward ops; the SDK holds their derivative against the Function's own
+    backward on the batch before it sends it: the right one goes through and equals local float64 autograd, a
+    straight-through estimator is refused naming the Function."""
+    from gradclient.errors import UnsupportedModuleError
+
+    torch.manual_seed(0)
+    model = FunctionBehindNumpy(straight_through=False).double()
+    x, lengths, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([3, 5]), torch.randn(5, dtype=torch.float64)
+    body = _sdk_body(model, [x, lengths], y)
+    assert body["model"]["graph"].capture == "trace"
+    params = dict(model.named_parameters())
+    want = torch.autograd.grad(torch.nn.functional.mse_loss(model(x, lengths), y), list(params.values()))
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+    with pytest.raises(UnsupportedModuleError, match="_RoundStraightThrough.*straight-through"):
+        _sdk_body(FunctionBehindNumpy(straight_through=True).double(), [x, lengths], y)

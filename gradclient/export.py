@@ -213,9 +213,9 @@ def _captured(module: nn.Module, args: tuple, kwargs: dict, xs: list, tree, dims
             if _data_dependent(ep):
                 raise RuntimeError("draft_export left an op whose output's size depends on values")
             return ep, how
-        except UnsupportedModuleError:
-            raise
         except Exception as exc:  # noqa: BLE001  (torch raises many kinds; the first one's reason is kept)
+            # The SDK's own refusal of what an export holds (a custom Function taking a Size, a ModuleList, a
+            # dict: functions.py) too: the recording takes such a forward, its Functions checked (replay.py)
             first = first or exc
     return reason(first), "trace"
 

@@ -139,10 +139,7 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
                                              "the forward computed something the recording did not write down")
         if gradients and params:
             names = list(params)
-            want = torch.autograd.grad(_objective(eager), list(params.values()), allow_unused=True,
-                                       materialize_grads=True)
-            got = torch.autograd.grad(_objective(replayed), list(params.values()), allow_unused=True,
-                                      materialize_grads=True)
+            want, got = _grads(_objective(eager), params), _grads(_objective(replayed), params)
             for name, g, w in zip(names, got, want):
                 if not _close(g, w):
                     raise UnsupportedModuleError(_function_reason(traced, f"differs from the recording's for {name!r} "
@@ -153,6 +150,14 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
     finally:
         restore(module, snap)
         torch.random.set_rng_state(rng)
+
+
+def _grads(objective: torch.Tensor, params: dict) -> tuple:
+    """d objective / d each parameter, zeros where none depends on it (nothing does when the objective has no
+    gradient at all: a forward whose Function takes no tensor that trains)."""
+    if not objective.requires_grad:
+        return tuple(torch.zeros_like(p) for p in params.values())
+    return torch.autograd.grad(objective, list(params.values()), allow_unused=True, materialize_grads=True)
 
 
 def _function_reason(traced: Traced, what: str) -> str:

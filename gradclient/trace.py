@@ -98,6 +98,7 @@ class _Recorder(TorchDispatchMode):
         self.storages: dict[tuple, str] = {}  # a state tensor's or input's memory -> its name (`w.data` reads)
         self.writes: dict[tuple, str] = {}  # memory -> the node an in-place op last wrote into it (any alias)
         self.buffer_memory: dict[tuple, str] = {}  # a buffer's memory -> its input name (`buf.data.mul_` writes it)
+        self.functions: set[str] = set()  # the custom autograd Functions the forward applied (_functions_recorded)
         self.counts: dict[str, int] = {}
         self.used: set[str] = set()
         self.autograd_aliases: dict[str, str] = {}  # a detach node -> the node it detached (first of a chain)
@@ -287,7 +288,7 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
             out = module(*c_args, **c_kwargs)
         written = _written(module, state, attrs, versions, rec, saved)
         outs, out_spec = pytree.tree_flatten(pytree.tree_map(_tensor_or_none, out))
-        functions = _custom_functions(outs)
+        functions = sorted(rec.functions)
         graph, weights, kinds = _to_graph(rec, state, params, list(zip(names, copies, batched)), outs, written)
     except UnsupportedModuleError:
         raise
@@ -372,6 +373,7 @@ def _functions_recorded(rec: _Recorder) -> Iterator[None]:
     def apply(cls, *args, **kwargs):
         if cls.__module__.startswith("torch"):
             return original.__func__(cls, *args, **kwargs)
+        rec.functions.add(cls.__name__)
         rec.through += 1
         try:
             return original.__func__(cls, *args, **kwargs)
@@ -383,24 +385,6 @@ def _functions_recorded(rec: _Recorder) -> Iterator[None]:
         yield
     finally:
         function.apply = original
-
-
-def _custom_functions(outs: list) -> list[str]:
-    """The custom autograd Functions the outputs were computed through (their backward runs above the recording,
-    which holds their forward's ops)."""
-    seen, todo, found = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        # torch.library's Function for a registered backward (GeneratedBackwardFor_<op>): the op was recorded
-        # through to its ATen implementation (_recorded_through), whose derivative the service takes instead.
-        if (isinstance(fn, torch.autograd.function.BackwardCFunction)
-                and not type(fn).__name__.startswith("GeneratedBackwardFor_")):
-            found.append(type(fn).__name__.removesuffix("Backward"))
-        todo.extend(f for f, _ in fn.next_functions)
-    return sorted(set(found))
 
 
 def _module_hooks(module: nn.Module, rec: _Recorder) -> list:

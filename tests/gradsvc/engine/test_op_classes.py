@@ -400,6 +400,34 @@ class _RoundStraightThrough(torch.autograd.Function):
         return g  # a straight-through estimator: not the forward's derivative (zero)
 
 
+class _ScaledReshape(torch.autograd.Function):
+    """A Function taking a Size and a dict besides its tensors (which an exported graph cannot carry), its backward
+    the true derivative."""
+
+    @staticmethod
+    def forward(ctx, x, w, shape, opts):
+        ctx.save_for_backward(x, w)
+        ctx.shape, ctx.scale = x.shape, opts["scale"]
+        return (x * w * opts["scale"]).reshape(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.reshape(ctx.shape) * ctx.scale
+        return g * w, (g * x).sum(0), None, None
+
+
+class FunctionTakingSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return _ScaledReshape.apply(h, self.w, torch.Size([x.shape[0] * 3]), {"scale": 0.5}).reshape(-1, 3).sum(1)
+
+
 class FunctionBehindNumpy(nn.Module):
     """A custom Function in a forward neither export nor draft_export captures (a count read through numpy)."""
 
@@ -442,3 +470,6 @@ def test_a_custom_function_in_a_recorded_forward_is_sent_when_its_backward_is_it
     assert result.numcheck.passed is True, result.numcheck.reason
     with pytest.raises(UnsupportedModuleError, match="_RoundStraightThrough.*straight-through"):
         _sdk_body(FunctionBehindNumpy(straight_through=True).double(), [x, lengths], y)
+    sized = FunctionTakingSize().double()  # its Size and dict arguments: no export holds them, the recording does
+    body = _sdk_body(sized, x, torch.randn(6, dtype=torch.float64))
+    assert body["model"]["graph"].capture == "trace"

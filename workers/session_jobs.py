@@ -270,7 +270,7 @@ def _operate(call: Call, op: str) -> bytes:
     answer, data = _bounded(call, answer)
     forgotten = session.remember(key, len(data), call.ctx.settings.session_answer_bytes) if key is not None else ()
     _commit(call, rec, session, answer, op, (key, data) if key is not None else None, forgotten)
-    if norms and op != "forward_backward":
+    if norms and op != "forward_backward" and call.writes:  # a session over several workers: rank 0's alone
         _record_run_step(call, rec, session, outcome, answer)
     return data
 

@@ -50,8 +50,8 @@ def local(model: nn.Module, data) -> nn.Module:
     return model
 
 
-def trained(client: Client, model: nn.Module, data, workers: int, page: list | None = None):
-    with client.session(model, "adamw", lr=1e-2, weight_decay=0.01, workers=workers) as s:
+def trained(client: Client, model: nn.Module, data, workers: int, page: list | None = None, run: str | None = None):
+    with client.session(model, "adamw", lr=1e-2, weight_decay=0.01, workers=workers, run=run) as s:
         outs = [s.step(x, y) for x, y in data]
         got = copy.deepcopy(model)
         s.pull(got)
@@ -67,9 +67,12 @@ def test_two_workers_weights_after_ten_adamw_steps_equal_one_worker_and_the_loca
     want = local(net, data)
     page: list[str] = []
     with Client(workers_stack.base_url, timeout=120) as client:
-        two, outs, info = trained(client, net, data, 2, page)
+        run = f"workers-{str(dtype).removeprefix('torch.')}"
+        two, outs, info = trained(client, net, data, 2, page, run=run)
         one, single, _ = trained(client, net, data, 1)
+        steps = httpx.get(f"{client.base_url}/runs/{run}", timeout=30).json()["steps"]
     assert 'id="session-members"' in page[0] and all(w in page[0] for w in info.members)  # the session's page
+    assert [s["step"] for s in steps] == list(range(10))  # rank 0 records each optimizer step, once
     assert len(info.members) == 2 and len(set(info.members)) == 2 and info.worker == info.members[0]
     assert [o.step for o in outs] == list(range(1, 11))
     for a, b in zip(outs, single):  # the batch's loss: the parts' shares summed

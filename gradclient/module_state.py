@@ -38,7 +38,8 @@ def set_state(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, attr = owner_of(module, name)
     held = getattr(owner, attr, None)
     with torch.no_grad():
-        if isinstance(held, torch.Tensor) and held.shape == value.shape and held.layout == value.layout == torch.strided:
+        if isinstance(held, torch.Tensor) and held.shape == value.shape and \
+                held.layout == value.layout == torch.strided:
             held.copy_(value.to(device=held.device, dtype=held.dtype))
         elif attr in owner._buffers:
             owner._buffers[attr] = value.to(held.device if held is not None else value.device)

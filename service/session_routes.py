@@ -129,5 +129,6 @@ async def delete_session(request: Request, owner: str, state: ApiState, session_
     return respond(request, {"deleted": session_id})
 
 
-ROUTES = [create_session, session_step, session_forward_backward, session_forward, session_optim_step, session_weights, session_options,
+ROUTES = [create_session, session_step, session_forward_backward, session_forward, session_optim_step, session_weights,
+          session_options,
           get_session, delete_session]

@@ -178,8 +178,9 @@ class TrainingSessions:
 
     async def operate(self, owner: str, call: Operation, wait_s: float,
                       decoded: SessionBatch | SessionOptimStep | None = None) -> Answer:
-        """step, forward_backward, forward, optim_step, weights: checked against the session (`decoded`: the body; its lr
-        in the session's dtype, its tensor pieces the owner's), enqueued for the session's worker and waited on.
+        """step, forward_backward, forward, optim_step, weights: checked against the session (`decoded`: the
+        body; its lr in the session's dtype, its tensor pieces the owner's), enqueued for the session's worker and
+        waited on.
         A call another worker's commit beat (session_conflict: not applied), or one a member of a session over
         several workers failed (member_lost: not applied), is sent again, to the workers holding the session now
         (the members alive), up to CONFLICT_TRIES times."""

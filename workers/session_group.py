@@ -79,7 +79,8 @@ def reports(redis, prefix: str, session_id: str, m: Membership, mine: str, timeo
         gone = [w for w in missing if now - looked > LOOK_S and not affinity.worker_alive(redis, w)]
         if gone or now - started > timeout_s:
             looked = now
-            why = "are gone" if gone else f"did not start it within GRADSVC_SESSION_COLLECTIVE_TIMEOUT_S={timeout_s:g} " \
+            why = "are gone" if gone else \
+                f"did not start it within GRADSVC_SESSION_COLLECTIVE_TIMEOUT_S={timeout_s:g} " \
                 "(busy with a longer job)"
             raise ComputeError("member_lost", f"the session's workers {gone or missing} {why}; this call was not "
                                "applied: send it again (the session is formed again from the workers alive)",

@@ -309,7 +309,8 @@ def _members_session(call: Call, rec: SessionRecord) -> tuple[TrainingSession, i
     replica from the checkpoint (the checkpoint's step: the answer says so when steps after it were lost)."""
     m, host, s = call.member, call.ctx.sessions, call.ctx.settings
     held = host.sessions.get(call.session_id) if rec.members == list(m.members) else None
-    said = reports(call.job.connection, s.queue_prefix, call.session_id, m, holding(held, m, (rec.step, rec.accumulated)),
+    mine = holding(held, m, (rec.step, rec.accumulated))
+    said = reports(call.job.connection, s.queue_prefix, call.session_id, m, mine,
                    s.session_collective_timeout_s)
     if goes_on(said):
         return held, None

@@ -37,7 +37,8 @@ class FrozenStore:
     def __len__(self) -> int:
         return len(self._held)
 
-    def held_for(self, model: nn.Module, weights: dict[str, Tensor], device: str | torch.device) -> dict[str, nn.Parameter]:
+    def held_for(self, model: nn.Module, weights: dict[str, Tensor],
+                 device: str | torch.device) -> dict[str, nn.Parameter]:
         """The store's parameters for those of `weights` (frozen, by reference) it holds on `device`, known by the
         dtype and shape of `model`'s parameter of each name (a model on meta: the session's model before it is
         built, which then holds these, no copy of them made)."""

@@ -327,8 +327,8 @@ def forward_alone(session: TrainingSession, batch: SessionBatch) -> StepOutcome:
     if own and batch.targets is not None:  # read against the logits (logprobs.of_labels), not by the loss
         labels = logprobs.decode_labels(batch.targets, session.config.limits.max_elements)
         request = msgspec.structs.replace(request, targets=None)
-    prep = prepare_held(request, session.config, session.device, session.model, graphs=session._graphs, caches=session.caches,
-                        held=Held(loss=own or batch.targets is not None))
+    prep = prepare_held(request, session.config, session.device, session.model, graphs=session._graphs,
+                        caches=session.caches, held=Held(loss=own or batch.targets is not None))
     before = {n: b.detach().clone() for n, b in session.model.named_buffers()} if prep.graph is None else {}
     try:
         done = forward_only(prep, session.device, session._pass_seed())
@@ -384,7 +384,8 @@ def validate_forward(batch: SessionBatch) -> None:
     opts = batch.options
     asked = [r for r in batch.returns if r != "outputs"]
     refused = [("lr", batch.lr is not None), ("return", bool(asked)),
-               ("options.numcheck", opts.numcheck not in ("auto", "off")), ("options.diagnostics", bool(opts.diagnostics)),
+               ("options.numcheck", opts.numcheck not in ("auto", "off")),
+               ("options.diagnostics", bool(opts.diagnostics)),
                ("options.clip", opts.clip is not None)]
     for name, given in refused:
         if given:

@@ -249,10 +249,9 @@ class TrainingSessions:
         their order, and more of the live workers serving the device's queue; workers_full when fewer than k are
         alive."""
         queues = self.queues
-        names = sorted(n.decode().removeprefix(keys.rq_worker_key("")) if isinstance(n, bytes) else
-                       n.removeprefix(keys.rq_worker_key(""))
-                       for n in queues.redis.smembers(keys.rq_queue_workers_key(queues.shared[device].name)))
-        alive = {n for n in names if affinity.worker_alive(queues.redis, n)}
+        found = (n.decode() if isinstance(n, bytes) else n
+                 for n in queues.redis.smembers(keys.rq_queue_workers_key(queues.shared[device].name)))
+        alive = affinity.workers_alive(queues.redis, [n.removeprefix(keys.rq_worker_key("")) for n in found])
         members = [n for n in held if n in alive]
         members += [n for n in sorted(alive, key=lambda n: secrets.randbits(32)) if n not in members]
         if len(members) < k:
@@ -278,10 +277,7 @@ class TrainingSessions:
             name = affinity.route(queues.redis, s.queue_prefix, affinity.BASES, call.base, shared.name)
             queue = shared if name == shared.name else queues.own(name)
         with queues.redis.pipeline() as pipe:
-            queue.enqueue(SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, job_id=job_id,
-                          job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
-                          meta=JobMeta(owner=owner, pinned=pinned).as_meta(), description=f"session {call.op}",
-                          pipeline=pipe)
+            self._put(pipe, queue, owner, call, job_id, pinned)
             if queue is not shared:
                 queues.mover.track(pipe, job_id, shared.name, s.session_base_wait_ms / 1e3, pinned=pinned)
             pipe.execute()
@@ -297,11 +293,19 @@ class TrainingSessions:
         with queues.redis.pipeline() as pipe:
             for rank, (name, job_id) in enumerate(zip(call.members, ids)):
                 group = {"members": list(call.members), "rank": rank, "call": ids[0]}
-                queues.own(keys.own_queue_name(s.queue_prefix, name)).enqueue(
-                    SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, group=group, job_id=job_id,
-                    job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
-                    meta=JobMeta(owner=owner, pinned=True).as_meta(), description=f"session {call.op} ({rank})",
-                    pipeline=pipe)
+                self._put(pipe, queues.own(keys.own_queue_name(s.queue_prefix, name)), owner, call, job_id, True,
+                          group)
                 queues.mover.track(pipe, job_id, shared.name, 0.0, pinned=True)
             pipe.execute()
         return ids[0]
+
+    def _put(self, pipe, queue, owner: str, call: Operation, job_id: str, pinned: bool,
+             group: dict | None = None) -> None:
+        """The session job of `call` into `queue` in `pipe`, `pinned` to it, with its part of a session over several
+        workers (`group`)."""
+        s = self.settings
+        extra = {"group": group} if group is not None else {}
+        queue.enqueue(SESSION_JOB, call.session_id, call.op, call.body, call.fmt, call.key, **extra, job_id=job_id,
+                      job_timeout=s.job_timeout_s, result_ttl=s.result_ttl_s, failure_ttl=s.failure_ttl_s,
+                      meta=JobMeta(owner=owner, pinned=pinned).as_meta(),
+                      description=f"session {call.op}" + (f" ({group['rank']})" if group else ""), pipeline=pipe)

@@ -195,10 +195,17 @@ def worker_alive(redis, worker_name: str) -> bool:
     """Whether the worker's RQ key is there without a `death` field: its heartbeat renews it for a lease (3
     heartbeats); a worker killed or cut off from Redis loses it within that, and a stopped one wrote its death
     (RQ's register_death, which keeps the key 60 s more). One round trip."""
-    key = keys.rq_worker_key(worker_name)
+    return bool(workers_alive(redis, [worker_name]))
+
+
+def workers_alive(redis, names: list[str]) -> set[str]:
+    """Those of `names` whose worker is alive (worker_alive), in one round trip."""
     with redis.pipeline(transaction=False) as pipe:
-        exists, dead = pipe.exists(key).hexists(key, "death").execute()
-    return bool(exists) and not dead
+        for name in names:
+            key = keys.rq_worker_key(name)
+            pipe.exists(key).hexists(key, "death")
+        answers = pipe.execute()
+    return {n for n, exists, dead in zip(names, answers[::2], answers[1::2]) if exists and not dead}
 
 
 def record_holder(redis, prefix: str, owner: str, model_key: str, worker_name: str, ttl_s: int) -> None:

@@ -73,32 +73,27 @@ class Group:
     def sum_(self, tensors: list[torch.Tensor]) -> float:
         """Sums each tensor over the members in place (one all-reduce per dtype); the seconds it took."""
         started = time.perf_counter()
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self._run(lambda: self.pg.allreduce([flat]).wait())
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        self._flat(tensors, lambda flat: self.pg.allreduce([flat]))
         return time.perf_counter() - started
 
     def broadcast_buffers(self, model: nn.Module) -> None:
         """Rank 0's buffers into every replica (DDP's broadcast_buffers)."""
-        buffers = [b for b in model.buffers() if b.numel()]
+        self._flat([b for b in model.buffers() if b.numel()], lambda flat: self.pg.broadcast([flat], _from_rank_0()))
+
+    def _flat(self, tensors: list[torch.Tensor], collective) -> None:
+        """`collective` (flat -> its work) run once per dtype over the tensors concatenated, its result copied back
+        into each."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in buffers:
-            by_dtype.setdefault(b.dtype, []).append(b)
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in group])
-            self._run(lambda: self.pg.broadcast([flat], _from_rank_0()).wait())
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self._run(lambda: collective(flat).wait())
             offset = 0
             with torch.no_grad():
-                for b in group:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def _run(self, collective) -> None:
         try:

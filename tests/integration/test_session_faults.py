@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradclient import Client
 from gradclient.tensors import to_wire
-from tests.support.stack import module_stack, wait_started
+from tests.support.stack import client_fixtures, module_stack, sdk_fixture, wait_started
 
 pytestmark = pytest.mark.timeout(600)
 KEY = "faults-key"
@@ -76,24 +75,9 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def _fixtures(stack_fixture: str):
-    """`http` (httpx) and `client` (the SDK) fixtures on the module's stack named `stack_fixture`."""
-
-    @pytest.fixture()
-    def http(request):
-        with request.getfixturevalue(stack_fixture).http_client() as c:
-            yield c
-
-    @pytest.fixture()
-    def client(request):
-        with Client(request.getfixturevalue(stack_fixture).base_url, api_key=KEY, timeout=300) as c:
-            yield c
-
-    return http, client
-
-
-http, client = _fixtures("faults_stack")
-short_http, short_client = _fixtures("short_stack")
+http, _redis = client_fixtures("faults_stack")
+short_http, _short_redis = client_fixtures("short_stack")
+client, short_client = sdk_fixture("faults_stack"), sdk_fixture("short_stack")
 
 
 def error(r: httpx.Response, status: int) -> dict:

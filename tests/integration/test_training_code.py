@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from gradclient.errors import BadLossError, BadOptionError, BadTensorError, UnsupportedModuleError
 
+from tests.support.functions import RoundStraightThrough, Scaled
 from tests.support.public_models import GCN, normalised_adjacency
 
 pytestmark = pytest.mark.timeout(600)
@@ -184,35 +185,6 @@ def test_a_recurrent_language_model_inside_a_custom_module(client, rnn):
     y = torch.randint(0, 30, (21,))
     result = client.gradients(model, ids, y, numcheck="off")  # aten.gru.input / aten.lstm.input
     assert_close(result, local(model, lambda: F.cross_entropy(model(ids), y)))
-
-
-class RoundStraightThrough(torch.autograd.Function):
-    """A straight-through estimator: round forward, identity backward inside [-1, 1]."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * (x.abs() <= 1).to(g.dtype)
-
-
-class Scaled(torch.autograd.Function):
-    """x * w * k with its (right) backward written by hand, a number among its arguments."""
-
-    @staticmethod
-    def forward(ctx, x, w, k):
-        ctx.save_for_backward(x, w)
-        ctx.k = k
-        return x * w * k
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w * ctx.k, (g * x * ctx.k).sum(0), None
 
 
 class Quantised(nn.Module):

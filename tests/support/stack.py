@@ -267,3 +267,16 @@ def client_fixtures(stack_fixture: str):
             yield r
 
     return http, redis
+
+
+def sdk_fixture(stack_fixture: str):
+    """A fixture of the SDK's Client over the module's own stack fixture (named `stack_fixture`), with its first API
+    key: `client = sdk_fixture("my_stack")` in a test module."""
+    import pytest
+
+    @pytest.fixture()
+    def client(request):
+        with request.getfixturevalue(stack_fixture).sdk_client() as c:
+            yield c
+
+    return client

@@ -21,6 +21,8 @@ from gradsvc.engine import Engine, EngineConfig
 from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
 
+from tests.support.functions import RoundStraightThrough, Scaled
+
 
 class Aliases(nn.Module):
     def __init__(self) -> None:
@@ -87,6 +89,16 @@ def _request(model: nn.Module, x: torch.Tensor, y: torch.Tensor, capture: str) -
     body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
             "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
     return eg.capture, msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest)
+
+
+def _computed(body: dict, params: dict, want) -> object:
+    """`body` computed by the engine through its wire form (as the API hands it over): each parameter's gradient
+    equal to `want`, local float64 autograd's, and the numerical check passed. Answers the result."""
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    for (n, _), g in zip(params.items(), want):
+        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
+    assert result.numcheck.passed is True, result.numcheck.reason
+    return result
 
 
 @pytest.mark.parametrize("capture", ["export", "trace"])
@@ -199,10 +211,7 @@ def test_a_ctc_loss_passes_the_shape_check_and_equals_local_float64_autograd(cap
                       else None)
     body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
             "inputs": [to_wire(x), to_wire(targets)], "loss": "output", "options": {"numcheck": "exact"}}
-    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
-    for (n, _), g in zip(params.items(), want):
-        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
-    assert result.numcheck.passed is True, result.numcheck.reason
+    _computed(body, params, want)
 
 
 @torch.library.custom_op("gradsvc_tests::rowwise_mm", mutates_args=())
@@ -288,10 +297,7 @@ def test_a_float32_rnn_recorded_on_a_cpu_runs_its_portable_ops_and_equals_local_
     body = {"model": {"graph": eg.graph, "dtype": "float64",
                       "weights": {k: to_wire(v.double()) for k, v in eg.weights.items()}},
             "inputs": to_wire(ids), "targets": to_wire(tags), "loss": "cross_entropy", "options": {"numcheck": "exact"}}
-    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
-    for (n, _), g in zip(params.items(), want):
-        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
-    assert result.numcheck.passed is True, result.numcheck.reason
+    _computed(body, params, want)
 
 
 class WhereRouted(nn.Module):
@@ -325,10 +331,7 @@ def test_routing_by_torch_where_is_recorded_with_its_sizes_and_equals_local_floa
     assert eg.capture == "trace" and "aten.nonzero.default" in ops and "aten.where.default" not in ops, ops
     body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
             "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
-    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
-    for (n, _), g in zip(params.items(), want):
-        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
-    assert result.numcheck.passed is True, result.numcheck.reason
+    _computed(body, params, want)
 
 
 class EMACodebook(nn.Module):
@@ -367,37 +370,10 @@ def test_an_ema_codebook_written_through_data_runs_as_eager_and_returns_the_writ
     body = {"model": {"graph": eg.graph, "dtype": "float64",
                       "weights": {k: to_wire(model.state_dict()[k]) for k in eg.weights}},
             "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
-    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    result = _computed(body, params, want)
     assert result.loss == pytest.approx(float(loss), rel=1e-12)
-    for (n, _), g in zip(params.items(), want):
-        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
     for n, b in local.named_buffers():  # the values eager's forward wrote
         torch.testing.assert_close(decode(result.buffers[n], where=n, max_elements=1 << 20), b, rtol=1e-12, atol=1e-12)
-    assert result.numcheck.passed is True, result.numcheck.reason
-
-
-class _Multiplier(torch.autograd.Function):
-    """x * w with its own backward, the true derivative (an MoE router's multiplier written as a Function)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum(0)
-
-
-class _RoundStraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx, g):
-        return g  # a straight-through estimator: not the forward's derivative (zero)
 
 
 class _ScaledReshape(torch.autograd.Function):
@@ -441,7 +417,7 @@ class FunctionBehindNumpy(nn.Module):
         import numpy as np
 
         h = torch.tanh(self.lin(x[:int(np.max(lengths.numpy()))]))
-        return (_RoundStraightThrough.apply(h) if self.straight_through else _Multiplier.apply(h, self.w)).sum(1)
+        return (RoundStraightThrough.apply(h) if self.straight_through else Scaled.apply(h, self.w, 2.0)).sum(1)
 
 
 def _sdk_body(model: nn.Module, inputs: list, y: torch.Tensor) -> dict:
@@ -464,11 +440,8 @@ def test_a_custom_function_in_a_recorded_forward_is_sent_when_its_backward_is_it
     assert body["model"]["graph"].capture == "trace"
     params = dict(model.named_parameters())
     want = torch.autograd.grad(torch.nn.functional.mse_loss(model(x, lengths), y), list(params.values()))
-    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
-    for (n, _), g in zip(params.items(), want):
-        torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-9, atol=1e-12)
-    assert result.numcheck.passed is True, result.numcheck.reason
-    with pytest.raises(UnsupportedModuleError, match="_RoundStraightThrough.*straight-through"):
+    _computed(body, params, want)
+    with pytest.raises(UnsupportedModuleError, match="RoundStraightThrough.*straight-through"):
         _sdk_body(FunctionBehindNumpy(straight_through=True).double(), [x, lengths], y)
     sized = FunctionTakingSize().double()  # its Size and dict arguments: no export holds them, the recording does
     body = _sdk_body(sized, x, torch.randn(6, dtype=torch.float64))

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 import msgspec
 import torch
@@ -229,15 +230,22 @@ def _replayed(call: Call, session: TrainingSession, key: str | None) -> bytes | 
     return _encoder.encode(msgspec.structs.replace(answer, replayed=True))
 
 
+def _opened_call(call: Call, kind: type) -> tuple[SessionRecord, Any, TrainingSession, int | None]:
+    """(the record as read, the body decoded as `kind`, the session as the record says it stands, the checkpoint's
+    step when it was restored); a restore that lost steps is refused (_refuse_lost_steps)."""
+    rec = call.record()
+    payload = call.decode(kind)
+    session, resumed = _session(call, rec) if call.member is None else _members_session(call, rec)
+    if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
+        _refuse_lost_steps(call, rec, session)
+    return rec, payload, session, resumed
+
+
 def _operate(call: Call, op: str) -> bytes:
     """step, forward_backward or optim_step: the session as its record says, the call applied once, the
     record (a checkpoint when due, and the answer under the idempotency key) committed only when the record is
     still the one read (session_records.py), so that an answer is given only for a committed call."""
-    rec = call.record()
-    payload = call.decode(SessionOptimStep if op == "optim_step" else SessionBatch)
-    session, resumed = _session(call, rec) if call.member is None else _members_session(call, rec)
-    if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
-        _refuse_lost_steps(call, rec, session)
+    rec, payload, session, resumed = _opened_call(call, SessionOptimStep if op == "optim_step" else SessionBatch)
     key = payload.idempotency_key or call.key
     failed, again = None, None
     try:
@@ -279,11 +287,7 @@ def _forward(call: Call) -> bytes:
     """The batch's forward alone (TrainingSession.forward): nothing of the session changes, so nothing is
     remembered under an idempotency key; the record is committed with this worker as the holder (a forward may
     have restored the session here) and its idle time restarted."""
-    rec = call.record()
-    payload = call.decode(SessionBatch)
-    session, resumed = _session(call, rec)
-    if resumed is not None and (session.step, session.accumulated) != (rec.step, rec.accumulated):
-        _refuse_lost_steps(call, rec, session)
+    rec, payload, session, resumed = _opened_call(call, SessionBatch)
     _refuse_too_large(call, session, payload)
     payload = _with_batch_pieces(call, rec, payload)
     with session.math(payload.options.math_mode):

@@ -8,7 +8,9 @@ is False: that graph then takes only the example's batch size; when that fails (
 distributions validating their arguments, state assigned in forward), the ATen program the forward executes on
 this batch is recorded (trace.py, `capture` "trace"), specialised to this batch with the guards it read
 listed; a forward calling a custom autograd Function goes through `torch.export.draft_export` instead
-(`capture` "draft"), which keeps the Function's backward. Inputs may
+(`capture` "draft"), which keeps the Function's backward. An exported program is run on the batch before it is
+sent: when its outputs differ from the module's own forward (a library that takes another path while traced), the
+forward is recorded instead (replay.export_differs). Inputs may
 be nested tuples, lists and dicts of tensors (the graph takes their leaves in order). A model returning
 several tensors (a tuple, a Hugging Face ModelOutput) lists them all in `outputs`, their structure in
 `output_tree`; `loss="output"` finds the scalar among them (docs/training-code.md).
@@ -33,6 +35,7 @@ from .errors import BadTensorError, UnsupportedModuleError
 from .functions import Capture
 from .graph import convert_program, reason
 from .module_state import restore, snapshot
+from .replay import export_differs
 from .trace import DATA_DEPENDENT, op_name, trace_graph
 from .graph import state_dict_path as _state_dict_path  # noqa: F401  (tests/client/test_export.py reads it here)
 from .tensors import is_tree, several_inputs
@@ -159,12 +162,15 @@ def export_graph(module: nn.Module, example_args: tuple | torch.Tensor,
     try:
         graph, weights = convert_program(ep, module, batched)
     except UnsupportedModuleError as exc:  # what the exported graph cannot say, the recording may
-        if capture.calls or getattr(exc, "final", False):
+        if getattr(exc, "final", False):
             raise
         try:
             return _traced(module, args, kwargs, batched, str(exc))
         except UnsupportedModuleError:
             raise exc from None
+    differs = export_differs(ep, module, args, kwargs)  # what is sent computes what the module does, or is recorded
+    if differs:
+        return _traced(module, args, kwargs, batched, differs)
     graph.output_tree = output_tree(ep.call_spec.out_spec, len(graph.outputs))
     if capture.calls:
         used = {n.op.removeprefix("function.") for n in graph.nodes if n.op.startswith("function.")}
@@ -229,7 +235,7 @@ def _has_functions(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     def apply(cls, *a, **kw):
         if not cls.__module__.startswith("torch"):
             seen.append(cls)
-        return original.__func__(cls, *a, **kw)
+        return original.__get__(None, cls)(*a, **kw)
 
     snap = snapshot(module)  # the probe's forward writes the module's state: put back after it
     function.apply = classmethod(apply)

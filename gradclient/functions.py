@@ -100,7 +100,7 @@ class Capture:
 
         def apply(cls, *args, **kwargs):
             if cls.__module__.startswith("torch") or kwargs:
-                return original.__func__(cls, *args, **kwargs)
+                return original.__get__(None, cls)(*args, **kwargs)
             return self._call(cls, args)
 
         function.apply = classmethod(apply)

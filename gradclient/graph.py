@@ -319,6 +319,14 @@ def _op_name(node: "torch.fx.Node") -> str:
     if isinstance(target, torch._ops.OpOverload):
         if target.namespace == "gradsvc_fn":  # a custom autograd Function's call (functions.py)
             return f"function.{target._schema.name.split('::', 1)[1]}"
+        if target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):  # a value read:
+            # export leaves it as an unbacked symbol; the recording specialises to the value, with a guard
+            raise UnsupportedModuleError(f"node {node.name!r} reads a tensor's value ({target.name()}); the recording "
+                                         "specialises to it instead")
+        if target.namespace not in ("aten", "prims"):  # export keeps a library's torch.library op whole: the
+            # recording (trace.py) runs through its Python implementation to the ATen ops the service runs
+            raise UnsupportedModuleError(f"node {node.name!r} calls the library op {target.name()}, which the "
+                                         "service does not run; its implementation is recorded instead")
         return f"{target.namespace}.{target._schema.name.split('::', 1)[1]}.{target._overloadname}"
     if isinstance(target, torch._ops.HigherOrderOperator):
         raise UnsupportedModuleError(f"node {node.name!r} calls the higher-order op {target.name()}; the service runs "

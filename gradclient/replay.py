@@ -118,10 +118,7 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
     rng = torch.random.get_rng_state()
     try:
-        with torch.enable_grad():  # as the recording ran it (a forward may take a gradient itself)
-            c_args, c_kwargs = pytree.tree_unflatten([x.detach().clone() for x in xs], pytree.tree_structure((args, kwargs)))
-            eager = [o for o in pytree.tree_leaves(pytree.tree_map(_tensor_or_none, module(*c_args, **c_kwargs)))
-                     if isinstance(o, torch.Tensor)]
+        eager = _outputs(module, args, kwargs)
         restore(module, snap)  # restore() hands the snapshot's copies to the module: take new ones for the end
         snap = snapshot(module)
         torch.random.set_rng_state(rng)
@@ -150,6 +147,41 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
     finally:
         restore(module, snap)
         torch.random.set_rng_state(rng)
+
+
+def _outputs(forward: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors `forward` returns on copies of the inputs, in order, with grad on (as a recording or an export
+    ran it: a forward may take a gradient itself)."""
+    with torch.enable_grad():
+        c_args, c_kwargs = pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x,
+                                           (args, kwargs))
+        return [o for o in pytree.tree_leaves(pytree.tree_map(_tensor_or_none, forward(*c_args, **c_kwargs)))
+                if isinstance(o, torch.Tensor)]
+
+
+def export_differs(program: "torch.export.ExportedProgram", module: nn.Module, args: tuple, kwargs: dict) -> str:
+    """"" when the exported program's outputs on this batch equal the module's own forward's (both from the same
+    random state), else what differs: export traces the forward symbolically, and a library that takes another
+    path while traced (`torch.compiler.is_compiling()`) can compute something else than it runs. The module, its
+    buffers and the RNG are left as found."""
+    snap, rng = snapshot(module), torch.random.get_rng_state()
+    try:
+        eager = _outputs(module, args, kwargs)
+        restore(module, snap)
+        snap = snapshot(module)
+        torch.random.set_rng_state(rng)
+        exported = _outputs(program.module(), args, kwargs)
+    except Exception as exc:  # noqa: BLE001  (the exported program does not run on the batch it was made from)
+        return f"the exported program fails on this batch ({type(exc).__name__}: {str(exc)[:200]})"
+    finally:
+        restore(module, snap)
+        torch.random.set_rng_state(rng)
+    if len(exported) != len(eager):
+        return f"the exported program returns {len(exported)} tensors where the module returns {len(eager)}"
+    for i, (got, want) in enumerate(zip(exported, eager)):
+        if not _close(got.detach(), want.detach()):
+            return f"the exported program's output {i} differs from the module's on this batch"
+    return ""
 
 
 def _grads(objective: torch.Tensor, params: dict) -> tuple:

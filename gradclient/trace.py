@@ -372,11 +372,11 @@ def _functions_recorded(rec: _Recorder) -> Iterator[None]:
 
     def apply(cls, *args, **kwargs):
         if cls.__module__.startswith("torch"):
-            return original.__func__(cls, *args, **kwargs)
+            return original.__get__(None, cls)(*args, **kwargs)
         rec.functions.add(cls.__name__)
         rec.through += 1
         try:
-            return original.__func__(cls, *args, **kwargs)
+            return original.__get__(None, cls)(*args, **kwargs)
         finally:
             rec.through -= 1
 

@@ -118,8 +118,10 @@ def one_cpu_thread(device: torch.device, small: bool):
 
 
 def is_allocation_failure(exc: BaseException) -> bool:
+    """CUDA's and cuBLAS's out of memory, the CPU allocator's, and oneDNN's: a CPU kernel whose scratch memory
+    cannot be allocated says only that it "could not create a primitive"."""
     message = str(exc).lower()
-    return "out of memory" in message or "can't allocate memory" in message  # CUDA/cuBLAS, CPU allocator
+    return any(said in message for said in ("out of memory", "can't allocate memory", "could not create a primitive"))
 
 
 def out_of_memory(device: torch.device, exc: BaseException) -> ComputeError:

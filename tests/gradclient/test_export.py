@@ -298,3 +298,26 @@ def copy_of(model: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(model)
+
+
+class OtherPathWhenTraced(nn.Module):
+    """A forward that computes something else while torch traces it (as a library checking
+    `torch.compiler.is_compiling()` may): the exported program is not what the module runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * 2 if torch.compiler.is_compiling() else torch.tanh(h)
+
+
+def test_an_export_that_computes_other_values_than_the_module_is_recorded_instead():
+    x = torch.randn(4, 3)
+    model = OtherPathWhenTraced()
+    eg = export_graph(model, (x,))
+    assert eg.capture == "trace" and "differs from the module's" in eg.why_not_export, eg.why_not_export
+    assert torch.allclose(run_graph(eg, x), model(x))
+    plain = export_graph(nn.Sequential(nn.Linear(3, 2), nn.Tanh()), (x,))
+    assert plain.capture == "export" and plain.why_not_export is None

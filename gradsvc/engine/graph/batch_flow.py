@@ -77,6 +77,8 @@ def draws_masks(step: Step) -> bool:
     if step.op.recurrent:
         dropout, layers = _arg(step, "dropout"), _arg(step, "num_layers")
         return _arg(step, "train") is not False and dropout != 0 and layers != 1
+    if any(p.name == "dropout_p" for p in step.op.params):  # attention with dropout inside (sdpa and its kernels)
+        return bool(_arg(step, "dropout_p"))
     if "dropout" not in step.op.name:
         return False
     return _arg(step, "p") != 0 and _arg(step, "train") is not False

@@ -35,6 +35,7 @@ class Tally:
         self.worst_abs = self.worst_rel = self.worst_floor = 0.0
         self.passed = True
         self.kinks = 0  # elements (or directions) found straddling a kink, left out of the figures
+        self.judged = 0  # elements (or directions) judged otherwise: compared, found zero or under the floor
         self._base: float | None = None
 
     def loss_at(self) -> float:
@@ -66,6 +67,7 @@ class Tally:
         return FLOOR_ROUNDINGS * F64_EPS * max(loss_scale, 1e-300) / self.eps
 
     def judge(self, abs_err: float, rel: float, atol: float, verdict: str) -> None:
+        self.judged += 1
         self.worst_abs, self.worst_floor = max(self.worst_abs, abs_err), max(self.worst_floor, atol)
         if verdict in ("ratio", "failed"):  # zero: noise over noise; floor: small beside the rest (per parameter)
             self.worst_rel = max(self.worst_rel, rel)
@@ -85,6 +87,16 @@ class Tally:
         unresolved = not math.isfinite(worst_floor) or (gradient_scale > 0 and worst_floor >= gradient_scale
                                                         and worst_floor > tolerance * gradient_scale * 2
                                                         and rounding_only > tolerance)
+        only_kinks = self.kinks > 0 and self.judged == 0  # every element or direction taken straddled a kink
+        reason = ""
+        if unresolved:
+            reason = (f"eps={eps:g} is too small for float64 to resolve these gradients (its rounding floor "
+                      f"{min(worst_floor, 1e308):.3g} is over the largest gradient element {gradient_scale:.3g}); "
+                      "nothing was checked: use numcheck_eps near 1e-6")
+        elif only_kinks:
+            reason = (f"every one of the {self.kinks} {'directions' if mode == 'directional' else 'elements'} taken "
+                      "straddled a kink (a routing switch, a max's tie), where a difference measures no derivative: "
+                      "nothing was checked; numcheck=\"exact\" or \"sampled\" take single elements")
         return Numcheck(
             mode=mode,
             eps=eps,
@@ -92,12 +104,10 @@ class Tally:
             evaluations=self.evaluations,
             max_abs_error=self.worst_abs,
             max_rel_error=self.worst_rel,
-            passed=self.passed and not unresolved,
+            passed=None if only_kinks and self.passed else self.passed and not unresolved,
             tolerance=tolerance,
             per_parameter=per,
             rounding_floor=min(worst_floor, 1.0e308),  # JSON has no infinity
             kinks=self.kinks,
-            reason=(f"eps={eps:g} is too small for float64 to resolve these gradients (its rounding floor "
-                    f"{min(worst_floor, 1e308):.3g} is over the largest gradient element {gradient_scale:.3g}); "
-                    "nothing was checked: use numcheck_eps near 1e-6") if unresolved else "",
+            reason=reason,
         )

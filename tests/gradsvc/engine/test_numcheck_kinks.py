@@ -66,11 +66,22 @@ def test_a_straddled_kink_is_re_differenced_at_a_smaller_step():
     assert check.passed and check.kinks == 0 and check.max_rel_error < 1e-8, check.per_parameter
 
 
-def test_a_direction_across_a_kink_is_judged_kink():
+def test_a_direction_across_a_kink_is_judged_kink_and_a_check_of_kinks_alone_says_nothing_was_checked():
     params, loss_fn, grads = _relu_at_its_kink()
     check = run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
                          directions=8, seed=0))
-    assert check.passed and check.kinks > 0  # every direction moves row 0's pre-activation off 0
+    assert check.kinks == 8  # every direction moves row 0's pre-activation off 0: no direction compared
+    assert check.passed is None and "nothing was checked" in check.reason, check.reason
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=8, seed=0))
+    assert check.passed is True and check.reason == ""  # element by element, unit 1's are compared
+
+
+def test_a_wrong_gradient_among_kinks_still_fails_in_directions():
+    params, loss_fn, grads = _relu_at_its_kink()
+    grads["0.bias"] = grads["0.bias"] * 3  # b[1] wrong where the function is smooth
+    check = run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
+                         directions=8, seed=0))
+    assert check.passed is False
 
 
 def _detached_body(**options) -> dict:

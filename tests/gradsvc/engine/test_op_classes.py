@@ -13,6 +13,7 @@ import warnings
 import msgspec
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradclient.export import export_graph
@@ -256,7 +257,8 @@ class LibraryOp(nn.Module):
 def test_a_librarys_own_op_is_recorded_through_to_aten_with_out_variants_made_functional():
     torch.manual_seed(0)
     model, x, y = LibraryOp(), torch.randn(5, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
-    eg = export_graph(model, (x,), recorded_because="the test asks for the recording")
+    eg = export_graph(model, (x,))  # export keeps the op whole, which the service does not run: recorded instead
+    assert eg.capture == "trace" and "library op gradsvc_tests::rowwise_mm" in eg.why_not_export, eg.why_not_export
     ops = {n.op for n in eg.graph.nodes}
     assert "aten.mm.default" in ops and not any("rowwise" in o or o.endswith(".out") for o in ops), ops
     body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
@@ -446,3 +448,33 @@ def test_a_custom_function_in_a_recorded_forward_is_sent_when_its_backward_is_it
     sized = FunctionTakingSize().double()  # its Size and dict arguments: no export holds them, the recording does
     body = _sdk_body(sized, x, torch.randn(6, dtype=torch.float64))
     assert body["model"]["graph"].capture == "trace"
+
+
+class AttentionDropout(nn.Module):
+    """Causal self-attention with dropout inside torch's fused op (`dropout_p`), as Hugging Face models call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True).sum((1, 2, 3))
+
+
+@pytest.mark.parametrize("capture", ["export", "trace"])
+def test_attention_dropout_draws_the_same_masks_in_every_evaluation_of_the_check(capture):
+    """sdpa's dropout draws its masks inside the op: the check's forwards draw the same ones (a right gradient
+    passes), and the job's seed makes the local forward's masks."""
+    torch.manual_seed(0)
+    model = AttentionDropout().double().train()
+    x, y = torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    eg = export_graph(model, (x,), recorded_because="the test asks for the recording" if capture == "trace" else None)
+    assert eg.capture == capture or eg.capture == "export_static", eg.capture
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "seed": 5,
+                      "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
+    params = dict(model.named_parameters())
+    torch.manual_seed(5)
+    want = torch.autograd.grad(F.mse_loss(model(x), y), list(params.values()))
+    _computed(body, params, want)

@@ -26,3 +26,16 @@ def test_an_allocation_past_the_host_is_out_of_memory_with_no_frames_kept_and_th
     assert "micro_batch" in info.value.message
     assert info.value.__context__ is None and info.value.__cause__ is None  # no traceback of the job's frames
     assert compute(msgspec.convert(seed_a_body(), GradientRequest), device=CPU).numcheck.passed
+
+
+@pytest.mark.parametrize(("said", "memory"), [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", True),
+    ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+     "12582912 bytes. Error code 12 (Cannot allocate memory)", True),
+    ("could not create a primitive", True),  # oneDNN's conv when its scratch memory cannot be allocated
+    ("index 7 is out of bounds for dimension 0 with size 5", False),
+])
+def test_every_allocators_failure_is_read_as_memory_and_a_values_error_is_not(said, memory):
+    from gradsvc.engine.devices import is_allocation_failure
+
+    assert is_allocation_failure(RuntimeError(said)) is memory

@@ -109,7 +109,8 @@ def compare(result, g32: dict, g64: dict | None, buffers: dict, model: nn.Module
             ref, allowed = own, 1e-4 * float(own.abs().nan_to_num(0.0).max()) + 1e-12
         else:
             ref = g64[name].to_dense().double()
-            allowed = 10 * float((own - ref).abs().nan_to_num(0.0).max()) + 1e-6 * float(ref.abs().nan_to_num(0.0).max())
+            finite = ref.abs().nan_to_num(0.0)
+            allowed = 10 * float((own - ref).abs().nan_to_num(0.0).max()) + 1e-6 * float(finite.max())
         if not torch.equal(got.isnan(), ref.isnan()):  # a NaN local autograd gives (a fully masked row) too
             return f"wrong gradient: {name} has NaN where local autograd has not, or not where it has"
         err = float((got - ref).abs().nan_to_num(0.0).max())
@@ -140,20 +141,20 @@ def run_case(client, case: Case, numcheck: str) -> Outcome:
     options = "default" if numcheck == "auto" else "numcheck_off"
     try:
         model, inputs, targets, loss = case.build()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (the library could not build it: not the service's failure)
         return Outcome(case.zoo, case.name, options, False, "not built: " + cause_of(exc), detail=str(exc)[:300])
     try:
         g32, buffers = local_run(model, inputs, targets, loss, torch.float32)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (it does not run locally either)
         return Outcome(case.zoo, case.name, options, False, "not run locally: " + cause_of(exc), detail=str(exc)[:300])
     try:
         g64, _ = local_run(model, inputs, targets, loss, torch.float64)
-    except Exception:
+    except Exception:  # noqa: BLE001  (a kernel without float64 here, torch._grouped_mm's: float32 is the key)
         g64 = None
     try:
         torch.manual_seed(0)
         result = client.gradients(model, inputs, targets, loss=loss, numcheck=numcheck, timeout=900)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (what the service or the SDK answered: the run's subject)
         status = getattr(getattr(exc, "response", None), "status_code", None)
         cause = ("500 " if status is not None and status >= 500 and status != 503 else "") + cause_of(exc)
         return Outcome(case.zoo, case.name, options, False, cause, time.perf_counter() - started,
@@ -229,7 +230,7 @@ def _second_steps(client, selected: list[Case]) -> None:
     for case in selected:
         try:
             service_s, local_s = second_step(client, case)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (a model the run fails or does not build: timed in the run itself)
             print(f"skip {case.zoo}/{case.name}: {cause_of(exc)}", flush=True)
             continue
         ratios[case.zoo].append(service_s / local_s)

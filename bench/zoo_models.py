@@ -69,7 +69,7 @@ _SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "
           "num_key_value_groups": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
           "linear_value_head_dim": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 8, "attention_window": 8,
           "sliding_window": 16, "codebook_size": 32, "num_codebooks": 2, "max_window_layers": 2,
-          "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "num_labels": 3}
+          "first_k_dense_replace": 1, "rotary_dim": 8, "n_group": 1, "topk_group": 1, "num_labels": 3}
 _VOCAB = 99
 
 
@@ -83,7 +83,8 @@ def shrink(config, seen: set | None = None) -> None:
     for key, value in list(vars(config).items()):
         if key in _SIZES and isinstance(value, int) and not isinstance(value, bool) and value > _SIZES[key]:
             setattr(config, key, _SIZES[key])
-        elif ("dropout" in key or key.endswith(("drop_rate", "pdrop")) or "drop_path" in key) and isinstance(value, float):
+        elif (("dropout" in key or key.endswith(("drop_rate", "pdrop")) or "drop_path" in key or key == "layerdrop"
+               or key.startswith("mask_") and key.endswith("_prob")) and isinstance(value, float)):  # every draw off
             setattr(config, key, 0.0)
         elif key in ("depths", "num_layers_per_stage") and isinstance(value, (list, tuple)):
             setattr(config, key, [1] * len(value))
@@ -98,12 +99,14 @@ def shrink(config, seen: set | None = None) -> None:
     if isinstance(vars(config).get("layer_types"), (list, tuple)):  # and mlp_layer_types, ...: the same layers
         keep = _kinds_kept(list(config.layer_types), max(2, getattr(config, "num_hidden_layers", 2)))
         for key, value in list(vars(config).items()):
-            if key.endswith("layer_types") and isinstance(value, (list, tuple)) and len(value) == len(config.layer_types):
+            if key.endswith("layer_types") and isinstance(value, (list, tuple)) \
+                    and len(value) == len(config.layer_types):
                 setattr(config, key, [value[i] for i in keep])
         if getattr(config, "num_hidden_layers", None) is not None:
             config.num_hidden_layers = len(keep)
     if getattr(config, "num_key_value_heads", None) and getattr(config, "num_attention_heads", None):
-        if config.num_attention_heads % config.num_key_value_heads:
+        # grouped queries where the model has them; latent attention (a kv_lora_rank) keeps one key head a query's
+        if config.num_attention_heads % config.num_key_value_heads or getattr(config, "kv_lora_rank", None):
             config.num_key_value_heads = config.num_attention_heads
     for sub in list(vars(config).values()):  # every sub-config (text, vision, audio, a patcher's, ...)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
@@ -150,7 +153,7 @@ def _hf_build(transformers, head: str, model_type: str, class_name: str) -> tupl
         try:  # its size first, built on meta
             with torch.device("meta"):
                 count = sum(p.numel() for p in getattr(transformers, class_name)(config).parameters())
-        except Exception:
+        except Exception:  # noqa: BLE001  (an init that does not run on meta: built as it is)
             count = 0
         _within_size(count, model_type)
         torch.manual_seed(0)
@@ -215,7 +218,7 @@ def _timm_build(timm, name: str) -> tuple:
                 with torch.no_grad():
                     model.eval()(x)
                 break
-            except Exception:
+            except Exception:  # noqa: BLE001  (a net fixed to its input size, or downsampling 64 px to nothing)
                 if not small:
                     raise
     return no_dropout(model), x, torch.tensor([0, 3]), "cross_entropy"

@@ -52,7 +52,8 @@ class Call:
 
     @property
     def verify(self) -> bool:
-        """gradients(verify=True): the SDK checks a recorded capture's gradients against the module's before sending."""
+        """gradients(verify=True): a recording reused for another batch has its gradients checked again on it (a new
+        recording always has them checked before it is sent)."""
         return bool(self.options.get("verify", False))
 
     @property
@@ -258,9 +259,9 @@ class RequestBuilder:
             entry.gradients_verified = True
         if entry is None:
             exported = export_graph(model, args, kwargs, because)  # UnsupportedModuleError with torch's reason
-            if exported.traced is not None:  # a custom Function's: its gradients checked whatever `verify` says
-                verify_recording(exported.traced, model, args, kwargs, gradients=verify)
-                verify = verify or bool(exported.traced.functions)
+            if exported.traced is not None:  # outputs and gradients, whatever `verify` says (replay.py)
+                verify_recording(exported.traced, model, args, kwargs, gradients=True)
+                verify = True
             specialised = _specialised(exported, args, kwargs)
             # The graph says how it was captured and its guards: the service echoes them in the result.
             exported.graph.capture = exported.capture

@@ -102,6 +102,7 @@ class _Recorder(TorchDispatchMode):
         self.counts: dict[str, int] = {}
         self.used: set[str] = set()
         self.autograd_aliases: dict[str, str] = {}  # a detach node -> the node it detached (first of a chain)
+        self.written_storages: set[int] = set()  # memory an in-place op wrote (a zeros tensor filled by setitem)
         self.through = 0  # how deep in library ops recorded through to ATen (_recorded_through)
 
     def name(self, t: torch.Tensor, name: str) -> None:
@@ -125,11 +126,14 @@ class _Recorder(TorchDispatchMode):
             key = self.names.get(id(a))
             if key is None:
                 key = self._unknown(a)
-            elif a.grad_fn is not None:
+            elif a.grad_fn is not None and not (a.layout == torch.strided and
+                                                 a.untyped_storage().data_ptr() in self.written_storages):
                 # A detach's result that carries a grad_fn is not the user's detach (whose result has none): it is
                 # autograd's own, which saves an op's output detached and gives it its grad_fn back when a backward
                 # with create_graph=True unpacks it (tanh_backward(grad, result)). It stands for its source, so that
-                # the second-order terms through it are kept.
+                # the second-order terms through it are kept. Not so once its memory was written in place: a
+                # factory's result is handed out as such a detach, and `out = zeros(...); out[:, i] = y` gives it
+                # the grad_fn of the write, which its source never had.
                 key = self.autograd_aliases.get(key, key)
             return ("node", key)
         if isinstance(a, (list, tuple)):
@@ -174,6 +178,9 @@ class _Recorder(TorchDispatchMode):
             finally:
                 self.through -= 1
         out = func(*args, **kwargs)
+        if args and isinstance(args[0], torch.Tensor) and args[0].layout == torch.strided and \
+                isinstance(func, torch._ops.OpOverload) and _writes_first(func):
+            self.written_storages.add(args[0].untyped_storage().data_ptr())
         if self.through and func is aten.detach.default and id(args[0]) in self.names:
             self.name(out, self.names[id(args[0])])  # inside a library op's implementation: the same value
             return out

@@ -75,7 +75,7 @@ def _judge_direction(losses_at: Callable[[float], tuple[float, float]], ad: floa
     verdict = tolerances.verdict(max(abs(fd), abs(ad)), err, err / max(abs(fd), abs(ad), 1e-12), tolerance, atol,
                                  floor)
     if verdict == "failed":
-        outcome, fd = settle(losses_at, ad, plus, minus, max(atol, tolerance * abs(ad)), tally)
+        outcome, fd = settle(losses_at, ad, plus, minus, max(atol, tolerance * abs(ad)), tally, several=True)
         if outcome == "kink":
             tally.kinks += 1
             return

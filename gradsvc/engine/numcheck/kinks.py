@@ -19,17 +19,22 @@ KINK_GAP = 4.0
 
 
 def settle(losses_at: Callable[[float], tuple[float, float]], ad: float, plus: float, minus: float,
-           allowed: float, tally: Tally) -> tuple[str, float]:
+           allowed: float, tally: Tally, several: bool = False) -> tuple[str, float]:
     """An offending central difference (losses `plus`, `minus` at +-eps) settled: ("resolved", fd) where a
     smaller step brings it within `allowed` of `ad`; ("kink", fd) where the one-sided differences
     (f(x+h)-f(x))/h and (f(x)-f(x-h))/h stay apart at the smallest step, more than a smooth function's
-    curvature keeps them, with `ad` between them (a subgradient); else ("failed", fd): a wrong gradient."""
+    curvature keeps them, with `ad` between them (a subgradient); else ("failed", fd): a wrong gradient.
+    `several`: the perturbation may cross several kinks at once (a direction moves every parameter), some
+    convex and some concave along it (a ReLU at exactly 0 read through a negative weight): autograd's value, a
+    subgradient of each, need not lie between the summed one-sided slopes, so slopes apart at every step (a kink
+    at the point itself, not beside it) are a kink wherever `ad` lies."""
     eps = tally.eps
     base = tally.base_loss()
     gap0 = abs((plus - base) - (base - minus)) / eps
     fd = (plus - minus) / (2 * eps)
     right = left = fd
     step = eps
+    at_every_step = True
     for fraction in SETTLE_STEPS:
         step = eps * fraction
         plus, minus = losses_at(step)
@@ -37,7 +42,8 @@ def settle(losses_at: Callable[[float], tuple[float, float]], ad: float, plus: f
         if abs(fd - ad) <= allowed + tally.rounding(max(abs(plus), abs(minus))) * eps / step:
             return "resolved", fd
         right, left = (plus - base) / step, (base - minus) / step
-    rounding = 2 * tally.rounding(max(abs(plus), abs(minus), abs(base))) * eps / step
-    apart = abs(right - left) > KINK_GAP * gap0 * step / eps + rounding
+        rounding = 2 * tally.rounding(max(abs(plus), abs(minus), abs(base))) * eps / step
+        apart = abs(right - left) > KINK_GAP * gap0 * step / eps + rounding
+        at_every_step = at_every_step and abs(right - left) > gap0 / KINK_GAP + rounding  # the gap kept its size
     between = min(right, left) - allowed - rounding <= ad <= max(right, left) + allowed + rounding
-    return ("kink" if apart and between else "failed"), fd
+    return ("kink" if apart and (between or several and at_every_step) else "failed"), fd

@@ -76,12 +76,51 @@ def test_a_direction_across_a_kink_is_judged_kink_and_a_check_of_kinks_alone_say
     assert check.passed is True and check.reason == ""  # element by element, unit 1's are compared
 
 
-def test_a_wrong_gradient_among_kinks_still_fails_in_directions():
+def test_a_wrong_gradient_among_kinks_is_never_passed_in_directions_and_fails_element_by_element():
+    """Every direction crosses the kinks at the point: a wrong gradient there cannot be told from them along a
+    direction (never `true`); element by element, b[1] (smooth) fails."""
     params, loss_fn, grads = _relu_at_its_kink()
     grads["0.bias"] = grads["0.bias"] * 3  # b[1] wrong where the function is smooth
     check = run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
                          directions=8, seed=0))
-    assert check.passed is False
+    assert check.passed is not True
+    check = run(CheckRun("exact", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=8, seed=0))
+    assert check.passed is False and check.per_parameter["0.bias"].judged == "failed"
+
+
+class ZeroInitResidual(nn.Module):
+    """A residual block whose last norm starts at zero (timm's zero_init_last): relu(block(x) + x) with the block
+    giving exactly 0, so every ReLU whose shortcut is 0 sits at its kink, read downstream through weights of both
+    signs: along a direction, convex and concave kinks at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        nn.init.zeros_(self.block.weight)
+        nn.init.zeros_(self.block.bias)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        return self.out(torch.relu(self.block(h) + h))
+
+
+def test_directions_across_kinks_of_both_signs_at_the_point_are_kinks_and_a_planted_error_elsewhere_fails():
+    torch.manual_seed(0)
+    net = ZeroInitResidual().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    params = dict(net.named_parameters())
+
+    def loss_fn():
+        return torch.nn.functional.cross_entropy(net(x), torch.tensor([0, 1, 2, 0, 1]))
+
+    grads = dict(zip(params, torch.autograd.grad(loss_fn(), list(params.values()))))
+    check = run(CheckRun("directional", params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8,
+                         directions=8, seed=0))
+    assert check.passed is not False and check.kinks > 0, check.reason
+    wrong = {**grads, "out.bias": grads["out.bias"] * 1.5}  # the output bias: smooth, element by element it fails
+    check = run(CheckRun("sampled", params, loss_fn, wrong, eps=1e-6, tolerance=1e-6, samples=8, directions=8,
+                         seed=0))
+    assert check.passed is False and check.per_parameter["out.bias"].judged == "failed"
 
 
 def _detached_body(**options) -> dict:

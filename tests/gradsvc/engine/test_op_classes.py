@@ -81,8 +81,27 @@ class EdgeSoftmax(nn.Module):
         return (firsts * x).sum(1)
 
 
+class FilledBySetitem(nn.Module):
+    """A linear recurrence scanned into preallocated outputs, as linear-attention kernels write it (transformers'
+    reference gated delta rule): `out = torch.zeros_like(h)`, then `out[:, i] = ...` step by step, the state a
+    zeros tensor updated each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        out = torch.zeros_like(h)
+        state = torch.zeros(x.shape[0], 4, dtype=x.dtype)
+        for i in range(4):
+            out[:, i] = (h[:, i:i + 1] * state).sum(-1) + h[:, i]
+            state = 0.5 * state + h
+        return out.sum(1)
+
+
 CASES = {"aliases": (Aliases, 6), "sections": (Sections, 6), "weight_norm": (WeightNormed, 6),
-         "edge_softmax": (EdgeSoftmax, 8)}
+         "edge_softmax": (EdgeSoftmax, 8), "filled_by_setitem": (FilledBySetitem, 5)}
 
 
 def _request(model: nn.Module, x: torch.Tensor, y: torch.Tensor, capture: str) -> tuple[str, GradientRequest]:

@@ -296,14 +296,66 @@ def _tv_detection(torchvision, name: str) -> tuple:
 
 # ---- torch_geometric ---------------------------------------------------------------------------------------------
 class _TwoLayers(nn.Module):
-    """conv(8 -> 16), ReLU, conv(16 -> 3): node classification on one graph."""
+    """conv(8 -> 16), ReLU, conv(16 -> 3): node classification on one graph; `extra` inputs (edge attributes, edge
+    types, positions) go to both layers as their forward takes them."""
 
-    def __init__(self, conv1: nn.Module, conv2: nn.Module) -> None:
+    def __init__(self, conv1: nn.Module, conv2: nn.Module, extra: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.conv1, self.conv2 = conv1, conv2
+        self.conv1, self.conv2, self.extra = conv1, conv2, extra
 
-    def forward(self, x, edge_index):
-        return self.conv2(F.relu(self.conv1(x, edge_index)), edge_index)
+    def forward(self, x, edge_index, *extra):
+        named = dict(zip(self.extra, extra))
+        if "pos" in named:  # a point cloud's layers take (x, pos, edge_index): edge_index by name
+            return self.conv2(F.relu(self.conv1(x, edge_index=edge_index, **named)), edge_index=edge_index, **named)
+        return self.conv2(F.relu(self.conv1(x, edge_index, **named)), edge_index, **named)
+
+
+def _mlp(i: int, o: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Linear(o, o))
+
+
+# Layers that take more than two channel counts, built as their documentation shows (in, out) -> module, and the
+# inputs their forward takes besides (x, edge_index): edge_attr (edges, 2), edge_type (edges,), pos (nodes, 3).
+_PYG_LAYERS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "ChebConv": (lambda c, i, o: c(i, o, K=2), ()),
+    "GINConv": (lambda c, i, o: c(_mlp(i, o)), ()),
+    "GINEConv": (lambda c, i, o: c(_mlp(i, o), edge_dim=2), ("edge_attr",)),
+    "RGCNConv": (lambda c, i, o: c(i, o, num_relations=2), ("edge_type",)),
+    "FastRGCNConv": (lambda c, i, o: c(i, o, num_relations=2), ("edge_type",)),
+    "RGATConv": (lambda c, i, o: c(i, o, num_relations=2), ("edge_type",)),
+    "NNConv": (lambda c, i, o: c(i, o, nn.Linear(2, i * o)), ("edge_attr",)),
+    "GMMConv": (lambda c, i, o: c(i, o, dim=2, kernel_size=2), ("edge_attr",)),
+    "SplineConv": (lambda c, i, o: c(i, o, dim=2, kernel_size=2), ("edge_attr",)),
+    "EdgeConv": (lambda c, i, o: c(_mlp(2 * i, o)), ()),
+    "SSGConv": (lambda c, i, o: c(i, o, alpha=0.1), ()),
+    "CGConv": (lambda c, i, o: nn.Sequential(nn.Linear(i, o), _Graph(c(o, dim=2))), ("edge_attr",)),
+    "PointNetConv": (lambda c, i, o: c(local_nn=_mlp(i + 3, o)), ("pos",)),
+    "PPFConv": (lambda c, i, o: c(local_nn=_mlp(i + 4, o)), ("pos", "normal")),
+    "PointTransformerConv": (lambda c, i, o: c(i, o), ("pos",)),
+    "PointGNNConv": (lambda c, i, o: nn.Sequential(nn.Linear(i, o), _Graph(c(_mlp(o, 3), _mlp(o + 3, o),
+                                                                                _mlp(o, o)))), ("pos",)),
+    "PDNConv": (lambda c, i, o: c(i, o, edge_dim=2, hidden_channels=8), ("edge_attr",)),
+    "PANConv": (lambda c, i, o: c(i, o, filter_size=2), ()),
+    "GravNetConv": (lambda c, i, o: c(i, o, space_dimensions=2, propagate_dimensions=4, k=3), ()),
+    "HEATConv": (lambda c, i, o: c(i, o, num_node_types=1, num_edge_types=2, edge_type_emb_dim=2, edge_dim=2,
+                                   edge_attr_emb_dim=2), ("node_type", "edge_type", "edge_attr")),
+    "LGConv": (lambda c, i, o: nn.Sequential(nn.Linear(i, o), _Graph(c())), ()),
+    "SimpleConv": (lambda c, i, o: nn.Sequential(nn.Linear(i, o), _Graph(c(aggr="mean"))), ()),
+    "EGConv": (lambda c, i, o: c(i, o, num_heads=1, num_bases=2), ()),
+    "PNAConv": (lambda c, i, o: c(i, o, aggregators=["mean", "max"], scalers=["identity", "amplification"],
+                                  deg=torch.tensor([0, 2, 4, 3, 1])), ()),
+}
+
+
+class _Graph(nn.Module):
+    """A layer of (x, edge_index, **extra) after a plain module of x (a layer that keeps its channel count)."""
+
+    def __init__(self, conv: nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x, edge_index, **extra):
+        return self.conv(x, edge_index=edge_index, **extra)
 
 
 def torch_geometric_cases() -> list[Case]:
@@ -319,13 +371,35 @@ def torch_geometric_cases() -> list[Case]:
 
 def _pyg_build(cls) -> tuple:
     torch.manual_seed(0)
-    model = no_dropout(_TwoLayers(cls(8, 16), cls(16, 3)))
+    make, extra = _PYG_LAYERS.get(cls.__name__, (lambda c, i, o: c(i, o), ()))
+    model = no_dropout(_TwoLayers(_first(make, cls, 8, 16), _first(make, cls, 16, 3), extra))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(10, 8, generator=g)  # (nodes, features)
     edge_index = torch.randint(0, 10, (2, 30), generator=g)  # (2, edges)
+    given = {"edge_attr": torch.rand(30, 2, generator=g), "edge_type": torch.randint(0, 2, (30,), generator=g),
+             "pos": torch.randn(10, 3, generator=g), "normal": F.normalize(torch.randn(10, 3, generator=g), dim=1),
+             "node_type": torch.zeros(10, dtype=torch.long)}
+    inputs = (x, edge_index, *(given[e] for e in extra))
     with torch.no_grad():
-        model(x, edge_index)  # fails here, not in the service, for a layer two channel counts cannot build
-    return model, (x, edge_index), torch.randint(0, 3, (10,), generator=g), "cross_entropy"
+        model(*inputs)  # fails here, not in the service, for a layer this net cannot build
+    return model, inputs, torch.randint(0, 3, (10,), generator=g), "cross_entropy"
+
+
+def _first(make: Callable, cls, i: int, o: int) -> nn.Module:
+    """The layer (i -> o); a Sequential (a projection, then a layer keeping its width) is called as a graph layer."""
+    layer = make(cls, i, o)
+    return _Chain(layer) if isinstance(layer, nn.Sequential) else layer
+
+
+class _Chain(nn.Module):
+    """nn.Sequential(projection, _Graph(layer)) called as (x, edge_index, **extra)."""
+
+    def __init__(self, seq: nn.Sequential) -> None:
+        super().__init__()
+        self.proj, self.graph = seq[0], seq[1]
+
+    def forward(self, x, edge_index, **extra):
+        return self.graph(self.proj(x), edge_index, **extra)
 
 
 # ---- diffusers ---------------------------------------------------------------------------------------------------

@@ -222,27 +222,21 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | N
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def _shapes_from_a_real_run(op: Callable) -> Callable:
-    """`op` for an op without a meta kernel (CTC loss): on meta tensors, its outputs' sizes from a run on zero-filled
-    CPU tensors of the same sizes (sizes that follow values, such as CTC's alpha table, come out as zeros give them:
-    only backward reads that one); elsewhere the op itself."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not tensors or tensors[0].device.type != "meta":
-            return op(*args, **kwargs)
-        real = [torch.zeros(a.shape, dtype=a.dtype, device="cpu") if isinstance(a, torch.Tensor) else a for a in args]
-        with torch.device("cpu"), torch.no_grad():
-            out = op(*real, **kwargs)
-        outs = [meta_result(t.shape, t.dtype, *tensors) for t in (out if isinstance(out, (tuple, list)) else [out])]
-        return tuple(outs) if isinstance(out, (tuple, list)) else outs[0]
-
-    return run
+def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+              target_lengths: torch.Tensor, blank: int = 0, zero_infinity: bool = False) -> Any:
+    """aten._ctc_loss, which has no meta kernel: on meta its outputs' sizes, (batch,) and the alpha table
+    (batch, T, 2 S + 1), S the targets' length (a 1-D concatenation's whole length: the longest one's follows values;
+    only backward reads the table); elsewhere the op itself."""
+    if log_probs.device.type != "meta":
+        return aten._ctc_loss.Tensor(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+    batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+    longest = targets.shape[-1] if targets.dim() == 2 else targets.shape[0]
+    return (meta_result((batch,) if log_probs.dim() == 3 else (), log_probs.dtype, log_probs),
+            meta_result((batch, log_probs.shape[0], 2 * longest + 1), log_probs.dtype, log_probs))
 
 
 # Ops that run as a Python equivalent (same schema, same values): the kernel lacks a dtype, a device or a meta kernel.
-_RUN_AS = MappingProxyType({"_grouped_mm.default": _grouped_mm,
-                            "_ctc_loss.Tensor": _shapes_from_a_real_run(aten._ctc_loss.Tensor)})
+_RUN_AS = MappingProxyType({"_grouped_mm.default": _grouped_mm, "_ctc_loss.Tensor": _ctc_loss})
 
 
 # Layout facts that held at capture only: these run as what they mean on any device.

@@ -30,23 +30,25 @@ def sized_op(node: Any, op: Op) -> Op:
         raise bad_graph(f"{where_node(node)}: 'shape' is the size of a tensor output whose shape depends on values "
                         f"(at most {_MAX_DIMS} sizes >= 0); got {shape!r} on an op returning {op.returns}",
                         node=node.name)
-    return dataclasses.replace(op, fn=_sized(op.fn, list(shape), op.name in _INDEX_OUTPUT, where_node(node)))
+    return dataclasses.replace(op, fn=_sized(op.fn, list(shape), op.name in _INDEX_OUTPUT, where_node(node),
+                                             counts=op.name == "aten.bincount.default"))
 
 
-def _value_dtype(first: torch.Tensor, args: tuple, kwargs: dict) -> torch.dtype:
-    """The output's dtype: its first argument's, but bincount's counts (int64, or its weights' dtype)."""
-    if first.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):  # bincount(ids, weights)
+def _value_dtype(first: torch.Tensor, args: tuple, kwargs: dict, counts: bool) -> torch.dtype:
+    """The output's dtype: its first argument's (values picked from it: masked_select of integer labels keeps them
+    integers), but bincount's counts (int64, or its weights' dtype)."""
+    if counts:  # bincount(ids, weights)
         weights = args[1] if len(args) > 1 else kwargs.get("weights")
         return weights.dtype if isinstance(weights, torch.Tensor) else torch.long
     return first.dtype
 
 
-def _sized(fn: Callable, shape: list[int], index_output: bool, where: str) -> Callable:
+def _sized(fn: Callable, shape: list[int], index_output: bool, where: str, counts: bool = False) -> Callable:
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is not None and first.device.type == "meta":
             # Values picked from `first` carry its gradient; indices do not.
-            return meta_result(shape, torch.long if index_output else _value_dtype(first, args, kwargs), first)
+            return meta_result(shape, torch.long if index_output else _value_dtype(first, args, kwargs, counts), first)
         out = fn(*args, **kwargs)
         if list(out.shape) != shape:
             raise SpecError("shape_mismatch", f"model.graph: {where}: its output has shape {list(out.shape)} on "

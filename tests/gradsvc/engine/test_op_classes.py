@@ -207,7 +207,8 @@ def test_a_grouped_matmul_of_experts_equals_one_matmul_per_expert_in_float64(see
 
 
 class CTCTagger(nn.Module):
-    """A speech model's CTC loss (an op with no meta kernel: the shape check takes its sizes from a real run)."""
+    """A speech model's CTC loss (an op with no meta kernel: the shape check takes its output's sizes from its
+    arguments')."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -231,6 +232,31 @@ def test_a_ctc_loss_passes_the_shape_check_and_equals_local_float64_autograd(cap
                       else None)
     body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
             "inputs": [to_wire(x), to_wire(targets)], "loss": "output", "options": {"numcheck": "exact"}}
+    _computed(body, params, want)
+
+
+class CTCConcatenated(CTCTagger):
+    """CTC over the labels concatenated, as Hugging Face's CTC heads pass them: `labels.masked_select(labels >= 0)`
+    (integer values picked by a mask: the graph carries their size) with each row's length."""
+
+    def forward(self, x, labels):  # labels (batch, 3), -100 where a row is shorter
+        log_probs = torch.log_softmax(self.proj(x), dim=-1).transpose(0, 1)
+        frames = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        mask = labels >= 0
+        return nn.functional.ctc_loss(log_probs, labels.masked_select(mask), frames, mask.sum(-1))
+
+
+@pytest.mark.parametrize("capture", ["export", "trace"])
+def test_a_ctc_loss_over_concatenated_labels_passes_the_shape_check_and_equals_local_autograd(capture):
+    torch.manual_seed(0)
+    model = CTCConcatenated().double()
+    x, labels = torch.randn(3, 9, 4, dtype=torch.float64), torch.tensor([[1, 2, 3], [4, 5, -100], [2, -100, -100]])
+    params = dict(model.named_parameters())
+    want = torch.autograd.grad(model(x, labels), list(params.values()))
+    eg = export_graph(model, (x, labels), recorded_because="the test asks for the recording" if capture == "trace"
+                      else None)
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": [to_wire(x), to_wire(labels)], "loss": "output", "options": {"numcheck": "exact"}}
     _computed(body, params, want)
 
 

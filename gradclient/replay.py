@@ -107,6 +107,7 @@ def _close_gradient(got: torch.Tensor, want: torch.Tensor, scale: float) -> bool
     (1e-9 in float64); a lost dependency is off by a part of the gradient itself."""
     if got.shape != want.shape:
         return False
+    got, want = got.to_dense(), want.to_dense()  # a sparse parameter's gradient
     tol = 1e-9 if want.dtype == torch.float64 else 1e-3
     return bool(((got - want).abs() <= tol * max(scale, 1e-30) + tol * want.abs()).all())
 
@@ -147,7 +148,7 @@ def verify_recording(traced: Traced, module: nn.Module, args: tuple, kwargs: dic
         if gradients and params:
             names = list(params)
             want, got = _grads(_objective(eager), params), _grads(_objective(replayed), params)
-            scale = max((float(w.abs().max()) for w in want if w.numel()), default=0.0)
+            scale = max((float(w.to_dense().abs().max()) for w in want if w.numel()), default=0.0)
             for name, g, w in zip(names, got, want):
                 # a custom Function's backward held to its forward's derivative as closely as the outputs: a
                 # surrogate gradient (YOSO's, a straight-through estimator's) may differ from it by little
@@ -184,12 +185,15 @@ def export_differs(program: "torch.export.ExportedProgram", module: nn.Module, a
     held = [(t.detach(), t.detach().clone()) for n, t in state_of(module).items()
             if n not in params and t.layout == torch.strided]
     try:
-        eager = _outputs(module, args, kwargs)
+        try:
+            eager = _outputs(module, args, kwargs)
+        except Exception:  # noqa: BLE001  (the module fails on these values, token ids past its embedding, say:
+            return ""  # nothing to compare, and the service's checks say what is wrong with the batch)
         restore(module, snap)
         snap = snapshot(module)
         torch.random.set_rng_state(rng)
         exported = _outputs(program.module(), args, kwargs)
-    except Exception as exc:  # noqa: BLE001  (the exported program does not run on the batch it was made from)
+    except Exception as exc:  # noqa: BLE001  (the exported program does not run where the module does)
         return f"the exported program fails on this batch ({type(exc).__name__}: {str(exc)[:200]})"
     finally:
         restore(module, snap)

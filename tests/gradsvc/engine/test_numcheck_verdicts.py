@@ -72,9 +72,9 @@ def _assert_planted_fails(engine: Engine, name: str, error: str, clean) -> Numch
     return check
 
 
-# The two slowest cases (12 s and 9 s) in make test-all alone: batch norm's is judged in squeeze_excite's block
-# and mnist_cnn's, a Hugging Face encoder's in hf_bert's.
-IN_TEST_ALL = {"resnet_block_batchnorm", "hf_vit"}
+# The three slowest cases (12-14 s each) in make test-all alone: batch norm's is judged in squeeze_excite's block
+# and mnist_cnn's, a Hugging Face encoder's in hf_bert's, a decoder's in hf_gpt2_every_position's.
+IN_TEST_ALL = {"resnet_block_batchnorm", "hf_vit", "hf_llama"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in IN_TEST_ALL else n

@@ -96,7 +96,8 @@ class Tally:
         elif only_kinks:
             reason = (f"every one of the {self.kinks} {'directions' if mode == 'directional' else 'elements'} taken "
                       "straddled a kink (a routing switch, a max's tie), where a difference measures no derivative: "
-                      "nothing was checked; numcheck=\"exact\" or \"sampled\" take single elements")
+                      "nothing was checked" + ("; numcheck=\"exact\" or \"sampled\" take single elements"
+                                               if mode == "directional" else ""))
         return Numcheck(
             mode=mode,
             eps=eps,

@@ -221,20 +221,6 @@ class CTCTagger(nn.Module):
         return nn.functional.ctc_loss(log_probs, targets, frames, lengths)
 
 
-@pytest.mark.parametrize("capture", ["export", "trace"])
-def test_a_ctc_loss_passes_the_shape_check_and_equals_local_float64_autograd(capture):
-    torch.manual_seed(0)
-    model = CTCTagger().double()
-    x, targets = torch.randn(3, 9, 4, dtype=torch.float64), torch.tensor([[1, 2, 3], [4, 5, 0], [2, 2, 1]])
-    params = dict(model.named_parameters())
-    want = torch.autograd.grad(model(x, targets), list(params.values()))
-    eg = export_graph(model, (x, targets), recorded_because="the test asks for the recording" if capture == "trace"
-                      else None)
-    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
-            "inputs": [to_wire(x), to_wire(targets)], "loss": "output", "options": {"numcheck": "exact"}}
-    _computed(body, params, want)
-
-
 class CTCConcatenated(CTCTagger):
     """CTC over the labels concatenated, as Hugging Face's CTC heads pass them: `labels.masked_select(labels >= 0)`
     (integer values picked by a mask: the graph carries their size) with each row's length."""
@@ -246,17 +232,23 @@ class CTCConcatenated(CTCTagger):
         return nn.functional.ctc_loss(log_probs, labels.masked_select(mask), frames, mask.sum(-1))
 
 
+CTC_LABELS = {"padded": (CTCTagger, [[1, 2, 3], [4, 5, 0], [2, 2, 1]]),
+              "concatenated": (CTCConcatenated, [[1, 2, 3], [4, 5, -100], [2, -100, -100]])}
+
+
 @pytest.mark.parametrize("capture", ["export", "trace"])
-def test_a_ctc_loss_over_concatenated_labels_passes_the_shape_check_and_equals_local_autograd(capture):
+@pytest.mark.parametrize("labels", list(CTC_LABELS))
+def test_a_ctc_loss_passes_the_shape_check_and_equals_local_float64_autograd(labels, capture):
+    cls, rows = CTC_LABELS[labels]
     torch.manual_seed(0)
-    model = CTCConcatenated().double()
-    x, labels = torch.randn(3, 9, 4, dtype=torch.float64), torch.tensor([[1, 2, 3], [4, 5, -100], [2, -100, -100]])
+    model = cls().double()
+    x, targets = torch.randn(3, 9, 4, dtype=torch.float64), torch.tensor(rows)
     params = dict(model.named_parameters())
-    want = torch.autograd.grad(model(x, labels), list(params.values()))
-    eg = export_graph(model, (x, labels), recorded_because="the test asks for the recording" if capture == "trace"
+    want = torch.autograd.grad(model(x, targets), list(params.values()))
+    eg = export_graph(model, (x, targets), recorded_because="the test asks for the recording" if capture == "trace"
                       else None)
     body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
-            "inputs": [to_wire(x), to_wire(labels)], "loss": "output", "options": {"numcheck": "exact"}}
+            "inputs": [to_wire(x), to_wire(targets)], "loss": "output", "options": {"numcheck": "exact"}}
     _computed(body, params, want)
 
 

@@ -10,7 +10,6 @@ import uuid
 import weakref
 
 import msgspec
-import redis
 import torch
 from torch import nn
 
@@ -45,7 +44,7 @@ def body(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> bytes:
         "options": {"numcheck": "off", "memory": False}})
 
 
-def test_a_handed_off_body_is_decoded_in_place_and_unmapped_by_the_reaper(tmp_path):
+def test_a_handed_off_body_is_decoded_in_place_and_unmapped_by_the_reaper(tmp_path, flushed_redis):
     x, y = torch.randn(5, 3), torch.randint(0, 4, (5,))
     handoff = Handoff(tmp_path)
     mapped = handoff.take(handoff.put("job-1", INPUT, body(WithConstant(), x, y)))
@@ -60,7 +59,7 @@ def test_a_handed_off_body_is_decoded_in_place_and_unmapped_by_the_reaper(tmp_pa
     alive = weakref.ref(mapped)
     taken = [mapped]  # as run_job hands a job's maps to the worker context's reaper
     del req, weight, result, mapped
-    ctx = make_context(Settings(worker_device="cpu"), redis.Redis())
+    ctx = make_context(Settings(worker_device="cpu"), flushed_redis)
     try:
         done = ctx.reaper.submit(taken.clear)
         del taken
@@ -73,7 +72,7 @@ def test_a_handed_off_body_is_decoded_in_place_and_unmapped_by_the_reaper(tmp_pa
     assert alive() is None
 
 
-def test_graph_constants_that_outlive_the_request_are_copied_out_of_its_body():
+def test_graph_constants_that_outlive_the_request_are_copied_out_of_its_body(flushed_redis):
     x, y = torch.randn(5, 3), torch.randint(0, 4, (5,))
     raw = bytearray(body(WithConstant(), x, y))
     req = msgspec.msgpack.decode(raw, type=GradientRequest)
@@ -84,7 +83,7 @@ def test_graph_constants_that_outlive_the_request_are_copied_out_of_its_body():
     (template,) = engine.caches.graph_templates.values()
     assert all(type(c.data) is bytes for c in template.spec.constants.values())
 
-    store = GraphStore(redis.Redis(), f"test-views-{uuid.uuid4().hex}", ttl_s=60)
+    store = GraphStore(flushed_redis, f"test-views-{uuid.uuid4().hex}", ttl_s=60)
     req = msgspec.msgpack.decode(raw, type=GradientRequest)
     try:
         store.put("owner", prep.graph.ref, req.model.graph, prep.graph_data)

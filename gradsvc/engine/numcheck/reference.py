@@ -139,10 +139,12 @@ def _written_buffers(model: torch.nn.Module, *, graph: bool) -> list[torch.Tenso
     return list(model.buffers())
 
 
-def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
+def _rounded(value, args: tuple, unit: float, gen: torch.Generator, terms: torch.Tensor | None = None):
     """`value` (a tensor, or a tuple or list of them) with each floating element moved by a rounding of
     relative size up to unit x sqrt(n), n the op's reduction length (its tensor inputs' elements per output
-    element, 1 for an elementwise op); drawn from `gen`."""
+    element, 1 for an elementwise op); drawn from `gen`. `terms`, a sum of products' (a matmul's, a
+    convolution's) sum of |term| per element: an element whose terms cancel is moved by what rounding them
+    moves it, unit x sqrt(n) x terms / sqrt(n), not by a rounding of its own small size."""
     if isinstance(value, (tuple, list)):
         return type(value)(_rounded(v, args, unit, gen) for v in value)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.numel():
@@ -157,6 +159,9 @@ def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
     size = unit * math.sqrt(reduction)
     noise = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
     out = value * (1 + size * noise.to(value.dtype))
+    if terms is not None and terms.shape == value.shape:
+        excess = (terms / math.sqrt(reduction) - value.detach().abs()).clamp_(min=0)
+        out = out + size * noise.to(value.dtype) * excess
     if out.requires_grad:
         # The backward's arithmetic rounds too: the gradient flowing into this value, by the same unit (its noise
         # drawn now, in forward order, so that the backward's order cannot change the figures). A deep network
@@ -164,6 +169,38 @@ def _rounded(value, args: tuple, unit: float, gen: torch.Generator):
         back = torch.rand(value.shape, generator=gen, dtype=torch.float64).to(value.device).mul_(2).sub_(1)
         out.register_hook(lambda g: g * (1 + size * back.to(g.dtype)))
     return out
+
+
+# Sums of products, linear in each operand: run on their operands' absolute values, each output element's sum of
+# |term| (_rounded's `terms`).
+PRODUCT_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.", "aten.mv.",
+               "aten.addmv.", "aten.convolution.", "aten._convolution.", "aten.conv1d.", "aten.conv2d.",
+               "aten.conv3d.", "aten.conv_transpose")
+
+
+def _absolute(value):
+    """`value` (args, kwargs) with each floating tensor's absolute value, the rest as it is."""
+    if isinstance(value, dict):
+        return {k: _absolute(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_absolute(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().abs()
+    return value
+
+
+def _module_terms(module: torch.nn.Module, args: tuple) -> torch.Tensor | None:
+    """A layer spec's nn.Linear's or convolution's sum of |term| per output element (_rounded's `terms`)."""
+    linear = isinstance(module, torch.nn.Linear)
+    conv = isinstance(module, torch.nn.modules.conv._ConvNd) and not module.transposed
+    if not (linear or conv) or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+        return None
+    with torch.no_grad():
+        x = args[0].detach().abs()
+        bias = None if module.bias is None else module.bias.detach().abs()
+        if linear:
+            return torch.nn.functional.linear(x, module.weight.detach().abs(), bias)
+        return module._conv_forward(x, module.weight.detach().abs(), bias)
 
 
 # What runs as a convolution or a matmul (TF32 rounds their operands): layer-spec leaf modules, graph ops by name.
@@ -193,8 +230,13 @@ def _rounding(model: torch.nn.Module, units: tuple[float, float], gen: torch.Gen
         steps = model._graph.steps
 
         def visit(i, out, args, kwargs):
-            u = matmul if steps[i].op.name.startswith(MATMUL_OPS) else unit
-            return _rounded(out, (*args, *kwargs.values()), u, gen)
+            op = steps[i].op
+            u = matmul if op.name.startswith(MATMUL_OPS) else unit
+            terms = None
+            if op.name.startswith(PRODUCT_OPS) and isinstance(out, torch.Tensor):
+                with torch.no_grad():
+                    terms = op.fn(*_absolute(args), **_absolute(kwargs))
+            return _rounded(out, (*args, *kwargs.values()), u, gen, terms)
 
         model.visit = visit
         try:
@@ -204,7 +246,8 @@ def _rounding(model: torch.nn.Module, units: tuple[float, float], gen: torch.Gen
         return
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_hook(lambda m, args, out: _rounded(
-        out, args, matmul if isinstance(m, MATMUL_MODULES) else unit, gen)) for m in leaves]
+        out, args, matmul if isinstance(m, MATMUL_MODULES) else unit, gen, _module_terms(m, args)))
+        for m in leaves]
     try:
         yield
     finally:

@@ -52,8 +52,10 @@ def matmul_unit(dtype: torch.dtype, math_mode: str = "ieee") -> float:
 
 
 # The widened tolerance: this many times the error one simulated rounding of every value moved the gradient
-# by (docs/numcheck.md). Never past ARITHMETIC_MAX: a gradient 1.5x or sign-flipped still fails.
-ARITHMETIC_SAFETY = 8
+# by (docs/numcheck.md): float32's own error reached 8.8x it over torchvision's classification models (one draw
+# of the simulation against the real accumulation order). Never past ARITHMETIC_MAX: a gradient 1.5x or
+# sign-flipped still fails (or, where the arithmetic resolves it no better, is not judged).
+ARITHMETIC_SAFETY = 16
 ARITHMETIC_MAX = 0.25
 
 

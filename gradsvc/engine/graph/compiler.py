@@ -32,6 +32,9 @@ from .program import DEVICE, DTYPES, Compiled, FloatDType, Ref, Step, bad_graph,
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,200}$")
+# A state_dict name's part: a module's or parameter's own name, which PyTorch allows any characters but "." (RegNet's
+# blocks are "block1-0"); no spaces or other punctuation here.
+_PART = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 _DEVICE = re.compile(r"^(cpu|cuda|meta|mps)(:\d{1,3})?$")
 _LAYOUTS = MappingProxyType({"strided": torch.strided})
 _MEMORY_FORMATS = MappingProxyType({"contiguous_format": torch.contiguous_format,
@@ -279,8 +282,8 @@ def _check_name(name: str, where: str, slots: dict[str, int]) -> None:
 
 def _check_target(target: str | None, where: str, targets: dict[str, str]) -> None:
     parts = target.split(".") if isinstance(target, str) else []
-    if not parts or len(target) > 1000 or not all(_NAME.match(p) for p in parts):
-        raise bad_graph(f"{where}: target {target!r} must be a state_dict name (dot-separated parts of [A-Za-z0-9_])",
+    if not parts or len(target) > 1000 or not all(_PART.match(p) for p in parts):
+        raise bad_graph(f"{where}: target {target!r} must be a state_dict name (dot-separated parts of [A-Za-z0-9_-])",
                    target=target)
     if target in targets:
         raise bad_graph(f"{where}: target {target!r} appears twice; each parameter and buffer is one input",

@@ -60,6 +60,19 @@ def test_graph_gradients_come_back_under_state_dict_names_with_a_ref(unet):
     assert result.graph_ref == hashing.digest(hashing.encode(req.model.graph))
 
 
+def test_module_names_with_hyphens_come_back_under_their_state_dict_names():
+    # torchvision's RegNet names its blocks "block1-0": PyTorch allows any character in a name but "."
+    torch.manual_seed(0)
+    stage = nn.Sequential()
+    stage.add_module("block1-0", nn.Linear(4, 6))
+    stage.add_module("block1-1", nn.Tanh())
+    model, x, y = nn.Sequential(stage, nn.Linear(6, 3)).double(), torch.randn(5, 4, dtype=torch.float64), \
+        torch.tensor([0, 1, 2, 0, 1])
+    result = compute(request(model, x, y), CONFIG)
+    assert set(result.gradients) == {"0.block1-0.weight", "0.block1-0.bias", "1.weight", "1.bias"}
+    assert close(grads(result), local_gradients(model, x, y, "cross_entropy"), 1e-12)
+
+
 def test_missing_weights_are_refused_saying_there_is_no_default_init(unet):
     model, x, y, loss, _ = unet
     weights = dict(export_graph(model, (x,)).weights)

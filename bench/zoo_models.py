@@ -240,12 +240,18 @@ class _Segmentation(nn.Module):
 class _Detection(nn.Module):
     """A detection model in train mode: its own losses (a dict), summed as its reference script sums them."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, heads: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.heads = model, heads  # heads: a mask or keypoint head, whose targets are made from boxes
 
     def forward(self, images, boxes, labels):
         targets = [{"boxes": b, "labels": l} for b, l in zip(boxes, labels)]
+        h, w = images.shape[-2:]
+        for t in targets if self.heads else ():  # what Mask R-CNN's and Keypoint R-CNN's heads train on too
+            x0, y0, x1, y1 = t["boxes"][0].long().tolist()
+            t["masks"] = torch.zeros(1, h, w, dtype=torch.uint8)  # the box filled
+            t["masks"][0, y0:y1, x0:x1] = 1
+            t["keypoints"] = torch.tensor([[x0, y0, 1.0], [x1, y1, 1.0]]).repeat(9, 1)[:17].unsqueeze(0)  # its corners
         return sum(self.model(list(images), targets).values())
 
 
@@ -291,11 +297,11 @@ def _tv_segmentation(torchvision, name: str) -> tuple:
 
 def _tv_detection(torchvision, name: str) -> tuple:
     torch.manual_seed(0)
-    model = no_dropout(torchvision.models.get_model(name, weights=None, weights_backbone=None, num_classes=3,
-                                                    min_size=64, max_size=96))
+    sizes = {} if name.startswith("ssd") else {"min_size": 64, "max_size": 96}  # SSD resizes to its own 300/320
+    model = no_dropout(torchvision.models.get_model(name, weights=None, weights_backbone=None, num_classes=3, **sizes))
     g = torch.Generator().manual_seed(0)
     boxes = torch.tensor([[[4.0, 4.0, 30.0, 40.0]], [[10.0, 8.0, 50.0, 60.0]]])  # (images, 1, 4)
-    return (_Detection(model).train(), (torch.rand(2, 3, 64, 64, generator=g), boxes, torch.tensor([[1], [2]])),
+    return (_Detection(model, heads=name.startswith(("mask", "keypoint"))).train(), (torch.rand(2, 3, 64, 64, generator=g), boxes, torch.tensor([[1], [2]])),
             None, "output")
 
 

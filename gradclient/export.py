@@ -36,7 +36,8 @@ from .functions import Capture
 from .graph import convert_program, reason
 from .module_state import restore, snapshot
 from .replay import export_differs
-from .trace import DATA_DEPENDENT, op_name, trace_graph
+from .through import DATA_DEPENDENT, op_name
+from .trace import trace_graph
 from .graph import state_dict_path as _state_dict_path  # noqa: F401  (tests/client/test_export.py reads it here)
 from .tensors import is_tree, several_inputs
 

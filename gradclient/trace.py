@@ -36,18 +36,12 @@ from .errors import UnsupportedModuleError
 from .graph import _dtype, portable, state_dict_path, wire_constant
 from .module_state import owner_of, restore, snapshot, state_of
 from .tensors import to_wire
+from .through import DATA_DEPENDENT, op_name, recorded_through, specialised, writes_out
 
 aten = torch.ops.aten
-# Ops whose output shape depends on the values of their inputs (the node records the size it had).
-DATA_DEPENDENT = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten.argwhere.default",
-                            "aten.bincount.default", "aten.where.default"})  # where(cond): nonzero's indices
 _SKIP = frozenset({"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default",
                    "aten._assert_async.msg", "aten._assert_async.default", "aten.sym_size.int",
                    "aten.sym_numel.default", "aten.sym_stride.int", "aten.sym_storage_offset.default"})
-
-
-def op_name(func: torch._ops.OpOverload) -> str:
-    return f"{func.namespace}.{func._schema.name.split('::', 1)[1]}.{func._overloadname}"
 
 
 def _bool_index(func, args) -> bool:
@@ -103,7 +97,7 @@ class _Recorder(TorchDispatchMode):
         self.used: set[str] = set()
         self.autograd_aliases: dict[str, str] = {}  # a detach node -> the node it detached (first of a chain)
         self.written_storages: set[int] = set()  # memory an in-place op wrote (a zeros tensor filled by setitem)
-        self.through = 0  # how deep in library ops recorded through to ATen (_recorded_through)
+        self.through = 0  # how deep in library ops recorded through to ATen (through.recorded_through)
 
     def name(self, t: torch.Tensor, name: str) -> None:
         self.names[id(t)] = name
@@ -169,7 +163,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        through = _recorded_through(func, kwargs)
+        through = recorded_through(func, kwargs)
         if through is not None:
             self.through += 1  # a library op's autograd runs its implementation with grad off: not a no_grad region
             try:
@@ -178,6 +172,8 @@ class _Recorder(TorchDispatchMode):
             finally:
                 self.through -= 1
         out = func(*args, **kwargs)
+        if specialised(func, args, kwargs, out):
+            return self._specialise(out)
         if args and isinstance(args[0], torch.Tensor) and args[0].layout == torch.strided and \
                 isinstance(func, torch._ops.OpOverload) and _writes_first(func):
             self.written_storages.add(args[0].untyped_storage().data_ptr())
@@ -204,6 +200,17 @@ class _Recorder(TorchDispatchMode):
             rec.shape = list(out.shape)
             self.guards.sizes[rec.name] = rec.shape
         self._name_outputs(func, rec, out, args)
+        return out
+
+    def _specialise(self, out: Any) -> Any:
+        """`out`'s tensors held as the constants they are on this batch (through.SPECIALISED): the graph is specialised to
+        them, so it is recorded again on every call (Guards.constants)."""
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = self._fresh("c_specialised")
+                self.constants[key] = t.detach().clone()
+                self.guards.constants.append(key)
+                self.name(t, key)
         return out
 
     def _written_through(self, func, args: tuple) -> tuple:
@@ -311,38 +318,8 @@ def trace_graph(module: nn.Module, args: tuple, kwargs: dict, batched: list[bool
                   functions=functions)
 
 
-def _recorded_through(func: Any, kwargs: dict) -> Any:
-    """What runs in place of `func` so that the recording holds ATen ops the service allows: a library's own op with
-    a Python implementation (torch.library.custom_op, such as transformers' grouped_mm_fallback) as that
-    implementation; an `out=` variant (torch.mm(a, b, out=buf)) as its functional op and a copy_ into `out`. None:
-    `func` is recorded as it is."""
-    if not isinstance(func, torch._ops.OpOverload):
-        return None
-    if func.namespace not in ("aten", "prims"):
-        from torch._library.custom_ops import OPDEFS
-
-        opdef = OPDEFS.get(f"{func.namespace}::{func._schema.name.split('::', 1)[1]}")
-        return getattr(opdef, "_init_fn", None)
-    out = kwargs.get("out")
-    if func.namespace == "aten" and _writes_out(func._schema) and isinstance(out, torch.Tensor):
-        packet = getattr(aten, func._schema.name.split("::", 1)[1], None)
-        functional = getattr(packet, "default", None) if packet is not None else None
-        if functional is not None and not _writes_out(functional._schema):
-            def run(*args: Any, **kw: Any) -> torch.Tensor:
-                result = functional(*args, **{k: v for k, v in kw.items() if k != "out"})
-                return kw["out"].copy_(result)
-            return run
-    return None
-
-
 def _memory(t: torch.Tensor) -> tuple:  # where a strided tensor's values are: two objects there hold one value
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
-
-
-def _writes_out(schema: Any) -> bool:
-    """An `out=` variant: a keyword-only `out` argument it writes."""
-    return any(a.name == "out" and a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
-               for a in schema.arguments)
 
 
 def _tensor_or_none(value: Any) -> Any:

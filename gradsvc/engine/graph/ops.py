@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import library_ops
+
 aten = torch.ops.aten
 
 # Argument types, as small tuples: ("tensor",) ("int",) ("float",) ("bool",) ("number",) ("str",)
@@ -310,6 +312,14 @@ GETITEM = Op("operator.getitem", operator.getitem,
              (Param("seq", ("tensors",), False, False), Param("index", ("int",), False, False)), "tensor")
 
 
+# Library ops (not ATen) the service runs itself, with torch's ops (library_ops.py).
+LIBRARY_OPS = MappingProxyType({
+    "torchvision.nms.default": Op("torchvision.nms.default", library_ops.nms,
+                                  (Param("dets", ("tensor",), False, False), Param("scores", ("tensor",), False, False),
+                                   Param("iou_threshold", ("float",), False, False)), "tensor"),
+})
+
+
 def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
     """(the allowed ops by name, the entries this torch lacks or gives a schema the checks cannot read)."""
     table: dict[str, Op] = {"operator.getitem": GETITEM, **PYTHON_OPS}
@@ -329,6 +339,7 @@ def _build_table() -> tuple[MappingProxyType, tuple[str, ...]]:
                                        reshapes=entry in reshapes, recurrent=entry in recurrent, random=entry in draws)
         except TypeError as exc:  # a newer torch's schema (a Generator argument, ...): left out, not a crash
             skipped.append(f"{name}: {exc}")
+    table.update(LIBRARY_OPS)
     return MappingProxyType(table), tuple(skipped)
 
 

@@ -14,7 +14,7 @@ from .ops import Op, meta_result
 from .program import bad_graph, where_node
 
 # Ops whose output holds indices (int64) rather than the values of their first argument.
-_INDEX_OUTPUT = frozenset({"aten.nonzero.default", "aten.argwhere.default"})
+_INDEX_OUTPUT = frozenset({"aten.nonzero.default", "aten.argwhere.default", "torchvision.nms.default"})
 # The ops whose output's size may depend on values: the only ones a node's `shape` may be given for.
 SIZED_OPS = _INDEX_OUTPUT | {"aten.masked_select.default", "aten.index.Tensor", "aten.bincount.default"}
 _MAX_DIMS = 16

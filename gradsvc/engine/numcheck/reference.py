@@ -171,13 +171,6 @@ def _rounded(value, args: tuple, unit: float, gen: torch.Generator, terms: torch
     return out
 
 
-# Sums of products, linear in each operand: run on their operands' absolute values, each output element's sum of
-# |term| (_rounded's `terms`).
-PRODUCT_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.", "aten.mv.",
-               "aten.addmv.", "aten.convolution.", "aten._convolution.", "aten.conv1d.", "aten.conv2d.",
-               "aten.conv3d.", "aten.conv_transpose")
-
-
 def _absolute(value):
     """`value` (args, kwargs) with each floating tensor's absolute value, the rest as it is."""
     if isinstance(value, dict):
@@ -209,6 +202,11 @@ MATMUL_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.mat
               "aten.addmv.", "aten.einsum.", "aten.convolution.", "aten._convolution.", "aten.conv1d.",
               "aten.conv2d.", "aten.conv3d.", "aten.conv_transpose", "aten.scaled_dot_product_attention.",
               "aten._scaled_dot_product", "aten.gru.", "aten.lstm.", "aten.rnn_tanh.", "aten.rnn_relu.")
+# Sums of products, linear in each operand: run on their operands' absolute values, each output element's sum of
+# |term| (_rounded's `terms`). The matmuls and convolutions but einsum (a product of any number of operands),
+# attention (a softmax between its products) and the RNNs (nonlinear).
+PRODUCT_OPS = tuple(op for op in MATMUL_OPS if op not in ("aten.einsum.", "aten.scaled_dot_product_attention.",
+                    "aten._scaled_dot_product", "aten.gru.", "aten.lstm.", "aten.rnn_tanh.", "aten.rnn_relu."))
 
 
 def _aliases(value: torch.Tensor, args: tuple) -> bool:

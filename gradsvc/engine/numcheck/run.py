@@ -27,7 +27,7 @@ from .batched import Batched
 from .directional import directional
 from .exact import exact
 from .tally import ProgressCallback, Tally
-from .tolerances import returned_check
+from .tolerances import ARITHMETIC_MAX, returned_check
 
 
 @dataclass
@@ -87,8 +87,8 @@ def run(check_run: CheckRun) -> Numcheck:
         check.passed = None
         said = (f"the returned gradients of {', '.join(r.unresolved[:3])}{' and more' if len(r.unresolved) > 3 else ''} "
                 f"were not judged: rounding every value at {str(c.returned_dtype).removeprefix('torch.')} moves their "
-                "float64 gradient by more than the 0.25 ceiling of a tolerance, so that arithmetic cannot tell them "
-                "from a wrong gradient (passed is null; dtype float64 judges them)")
+                f"float64 gradient by more than the {ARITHMETIC_MAX:g} ceiling of a tolerance, so that arithmetic "
+                "cannot tell them from a wrong gradient (passed is null; dtype float64 judges them)")
         check.reason = f"{check.reason}; {said}" if check.reason else said
     return check
 

@@ -60,6 +60,7 @@ class GraphModel(nn.Module):
         self.hold_steps = frozenset(i for i, s in enumerate(compiled.steps) if s.op.name in HELD_OPS)
         self.padding_steps, self._held_padding = _padding_steps(compiled), {}  # held too (_hold_padding)
         self.visit: Callable | None = None  # run's `visit` for every forward (the numerical check counts its work)
+        self.before: Callable | None = None  # before(step_index, args, kwargs) ahead of each node (the check's)
         self.failed_node, self.failed_args = None, []  # after a failed run: the node's index and its arguments
         for slot, inp in compiled.inputs:
             if inp.kind == "input":
@@ -156,9 +157,8 @@ class GraphModel(nn.Module):
         return prog
 
     def to(self, *args: Any, **kwargs: Any) -> GraphModel:
-        """nn.Module.to, except that a complex buffer (a rotary table) follows a floating dtype as its complex
-        twin (float64: complex128) where nn.Module.to would cast it to the real dtype, dropping its imaginary
-        part (the numerical check's float64 copy is made with .to(float64))."""
+        """nn.Module.to, except that a complex buffer (a rotary table) follows a floating dtype as its complex twin
+        (float64: complex128: the check's copy) where nn.Module.to would cast it to the real dtype, losing its half."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is None or not dtype.is_floating_point:
             return super().to(*args, **kwargs)
@@ -229,7 +229,7 @@ class GraphModel(nn.Module):
         """Runs the steps over `env`; a step that raises is kept as failed_node, with its arguments."""
         track = self.track_modules
         node_modules = self.node_modules
-        held = self.held
+        held, before = self.held, self.before
         i = -1
         args: Any = ()
         kwargs: Any = {}
@@ -248,6 +248,8 @@ class GraphModel(nn.Module):
                         kwargs[k] = _fill(kwargs[k], env)
                 if track:
                     _, self.current_module, self.current_module_type = node_modules[i]
+                if before is not None:
+                    before(i, args, kwargs)
                 if held is not None and i in held and not self._recording:
                     out = held[i]
                 elif writes_buffer:

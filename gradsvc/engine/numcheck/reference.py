@@ -22,7 +22,8 @@ from ..prepared import Prepared
 from ..graph.program import FloatDType, where_step
 from . import batched as batched_losses
 from .plan import Work
-from .tolerances import arithmetic_tolerances, matmul_unit, returned_tolerance
+from .near_kinks import NearKinks
+from .tolerances import arithmetic_tolerances, kink_tolerances, matmul_unit, returned_tolerance
 
 
 class Reference:
@@ -98,10 +99,21 @@ class Reference:
             return dict.fromkeys(self.grads, base)
         gen = torch.Generator().manual_seed(self.seed)
         units = (torch.finfo(dtype).eps, matmul_unit(dtype, math_mode))
-        with _rounding(self.model64, units, gen, graph=self.prep.graph is not None):
+        graph = self.prep.graph is not None
+        near = NearKinks(self.model64._graph.steps) if graph else None
+        if near is not None:
+            with near.recording(self.model64), torch.no_grad():
+                self.loss_fn()
+        with _rounding(self.model64, units, gen, graph=graph, near=near):
             loss = self.loss_fn()
         rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
-        return arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)), math_mode)
+        tolerances = arithmetic_tolerances(dtype, self.grads, dict(zip(self.params, rounded)), math_mode)
+        if near is None or not near.near:
+            return tolerances
+        with near.flipping(self.model64):  # the elements within rounding's reach of a kink on its other branch
+            loss = self.loss_fn()
+        flipped = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)
+        return kink_tolerances(dtype, tolerances, self.grads, dict(zip(self.params, flipped)))
 
 
 class _PaddingHold:
@@ -220,14 +232,18 @@ def _aliases(value: torch.Tensor, args: tuple) -> bool:
 
 @contextlib.contextmanager
 def _rounding(model: torch.nn.Module, units: tuple[float, float], gen: torch.Generator, *,
-              graph: bool) -> Iterator[None]:
+              graph: bool, near: NearKinks | None = None) -> Iterator[None]:
     """While the block runs the model, every op's output is rounded as `_rounded` does (graph nodes, or
-    a layer spec's leaf modules): `units` (every op's unit, a convolution's or matmul's)."""
+    a layer spec's leaf modules): `units` (every op's unit, a convolution's or matmul's); `near` marks the
+    elements the rounding brings within reach of a kink (near_kinks.py)."""
     unit, matmul = units
     if graph:
         steps = model._graph.steps
 
         def visit(i, out, args, kwargs):
+            if near is not None:
+                kept = near.mark(i, out, args, kwargs)
+                out = out if kept is None else kept
             op = steps[i].op
             u = matmul if op.name.startswith(MATMUL_OPS) else unit
             terms = None
@@ -238,7 +254,8 @@ def _rounding(model: torch.nn.Module, units: tuple[float, float], gen: torch.Gen
 
         model.visit = visit
         try:
-            yield
+            with near.simulating(model) if near is not None else contextlib.nullcontext():
+                yield
         finally:
             model.visit = None
         return

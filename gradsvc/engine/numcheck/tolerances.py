@@ -80,6 +80,29 @@ def arithmetic_tolerances(dtype: torch.dtype, grads: dict[str, torch.Tensor],
     return out
 
 
+# A tensor's tolerance where elements within rounding's reach of a kink were put on the other branch
+# (near_kinks.py): this many times the relative distance that moved its float64 gradient. One draw of float32's
+# rounding flips some of those elements, not all: the flips' distance bounds it, the margin allows for the rest.
+KINK_MARGIN = 2
+
+
+def kink_tolerances(dtype: torch.dtype, tolerances: dict[str, float], grads: dict[str, torch.Tensor],
+                    flipped: dict[str, torch.Tensor | None]) -> dict[str, float]:
+    """`tolerances` (arithmetic_tolerances) widened to KINK_MARGIN x each tensor's relative distance between
+    `flipped` (float64's gradient with the elements near a kink on their other branch) and float64's own, never
+    past ARITHMETIC_MAX; a tensor zero to `dtype`'s working precision keeps its own."""
+    scale = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    zero = ZERO_ROUNDINGS * torch.finfo(dtype).eps * scale
+    out = dict(tolerances)
+    for name, g in grads.items():
+        f = flipped.get(name)
+        if f is None or not g.numel() or float(g.abs().max()) <= zero:
+            continue
+        err = float((f.detach() - g).abs().max())
+        out[name] = max(out[name], min(ARITHMETIC_MAX, KINK_MARGIN * rel(err, f.detach(), g)))
+    return out
+
+
 class Returned(NamedTuple):
     max_rel_error: float
     per_parameter: dict[str, float]

@@ -1,0 +1,141 @@
+"""Kinks within reach of rounding, for the returned gradients' tolerance (graph models): a ReLU (or clamp, hardtanh,
+hardsigmoid, threshold) input so close to its kink that float32's rounding may put it on the other side, where the
+float32 gradient then takes the other branch's slope than float64's. No margin over a simulated rounding covers
+that: the rounding moves a value by a millionth, the branch changes its slope by one. So the check finds those
+elements and measures what taking the other branch does to the gradient:
+
+1. `record`: a float64 forward (the check's own), each kink op's input as it is;
+2. `mark`, while the rounding simulation runs: an element is within reach when its distance to the nearest kink
+   is at most KINK_REACH times how far the simulated rounding moved it there; the simulation keeps it on
+   float64's branch (what it measures, times ARITHMETIC_SAFETY, is the smooth rounding);
+3. `flip`: a float64 forward and backward with those elements on the other branch (their values as they are,
+   their slope the other side's), whose gradient's distance from float64's is what a branch flip can do.
+
+`tolerances.kink_tolerances` widens each tensor's tolerance to KINK_MARGIN x that distance."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+# An element within this many of its simulated roundings (the distance rounding moved it) of a kink is within reach:
+# the simulation's one draw against float32's real accumulation, as ARITHMETIC_SAFETY allows for.
+KINK_REACH = 16
+
+_SCALAR = (int, float)
+
+
+def kinks_of(name: str, args: tuple, kwargs: dict) -> list[float] | None:
+    """The kinks of an elementwise piecewise op (its first argument's values where its slope changes), None for
+    any other op or for bounds that are tensors."""
+    base = name.rsplit(".", 1)[0].removesuffix("_")
+    if base in ("aten.relu", "aten.leaky_relu"):
+        return [0.0]
+    if base in ("aten.hardsigmoid", "aten.hardswish"):
+        return [-3.0, 3.0]
+    rest = [*args[1:], *kwargs.values()]
+    if base == "aten.threshold":
+        return [float(args[1])] if len(args) > 1 and isinstance(args[1], _SCALAR) else None
+    if base == "aten.hardtanh":
+        bounds = (args[1] if len(args) > 1 else kwargs.get("min_val", -1.0),
+                  args[2] if len(args) > 2 else kwargs.get("max_val", 1.0))
+        return [float(b) for b in bounds] if all(isinstance(b, _SCALAR) for b in bounds) else None
+    if base in ("aten.clamp", "aten.clamp_min", "aten.clamp_max") and not name.endswith(".Tensor"):
+        if any(isinstance(a, torch.Tensor) for a in rest):
+            return None
+        found = [float(a) for a in rest if isinstance(a, _SCALAR)]
+        return found or None
+    return None
+
+
+class NearKinks:
+    """The three passes of the module docstring over a GraphModel's steps."""
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+        self.kinks: dict[int, list[float]] = {}
+        self.exact: dict[int, torch.Tensor] = {}  # a kink op's input in the float64 forward, by step
+        self.near: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (within reach, its nearest kink), by step
+        self._inputs: dict[int, torch.Tensor] = {}  # this run's input of the step running now (before it ran)
+
+    @contextlib.contextmanager
+    def recording(self, model: torch.nn.Module) -> Iterator[None]:
+        """Pass 1: the forward run in the block is the float64 one; each kink op's input kept."""
+        with self._hooked(model, before=self._record, visit=None):
+            yield
+        self._inputs = {}
+
+    def _record(self, i: int, args: Any, kwargs: Any) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        kinks = kinks_of(self.steps[i].op.name, tuple(args), dict(kwargs))
+        if kinks is not None:
+            self.kinks[i], self.exact[i] = kinks, x.detach().clone()
+
+    @contextlib.contextmanager
+    def simulating(self, model: torch.nn.Module) -> Iterator[None]:
+        """Pass 2's hooks: the rounding simulation's visit calls `mark`."""
+        with self._hooked(model, before=self._before, visit=None):
+            yield
+
+    def mark(self, i: int, out: Any, args: Any, kwargs: Any) -> Any:
+        """Pass 2, from the rounding simulation's visit after step `i`: its elements within reach of a kink, kept on
+        float64's branch (the simulation measures the smooth rounding; `flip` the branch): the value to go on
+        with, None where nothing is within reach."""
+        x, exact = self._inputs.pop(i, None), self.exact.get(i)
+        if x is None or exact is None or x.shape != exact.shape:
+            return None
+        moved = (x.detach() - exact).abs()
+        kinks = torch.tensor(self.kinks[i], dtype=exact.dtype, device=exact.device)
+        distance = (exact.unsqueeze(-1) - kinks).abs()
+        nearest = kinks[distance.argmin(-1)]
+        within = (distance.min(-1).values <= KINK_REACH * moved) & (moved > 0)
+        if not bool(within.any()):
+            return None
+        self.near[i] = (within, nearest)
+        return self._branch(i, out, x, within, exact, args, kwargs)
+
+    def flip(self, i: int, out: Any, args: Any, kwargs: Any) -> Any:
+        """Pass 3, as a visit: the elements within reach at step `i` on the other branch; None elsewhere."""
+        near, x = self.near.get(i), self._inputs.pop(i, None)
+        if near is None or x is None:
+            return None
+        within, nearest = near
+        return self._branch(i, out, x, within, 2 * nearest - x.detach(), args, kwargs)  # the kink's other side
+
+    def _branch(self, i: int, out: Any, x: torch.Tensor, within: torch.Tensor, at: torch.Tensor, args: Any,
+                kwargs: Any) -> Any:
+        """`out` with the elements `within` given the op's slope at `at` (their values as they are)."""
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            return None
+        with torch.enable_grad():
+            point = at.detach().clone().requires_grad_(True)
+            y = self.steps[i].op.fn(point.clone(), *list(args)[1:], **dict(kwargs))
+            slope, = torch.autograd.grad(y.sum(), point)
+        return torch.where(within, out.detach() + slope * (x - x.detach()), out)
+
+    @contextlib.contextmanager
+    def flipping(self, model: torch.nn.Module) -> Iterator[None]:
+        """Pass 3: the forward run in the block takes the other branch at every element within reach."""
+        with self._hooked(model, before=self._before, visit=self.flip):
+            yield
+
+    def _before(self, i: int, args: Any, kwargs: Any) -> None:
+        if i in self.exact:
+            x = args[0]
+            # an in-place op overwrites its input: a differentiable copy of it, taken before, carries its slope
+            self._inputs[i] = x.clone() if self.steps[i].op.inplace else x
+
+    @contextlib.contextmanager
+    def _hooked(self, model: torch.nn.Module, *, before: Any, visit: Any) -> Iterator[None]:
+        saved = model.before, model.visit
+        model.before = before
+        if visit is not None:
+            model.visit = visit
+        try:
+            yield
+        finally:
+            model.before, model.visit = saved

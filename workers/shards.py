@@ -72,7 +72,7 @@ def reduce_job(plan: dict, shard_ids: list[str]) -> dict:
         reference_keys = [keys.reference_key(prefix, sid) for sid in shard_ids]
         references = [None if raw is None else _reference_decoder.decode(raw)
                       for raw in (handoff_files.load(r, ctx.handoff) for r in job.connection.mget(reference_keys))]
-        check_combined(result, references, shard_plan)
+        check_combined(result, references, shard_plan, results)
         add_reduce_time(result, 1e3 * (time.perf_counter() - started))
         job.connection.delete(*shard_keys, *reference_keys)
         if ctx.handoff is not None:

@@ -25,6 +25,7 @@ from .compute import cosines
 from .diagnostics import sharded as sharded_curvature
 from .errors import SpecError
 from .losses import OWN_LOSS
+from .numcheck.run import say_unresolved
 from .prepare_graph import validate_graph_split, graph_batch_flow
 from .prepared import Prepared
 from .spec import leaves
@@ -171,11 +172,13 @@ def worst_numcheck(results: list[GradientResult]) -> tuple[Numcheck | None, int 
     return msgspec.structs.replace(worst, passed=None if None in verdicts else all(verdicts)), k
 
 
-def check_combined(result: GradientResult, references: list[dict[str, Tensor] | None], plan: ShardPlan) -> None:
+def check_combined(result: GradientResult, references: list[dict[str, Tensor] | None], plan: ShardPlan,
+                   shards: list[GradientResult] = ()) -> None:
     """The returned-gradient check of the combined gradient: `result.gradients` (as returned) against the
-    shards' float64 references combined with the same shares. `passed` then needs every shard's check and
-    this one. Skipped (the worst shard's figures stay) when a shard sent no reference (numcheck off) or
-    the losses mix reductions (one reference per shard cannot be split per loss)."""
+    shards' float64 references combined with the same shares, each tensor within the widest tolerance a shard
+    gave it (`shards`: their results). `passed` then needs every shard's check and this one (null where a
+    tensor is `unresolved`). Skipped (the worst shard's figures stay) when a shard sent no reference (numcheck
+    off) or the losses mix reductions (one reference per shard cannot be split per loss)."""
     check = result.numcheck
     references = references[:len(plan.rows)]  # the Lanczos jobs after the row shards run no check
     if check is None or check.mode == "off" or not plan.uniform or not references or None in references:
@@ -189,15 +192,30 @@ def check_combined(result: GradientResult, references: list[dict[str, Tensor] | 
     returned = {n: _raw(result.gradients[n]) for n in reference if result.gradients.get(n) is not None}
     if set(returned) != set(reference):
         return
-    # each shard's tolerance came from its own arithmetic (numcheck.arithmetic_tolerances): the widest holds
-    r = numcheck.returned_check(returned, reference, tensors.TORCH_DTYPES[result.dtype],
-                                tolerance=check.returned_tolerance or None)
+    # each shard's tolerances came from its own arithmetic (numcheck.arithmetic_tolerances): the widest holds,
+    # tensor by tensor
+    own = _widest_tolerances(shards)
+    dtype = tensors.TORCH_DTYPES[result.dtype]
+    r = numcheck.returned_check(returned, reference, dtype, tolerance=check.returned_tolerance or None,
+                                tolerances=own or None)
     for name, rel in r.per_parameter.items():
         entry = check.per_parameter.get(name)
         if entry is not None:
             entry.returned_max_rel_error, entry.returned_judged = rel, r.judged[name]
+            entry.returned_tolerance = own.get(name, entry.returned_tolerance)
     check.returned_max_rel_error, check.returned_tolerance, check.returned_floor = r.max_rel_error, r.tolerance, r.floor
     check.passed = check.passed and r.passed
+    say_unresolved(check, r.unresolved, dtype)
+
+
+def _widest_tolerances(shards: list[GradientResult]) -> dict[str, float]:
+    """Each tensor's widest returned tolerance over the shards' checks."""
+    widest: dict[str, float] = {}
+    for shard in shards:
+        for name, p in ((shard.numcheck.per_parameter or {}) if shard.numcheck is not None else {}).items():
+            if p.returned_tolerance:
+                widest[name] = max(widest.get(name, 0.0), p.returned_tolerance)
+    return widest
 
 
 def _memory(results: list[GradientResult]):

@@ -83,14 +83,22 @@ def run(check_run: CheckRun) -> Numcheck:
         entry.returned_tolerance = c.returned_tolerances.get(name, r.tolerance)
     check.returned_max_rel_error, check.returned_tolerance, check.returned_floor = r.max_rel_error, r.tolerance, r.floor
     check.passed = False if not r.passed else check.passed  # a returned gradient off fails, whatever the differences said
-    if check.passed and r.unresolved:
-        check.passed = None
-        said = (f"the returned gradients of {', '.join(r.unresolved[:3])}{' and more' if len(r.unresolved) > 3 else ''} "
-                f"were not judged: rounding every value at {str(c.returned_dtype).removeprefix('torch.')} moves their "
-                f"float64 gradient by more than the {ARITHMETIC_MAX:g} ceiling of a tolerance, so that arithmetic "
-                "cannot tell them from a wrong gradient (passed is null; dtype float64 judges them)")
-        check.reason = f"{check.reason}; {said}" if check.reason else said
+    say_unresolved(check, r.unresolved, c.returned_dtype)
     return check
+
+
+def say_unresolved(check: Numcheck, unresolved: tuple[str, ...], dtype: torch.dtype) -> None:
+    """A check that passed but for tensors its dtype's arithmetic does not resolve (`unresolved`): `passed`
+    null, and a reason that names them and what judges them."""
+    if not check.passed or not unresolved:
+        return
+    check.passed = None
+    more = " and more" if len(unresolved) > 3 else ""
+    said = (f"the returned gradients of {', '.join(unresolved[:3])}{more} were not judged: rounding every value at "
+            f"{str(dtype).removeprefix('torch.')} moves their float64 gradient by more than the {ARITHMETIC_MAX:g} "
+            "ceiling of a tolerance, so that arithmetic cannot tell them from a wrong gradient (passed is null; "
+            "dtype float64 judges them)")
+    check.reason = f"{check.reason}; {said}" if check.reason else said
 
 
 def unchecked(dtype: torch.dtype) -> Numcheck:

@@ -12,8 +12,8 @@ from gradsvc.wire import GradientRequest, GradientResult
 from service.fan_out import shard_requests
 from gradsvc.engine import SpecError, compute, prepare
 from gradsvc.engine.prepare import EngineConfig
-from gradsvc.engine.reduce import validate_shardable, plan_for, reduce_results, split_rows
-from gradsvc.engine.tensors import decode
+from gradsvc.engine.reduce import check_combined, validate_shardable, plan_for, reduce_results, split_rows
+from gradsvc.engine.tensors import decode, encode
 
 from tests.support.nets import SEED_A_LAYERS, TWO_LOSSES, tensor_json
 
@@ -183,3 +183,42 @@ def test_batch_statistics_dropout_and_too_many_shards_are_refused_with_bad_optio
 def test_shards_whose_check_was_off_reduce_to_a_check_that_did_not_run():
     got = sharded(request("cross_entropy", numcheck="off"), 3)
     assert got.numcheck is not None and got.numcheck.mode == "off" and got.numcheck.passed is None
+
+
+def test_the_combined_check_holds_each_tensor_to_the_widest_tolerance_a_shard_gave_it():
+    """A float32 job in 3 shards: each shard's check sets per-tensor tolerances from its own rows' arithmetic;
+    the combined gradient is judged tensor by tensor against the widest of them (not the widest of all tensors as
+    one number); a gradient off by more than its own still fails."""
+    x, y, _ = batch()
+    body = {"model": {"layers": SEED_A_LAYERS, "dtype": "float32", "seed": 0}, "inputs": tensor_json(x.float()),
+            "targets": tensor_json(y), "loss": "cross_entropy", "options": {"numcheck": "exact"}}
+    req = msgspec.convert(body, GradientRequest)
+    prep = prepare(req, EngineConfig(), "meta")
+    bounds = split_rows(prep.inputs.rows, 3)
+    plan = plan_for(prep, [b - a for a, b in bounds])
+    parts, references = [], []
+    for shard in shard_requests(req, prep, bounds, per_loss=req.options.per_loss):
+        reference: dict = {}
+        parts.append(compute(msgspec.msgpack.decode(msgspec.msgpack.encode(shard), type=GradientRequest),
+                             reference=reference))
+        references.append({n: encode(t) for n, t in reference.items()})
+    widest = {n: max(p.numcheck.per_parameter[n].returned_tolerance for p in parts) for n in references[0]}
+    result = reduce_results(parts, plan)
+    check_combined(result, references, plan, parts)
+    assert result.numcheck.passed is True, result.numcheck.reason
+    assert {n: p.returned_tolerance for n, p in result.numcheck.per_parameter.items()} == widest
+
+    # one shard's arithmetic widened one tensor's tolerance: that tensor gets it, the others keep theirs
+    size = {n: float(T(g).abs().max()) for n, g in result.gradients.items() if n in widest}
+    first = max(size, key=size.get)  # the largest gradient: a planted error is not under the floor of the scale
+    second = next(n for n in widest if n != first)
+    parts[1].numcheck.per_parameter[first].returned_tolerance = 0.2
+    for name, passed in ((first, True), (second, False)):
+        off = reduce_results(parts, plan)
+        off.gradients[name] = encode(T(off.gradients[name]).float() * 1.1)
+        check_combined(off, references, plan, parts)
+        assert off.numcheck.passed is passed, (name, off.numcheck.per_parameter[name])
+    wrong = reduce_results(parts, plan)
+    wrong.gradients[first] = encode(T(wrong.gradients[first]).float() * 1.5)
+    check_combined(wrong, references, plan, parts)
+    assert wrong.numcheck.passed is False and wrong.numcheck.per_parameter[first].returned_judged == "failed"

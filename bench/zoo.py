@@ -143,6 +143,11 @@ def run_case(client, case: Case, numcheck: str) -> Outcome:
         model, inputs, targets, loss = case.build()
     except Exception as exc:  # noqa: BLE001  (the library could not build it: not the service's failure)
         return Outcome(case.zoo, case.name, options, False, "not built: " + cause_of(exc), detail=str(exc)[:300])
+    garbage = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if garbage:  # memory the library never initialised (torch_geometric's RGATConv drops its l2's torch.full)
+        return Outcome(case.zoo, case.name, options, False, "not built: the library left weights NaN or infinite",
+                       detail=", ".join(garbage[:5]))
     try:
         g32, buffers = local_run(model, inputs, targets, loss, torch.float32)
     except Exception as exc:  # noqa: BLE001  (it does not run locally either)

@@ -25,6 +25,7 @@ import torch
 KINK_REACH = 16
 
 _SCALAR = (int, float)
+_KEEP = object()  # _hooked: the model's visit left as it is
 
 
 def kinks_of(name: str, args: tuple, kwargs: dict) -> list[float] | None:
@@ -58,6 +59,7 @@ class NearKinks:
         self.kinks: dict[int, list[float]] = {}
         self.exact: dict[int, torch.Tensor] = {}  # a kink op's input in the float64 forward, by step
         self.near: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (within reach, its nearest kink), by step
+        self.extra: dict[int, tuple[tuple, dict]] = {}  # a kink op's other arguments (bounds, slopes), by step
         self._inputs: dict[int, torch.Tensor] = {}  # this run's input of the step running now (before it ran)
 
     @contextlib.contextmanager
@@ -73,12 +75,12 @@ class NearKinks:
             return
         kinks = kinks_of(self.steps[i].op.name, tuple(args), dict(kwargs))
         if kinks is not None:
-            self.kinks[i], self.exact[i] = kinks, x.detach().clone()
+            self.kinks[i], self.exact[i], self.extra[i] = kinks, x.detach().clone(), (tuple(args[1:]), dict(kwargs))
 
     @contextlib.contextmanager
     def simulating(self, model: torch.nn.Module) -> Iterator[None]:
         """Pass 2's hooks: the rounding simulation's visit calls `mark`."""
-        with self._hooked(model, before=self._before, visit=None):
+        with self._hooked(model, before=self._before, visit=_KEEP):
             yield
 
     def mark(self, i: int, out: Any, args: Any, kwargs: Any) -> Any:
@@ -133,8 +135,56 @@ class NearKinks:
     def _hooked(self, model: torch.nn.Module, *, before: Any, visit: Any) -> Iterator[None]:
         saved = model.before, model.visit
         model.before = before
-        if visit is not None:
+        if visit is not _KEEP:
             model.visit = visit
+        try:
+            yield
+        finally:
+            model.before, model.visit = saved
+
+
+class AtKinks:
+    """The elements of piecewise ops exactly at a kink in the float64 forward (a ReLU reading the exact zeros of a
+    zero-initialised norm plus a ReLU's zeros: timm's BoTNet and HaloNet), held on autograd's own branch there
+    in every evaluation of the check: linear in their input, with the value and slope autograd takes at the
+    kink. A difference across such an element otherwise measures the mean of the two branches (a ReLU's 1/2)
+    where autograd takes one (0), and in a direction many of them cancel in one-sided differences too, so that
+    kinks.py cannot tell them from a wrong gradient. Autograd's gradient is unchanged by the hold."""
+
+    def __init__(self, near: NearKinks) -> None:
+        self.steps = near.steps
+        self.at: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pre: dict[int, torch.Tensor] = {}
+        for i, x in near.exact.items():
+            kinks = torch.tensor(near.kinks[i], dtype=x.dtype, device=x.device)
+            hit = (x.unsqueeze(-1) == kinks).any(-1)
+            if bool(hit.any()):
+                rest, kwargs = near.extra[i]
+                with torch.enable_grad():
+                    point = x.clone().requires_grad_(True)
+                    y = self.steps[i].op.fn(point.clone(), *rest, **kwargs)
+                    slope, = torch.autograd.grad(y.sum(), point)
+                self.at[i] = (hit, x, y.detach(), slope)
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        if i in self.at and self.steps[i].op.inplace:
+            self._pre[i] = args[0].clone()  # an in-place op overwrites its input
+
+    def visit(self, i: int, out: Any, args: Any, kwargs: Any) -> Any:
+        at = self.at.get(i)
+        if at is None:
+            return None
+        x = self._pre.pop(i, None) if self.steps[i].op.inplace else args[0]
+        hit, x0, y0, slope = at
+        if x is None or not isinstance(out, torch.Tensor) or out.shape[-x0.dim():] != x0.shape:
+            return None
+        return torch.where(hit, y0 + slope * (x - x0), out)
+
+    @contextlib.contextmanager
+    def holding(self, model: torch.nn.Module) -> Iterator[None]:
+        """While the block runs, every forward of `model` holds the elements at a kink."""
+        saved = model.before, model.visit
+        model.before, model.visit = self.before, self.visit
         try:
             yield
         finally:

@@ -22,7 +22,7 @@ from ..prepared import Prepared
 from ..graph.program import FloatDType, where_step
 from . import batched as batched_losses
 from .plan import Work
-from .near_kinks import NearKinks
+from .near_kinks import AtKinks, NearKinks
 from .tolerances import arithmetic_tolerances, kink_tolerances, matmul_unit, returned_tolerance
 
 
@@ -55,6 +55,17 @@ class Reference:
         self.work = Work(*counts, flops=flops.get_total_flops())
         grads = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True)
         self.grads = dict(zip(self.params, grads))
+        if prep.graph is not None:
+            self._hold_kinks()
+
+    def _hold_kinks(self) -> None:
+        """The elements at a kink held on autograd's branch in every later forward (near_kinks.AtKinks)."""
+        near = NearKinks(self.model64._graph.steps)
+        with near.recording(self.model64), torch.no_grad():
+            self.loss_fn()
+        at = AtKinks(near)
+        if at.at:
+            self.model64.before, self.model64.visit = at.before, at.visit
 
     def loss_fn(self, inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """The loss on the request's batch (or `inputs`), from the same buffers and dropout masks every call."""
@@ -252,12 +263,12 @@ def _rounding(model: torch.nn.Module, units: tuple[float, float], gen: torch.Gen
                     terms = op.fn(*_absolute(args), **_absolute(kwargs))
             return _rounded(out, (*args, *kwargs.values()), u, gen, terms)
 
-        model.visit = visit
+        saved, model.visit = model.visit, visit
         try:
             with near.simulating(model) if near is not None else contextlib.nullcontext():
                 yield
         finally:
-            model.visit = None
+            model.visit = saved
         return
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_hook(lambda m, args, out: _rounded(

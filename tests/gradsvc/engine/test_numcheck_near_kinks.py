@@ -94,3 +94,50 @@ def test_the_kinks_of_each_piecewise_op_by_its_arguments():
     assert near_kinks.kinks_of("aten.threshold.default", (x, 0.5, 0.0), {}) == [0.5]
     assert near_kinks.kinks_of("aten.hardsigmoid.default", (x,), {}) == [-3.0, 3.0]
     assert near_kinks.kinks_of("aten.tanh.default", (x,), {}) is None
+
+
+class _HalfBackward(torch.autograd.Function):
+    """The identity, with a backward that halves the gradient: a wrong gradient the check must catch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+class ZeroInitialised(nn.Module):
+    """A bias initialised to zero added to a ReLU's output, then a ReLU: every input of the second ReLU where the
+    first read a negative value is exactly at its kink (timm's zero-initialised last norms in BoTNet and HaloNet)."""
+
+    def __init__(self, wrong: bool = False) -> None:
+        super().__init__()
+        self.wrong = wrong
+        self.a, self.b, self.c = nn.Linear(8, 16, bias=False), nn.Parameter(torch.zeros(16)), nn.Linear(16, 3)
+
+    def forward(self, x):
+        b = _HalfBackward.apply(self.b) if self.wrong else self.b
+        return self.c(torch.relu(torch.relu(self.a(x)) + b))
+
+
+@pytest.mark.parametrize("mode", ["directional", "exact"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_inputs_exactly_at_a_kink_are_judged_on_autograds_branch_and_a_wrong_backward_fails(mode, seed):
+    """A difference across an input exactly at a ReLU's kink measures the mean of its branches (1/2) where autograd
+    takes one (0): every direction through the zero bias was a kink, and the check judged nothing there (passed
+    null). Held on autograd's branch, those inputs are judged: the right gradient passes, a halved one fails."""
+    for wrong, passed in ((False, True), (True, False)):
+        torch.manual_seed(seed)
+        model = ZeroInitialised(wrong).double()
+        x, y = torch.randn(32, 8, dtype=torch.float64), torch.randint(0, 3, (32,))
+        eg = export_graph(model, (x,))
+        body = {"model": {"graph": eg.graph, "dtype": "float64",
+                          "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+                "inputs": to_wire(x), "targets": to_wire(y), "loss": "cross_entropy", "options": {"numcheck": mode}}
+        result = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig())
+        want = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), want):
+            torch.testing.assert_close(from_wire(result.gradients[n]), g)  # the hold leaves autograd's as it is
+        assert result.numcheck.passed is passed and result.numcheck.kinks == 0, (wrong, result.numcheck)

@@ -126,7 +126,7 @@ class _Program:
         self.index_bounds: dict[str, int] = {}
         self.steps: list[Step] = []
         self.step_of: dict[int, Step] = {}
-        self.written_inputs: set[int] = set()  # user inputs a node writes in place: the run writes a copy
+        self.written_inputs: set[int] = set()  # inputs and constants a node writes in place: the run writes a copy
         self.later = {n.name for n in spec.nodes}
         self.budget = [_MAX_VALUES]
 
@@ -189,7 +189,8 @@ class _Program:
                 raise bad_graph(f"{where_node(node)}: an in-place op needs a tensor to write, got {_show(target)}",
                            node=node.name, op=node.op)
             root = self.roots[target.i]
-            if self.input_kind.get(root) == "input":  # `x.div_(255)`: the run writes its own copy of the batch
+            if self.input_kind.get(root) in ("input", "constant"):
+                # `x.div_(255)`, `mask |= hit` on a constant made in forward: the run writes its own copy
                 self.written_inputs.add(root)
             else:
                 writes_buffer = _check_write(node, target, self.roots, self.input_kind, "is written in place")

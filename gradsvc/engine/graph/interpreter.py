@@ -215,8 +215,8 @@ class GraphModel(nn.Module):
         env: list[Any] = [None] * self._graph.n_slots
         for slot, _, owner, attr in self._holders:
             env[slot] = getattr(owner, attr)  # not _parameters[attr]: torch.func.functional_call swaps attributes
-        for slot, value in consts:
-            env[slot] = value
+        for slot, value in consts:  # a constant a node writes in place (`mask |= hit`): this run's copy
+            env[slot] = value.clone() if slot in self._graph.written_inputs else value
         for slot, x in zip(self._users, inputs):
             # Complex inputs follow the run dtype as floating ones do where the job casts them (float64: the
             # check's copy), so that view_as_real of them meets parameters of the same dtype.

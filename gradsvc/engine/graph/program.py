@@ -71,7 +71,7 @@ class Compiled:
     n_slots: int
     dtype: torch.dtype
     index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table it indexes
-    written_inputs: frozenset = frozenset()  # user input slots a node writes in place (each run writes a copy)
+    written_inputs: frozenset = frozenset()  # user input and constant slots a node writes in place (each run a copy)
 
     def __deepcopy__(self, memo: dict) -> "Compiled":
         return self  # immutable

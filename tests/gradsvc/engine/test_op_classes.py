@@ -11,6 +11,7 @@ import copy
 import warnings
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -515,3 +516,33 @@ def test_attention_dropout_draws_the_same_masks_in_every_evaluation_of_the_check
     torch.manual_seed(5)
     want = torch.autograd.grad(F.mse_loss(model(x), y), list(params.values()))
     _computed(body, params, want)
+
+
+class MaskedByConstant(nn.Module):
+    """A mask made outside torch's ops in forward (a constant of the recording), written in place through a view
+    (torch_geometric's SuperGATConv marks its sampled edges so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        mask = torch.from_numpy(np.array([True, False, False, True]))
+        mask[1:].bitwise_or_(self.lin(x).sum(0)[1:] > 0)
+        return (self.lin(x) * mask).sum(1)
+
+
+def test_a_constant_written_in_place_through_a_view_is_each_runs_own_copy():
+    torch.manual_seed(0)
+    model = MaskedByConstant().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    how, request = _request(model, x, y, "trace")
+    assert how == "trace"
+    want = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
+    engine = Engine(EngineConfig())
+    for _ in range(2):  # the check runs the forward many times, and a second job reuses the compiled graph
+        result = engine.compute(request)
+        for (n, _), g in zip(model.named_parameters(), want):
+            torch.testing.assert_close(decode(result.gradients[n], where=n, max_elements=1 << 20), g, rtol=1e-10,
+                                       atol=1e-12)
+        assert result.numcheck.passed is True, result.numcheck.reason

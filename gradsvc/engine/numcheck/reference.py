@@ -60,7 +60,7 @@ class Reference:
 
     def _hold_kinks(self) -> None:
         """The elements at a kink held on autograd's branch in every later forward (near_kinks.AtKinks)."""
-        near = NearKinks(self.model64._graph.steps)
+        self._near = near = NearKinks(self.model64._graph.steps)
         with near.recording(self.model64), torch.no_grad():
             self.loss_fn()
         at = AtKinks(near)
@@ -111,10 +111,9 @@ class Reference:
         gen = torch.Generator().manual_seed(self.seed)
         units = (torch.finfo(dtype).eps, matmul_unit(dtype, math_mode))
         graph = self.prep.graph is not None
-        near = NearKinks(self.model64._graph.steps) if graph else None
+        near = getattr(self, "_near", None)  # each kink op's float64 input, kept once (_hold_kinks)
         if near is not None:
-            with near.recording(self.model64), torch.no_grad():
-                self.loss_fn()
+            near.near = {}
         with _rounding(self.model64, units, gen, graph=graph, near=near):
             loss = self.loss_fn()
         rounded = torch.autograd.grad(loss, list(self.params.values()), materialize_grads=True, allow_unused=True)

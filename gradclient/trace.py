@@ -149,10 +149,14 @@ class _Recorder(TorchDispatchMode):
             self.calls.append(d)
             self.name(a, d.name)
             return d.name
-        key = self._fresh("c_constant")
-        self.constants[key] = a.detach().clone()
+        return self._constant(a, "c_constant")
+
+    def _constant(self, t: torch.Tensor, base: str) -> str:
+        """`t` held as the constant it is on this batch: the graph is specialised to it (Guards.constants)."""
+        key = self._fresh(base)
+        self.constants[key] = t.detach().clone()
         self.guards.constants.append(key)
-        self.name(a, key)
+        self.name(t, key)
         return key
 
     def remember_storage(self, t: torch.Tensor, name: str) -> None:
@@ -203,14 +207,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _specialise(self, out: Any) -> Any:
-        """`out`'s tensors held as the constants they are on this batch (through.SPECIALISED): the graph is specialised to
-        them, so it is recorded again on every call (Guards.constants)."""
+        """`out`'s tensors held as the constants they are on this batch (through.SPECIALISED), so that the graph is
+        recorded again on every call."""
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                key = self._fresh("c_specialised")
-                self.constants[key] = t.detach().clone()
-                self.guards.constants.append(key)
-                self.name(t, key)
+                self._constant(t, "c_specialised")
         return out
 
     def _written_through(self, func, args: tuple) -> tuple:

@@ -211,8 +211,8 @@ def check_combined(result: GradientResult, references: list[dict[str, Tensor] | 
 def _widest_tolerances(shards: list[GradientResult]) -> dict[str, float]:
     """Each tensor's widest returned tolerance over the shards' checks."""
     widest: dict[str, float] = {}
-    for shard in shards:
-        for name, p in ((shard.numcheck.per_parameter or {}) if shard.numcheck is not None else {}).items():
+    for check in (shard.numcheck for shard in shards if shard.numcheck is not None):
+        for name, p in (check.per_parameter or {}).items():
             if p.returned_tolerance:
                 widest[name] = max(widest.get(name, 0.0), p.returned_tolerance)
     return widest

@@ -179,13 +179,3 @@ class AtKinks:
         if x is None or not isinstance(out, torch.Tensor) or out.shape[-x0.dim():] != x0.shape:
             return None
         return torch.where(hit, y0 + slope * (x - x0), out)
-
-    @contextlib.contextmanager
-    def holding(self, model: torch.nn.Module) -> Iterator[None]:
-        """While the block runs, every forward of `model` holds the elements at a kink."""
-        saved = model.before, model.visit
-        model.before, model.visit = self.before, self.visit
-        try:
-            yield
-        finally:
-            model.before, model.visit = saved

@@ -18,6 +18,8 @@ from gradsvc.engine import EngineConfig, compute
 from gradsvc.engine.numcheck import near_kinks, tolerances
 from gradsvc.wire import GradientRequest
 
+from tests.support.check_cases import Scaled
+
 
 class Gated(nn.Module):
     def __init__(self, inplace: bool) -> None:
@@ -96,18 +98,6 @@ def test_the_kinks_of_each_piecewise_op_by_its_arguments():
     assert near_kinks.kinks_of("aten.tanh.default", (x,), {}) is None
 
 
-class _HalfBackward(torch.autograd.Function):
-    """The identity, with a backward that halves the gradient: a wrong gradient the check must catch."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 0.5
-
-
 class ZeroInitialised(nn.Module):
     """A bias initialised to zero added to a ReLU's output, then a ReLU: every input of the second ReLU where the
     first read a negative value is exactly at its kink (timm's zero-initialised last norms in BoTNet and HaloNet)."""
@@ -118,7 +108,7 @@ class ZeroInitialised(nn.Module):
         self.a, self.b, self.c = nn.Linear(8, 16, bias=False), nn.Parameter(torch.zeros(16)), nn.Linear(16, 3)
 
     def forward(self, x):
-        b = _HalfBackward.apply(self.b) if self.wrong else self.b
+        b = Scaled.apply(self.b) if self.wrong else self.b
         return self.c(torch.relu(torch.relu(self.a(x)) + b))
 
 
@@ -127,7 +117,7 @@ class ZeroInitialised(nn.Module):
 def test_inputs_exactly_at_a_kink_are_judged_on_autograds_branch_and_a_wrong_backward_fails(mode, seed):
     """A difference across an input exactly at a ReLU's kink measures the mean of its branches (1/2) where autograd
     takes one (0): every direction through the zero bias was a kink, and the check judged nothing there (passed
-    null). Held on autograd's branch, those inputs are judged: the right gradient passes, a halved one fails."""
+    null). Held on autograd's branch, those inputs are judged: the right gradient passes, one 1.5x fails."""
     for wrong, passed in ((False, True), (True, False)):
         torch.manual_seed(seed)
         model = ZeroInitialised(wrong).double()

@@ -178,18 +178,21 @@ class GraphModel(nn.Module):
         self.held, self._recording, self._held_ids = {}, True, set()
         self._held_padding = {}
 
-    def _record(self, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
-        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy
-        where the node writes a buffer in place (its value is the buffer, which later forwards rewrite)."""
+    def _record(self, i: int, slot: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
+        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy where
+        it is written in place (a buffer later forwards rewrite; `boxes[keep] = x` on a detached value, which each
+        run writes on a copy of its own). A view of such a value (`boxes[keep]` itself) runs again each time, on
+        that run's copy."""
         outs = _tensors(out)
         if not outs:
             return
+        written = slot in self._graph.written_nodes
         if i not in self.hold_steps:
-            if any(t.requires_grad for t in outs):
+            if slot in self._graph.written_views or any(t.requires_grad for t in outs):
                 return
             if not any(id(t) in self._held_ids for t in _tensors([args, list(kwargs.values())])):
                 return
-        self.held[i] = _cloned(out) if writes_buffer else out
+        self.held[i] = _cloned(out) if writes_buffer or written else out
         self._held_ids.update(id(t) for t in outs)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -205,7 +208,7 @@ class GraphModel(nn.Module):
         self._execute(steps, env, visit)
         for owner, attr, slot in self._mutations:
             buf = getattr(owner, attr)
-            if env[slot] is not buf:
+            if not _same_memory(env[slot], buf):  # a recording's alias of a buffer its op wrote in place: written
                 with torch.no_grad():
                     buf.copy_(env[slot])
         return [_fill(o, env) for o in self._graph.outputs]
@@ -250,8 +253,8 @@ class GraphModel(nn.Module):
                     _, self.current_module, self.current_module_type = node_modules[i]
                 if before is not None:
                     before(i, args, kwargs)
-                if held is not None and i in held and not self._recording:
-                    out = held[i]
+                if held is not None and i in held and not self._recording:  # a copy where a later node writes it
+                    out = _cloned(held[i]) if slot in self._graph.written_nodes else held[i]
                 elif writes_buffer:
                     with torch.no_grad():
                         out = fn(*args, **kwargs)
@@ -260,7 +263,7 @@ class GraphModel(nn.Module):
                 if held is not None and i in self.padding_steps:
                     out = _hold_padding(self, i, out, args[1])
                 if self._recording:
-                    self._record(i, out, args, kwargs, writes_buffer)
+                    self._record(i, slot, out, args, kwargs, writes_buffer)
                 if visit is not None:
                     seen = visit(i, out, args, kwargs)
                     out = out if seen is None else seen
@@ -365,6 +368,16 @@ def _refs(values: list) -> list[Ref]:
 
 def _has_ref(a: Any) -> bool:
     return isinstance(a, Ref) or (isinstance(a, list) and any(_has_ref(x) for x in a))
+
+
+def _same_memory(value: Any, buf: torch.Tensor) -> bool:
+    """`value` is `buf`, or a view of all of it (a recording's `alias` of a buffer that native_batch_norm updated
+    in place). Copying it onto itself would bump the buffer's version, which the op saved for backward."""
+    if value is buf:
+        return True
+    return (isinstance(value, torch.Tensor) and value.layout == buf.layout == torch.strided and
+            value.data_ptr() == buf.data_ptr() and value.shape == buf.shape and value.stride() == buf.stride()
+            and value.dtype == buf.dtype)
 
 
 def _cloned(value: Any) -> Any:

@@ -101,8 +101,38 @@ class FilledBySetitem(nn.Module):
         return out.sum(1)
 
 
+class BatchNormed(nn.Module):
+    """BatchNorm in train mode: the recording keeps native_batch_norm, which updates the running statistics in
+    place and saves them for backward, and names each updated buffer as an `alias` of itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.bn(self.lin(x)))).squeeze(1)
+
+
+class WrittenAfterDetach(nn.Module):
+    """A stop-gradient's value written in place with values that train, as torchvision's detection heads fill their
+    detached proposals: the check holds the detached value, and each evaluation must write a copy of it, not the
+    value an earlier evaluation wrote (whose graph that evaluation's backward freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.tensor([0.5, 1.5, 2.0]))
+
+    def forward(self, x):
+        b = (self.lin(x) * 2).detach()
+        b[:, 1] = torch.tanh(self.scale[1] * x[:, 1])
+        return (b * self.scale).sum(1) + self.lin(x).sum(1)
+
+
 CASES = {"aliases": (Aliases, 6), "sections": (Sections, 6), "weight_norm": (WeightNormed, 6),
-         "edge_softmax": (EdgeSoftmax, 8), "filled_by_setitem": (FilledBySetitem, 5)}
+         "edge_softmax": (EdgeSoftmax, 8), "filled_by_setitem": (FilledBySetitem, 5), "batch_norm": (BatchNormed, 6),
+         "written_after_detach": (WrittenAfterDetach, 6)}
+FLOAT32 = ("batch_norm", "written_after_detach")  # a float32 job's check runs its float64 copy more than once
 
 
 def _request(model: nn.Module, x: torch.Tensor, y: torch.Tensor, capture: str) -> tuple[str, GradientRequest]:
@@ -151,6 +181,29 @@ class Noisy(nn.Module):
     def forward(self, x):
         h = self.lin(x)
         return (h * torch.empty_like(h).exponential_()).sum(1)  # exponential noise, as a Gumbel trick draws it
+
+
+@pytest.mark.parametrize("capture", ["export", "trace"])
+@pytest.mark.parametrize("name", FLOAT32)
+def test_a_float32_job_is_checked_through_every_float64_evaluation(name, capture):
+    # The check's float64 copy runs forward and backward again for the returned gradients' tolerance (a rounding
+    # simulation): neither a write-back of a buffer the op saved, nor a held value written in an earlier
+    # evaluation, may break that second backward (passed null: "the numerical check failed inside")
+    cls, rows = CASES[name]
+    torch.manual_seed(0)
+    model = cls()
+    x, y = torch.randn(rows, 4), torch.randn(rows)
+    params = dict(model.named_parameters())
+    m64 = copy.deepcopy(model).double()
+    want = torch.autograd.grad(F.mse_loss(m64(x.double()), y.double()), list(m64.parameters()))
+    eg = export_graph(model, (x,), recorded_because="the test asks for the recording" if capture == "trace" else None)
+    body = {"model": {"graph": eg.graph, "dtype": "float32", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(x), "targets": to_wire(y), "loss": "mse", "options": {"numcheck": "exact"}}
+    result = Engine(EngineConfig()).compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest))
+    for (n, _), g in zip(params.items(), want):
+        got = decode(result.gradients[n], where=n, max_elements=1 << 20).double()
+        torch.testing.assert_close(got, g, rtol=1e-5, atol=1e-6)
+    assert result.numcheck.passed is True, result.numcheck.reason
 
 
 @pytest.mark.parametrize("capture", ["export", "trace"])

@@ -33,5 +33,22 @@ def _cases():
 
 @pytest.mark.parametrize("case", list(_cases()))
 def test_a_zoo_model_answers_local_autograds_gradients_and_its_check_passes(client, case):
-    outcome = zoo.run_case(client, case, "auto")
-    assert outcome.passed, (outcome.cause, outcome.detail)
+    # As the run sends it: default options, then numcheck off from the same state (the recording reused)
+    for outcome in zoo.run_options(client, case, ["auto", "off"]):
+        assert outcome.passed, (outcome.options, outcome.cause, outcome.detail)
+
+
+@pytest.mark.parametrize(("name", "family"), [
+    ("resnet18", "resnet"), ("resnext50_32x4d", "resnext"), ("wide_resnet50_2", "wide_resnet"),
+    ("mobilenet_v2", "mobilenet_v2"), ("mobilenet_v3_large", "mobilenet_v3"), ("efficientnet_b3", "efficientnet"),
+    ("efficientnet_v2_s", "efficientnet_v2"), ("regnet_y_1_6gf", "regnet_y"), ("regnet_x_400mf", "regnet_x"),
+    ("shufflenet_v2_x0_5", "shufflenet_v2"), ("vgg11_bn", "vgg_bn"), ("vgg19", "vgg"), ("vit_b_16", "vit"),
+    ("swin_v2_t", "swin_v2"), ("convnext_tiny", "convnext"), ("inception_v3", "inception_v3"),
+    ("fcn_resnet101", "fcn_resnet"), ("deeplabv3_mobilenet_v3_large", "deeplabv_mobilenet_v3"),
+])
+def test_torchvision_families_drop_only_the_size(name, family):
+    # The run takes each family's smallest model: a size token left in would run every size, one too many taken
+    # out would merge two architectures
+    from bench.zoo_models import tv_family
+
+    assert tv_family(name) == family

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import copy
 import json
 import math
-import queue
+import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -280,26 +281,29 @@ def _second_steps(client, selected: list[Case]) -> None:
         print(f"{'all':<16} {len(every):>3} models, median second step {statistics.median(every):.2f}x local")
 
 
-def run_all(clients: list, selected: list[Case], numchecks: list[str]) -> list[Outcome]:
-    """Every selected model with each option set, len(clients) models at a time (a client each), printed as
-    each ends; the outcomes in the selection's order."""
-    free: queue.Queue = queue.Queue()
-    for client in clients:
-        free.put(client)
-
-    def one(case: Case) -> list[Outcome]:
-        client = free.get()
-        try:
-            done = run_options(client, case, numchecks)
-        finally:
-            free.put(client)
-        for o in done:
+def run_each(client, selected: list[Case], numchecks: list[str]) -> list[Outcome]:
+    """Every selected model with each option set, one after another, each printed as it ends."""
+    outcomes = []
+    for case in selected:
+        for o in run_options(client, case, numchecks):
+            outcomes.append(o)
             print(f"{'ok  ' if o.passed else 'FAIL'} {case.zoo}/{case.name} [{o.options}] {o.seconds:.1f}s "
                   f"{o.cause}", flush=True)
-        return done
+    return outcomes
 
-    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
-        return [o for done in pool.map(one, selected) for o in done]
+
+def run_parts(argv: list[str], url: str, api_key: str | None, jobs: int) -> list[Outcome]:
+    """The selection in `jobs` interleaved parts, each run by a process of this script on the same stack (one
+    model's local runs and recording overlap another's job). Processes, not threads: torch.export and the recording
+    patch torch's global state, and a thread's capture took in another thread's ops."""
+    with tempfile.TemporaryDirectory() as tmp:
+        parts = [Path(tmp) / f"part{k}.json" for k in range(jobs)]
+        env = {**os.environ, "GRADSVC_API_KEY": api_key or ""}
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--url", url, "--part", f"{k}/{jobs}",
+                                   "--jobs", "1", "--json", str(part)], env=env) for k, part in enumerate(parts)]
+        for proc in procs:
+            proc.wait()
+        return [Outcome(**o) for part in parts if part.exists() for o in json.loads(part.read_text())]
 
 
 def _selected(args: argparse.Namespace) -> list[Case]:
@@ -312,6 +316,9 @@ def _selected(args: argparse.Namespace) -> list[Case]:
         if args.sample and len(cases) > args.sample:
             cases = cases[::math.ceil(len(cases) / args.sample)]
         chosen += cases[:args.limit] if args.limit else cases
+    if args.part:  # "k/n": every n-th model from the k-th (run_parts)
+        k, n = (int(v) for v in args.part.split("/"))
+        chosen = chosen[k::n]
     return chosen
 
 
@@ -327,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-python", default=str(ROOT / ".venv" / "bin" / "python"))
     ap.add_argument("--options", default="default,numcheck_off")
     ap.add_argument("--json", default="", help="write every outcome here")
-    ap.add_argument("--jobs", type=int, default=2, help="models in flight at once, each with its own client and "
-                    "worker: one model's local runs and recording overlap another's job")
+    ap.add_argument("--jobs", type=int, default=2, help="models in flight at once, each in a process of its own "
+                    "with a worker of its own: one model's local runs and recording overlap another's job")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # "k/n": run_parts' k-th process
     args = ap.parse_args(argv)
 
     from tests.support.stack import start_stack  # the same real stack the tests use
@@ -337,24 +345,30 @@ def main(argv: list[str] | None = None) -> int:
     jobs = 1 if args.second_step else args.jobs
     if args.url:
         from gradclient import Client
-        clients = [Client(args.url, timeout=900) for _ in range(jobs)]
+        client = Client(args.url, timeout=900)
     else:
         python = args.server_python if Path(args.server_python).exists() else sys.executable
         stack = start_stack(workers=jobs, python=python, GRADSVC_JOB_TIMEOUT_S="600", GRADSVC_MAX_WAIT_S="600")
-        clients = [stack.sdk_client(timeout=900) for _ in range(jobs)]
+        client = stack.sdk_client(timeout=900)
     outcomes: list[Outcome] = []
     started = time.perf_counter()
     try:
         if args.second_step:
-            _second_steps(clients[0], _selected(args))
+            _second_steps(client, _selected(args))
             return 0
         numchecks = [{"default": "auto", "numcheck_off": "off"}[o] for o in args.options.split(",")]
-        outcomes = run_all(clients, _selected(args), numchecks)
+        if jobs > 1:
+            outcomes = run_parts(sys.argv[1:] if argv is None else argv, str(client.base_url), stack.api_key if
+                                 stack is not None else os.environ.get("GRADSVC_API_KEY"), jobs)
+        else:
+            outcomes = run_each(client, _selected(args), numchecks)
     finally:
-        for client in clients:
-            client.close()
+        client.close()
         if stack is not None:
             stack.stop()
+    if args.part:
+        Path(args.json).write_text(json.dumps([o._asdict() for o in outcomes]))
+        return 0
     print(f"\n{len(outcomes)} runs in {time.perf_counter() - started:.0f} s on torch {torch.__version__}")
     print(report(outcomes))
     if args.json:

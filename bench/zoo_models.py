@@ -1,9 +1,9 @@
 """The five public zoos' models for bench/zoo.py, each built by its own library at a tiny size with nothing downloaded,
 in train mode, as (module, inputs, targets, loss) the SDK takes: timm (each architecture module's smallest model),
 transformers (every architecture with a causal-LM, masked-LM, sequence-classification, image-classification or
-CTC head, its config shrunk to test size), torchvision (classification, segmentation, detection with their own
-losses), torch_geometric (every message-passing layer in a two-layer net) and diffusers (two UNets, a VAE, a DiT
-with the noise-prediction loss)."""
+CTC head, its config shrunk to test size), torchvision (the smallest classification and segmentation model of each
+family, every detection model, with their own losses), torch_geometric (every message-passing layer in a two-layer
+net) and diffusers (two UNets, a VAE, a DiT with the noise-prediction loss)."""
 
 from __future__ import annotations
 

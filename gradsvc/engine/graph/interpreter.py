@@ -179,14 +179,11 @@ class GraphModel(nn.Module):
         self._held_padding = {}
 
     def _record(self, i: int, slot: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
-        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy where
-        it is written in place (a buffer later forwards rewrite; `boxes[keep] = x` on a detached value, which each
-        run writes on a copy of its own). A view of such a value (`boxes[keep]` itself) runs again each time, on
-        that run's copy."""
-        outs = _tensors(out)
+        """Holds node i's value if a stop-gradient's, or gradient-free reading a held value; a copy where written in
+        place (a buffer, `boxes[keep] = x`: each run writes its own), a view of that (`boxes[keep]`) taken again."""
+        outs, written = _tensors(out), slot in self._graph.written_nodes
         if not outs:
             return
-        written = slot in self._graph.written_nodes
         if i not in self.hold_steps:
             if slot in self._graph.written_views or any(t.requires_grad for t in outs):
                 return

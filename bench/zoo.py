@@ -298,7 +298,7 @@ def run_parts(argv: list[str], url: str, api_key: str | None, jobs: int) -> list
     patch torch's global state, and a thread's capture took in another thread's ops."""
     with tempfile.TemporaryDirectory() as tmp:
         parts = [Path(tmp) / f"part{k}.json" for k in range(jobs)]
-        env = {**os.environ, "GRADSVC_API_KEY": api_key or ""}
+        env = {**os.environ, "GRADSVC_API_KEY": api_key or "", "OMP_NUM_THREADS": "1"}  # as the workers (main)
         procs = [subprocess.Popen([sys.executable, __file__, *argv, "--url", url, "--part", f"{k}/{jobs}",
                                    "--jobs", "1", "--json", str(part)], env=env) for k, part in enumerate(parts)]
         for proc in procs:
@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(args.url, timeout=900)
     else:
         python = args.server_python if Path(args.server_python).exists() else sys.executable
-        stack = start_stack(workers=jobs, python=python, GRADSVC_JOB_TIMEOUT_S="600", GRADSVC_MAX_WAIT_S="600")
+        # Several models at once: one torch thread a process, or idle OpenMP threads spin on the cores the others need
+        threads = {"OMP_NUM_THREADS": "1"} if jobs > 1 else {}
+        stack = start_stack(workers=jobs, python=python, GRADSVC_JOB_TIMEOUT_S="600", GRADSVC_MAX_WAIT_S="600", **threads)
         client = stack.sdk_client(timeout=900)
     outcomes: list[Outcome] = []
     started = time.perf_counter()

@@ -281,6 +281,15 @@ def _second_steps(client, selected: list[Case]) -> None:
         print(f"{'all':<16} {len(every):>3} models, median second step {statistics.median(every):.2f}x local")
 
 
+_RUN_SETTINGS = {"GRADSVC_JOB_TIMEOUT_S": "600", "GRADSVC_MAX_WAIT_S": "600",
+                 # each model is sent twice, then never again: nothing is worth keeping longer (results, pieces,
+                 # resident models), and what is kept adds up over hundreds of models on one host
+                 "GRADSVC_RESULT_TTL_S": "120", "GRADSVC_TENSOR_TTL_S": "300", "GRADSVC_TENSOR_CACHE_BYTES": str(256 << 20),
+                 "GRADSVC_RESIDENT_MODEL_BYTES": str(512 << 20)}
+# Several models at once: one torch thread a process, or idle OpenMP threads spin on the cores the others need
+_SHARING = {"OMP_NUM_THREADS": "1"}
+
+
 def run_each(client, selected: list[Case], numchecks: list[str]) -> list[Outcome]:
     """Every selected model with each option set, one after another, each printed as it ends."""
     outcomes = []
@@ -348,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(args.url, timeout=900)
     else:
         python = args.server_python if Path(args.server_python).exists() else sys.executable
-        # Several models at once: one torch thread a process, or idle OpenMP threads spin on the cores the others need
-        threads = {"OMP_NUM_THREADS": "1"} if jobs > 1 else {}
-        stack = start_stack(workers=jobs, python=python, GRADSVC_JOB_TIMEOUT_S="600", GRADSVC_MAX_WAIT_S="600", **threads)
+        stack = start_stack(workers=jobs, python=python, **_RUN_SETTINGS, **(_SHARING if jobs > 1 else {}))
         client = stack.sdk_client(timeout=900)
     outcomes: list[Outcome] = []
     started = time.perf_counter()

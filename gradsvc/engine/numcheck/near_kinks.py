@@ -61,11 +61,15 @@ class NearKinks:
         self.near: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (within reach, its nearest kink), by step
         self.extra: dict[int, tuple[tuple, dict]] = {}  # a kink op's other arguments (bounds, slopes), by step
         self._inputs: dict[int, torch.Tensor] = {}  # this run's input of the step running now (before it ran)
+        # A comparison's value (a boolean node's) in the float64 forward: passes 2 and 3 take it as it was. Their
+        # perturbations would otherwise break its ties (FCOS's degenerate boxes at initialisation: `x2 > x1` with
+        # x2 == x1) and change a mask that selects rows, and the shapes that follow it.
+        self.decisions: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
     def recording(self, model: torch.nn.Module) -> Iterator[None]:
-        """Pass 1: the forward run in the block is the float64 one; each kink op's input kept."""
-        with self._hooked(model, before=self._record, visit=None):
+        """Pass 1: the forward run in the block is the float64 one; each kink op's input kept, and each decision."""
+        with self._hooked(model, before=self._record, visit=self._decided):
             yield
         self._inputs = {}
 
@@ -77,6 +81,14 @@ class NearKinks:
         if kinks is not None:
             self.kinks[i], self.exact[i], self.extra[i] = kinks, x.detach().clone(), (tuple(args[1:]), dict(kwargs))
 
+    def _decided(self, i: int, out: Any, args: Any, kwargs: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and not self.steps[i].op.inplace:
+            self.decisions[i] = out.clone()
+
+    def _as_decided(self, i: int, out: Any) -> torch.Tensor | None:
+        decided = self.decisions.get(i)
+        return decided if decided is not None and isinstance(out, torch.Tensor) and out.shape == decided.shape else None
+
     @contextlib.contextmanager
     def simulating(self, model: torch.nn.Module) -> Iterator[None]:
         """Pass 2's hooks: the rounding simulation's visit calls `mark`."""
@@ -86,7 +98,9 @@ class NearKinks:
     def mark(self, i: int, out: Any, args: Any, kwargs: Any) -> Any:
         """Pass 2, from the rounding simulation's visit after step `i`: its elements within reach of a kink, kept on
         float64's branch (the simulation measures the smooth rounding; `flip` the branch): the value to go on
-        with, None where nothing is within reach."""
+        with, None where nothing is within reach. A decision (a boolean node) goes on as float64 took it."""
+        if i in self.decisions:
+            return self._as_decided(i, out)
         x, exact = self._inputs.pop(i, None), self.exact.get(i)
         if x is None or exact is None or x.shape != exact.shape:
             return None
@@ -101,7 +115,10 @@ class NearKinks:
         return self._branch(i, out, x, within, exact, args, kwargs)
 
     def flip(self, i: int, out: Any, args: Any, kwargs: Any) -> Any:
-        """Pass 3, as a visit: the elements within reach at step `i` on the other branch; None elsewhere."""
+        """Pass 3, as a visit: the elements within reach at step `i` on the other branch, a decision as float64 took
+        it; None elsewhere."""
+        if i in self.decisions:
+            return self._as_decided(i, out)
         near, x = self.near.get(i), self._inputs.pop(i, None)
         if near is None or x is None:
             return None

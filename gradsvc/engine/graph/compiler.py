@@ -127,7 +127,6 @@ class _Program:
         self.steps: list[Step] = []
         self.step_of: dict[int, Step] = {}
         self.written_inputs: set[int] = set()  # inputs and constants a node writes in place: the run writes a copy
-        self.written_nodes: set[int] = set()  # intermediates a later node writes in place (their views too)
         self.later = {n.name for n in spec.nodes}
         self.budget = [_MAX_VALUES]
 
@@ -195,8 +194,6 @@ class _Program:
                 self.written_inputs.add(root)
             else:
                 writes_buffer = _check_write(node, target, self.roots, self.input_kind, "is written in place")
-                if not writes_buffer:
-                    self.written_nodes.add(root)
         training = bound.get("use_input_stats" if node.op == "aten.instance_norm.default" else "training")
         for arg in _STAT_WRITES.get(node.op, ()) if training is not False else ():
             if isinstance(bound.get(arg), Ref):
@@ -229,9 +226,7 @@ class _Program:
             mutations.append((target, slots[name]))
         return Compiled(inputs=self.inputs, steps=self.steps, outputs=outputs, mutations=mutations,
                         constants=self.constants, n_slots=len(kinds), dtype=tensors.TORCH_DTYPES[spec.dtype],
-                        index_bounds=self.index_bounds, written_inputs=frozenset(self.written_inputs),
-                        written_nodes=frozenset(i for i, r in enumerate(self.roots) if r in self.written_nodes),
-                        written_views=frozenset(i for i, r in enumerate(self.roots) if r in self.written_nodes and r != i))
+                        index_bounds=self.index_bounds, written_inputs=frozenset(self.written_inputs))
 
 
 def _check_state_input(where: str, inp: Any, targets: dict[str, str]) -> None:

@@ -178,18 +178,18 @@ class GraphModel(nn.Module):
         self.held, self._recording, self._held_ids = {}, True, set()
         self._held_padding = {}
 
-    def _record(self, i: int, slot: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
-        """Holds node i's value if a stop-gradient's, or gradient-free reading a held value; a copy where written in
-        place (a buffer, `boxes[keep] = x`: each run writes its own), a view of that (`boxes[keep]`) taken again."""
-        outs, written = _tensors(out), slot in self._graph.written_nodes
+    def _record(self, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
+        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy
+        where the node writes a buffer in place (its value is the buffer, which later forwards rewrite)."""
+        outs = _tensors(out)
         if not outs:
             return
         if i not in self.hold_steps:
-            if slot in self._graph.written_views or any(t.requires_grad for t in outs):
+            if any(t.requires_grad for t in outs):
                 return
             if not any(id(t) in self._held_ids for t in _tensors([args, list(kwargs.values())])):
                 return
-        self.held[i] = _cloned(out) if writes_buffer or written else out
+        self.held[i] = _cloned(out) if writes_buffer else out
         self._held_ids.update(id(t) for t in outs)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -250,8 +250,8 @@ class GraphModel(nn.Module):
                     _, self.current_module, self.current_module_type = node_modules[i]
                 if before is not None:
                     before(i, args, kwargs)
-                if held is not None and i in held and not self._recording:  # a copy where a later node writes it
-                    out = _cloned(held[i]) if slot in self._graph.written_nodes else held[i]
+                if held is not None and i in held and not self._recording:
+                    out = _detached(held[i])  # written since with values that train (`boxes[keep] = x`): not its graph
                 elif writes_buffer:
                     with torch.no_grad():
                         out = fn(*args, **kwargs)
@@ -260,7 +260,7 @@ class GraphModel(nn.Module):
                 if held is not None and i in self.padding_steps:
                     out = _hold_padding(self, i, out, args[1])
                 if self._recording:
-                    self._record(i, slot, out, args, kwargs, writes_buffer)
+                    self._record(i, out, args, kwargs, writes_buffer)
                 if visit is not None:
                     seen = visit(i, out, args, kwargs)
                     out = out if seen is None else seen
@@ -375,6 +375,16 @@ def _same_memory(value: Any, buf: torch.Tensor) -> bool:
     return (isinstance(value, torch.Tensor) and value.layout == buf.layout == torch.strided and
             value.data_ptr() == buf.data_ptr() and value.shape == buf.shape and value.stride() == buf.stride()
             and value.dtype == buf.dtype)
+
+
+def _detached(value: Any) -> Any:
+    """A held value as the next run reads it: its memory, without the graph an earlier run gave it by writing into it
+    in place with values that train (Faster R-CNN's detached proposals), whose backward has freed that graph."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.requires_grad else value
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in value):
+        return type(value)(_detached(v) for v in value)
+    return value
 
 
 def _cloned(value: Any) -> Any:

@@ -72,8 +72,6 @@ class Compiled:
     dtype: torch.dtype
     index_bounds: dict[str, int]  # user input name -> rows of the smallest embedding table it indexes
     written_inputs: frozenset = frozenset()  # user input and constant slots a node writes in place (each run a copy)
-    written_nodes: frozenset = frozenset()  # intermediate slots a later node writes in place, their views too
-    written_views: frozenset = frozenset()  # those of them that view another's memory (held: taken again)
 
     def __deepcopy__(self, memo: dict) -> "Compiled":
         return self  # immutable

@@ -310,9 +310,11 @@ def run_parts(argv: list[str], url: str, api_key: str | None, jobs: int) -> list
         env = {**os.environ, "GRADSVC_API_KEY": api_key or "", "OMP_NUM_THREADS": "1"}  # as the workers (main)
         procs = [subprocess.Popen([sys.executable, __file__, *argv, "--url", url, "--part", f"{k}/{jobs}",
                                    "--jobs", "1", "--json", str(part)], env=env) for k, part in enumerate(parts)]
-        for proc in procs:
-            proc.wait()
-        return [Outcome(**o) for part in parts if part.exists() for o in json.loads(part.read_text())]
+        for k, (proc, part) in enumerate(zip(procs, parts)):
+            if proc.wait() != 0 or not part.exists():  # never a report that silently lacks a part's models
+                raise SystemExit(f"part {k}/{jobs} ended with exit code {proc.returncode} and no outcomes: "
+                                 "its models are not in the report (its output above says why)")
+        return [Outcome(**o) for part in parts for o in json.loads(part.read_text())]
 
 
 def _selected(args: argparse.Namespace) -> list[Case]:

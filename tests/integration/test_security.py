@@ -94,12 +94,12 @@ def test_the_job_stores_a_digest_of_the_key_never_the_key(secured):
 def test_more_submissions_than_the_limit_get_429_with_retry_after_per_key(secured):
     gamma, alice = client(secured, KEYS[2]), client(secured, KEYS[0])
     statuses, limited = [], None
-    for _ in range(RATE_LIMIT + 3):
+    for _ in range(2 * RATE_LIMIT + 1):  # past two windows' worth: a 429 even if the minute rolls over mid-loop
         r = gamma.post("/gradients?wait=0", json=body())
         statuses.append(r.status_code)
         if r.status_code == 429:
             limited = r
-    # The minute may roll over mid-loop; at most RATE_LIMIT pass in any one window.
+    # The minute may roll over mid-loop (CI saw 8 of 8 pass across it); at most RATE_LIMIT pass in any one window.
     assert statuses.count(202) <= 2 * RATE_LIMIT and 429 in statuses, statuses
     assert limited.json()["error"]["code"] == "rate_limited"
     retry = int(limited.headers["retry-after"])

@@ -136,8 +136,12 @@ def cause_of(exc: BaseException) -> str:
     op = re.search(r"aten\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+|[a-z_]+::[A-Za-z0-9_]+", message)
     if op:
         return f"{code}: {op[0]}"
-    message = re.sub(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?(e-?\d+)?", "_", message)
-    return f"{code}: {message[:110]}"
+    return f"{code}: {_without_names(message)}"
+
+
+def _without_names(message: str) -> str:
+    """A message as a group key: quoted names and numbers taken out, its first 110 characters."""
+    return re.sub(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?(e-?\d+)?", "_", message)[:110]
 
 
 def run_case(client, case: Case, numcheck: str) -> Outcome:
@@ -200,7 +204,7 @@ def _sent(client, case: Case, built: tuple, numcheck: str, option: str, keys: tu
     if not wrong and numcheck == "auto" and (result.numcheck.reason or "").startswith("not run: the numerical check"):
         # the check crashed inside: the job answered, unchecked (passed null), but the crash is a bug to count
         said = result.numcheck.reason.split("inside (", 1)[-1].rsplit("), so nothing", 1)[0]
-        wrong = "numcheck could not run: " + re.sub(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?(e-?\d+)?", "_", said)[:110]
+        wrong = "numcheck could not run: " + _without_names(said)
     return Outcome(case.zoo, case.name, option, not wrong, wrong, detail=note)
 
 

@@ -55,7 +55,8 @@ def _request(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: str) -> Gr
 
 
 @pytest.mark.parametrize("how", ["graph", "layers"])
-@pytest.mark.parametrize("along", [1e4, 1e5])
+@pytest.mark.parametrize("along", [2e4, 1e5])
+# (1e4: float32 lost 9.9e-5 on an AVX-512 Xeon, under the premise below; 2e4 loses 8.4e-4 there)
 def test_cancelling_sums_before_batch_norm_pass_by_their_terms_and_a_planted_error_fails(how, along):
     model, x, y = cancelling(along)
     result = compute(_request(model, x, y, how), EngineConfig())

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -314,10 +315,16 @@ def run_parts(argv: list[str], url: str, api_key: str | None, jobs: int) -> list
         env = {**os.environ, "GRADSVC_API_KEY": api_key or "", "OMP_NUM_THREADS": "1"}  # as the workers (main)
         procs = [subprocess.Popen([sys.executable, __file__, *argv, "--url", url, "--part", f"{k}/{jobs}",
                                    "--jobs", "1", "--json", str(part)], env=env) for k, part in enumerate(parts)]
-        for k, (proc, part) in enumerate(zip(procs, parts)):
-            if proc.wait() != 0 or not part.exists():  # never a report that silently lacks a part's models
-                raise SystemExit(f"part {k}/{jobs} ended with exit code {proc.returncode} and no outcomes: "
-                                 "its models are not in the report (its output above says why)")
+        try:
+            for k, (proc, part) in enumerate(zip(procs, parts)):
+                if proc.wait() != 0 or not part.exists():  # never a report that silently lacks a part's models
+                    raise SystemExit(f"part {k}/{jobs} ended with exit code {proc.returncode} and no outcomes: "
+                                     "its models are not in the report (its output above says why)")
+        finally:  # stopped early (a failed part, SIGTERM, Ctrl-C): the other parts with it
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
         return [Outcome(**o) for part in parts for o in json.loads(part.read_text())]
 
 
@@ -355,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from tests.support.stack import start_stack  # the same real stack the tests use
+
+    # SIGTERM (a timeout, a CI runner) unwinds as Ctrl-C does: the `finally` below stops the stack it started (its
+    # redis-server, API and workers), which a plain SIGTERM would leave running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     stack = None
     jobs = 1 if args.second_step else args.jobs

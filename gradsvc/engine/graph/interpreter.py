@@ -8,6 +8,7 @@ module path and class name (a saved-tensors hook reads them to attribute saved b
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import torch
@@ -55,8 +56,8 @@ class GraphModel(nn.Module):
         # body of a `torch.no_grad()` region, which the SDK inlines with a detach of each value entering it:
         # a target network, an EMA teacher); every later forward returns the recorded value, the node unrun.
         self.held: dict[int, Any] | None = None
-        self._recording = False
-        self._held_ids: set[int] = set()  # the recording forward's held tensors, by id
+        self._recording, self._held_ids = False, collections.Counter()  # and the held tensors' ids (_record_held)
+        self._readers, self._quiet = {}, set()  # hold(): _readers_of; held steps replayed quietly (_release_held)
         self.hold_steps = frozenset(i for i, s in enumerate(compiled.steps) if s.op.name in HELD_OPS)
         self.padding_steps, self._held_padding = _padding_steps(compiled), {}  # held too (_hold_padding)
         self.visit: Callable | None = None  # run's `visit` for every forward (the numerical check counts its work)
@@ -175,22 +176,8 @@ class GraphModel(nn.Module):
 
     def hold(self) -> None:
         """The next forward records the values the numerical check holds (`held`); later ones replay them."""
-        self.held, self._recording, self._held_ids = {}, True, set()
-        self._held_padding = {}
-
-    def _record(self, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
-        """Holds node i's value if it is a stop-gradient's, or has no gradient and reads a held value; a copy
-        where the node writes a buffer in place (its value is the buffer, which later forwards rewrite)."""
-        outs = _tensors(out)
-        if not outs:
-            return
-        if i not in self.hold_steps:
-            if any(t.requires_grad for t in outs):
-                return
-            if not any(id(t) in self._held_ids for t in _tensors([args, list(kwargs.values())])):
-                return
-        self.held[i] = _cloned(out) if writes_buffer else out
-        self._held_ids.update(id(t) for t in outs)
+        self.held, self._recording, self._held_ids = {}, True, collections.Counter()
+        self._held_padding, self._readers, self._quiet = {}, _readers_of(self._graph), set()
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.run(*inputs, visit=self.visit)[0]
@@ -248,6 +235,9 @@ class GraphModel(nn.Module):
                         kwargs[k] = _fill(kwargs[k], env)
                 if track:
                     _, self.current_module, self.current_module_type = node_modules[i]
+                if held is not None and i in self._quiet and not self._recording:
+                    _replay_quietly(self, i, slot, env, free)  # reads a value that was not kept, or is one
+                    continue
                 if before is not None:
                     before(i, args, kwargs)
                 if held is not None and i in held and not self._recording:
@@ -260,13 +250,15 @@ class GraphModel(nn.Module):
                 if held is not None and i in self.padding_steps:
                     out = _hold_padding(self, i, out, args[1])
                 if self._recording:
-                    self._record(i, out, args, kwargs, writes_buffer)
+                    _record_held(self, i, out, args, kwargs, writes_buffer)
                 if visit is not None:
                     seen = visit(i, out, args, kwargs)
                     out = out if seen is None else seen
                 env[slot] = out
                 for j in free:  # as eager Python drops a value after its last use (peak memory)
                     env[j] = None
+                    if self._recording:
+                        _release_held(self, j)
         except Exception:
             self.failed_node = i
             self.failed_args = [*args, *kwargs.values()] if i >= 0 else []
@@ -335,6 +327,66 @@ def _run_constant(c: torch.Tensor, dtype: torch.dtype, captured: torch.dtype) ->
     if c.is_complex() and (dtype == torch.float64 or c.dtype.to_real() == captured):
         return c.to(_complex_of(dtype))
     return c
+
+
+# A held value that no later forward reads (GraphModel.held): every step reading it is held too, so its node
+# is skipped in those forwards and its memory goes at its last use, as a value that is not held does.
+UNREAD = object()
+
+
+def _replay_quietly(model: GraphModel, i: int, slot: int, env: list, free: tuple) -> None:
+    """A held step whose value was not kept (UNREAD), or that reads one: its held value (or nothing) without
+    running it or calling the hooks (`before`, `visit`), whose arguments it no longer has. The check's rounding
+    simulation therefore leaves such a value as float64 computed it: it is the end of a chain without a gradient
+    (Mask R-CNN's mask targets), a constant of every evaluation."""
+    value = model.held[i]
+    env[slot] = None if value is UNREAD else _detached(value)
+    for j in free:
+        env[j] = None
+
+
+def _record_held(model: GraphModel, i: int, out: Any, args: Any, kwargs: Any, writes_buffer: bool) -> None:
+    """In the recording forward: holds node i's value if it is a stop-gradient's, or has no gradient and reads a
+    held value; a copy where the node writes a buffer in place (its value is the buffer, which later forwards
+    rewrite)."""
+    outs = _tensors(out)
+    if not outs:
+        return
+    if i not in model.hold_steps:
+        if any(t.requires_grad for t in outs):
+            return
+        if not any(id(t) in model._held_ids for t in _tensors([args, list(kwargs.values())])):
+            return
+    model.held[i] = _cloned(out) if writes_buffer else out
+    model._held_ids.update(id(t) for t in outs)
+
+
+def _release_held(model: GraphModel, slot: int) -> None:
+    """In the recording forward, at a value's last use: a held value that only held steps read is not kept (a
+    Mask R-CNN's targets, roi_align's decomposition on the ground-truth masks, took 200 MB a node and over 18 GB
+    in all in float64). Its ids leave the held set with it unless another held value is the same tensor (an
+    in-place op's), so that a later tensor given a freed one's id is not taken for a held one. A buffer write's
+    value (a copy of the buffer, its ids the buffer's) stays."""
+    step, readers = model._readers.get(slot, (None, ()))
+    if (step is None or step not in model.held or model._graph.steps[step].writes_buffer
+            or not all(r in model.held for r in readers)):
+        return
+    value, model.held[step] = model.held[step], UNREAD
+    model._quiet.update((step, *readers))
+    ids = model._held_ids
+    for t in _tensors(value):
+        ids[id(t)] -= 1
+        if ids[id(t)] <= 0:
+            del ids[id(t)]
+
+
+def _readers_of(graph: Compiled) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Each node's slot: (the step that makes its value, the steps that read it, in order)."""
+    readers: dict[int, list[int]] = {}
+    for i, s in enumerate(graph.steps):
+        for r in {r.i for r in _refs([*s.args, *s.kwargs.values()])}:
+            readers.setdefault(r, []).append(i)
+    return {s.slot: (i, tuple(readers.get(s.slot, ()))) for i, s in enumerate(graph.steps)}
 
 
 def _last_uses(graph: Compiled) -> list[tuple[int, ...]]:

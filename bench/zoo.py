@@ -374,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(args.url, timeout=900)
     else:
         python = args.server_python if Path(args.server_python).exists() else sys.executable
-        stack = start_stack(workers=jobs, python=python, **_RUN_SETTINGS, **(_SHARING if jobs > 1 else {}))
+        # handoff: large bodies and results pass through files as `gradsvc up` (one host) configures it
+        stack = start_stack(workers=jobs, python=python, handoff=True, **_RUN_SETTINGS,
+                            **(_SHARING if jobs > 1 else {}))
         client = stack.sdk_client(timeout=900)
     outcomes: list[Outcome] = []
     started = time.perf_counter()

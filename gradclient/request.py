@@ -359,15 +359,29 @@ def _structure_key(model: Any, args: tuple, kwargs: dict) -> tuple:
 
     from .export import batched_inputs
 
-    tensors = tuple((n, tuple(t.shape), str(t.dtype), str(t.layout)) for n, t in
-                    [*model.named_parameters(), *model.named_buffers()])
-    modes = tuple(m.training for m in model.modules())
+    named = list(model.named_modules())  # one walk for all of it (a walk each: 5.5 -> 4 ms for 377 modules)
+    tensors = tuple((n, tuple(t.shape), str(t.dtype), str(t.layout)) for n, t in _named_tensors(named))
+    modes = tuple(m.training for _, m in named)
     xs, tree = pytree.tree_flatten((args, kwargs))
-    attributes = tuple(_plain_attributes(m) for m in model.modules())
+    attributes = tuple(_plain_attributes(m) for _, m in named)
     shapes = tuple((str(x.dtype), str(x.layout), tuple(x.shape[1:]) if b else tuple(x.shape), b)
                    for x, b in zip(xs, batched_inputs(xs)))
-    hooks = tuple((*m._forward_pre_hooks.values(), *m._forward_hooks.values()) for m in model.modules())
+    hooks = tuple((*m._forward_pre_hooks.values(), *m._forward_hooks.values()) for _, m in named)
     return (type(model), repr(model), tensors, modes, tuple(kwargs), str(tree), shapes, attributes, hooks)
+
+
+def _named_tensors(named: list) -> list:
+    """named_parameters() then named_buffers() of the module whose named_modules() is `named`, in their order
+    (each tensor once, under its first name), from that one walk."""
+    out = []
+    for kind in ("_parameters", "_buffers"):
+        seen = set()
+        for prefix, m in named:
+            for n, t in getattr(m, kind).items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((f"{prefix}.{n}" if prefix else n, t))
+    return out
 
 
 _PLAIN = (int, float, bool, str, type(None))

@@ -333,11 +333,9 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
             t = tensors.decode(dense_only(wire, f"weights[{name!r}]"), where=f"weights[{name!r}]",
                                max_elements=max_elements,
                                complex_ok=state[name].is_complex())  # a complex buffer (a rotary table)
-        want = list(state[name].shape)
-        if list(t.shape) != want:
+        if list(t.shape) != list(state[name].shape):
             _validate_finite(small)  # an earlier weight's fault is named first, as it comes first
-            raise SpecError("bad_weights", f"weights: {name!r} has shape {list(t.shape)}, {owner} needs {want}",
-                            parameter=name, shape=list(t.shape), expected=want)
+            raise _wrong_shape(name, list(t.shape), state[name], owner)
         if name in parameters:
             t = t.to(state[name].dtype if t.is_complex() else dtype)  # a complex parameter stays complex
             if t.is_meta:
@@ -352,6 +350,29 @@ def decode_weights(given: dict, state: dict[str, torch.Tensor], parameters, dtyp
         out[name] = t
     _validate_finite(small)
     return out
+
+
+def _wrong_shape(name: str, shape: list[int], held: torch.Tensor, owner: str) -> SpecError:
+    want = list(held.shape)
+    return SpecError("bad_weights", f"weights: {name!r} has shape {shape}, {owner} needs {want}", parameter=name,
+                     shape=shape, expected=want)
+
+
+def check_by_reference(given: dict, state: dict[str, torch.Tensor], max_elements: int, owner: str,
+                       layouts: dict[str, str]) -> dict:
+    """The check on meta of the weights sent by reference alone (their bytes in Redis, checked by the worker that
+    puts them in place): dtype and shape, as decode_weights checks them, without a meta tensor made for each
+    (timm's shvit_s1, 232 of its 471 weights by reference: 3.4 -> 2.4 ms of the API's check). What is left,
+    for decode_weights: the weights sent with their bytes, and the sparse ones."""
+    rest = {}
+    for name, wire in given.items():
+        shape = None if name in layouts else tensors.by_reference(
+            wire, where=f"weights[{name!r}]", max_elements=max_elements, complex_ok=state[name].is_complex())
+        if shape is None:
+            rest[name] = wire
+        elif list(shape) != list(state[name].shape):
+            raise _wrong_shape(name, list(shape), state[name], owner)
+    return rest
 
 
 # Parameters up to this many elements are checked for NaN and infinity together, in one pass over their

@@ -24,6 +24,7 @@ from .devices import is_allocation_failure, is_random, seeded, sync
 from .errors import ComputeError, SpecError
 from .logprobs import of_terms
 from .memory import ActivationMeter
+from .graph.interpreter import buffers_of
 from .outputs import written_buffers
 from .prepared import Batch, Prepared, batch_chunks
 from .quantities import hessian_vector, twice_differentiable
@@ -329,7 +330,7 @@ def _written_buffers(prep: Prepared, result: Pass) -> Iterator[None]:
     if not names:
         yield
         return
-    held = {n: prep.model.get_buffer(n) for n in names}
+    held = buffers_of(prep.model, names)
     before = {n: b.detach().clone() for n, b in held.items()}
     try:
         yield

@@ -15,7 +15,8 @@ from gradsvc.wire import GradientRequest, GraphSpec, Options
 
 from . import outputs, resident, tensors
 from .config import EngineCaches, EngineConfig
-from .decode import as_tensor_value, decode_weights, input_values, loss_terms, per_example_option, splits
+from .decode import (as_tensor_value, check_by_reference, decode_weights, input_values, loss_terms, per_example_option,
+                     splits)
 from .errors import SpecError
 from .graph import sparse
 from .graph.batch_flow import batch_flow, draws_masks
@@ -217,10 +218,12 @@ def _output_producer(template: GraphTemplate):
 
 
 def _graph_weights(request: GradientRequest, template: GraphTemplate, dtype: torch.dtype,
-                   max_elements: int) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer, by state_dict name, decoded and checked."""
-    return decode_weights(_checked_names(request, template), template.state, template.parameters, dtype,
-                          max_elements, "the graph", _layouts(template))
+                   max_elements: int) -> None:
+    """Every parameter and buffer checked, on meta: those sent by reference by their dtype and shape (a worker
+    checks their bytes when it puts them in place), the others decoded."""
+    layouts = _layouts(template)
+    rest = check_by_reference(_checked_names(request, template), template.state, max_elements, "the graph", layouts)
+    decode_weights(rest, template.state, template.parameters, dtype, max_elements, "the graph", layouts)
 
 
 def _layouts(template: GraphTemplate) -> dict[str, str]:

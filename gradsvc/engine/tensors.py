@@ -52,10 +52,24 @@ def all_finite(t: torch.Tensor) -> bool:
 def all_finite_many(ts: list[torch.Tensor]) -> bool:
     """Whether every tensor of `ts` holds no NaN or infinity. On a GPU, one fused reduction and one
     synchronisation for them all (one all_finite each synchronised 199 times a job, 26 ms of GPT-2 small's step
-    on an H200); on a CPU, all_finite each (no synchronisation to save)."""
-    if not ts or any(t.device.type != "cuda" for t in ts):
-        return all(all_finite(t) for t in ts)
-    return fused_all_finite(ts)
+    on an H200); on a CPU, the small ones (a model's biases and norms) in one pass over their concatenation and
+    the large ones each (a foreach L1 norm reads a large tensor 6x slower than aminmax here): 250 gradients, two
+    of them large, 4.7 -> 1.5 ms on the 2-core VM."""
+    if not ts:
+        return True
+    if all(t.device.type == "cuda" for t in ts):
+        return fused_all_finite(ts)
+    small: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in ts:
+        if (t.device.type == "cpu" and t.is_floating_point() and t.layout == torch.strided
+                and 0 < t.numel() <= _SMALL_TENSOR):
+            small.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+        elif not all_finite(t):
+            return False
+    return all(all_finite(torch.cat(group) if len(group) > 1 else group[0]) for group in small.values())
+
+
+_SMALL_TENSOR = 1 << 16  # all_finite_many: a tensor up to this many elements is checked in its dtype's concatenation
 
 
 def fused_all_finite(ts: list[torch.Tensor]) -> bool:
@@ -146,6 +160,18 @@ def decode(value: Tensor | list | float | int, *, where: str, max_elements: int,
             return torch.empty(value.shape, dtype=dtype, device="meta")
         raise SpecError("bad_tensor", f"{where}: give the values in 'data' (nested lists) or 'b64'", where=where)
     return _from_data(value, dtype, where, max_elements)
+
+
+def by_reference(value: object, *, where: str, max_elements: int, complex_ok: bool = False) -> list[int] | None:
+    """The shape of a tensor sent by reference alone (refs, no bytes), its dtype and shape checked as decode()
+    checks them, without making the meta tensor decode() would (decode.check_by_reference). None for any other
+    value."""
+    if (not isinstance(value, Tensor) or value.refs is None or value.data is not None or value.b64 is not None
+            or value.layout is not None):
+        return None
+    _wire_dtype(value, where, complex_ok)
+    _wire_numel(value.shape, where, max_elements)
+    return value.shape
 
 
 def _wire_dtype(value: Tensor, where: str, complex_ok: bool) -> torch.dtype:

@@ -466,6 +466,15 @@ def _fill(a: Any, env: list) -> Any:
 
 
 
+def buffers_of(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The buffers `names` of a model: a GraphModel's through its holders (a dict look-up each, where get_buffer
+    walks the module path: 2-3 ms of a job for timm's 300 batch-norm buffers), any other module's by get_buffer."""
+    holders = model._holder_of if isinstance(model, GraphModel) else None
+    if holders is None:
+        return {n: model.get_buffer(n) for n in names}
+    return {n: owner._buffers[attr] for n in names for owner, attr in [holders[n]]}
+
+
 def load_weights(model: GraphModel, weights: dict[str, torch.Tensor], *, device: str | torch.device) -> GraphModel:
     """Every parameter and buffer from `weights` (all required: a graph has no initialiser), checked by
     name and shape, onto `device`."""

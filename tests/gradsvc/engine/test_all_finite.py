@@ -52,7 +52,24 @@ def test_the_fused_check_finds_one_bad_value_among_many_tensors(dtype, bad):
     assert tensors.fused_all_finite(ts)
     ts[4][1, 2] = bad
     assert not tensors.fused_all_finite(ts)
-    assert tensors.all_finite_many(ts) is False  # CPU tensors: all_finite each, the same answer
+    assert tensors.all_finite_many(ts) is False  # CPU tensors: the small ones together, the same answer
+
+
+@pytest.mark.parametrize("where", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_many_cpu_tensors_small_ones_together_and_large_ones_each(where, bad):
+    """all_finite_many on a CPU: the small tensors checked in one concatenation per dtype, the large ones each;
+    one bad value anywhere (a small float32, a small float64, a large one, a sparse one, a complex one) is found."""
+    ts = [torch.randn(7, 5), torch.randn(3, dtype=torch.float64), torch.randn(70_000),
+          torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,)),
+          torch.randn(3, dtype=torch.complex64), torch.randn(6, 4).t(), torch.arange(5), torch.zeros(0)]
+    ts += [torch.full((9,), torch.finfo(torch.float32).max)]  # huge but finite: no overflow to mistake
+    assert tensors.all_finite_many(ts) is True
+    if where == 3:
+        ts[3] = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, bad]), (4,))
+    else:
+        ts[where].view(-1)[-1] = bad
+    assert tensors.all_finite_many(ts) is False
 
 
 def test_the_fused_check_tells_huge_finite_values_from_infinite_ones():

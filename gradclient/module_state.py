@@ -33,9 +33,20 @@ def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), attr
 
 
-def set_state(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    """A buffer or tensor attribute of `module` set to `value` (in place when the shape and dtype allow)."""
-    owner, attr = owner_of(module, name)
+def set_states(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """set_state of each of `values`, the owners found in one walk of the module (get_submodule each walked the
+    path again: timm shvit_s1's 222 batch-norm buffers, 4.0 -> 1.4 ms a call)."""
+    owners = dict(module.named_modules(remove_duplicate=False)) if len(values) > 8 else None
+    for name, value in values.items():
+        path, _, attr = name.rpartition(".")
+        owner = owners.get(path) if owners is not None else None
+        set_state(module, name, value, (owner, attr) if owner is not None else None)
+
+
+def set_state(module: nn.Module, name: str, value: torch.Tensor, owned: tuple[nn.Module, str] | None = None) -> None:
+    """A buffer or tensor attribute of `module` set to `value` (in place when the shape and dtype allow);
+    `owned`: the module that holds it and its attribute name, when the caller found them."""
+    owner, attr = owned or owner_of(module, name)
     held = getattr(owner, attr, None)
     with torch.no_grad():
         if isinstance(held, torch.Tensor) and held.shape == value.shape and \

@@ -199,10 +199,10 @@ def written_back(out: Any, result: GradientResult) -> None:
     if result.buffers and out.module is not None:
         import torch
 
-        from .module_state import set_state
+        from .module_state import set_states
 
-        for name, value in result.buffers.items():  # buffers, and tensor attributes a recorded forward wrote
-            set_state(out.module, name, torch.as_tensor(value))
+        # buffers, and tensor attributes a recorded forward wrote
+        set_states(out.module, {name: torch.as_tensor(value) for name, value in result.buffers.items()})
 
 
 def structured(export: Any, outputs: Any) -> Any:

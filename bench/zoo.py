@@ -247,7 +247,7 @@ def report(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def second_step(client, case: Case, repeats: int = 3) -> tuple[float, float]:
+def second_step(client, case: Case, repeats: int = 5) -> tuple[float, float]:
     """(service s, local s): the median of `repeats` timed steps of this model after an untimed first, through the
     SDK (numcheck off, no memory accounting: the capture reused, the unchanged weights by reference, the batch
     sent) and locally (forward, loss, backward on this interpreter's torch)."""

@@ -280,3 +280,38 @@ def test_the_large_loss_with_a_wrong_gradient_still_fails(error):
             "inputs": to_wire(inputs[0]), "targets": to_wire(y), "loss": loss}
     check = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig()).numcheck
     assert not check.passed and check.per_parameter[name].judged == "failed"
+
+
+class _DuplicateSelfLoops(nn.Module):
+    """torch_geometric's add_remaining_self_loops on a graph with two self-loops at one node: each loop's weight is
+    written to the node with a plain index_put, and one of the two writes wins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edge = nn.Linear(2, 1)
+
+    def forward(self, edge_attr: torch.Tensor) -> torch.Tensor:
+        weight = self.edge(edge_attr).squeeze(-1)  # (edges,)
+        loops = torch.tensor([1, 1, 2])  # the nodes of the self-loops: node 1 twice
+        return weight.new_ones(3).index_put((loops,), weight).unsqueeze(0)
+
+
+def test_index_put_onto_a_repeated_index_gets_torchs_gradient_and_the_check_says_it_is_not_the_derivative():
+    """The service answers PyTorch's own gradient, and the check (float64 central differences) fails it, rightly:
+    autograd gives each write to a repeated index the output's gradient, where only the write that won moved the
+    output (torch_geometric's PDNConv on a random graph, docs/models.md)."""
+    from gradclient.export import export_graph
+    from gradclient.tensors import from_wire, to_wire
+
+    torch.manual_seed(0)
+    model, edge_attr = _DuplicateSelfLoops().double(), torch.rand(3, 2, dtype=torch.float64)
+    eg = export_graph(model, (edge_attr,))
+    body = {"model": {"graph": eg.graph, "dtype": "float64", "weights": {k: to_wire(v) for k, v in eg.weights.items()}},
+            "inputs": to_wire(edge_attr), "targets": to_wire(torch.tensor([1])), "loss": "cross_entropy",
+            "options": {"numcheck": "exact"}}
+    result = compute(msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=GradientRequest), EngineConfig())
+    torch.nn.functional.cross_entropy(model(edge_attr), torch.tensor([1])).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(from_wire(result.gradients[name]), p.grad, rtol=1e-12, atol=1e-15), name
+    assert result.numcheck.passed is False
+    assert result.numcheck.per_parameter["edge.weight"].judged == "failed"

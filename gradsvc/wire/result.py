@@ -22,8 +22,10 @@ class ParameterCheck(Struct):
     # tolerance), "floor" (element by element within atol + tolerance x |gradient|: a tensor small beside
     # the model's gradient), "zero" (its gradient is zero to working precision: no ratio is meaningful,
     # and the headline figures leave it out), "kink" (every checked element straddles a point where the
-    # function is not differentiable), "failed", or (returned_judged only) "unresolved" (the job's dtype resolves
-    # this gradient no better than a tolerance's 0.25 ceiling: not judged). "" where that check did not look at it.
+    # function is not differentiable), "unsettled" (every element left has a central difference still moving at
+    # the smallest step: the loss curves too sharply there to measure), "failed", or (returned_judged only)
+    # "unresolved" (the job's dtype resolves this gradient no better than a tolerance's 0.25 ceiling: not
+    # judged). "" where that check did not look at it.
     judged: str = ""
     returned_judged: str = ""
     # Checked elements whose one-sided differences stay apart at every step tried (a ReLU, max-pool tie,

@@ -79,6 +79,9 @@ def _judge_direction(losses_at: Callable[[float], tuple[float, float]], ad: floa
         if outcome == "kink":
             tally.kinks += 1
             return
+        if outcome == "unsettled":
+            tally.unsettled += 1
+            return
         verdict = "ratio" if outcome == "resolved" else "failed"
     abs_err = abs(fd - ad)
     tally.judge(abs_err, abs_err / max(abs(fd), abs(ad), 1e-12), atol, verdict)

@@ -70,18 +70,22 @@ def _judge_tensor(flat: torch.Tensor, idx: torch.Tensor, plus: torch.Tensor, min
     atol = max(tally.rounding(loss_scale), tolerance * scale)
     kept = torch.ones(len(ad), dtype=torch.bool)
     verdict, abs_err, rel = _tensor_verdict(fd, ad, kept, atol, tally.rounding(loss_scale), tolerance)
-    kinks = 0
+    kinks = unsettled = 0
     if verdict == "failed":
         allowed = max(atol, tolerance * float(ad.abs().max()))
         for j in ((fd - ad).abs() > allowed).nonzero().flatten().tolist():
             outcome, value = settle(lambda step, i=int(idx[j]): _element_losses(flat, i, step, tally),
                                      float(ad[j]), float(plus[j]), float(minus[j]), allowed, tally)
             fd[j] = value
-            kept[j] = outcome != "kink"
-        kinks = int((~kept).sum())
+            kept[j] = outcome in ("resolved", "failed")  # a kink or an unsettled difference is left out
+            unsettled += outcome == "unsettled"
+        kinks = int((~kept).sum()) - unsettled
         verdict, abs_err, rel = _tensor_verdict(fd, ad, kept, atol, tally.rounding(loss_scale), tolerance)
+        if verdict == "kink" and not kinks:
+            verdict = "unsettled"
     tally.kinks += kinks
-    if verdict != "kink":
+    tally.unsettled += unsettled
+    if verdict not in ("kink", "unsettled"):
         tally.judge(abs_err, rel, atol, verdict)
     return ParameterCheck(max_abs_error=abs_err, max_rel_error=rel, checked=len(ad), judged=verdict, kinks=kinks)
 

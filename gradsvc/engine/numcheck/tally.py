@@ -35,6 +35,7 @@ class Tally:
         self.worst_abs = self.worst_rel = self.worst_floor = 0.0
         self.passed = True
         self.kinks = 0  # elements (or directions) found straddling a kink, left out of the figures
+        self.unsettled = 0  # those whose difference still moved at the smallest step (kinks.settle): left out
         self.judged = 0  # elements (or directions) judged otherwise: compared, found zero or under the floor
         self._base: float | None = None
 
@@ -88,13 +89,20 @@ class Tally:
                                                         and worst_floor > tolerance * gradient_scale * 2
                                                         and rounding_only > tolerance)
         only_kinks = self.kinks > 0 and self.judged == 0  # every element or direction taken straddled a kink
+        what = "directions" if mode == "directional" else "elements"
         reason = ""
-        if unresolved:
+        if self.unsettled and self.passed and not unresolved:
+            reason = (f"{self.unsettled} of the {what} taken had central differences still moving at the smallest "
+                      f"step tried (eps/100): the loss curves too sharply there for float64 differences to measure "
+                      "its derivative (a BatchNorm over a few values does), so they were not judged and the check "
+                      "cannot say it passed (passed is null); the rest held. A larger batch, or the module in eval "
+                      "mode, gives the check a derivative to measure")
+        elif unresolved:
             reason = (f"eps={eps:g} is too small for float64 to resolve these gradients (its rounding floor "
                       f"{min(worst_floor, 1e308):.3g} is over the largest gradient element {gradient_scale:.3g}); "
                       "nothing was checked: use numcheck_eps near 1e-6")
         elif only_kinks:
-            reason = (f"every one of the {self.kinks} {'directions' if mode == 'directional' else 'elements'} taken "
+            reason = (f"every one of the {self.kinks} {what} taken "
                       "straddled a kink (a routing switch, a max's tie), where a difference measures no derivative: "
                       "nothing was checked" + ("; numcheck=\"exact\" or \"sampled\" take single elements"
                                                if mode == "directional" else ""))
@@ -105,7 +113,7 @@ class Tally:
             evaluations=self.evaluations,
             max_abs_error=self.worst_abs,
             max_rel_error=self.worst_rel,
-            passed=None if only_kinks and self.passed else self.passed and not unresolved,
+            passed=None if (only_kinks or self.unsettled) and self.passed else self.passed and not unresolved,
             tolerance=tolerance,
             per_parameter=per,
             rounding_floor=min(worst_floor, 1.0e308),  # JSON has no infinity

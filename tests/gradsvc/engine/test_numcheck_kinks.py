@@ -315,3 +315,49 @@ def test_index_put_onto_a_repeated_index_gets_torchs_gradient_and_the_check_says
         assert torch.allclose(from_wire(result.gradients[name]), p.grad, rtol=1e-12, atol=1e-15), name
     assert result.numcheck.passed is False
     assert result.numcheck.per_parameter["edge.weight"].judged == "failed"
+
+
+def _sharp(scale: float = 1.0):
+    """loss = sum(1e-8 tanh(1e8 w) * [1, 2]) + sum(u^2) at w = 0: smooth everywhere, its gradient of order 1, but
+    curving over a width of 1e-8 in w (as a BatchNorm over two values curves where they nearly meet): the central
+    difference along w is tanh(h / 1e-8) 1e-8 / h, 0.01, 0.1 and 0.76 of the derivative at h = eps = 1e-6, 1e-7
+    and 1e-8, still moving; both one-sided slopes are below the derivative (no kink); u is smooth. `scale`:
+    autograd's gradient of w multiplied (1: right)."""
+    w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    u = torch.tensor([0.5, -1.5, 2.0], dtype=torch.float64, requires_grad=True)
+    params = {"w": w, "u": u}
+
+    def loss_fn():
+        return (1e-8 * torch.tanh(1e8 * w) * torch.tensor([1.0, 2.0], dtype=torch.float64)).sum() + (u * u).sum()
+
+    grads = dict(zip(params, torch.autograd.grad(loss_fn(), [w, u])))
+    grads["w"] = grads["w"] * scale
+    return params, loss_fn, grads
+
+
+@pytest.mark.parametrize("mode", ["exact", "directional"])
+def test_differences_still_moving_at_the_smallest_step_are_unsettled_not_a_failure_of_a_right_gradient(mode):
+    """A right gradient where the loss curves faster than float64 differences resolve: each offending element
+    (or direction) is differenced at eps/10 and eps/100 and still moves, so it is not judged, and the check says
+    it cannot pass (null), never that a right gradient failed."""
+    params, loss_fn, grads = _sharp()
+    check = run(CheckRun(mode, params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
+    assert check.passed is None and "still moving" in check.reason, (check.passed, check.reason)
+    if mode == "exact":
+        assert check.per_parameter["w"].judged == "unsettled" and check.per_parameter["u"].judged == "ratio"
+
+
+@pytest.mark.parametrize("mode", ["exact", "directional"])
+def test_a_wrong_gradient_is_never_passed_where_differences_are_unsettled_and_fails_where_they_settle(mode):
+    """The same loss: autograd's gradient of w 1.5x is at most not judged (null) where the differences do not
+    settle; a wrong gradient of the smooth u next to it fails element by element, and in directions (each moving w
+    too, so none settles) is not passed."""
+    params, loss_fn, grads = _sharp(scale=1.5)
+    check = run(CheckRun(mode, params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
+    assert check.passed is None
+    params, loss_fn, grads = _sharp()
+    grads["u"] = grads["u"] * 1.5
+    check = run(CheckRun(mode, params, loss_fn, grads, eps=1e-6, tolerance=1e-6, samples=8, directions=4, seed=0))
+    assert check.passed is (False if mode == "exact" else None)
+    if mode == "exact":
+        assert check.per_parameter["u"].judged == "failed" and check.per_parameter["w"].judged == "unsettled"

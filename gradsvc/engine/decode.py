@@ -384,10 +384,7 @@ _SMALL_WEIGHT = 1 << 14
 
 def _validate_finite(small: list[tuple[str, torch.Tensor]]) -> None:
     """SpecError naming the first of `small` (name, parameter, all of one dtype) that holds NaN or infinity."""
-    if not small:
-        return
-    flat = torch.cat([t.reshape(-1) for _, t in small]) if len(small) > 1 else small[0][1]
-    if tensors.all_finite(flat):
+    if tensors.all_finite_many([t for _, t in small]):  # one pass over their concatenation
         return
     for name, t in small:
         if not tensors.all_finite(t):

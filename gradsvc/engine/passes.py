@@ -22,9 +22,9 @@ from gradsvc.wire import GraphNode
 from . import tensors
 from .devices import is_allocation_failure, is_random, seeded, sync
 from .errors import ComputeError, SpecError
+from .graph.interpreter import buffers_of
 from .logprobs import of_terms
 from .memory import ActivationMeter
-from .graph.interpreter import buffers_of
 from .outputs import written_buffers
 from .prepared import Batch, Prepared, batch_chunks
 from .quantities import hessian_vector, twice_differentiable

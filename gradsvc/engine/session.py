@@ -33,7 +33,7 @@ from .diagnostics.clip import CLIP_EPS
 from .diagnostics.norms import norms as norms_of
 from .errors import ComputeError, EngineError, SpecError
 from .frozen import FrozenStore
-from .graph.interpreter import sharing
+from .graph.interpreter import buffers_of, sharing
 from .losses import OWN_LOSS
 from .numcheck import CheckInputs, numerical_check
 from .passes import forward_only, run_pass
@@ -296,8 +296,8 @@ class TrainingSession:
 
     def _put_buffers(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, value in values.items():
-                self.model.get_buffer(name).copy_(value)
+            for name, buffer in buffers_of(self.model, list(values)).items():
+                buffer.copy_(values[name])
 
     def _request(self, batch: SessionBatch, forward: bool = False) -> GradientRequest:
         """The batch as a POST /gradients body over the session's model (no weights: the model is held);
